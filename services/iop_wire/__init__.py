@@ -1,0 +1,14 @@
+"""The IOP wire: framing, codecs, mTLS and multiplexed connections shared by every service.
+
+Layers, bottom up (each usable and testable without the ones above it):
+
+- ``framing``: sans-IO length-prefixed frames (no sockets, no logging).
+- ``codec``: Envelope <-> bytes, protobuf binary or proto3 canonical JSON.
+- ``messages``: envelope builders, message-type names, betterproto2 <-> upb conversion.
+- ``tls`` and ``certs``: mTLS contexts, peer identity from certificates, certificate minting.
+- ``connection``: one TCP connection carrying many runs both ways, heartbeats, backpressure,
+  and the EventSink that turns adapter callbacks into run.event frames (the fast path).
+- ``endpoint``: listen and dial, the connection preface (codec agreement) and role checks.
+"""
+
+from __future__ import annotations

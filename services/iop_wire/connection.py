@@ -1,0 +1,557 @@
+"""One IOP connection: many runs multiplexed both ways over a framed asyncio stream.
+
+Either end may open runs (send run.request and read run.events) and serve them (a
+:class:`Handler` executes each run.request, writing through an :class:`EventSink`). The
+connection also answers heartbeats and capability requests, correlates replies by
+``in_reply_to``, and applies backpressure both ways:
+
+- sending: frames produced in one event-loop turn go out in one write; a sender waits for the
+  socket once more than ``write_buffer`` bytes are queued;
+- receiving: each run buffers at most ``run_buffer`` events; when its reader falls behind,
+  the connection stops reading and TCP pushes back on the peer.
+
+Closing fails every run still open on it with a retryable error: runs this end reads get a
+synthetic error event; runs this end serves are cancelled, and on a graceful close the peer
+first gets an error event for each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import ssl
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import structlog
+
+from iop_gen.bp import iop as bp
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire.codec import Codec
+from iop_wire.errors import ConnectionClosed, DecodeError, ErrorCode, FrameError, IopError
+from iop_wire.framing import DEFAULT_MAX_FRAME_SIZE, FrameDecoder, encode_frame
+from iop_wire.messages import error_envelope, error_message, from_typed, to_typed
+from iop_wire.tls import ANONYMOUS, PeerIdentity
+
+__all__ = ["Connection", "ConnectionConfig", "EventSink", "Handler", "RunStream"]
+
+_log = structlog.get_logger("iop.wire")
+_TERMINAL = frozenset({"complete", "error"})
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionConfig:
+    """Limits and timers of one connection."""
+
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+    """Largest frame body accepted or sent, in bytes."""
+    heartbeat_interval: float = 30.0
+    """Seconds between heartbeats sent; the peer is dead after ``missed_heartbeats`` silent intervals."""
+    missed_heartbeats: int = 3
+    """Silent intervals after which the peer is declared dead."""
+    run_buffer: int = 256
+    """Events buffered per run on the receiving side before reading pauses."""
+    write_buffer: int = 256 * 1024
+    """Bytes queued for sending before a sender waits for the socket to drain."""
+    read_size: int = 256 * 1024
+    """Bytes asked of the socket per read."""
+    close_timeout: float = 5.0
+    """Seconds a close waits for the peer before aborting the socket."""
+
+
+class Handler(Protocol):
+    """What a connection calls for the requests it serves."""
+
+    async def run(self, request: bp.RunRequest, sink: EventSink) -> None:
+        """Execute ``request``, reporting through ``sink``; cancelled when the run is."""
+        ...
+
+    async def capabilities(self) -> bp.CapabilityResponse:
+        """Answer a capability.request."""
+        ...
+
+    async def message(self, connection: Connection, envelope: pb.Envelope) -> None:
+        """Any other envelope (node.register, node.status, node.drain, ...)."""
+        ...
+
+
+class RunStream:
+    """The events of one run this end opened, in order; ends after complete or error."""
+
+    def __init__(self, connection: Connection, run_id: str, capacity: int) -> None:
+        self.connection = connection
+        self.run_id = run_id
+        self._capacity = capacity
+        self._events: deque[tuple[pb.RunEvent, bytes]] = deque()
+        self._readable = asyncio.Event()
+        self._writable = asyncio.Event()
+        self._writable.set()
+        self._finished = False
+
+    def __aiter__(self) -> RunStream:
+        return self
+
+    async def __anext__(self) -> pb.RunEvent:
+        return (await self.next_frame())[0]
+
+    async def next_frame(self) -> tuple[pb.RunEvent, bytes]:
+        """The next event with its frame body as received, for relays that forward it as is."""
+        while not self._events:
+            if self._finished:
+                raise StopAsyncIteration
+            self._readable.clear()
+            await self._readable.wait()
+        item = self._events.popleft()
+        self._writable.set()
+        if item[0].WhichOneof("event") in _TERMINAL:
+            self._finished = True
+        return item
+
+    async def cancel(self, reason: str = "cancelled by client") -> None:
+        """Ask the serving end to stop this run; its terminal event still arrives."""
+        await self.connection.cancel_run(self.run_id, reason)
+
+    async def _put(self, event: pb.RunEvent, body: bytes) -> None:
+        while len(self._events) >= self._capacity:
+            self._writable.clear()
+            await self._writable.wait()
+        self._events.append((event, body))
+        self._readable.set()
+
+    def _fail(self, error: IopError) -> None:
+        """End the stream with ``error``; may exceed the capacity by this one event."""
+        event = pb.RunEvent(error=error_message(error))
+        self._events.append((event, b""))
+        self._readable.set()
+
+
+class EventSink:
+    """Writes one served run's events: start, deltas, then one complete or error.
+
+    Adapters call these methods and never build messages; they encode straight to frames
+    with upb. After the terminal event, or once the connection is gone, calls do nothing.
+    """
+
+    __slots__ = ("_connection", "_sequence", "cancel_reason", "finished", "run_id")
+
+    def __init__(self, connection: Connection, run_id: str) -> None:
+        self._connection = connection
+        self._sequence = 0
+        self.run_id = run_id
+        self.finished = False
+        """True once complete or error was sent."""
+        self.cancel_reason = ""
+        """Why the run was cancelled, when it was."""
+
+    @property
+    def peer(self) -> PeerIdentity:
+        """Who asked for the run."""
+        return self._connection.peer
+
+    async def start(self, *, node_id: str, model: str, adapter: str) -> None:
+        """The run has been admitted and started."""
+        await self._send(pb.RunEvent(start=pb.RunStart(node_id=node_id, model=model, adapter=adapter)))
+
+    async def delta(
+        self,
+        text: str = "",
+        *,
+        tool_calls: list[pb.ToolCallDelta] | None = None,
+        logprobs: list[pb.TokenLogprob] | None = None,
+        embeddings: list[pb.Embedding] | None = None,
+    ) -> None:
+        """New output: text and/or tool-call fragments, logprobs, embeddings."""
+        delta = pb.RunDelta(text=text)
+        if tool_calls:
+            delta.tool_calls.extend(tool_calls)
+        if logprobs:
+            delta.logprobs.extend(logprobs)
+        if embeddings:
+            delta.embeddings.extend(embeddings)
+        await self._send(pb.RunEvent(delta=delta))
+
+    async def complete(
+        self,
+        finish_reason: pb.FinishReason.ValueType,
+        usage: pb.Usage | None = None,
+        timings: pb.Timings | None = None,
+    ) -> None:
+        """The run finished normally."""
+        await self._send(
+            pb.RunEvent(complete=pb.RunComplete(finish_reason=finish_reason, usage=usage, timings=timings)),
+            terminal=True,
+        )
+
+    async def error(self, error: IopError) -> None:
+        """The run failed (or was cancelled) with ``error``."""
+        error.run_id = self.run_id
+        await self._send(pb.RunEvent(error=error_message(error)), terminal=True)
+
+    async def _send(self, event: pb.RunEvent, *, terminal: bool = False) -> None:
+        if self.finished or self._connection.closed:
+            return
+        event.sequence = self._sequence
+        self._sequence += 1
+        self.finished = terminal
+        await self._connection.send(pb.Envelope(run_id=self.run_id, run_event=event))
+
+    def fail_now(self, error: IopError) -> None:
+        """Queue a terminal error without waiting (used while the connection closes)."""
+        if self.finished:
+            return
+        error.run_id = self.run_id
+        event = pb.RunEvent(sequence=self._sequence, error=error_message(error))
+        self.finished = True
+        self._connection.send_nowait(pb.Envelope(run_id=self.run_id, run_event=event))
+
+
+@dataclass(slots=True)
+class _Served:
+    task: asyncio.Task[None]
+    sink: EventSink
+
+
+class Connection:
+    """A framed, multiplexed IOP connection over an asyncio stream pair."""
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        codec: Codec,
+        *,
+        peer: PeerIdentity = ANONYMOUS,
+        handler: Handler | None = None,
+        config: ConnectionConfig = ConnectionConfig(),
+        label: str = "",
+    ) -> None:
+        self.peer = peer
+        self.codec = codec
+        self.config = config
+        self.closed = False
+        self.close_error: IopError | None = None
+        """Why the connection closed, once it has."""
+        self._reader = reader
+        self._writer = writer
+        self._handler = handler
+        self._decoder = FrameDecoder(config.max_frame_size)
+        self._ids = itertools.count()
+        self._out: list[bytes | bytearray] = []
+        self._out_bytes = 0
+        self._flush_scheduled = False
+        self._streams: dict[str, RunStream] = {}
+        self._served: dict[str, _Served] = {}
+        self._pending: dict[str, asyncio.Future[pb.Envelope]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._loop = asyncio.get_running_loop()
+        self._last_heard = self._loop.time()
+        self._reading_paused = False
+        self._done = asyncio.Event()
+        self._log = _log.bind(peer=peer.name, role=peer.role, conn=label)
+        self._dispatch: dict[str, Callable[[pb.Envelope, bytes], Awaitable[None]]] = {
+            "run_event": self._on_run_event,
+            "run_request": self._on_run_request,
+            "cancel_request": self._on_cancel_request,
+            "capability_request": self._on_capability_request,
+            "heartbeat": self._on_heartbeat,
+            "error": self._on_error,
+        }
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> Connection:
+        """Start reading and heartbeating; returns self."""
+        self._tasks = [
+            asyncio.create_task(self._read_loop(), name="iop-read"),
+            asyncio.create_task(self._heartbeat_loop(), name="iop-heartbeat"),
+        ]
+        return self
+
+    async def wait_closed(self) -> None:
+        """Wait until the connection has closed."""
+        await self._done.wait()
+
+    async def close(self, reason: str = "closing", code: ErrorCode = ErrorCode.SHUTTING_DOWN) -> None:
+        """Close gracefully: every open run, both ways, gets a retryable error first."""
+        await self._shutdown(ConnectionClosed(reason, code), notify_peer=True)
+
+    async def _shutdown(self, error: IopError, *, notify_peer: bool) -> None:
+        if self.closed:
+            await self._done.wait()
+            return
+        self.closed = True
+        self.close_error = error
+        self._log.info("connection closed", reason=error.message, code=error.code.name)
+        for served in list(self._served.values()):
+            if notify_peer:
+                served.sink.fail_now(IopError(error.code, error.message, retryable=True))
+            served.sink.cancel_reason = f"connection closed: {error.message}"
+            served.task.cancel()
+        for stream in list(self._streams.values()):
+            stream._fail(ConnectionClosed(f"connection closed: {error.message}", error.code))
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(ConnectionClosed(error.message, error.code))
+        if notify_peer:
+            self.send_nowait(error_envelope(error))
+        self._flush()
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
+        await self._close_transport()
+        self._done.set()
+
+    async def _close_transport(self) -> None:
+        self._writer.close()
+        try:
+            await asyncio.wait_for(self._writer.wait_closed(), self.config.close_timeout)
+        except (TimeoutError, OSError, ssl.SSLError):
+            self._writer.transport.abort()
+
+    # -- sending -----------------------------------------------------------------------------
+
+    async def send(self, envelope: pb.Envelope) -> None:
+        """Send ``envelope``, waiting while more than ``write_buffer`` bytes are queued."""
+        self.send_nowait(envelope)
+        if self._out_bytes >= self.config.write_buffer:
+            self._flush()
+            await self._writer.drain()
+
+    async def send_body(self, body: bytes) -> None:
+        """Send an already-encoded envelope (a relay forwarding a frame it received)."""
+        self._queue(encode_frame(body, self.config.max_frame_size))
+        if self._out_bytes >= self.config.write_buffer:
+            self._flush()
+            await self._writer.drain()
+
+    def send_nowait(self, envelope: pb.Envelope) -> None:
+        """Queue ``envelope`` for the next write; raises ConnectionClosed once closed."""
+        if not envelope.id:
+            envelope.id = str(next(self._ids))
+        envelope.sent_at.GetCurrentTime()
+        self._queue(encode_frame(self.codec.encode(envelope), self.config.max_frame_size))
+
+    def _queue(self, frame: bytes | bytearray) -> None:
+        if self._writer.is_closing():
+            raise ConnectionClosed("connection is closed")
+        self._out.append(frame)
+        self._out_bytes += len(frame)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self._out and not self._writer.is_closing():
+            self._writer.write(b"".join(self._out))
+        self._out.clear()
+        self._out_bytes = 0
+
+    # -- opening runs and requests -----------------------------------------------------------
+
+    async def open_run(self, request: bp.RunRequest | pb.RunRequest) -> RunStream:
+        """Send a run.request and return the stream of its events."""
+        message = request if isinstance(request, pb.RunRequest) else from_typed(request, pb.RunRequest)
+        if not message.run_id:
+            raise IopError(ErrorCode.INVALID_ARGUMENT, "run.request needs a run_id")
+        if message.run_id in self._streams:
+            raise IopError(ErrorCode.PROTOCOL_VIOLATION, f"run {message.run_id} is already open")
+        if self.closed:
+            raise ConnectionClosed("connection is closed")
+        stream = RunStream(self, message.run_id, self.config.run_buffer)
+        self._streams[message.run_id] = stream
+        await self.send(pb.Envelope(run_id=message.run_id, run_request=message))
+        return stream
+
+    async def cancel_run(self, run_id: str, reason: str) -> None:
+        """Send cancel.request for ``run_id``."""
+        await self.send(
+            pb.Envelope(run_id=run_id, cancel_request=pb.CancelRequest(run_id=run_id, reason=reason))
+        )
+
+    async def request(self, envelope: pb.Envelope, timeout: float = 10.0) -> pb.Envelope:
+        """Send ``envelope`` and wait for the envelope whose ``in_reply_to`` names it."""
+        envelope.id = envelope.id or str(next(self._ids))
+        future: asyncio.Future[pb.Envelope] = self._loop.create_future()
+        self._pending[envelope.id] = future
+        try:
+            await self.send(envelope)
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._pending.pop(envelope.id, None)
+
+    async def capabilities(self, timeout: float = 10.0) -> bp.CapabilityResponse:
+        """Ask the peer for its capabilities."""
+        reply = await self.request(pb.Envelope(capability_request=pb.CapabilityRequest()), timeout)
+        if reply.WhichOneof("body") != "capability_response":
+            raise IopError(ErrorCode.PROTOCOL_VIOLATION, "capability.request answered with something else")
+        return to_typed(reply.capability_response, bp.CapabilityResponse)
+
+    # -- receiving ---------------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                data = await self._reader.read(self.config.read_size)
+                if not data:
+                    await self._on_eof()
+                    return
+                self._last_heard = self._loop.time()
+                for body in self._decoder.feed(data):
+                    await self._on_frame(body)
+        except FrameError as exc:
+            self._log.warning("bad frame", reason=exc.message)
+            await self._shutdown(exc, notify_peer=True)
+        except (ConnectionError, ssl.SSLError, OSError) as exc:
+            self._log.warning("connection lost", reason=str(exc) or type(exc).__name__)
+            await self._shutdown(ConnectionClosed(f"connection lost: {exc}"), notify_peer=False)
+
+    async def _on_eof(self) -> None:
+        if self._decoder.buffered:
+            reason = f"peer closed the connection mid-frame ({self._decoder.buffered} bytes unread)"
+            self._log.warning("bad frame", reason=reason)
+        elif self.close_error is not None:
+            reason = f"peer closed the connection: {self.close_error.message}"
+        else:
+            reason = "peer closed the connection"
+        await self._shutdown(ConnectionClosed(reason), notify_peer=False)
+
+    async def _on_frame(self, body: bytes) -> None:
+        try:
+            envelope = self.codec.decode(body)
+        except DecodeError as exc:
+            self._log.warning("bad frame", reason=exc.message)
+            await self.send(error_envelope(exc))
+            return
+        kind = envelope.WhichOneof("body")
+        handler = self._dispatch.get(kind) if kind else None
+        if handler is not None:
+            await handler(envelope, body)
+        elif envelope.in_reply_to in self._pending:
+            self._resolve(envelope)
+        elif kind is not None and self._handler is not None:
+            await self._handler.message(self, envelope)
+        else:
+            await self._reject(envelope, ErrorCode.UNKNOWN_MESSAGE_TYPE, f"unknown message type {kind or '(none)'}")
+
+    async def _reject(self, envelope: pb.Envelope, code: ErrorCode, message: str) -> None:
+        self._log.warning("rejected envelope", reason=message, code=code.name)
+        error = IopError(code, message, retryable=False, run_id=envelope.run_id)
+        await self.send(error_envelope(error, in_reply_to=envelope.id))
+
+    def _resolve(self, envelope: pb.Envelope) -> None:
+        future = self._pending.get(envelope.in_reply_to)
+        if future is None or future.done():
+            return
+        if envelope.WhichOneof("body") == "error":
+            err = envelope.error
+            future.set_exception(IopError(ErrorCode(err.code), err.message, retryable=err.retryable))
+        else:
+            future.set_result(envelope)
+
+    async def _on_run_event(self, envelope: pb.Envelope, body: bytes) -> None:
+        stream = self._streams.get(envelope.run_id)
+        if stream is None:
+            return  # a late event of a run already ended here
+        event = envelope.run_event
+        if event.WhichOneof("event") in _TERMINAL:
+            del self._streams[envelope.run_id]
+        if len(stream._events) >= stream._capacity:
+            self._reading_paused = True
+            try:
+                await stream._put(event, body)
+            finally:
+                self._reading_paused = False
+                self._last_heard = self._loop.time()
+        else:
+            await stream._put(event, body)
+
+    async def _on_error(self, envelope: pb.Envelope, body: bytes) -> None:
+        if envelope.in_reply_to in self._pending:
+            self._resolve(envelope)
+            return
+        stream = self._streams.pop(envelope.run_id, None)
+        if stream is not None:
+            await stream._put(pb.RunEvent(error=envelope.error), body)
+            return
+        err = envelope.error
+        level = self._log.info if err.code == pb.ERROR_CODE_SHUTTING_DOWN else self._log.warning
+        level("peer reported error", code=ErrorCode(err.code).name, reason=err.message)
+        self.close_error = IopError(ErrorCode(err.code), err.message, retryable=err.retryable)
+
+    async def _on_heartbeat(self, envelope: pb.Envelope, body: bytes) -> None:
+        return  # any frame counts as a sign of life; the read loop noted the time
+
+    async def _on_run_request(self, envelope: pb.Envelope, body: bytes) -> None:
+        message = envelope.run_request
+        run_id = message.run_id or envelope.run_id
+        if self._handler is None:
+            await self._reject(envelope, ErrorCode.UNKNOWN_MESSAGE_TYPE, "run.request is not served on this connection")
+        elif not run_id:
+            await self._reject(envelope, ErrorCode.INVALID_ARGUMENT, "run.request needs a run_id")
+        elif run_id in self._served:
+            await self._reject(envelope, ErrorCode.PROTOCOL_VIOLATION, f"run {run_id} is already running")
+        else:
+            message.run_id = run_id
+            sink = EventSink(self, run_id)
+            task = asyncio.create_task(self._serve(to_typed(message, bp.RunRequest), sink))
+            self._served[run_id] = _Served(task, sink)
+
+    async def _serve(self, request: bp.RunRequest, sink: EventSink) -> None:
+        assert self._handler is not None
+        try:
+            await self._handler.run(request, sink)
+            if not sink.finished:
+                await sink.error(IopError(ErrorCode.INTERNAL, "run ended without complete or error"))
+        except asyncio.CancelledError:
+            await sink.error(IopError(ErrorCode.CANCELLED, sink.cancel_reason or "cancelled"))
+        except IopError as exc:
+            await sink.error(exc)
+        except Exception:
+            self._log.exception("run handler failed", run_id=sink.run_id)
+            await sink.error(IopError(ErrorCode.INTERNAL, "internal error"))
+        finally:
+            self._served.pop(sink.run_id, None)
+
+    async def _on_cancel_request(self, envelope: pb.Envelope, body: bytes) -> None:
+        message = envelope.cancel_request
+        served = self._served.get(message.run_id or envelope.run_id)
+        if served is not None:
+            served.sink.cancel_reason = message.reason or "cancelled by client"
+            served.task.cancel()
+
+    async def _on_capability_request(self, envelope: pb.Envelope, body: bytes) -> None:
+        if self._handler is None:
+            await self._reject(envelope, ErrorCode.UNKNOWN_MESSAGE_TYPE, "capability.request is not served here")
+            return
+        response = await self._handler.capabilities()
+        await self.send(
+            pb.Envelope(
+                in_reply_to=envelope.id,
+                capability_response=from_typed(response, pb.CapabilityResponse),
+            )
+        )
+
+    # -- liveness ----------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self.config.heartbeat_interval
+        limit = interval * self.config.missed_heartbeats
+        beat = pb.Heartbeat()
+        beat.interval.FromNanoseconds(int(interval * 1e9))
+        for sequence in itertools.count():
+            beat.sequence = sequence
+            try:
+                await self.send(pb.Envelope(heartbeat=beat))
+            except ConnectionClosed:
+                return
+            await asyncio.sleep(interval)
+            silent = self._loop.time() - self._last_heard
+            if silent > limit and not self._reading_paused:
+                reason = f"peer missed {self.config.missed_heartbeats} heartbeats ({silent:.2f} s silent)"
+                self._log.warning("peer dead", reason=reason)
+                await self._shutdown(ConnectionClosed(reason), notify_peer=True)
+                return

@@ -1,0 +1,91 @@
+"""Mutual TLS: contexts for listeners and dialers, and peer identity from certificates.
+
+A certificate names its holder in the subject: CN is the name (``node-7``), OU the role
+(one of :class:`Role`). Listeners require a client certificate signed by the configured CA
+(TLS 1.2 minimum) and accept only the roles they are for; see ``endpoint``.
+"""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+__all__ = ["PeerIdentity", "Role", "TlsConfig", "client_context", "peer_identity", "server_context"]
+
+
+class Role(StrEnum):
+    """What a certificate's holder is allowed to be."""
+
+    CONTROL_PLANE = "control-plane"
+    NODE = "node"
+    EDGE = "edge"
+    WORKER = "worker"
+    ADMIN = "admin"
+
+
+@dataclass(frozen=True, slots=True)
+class TlsConfig:
+    """The seed's ``tls`` keys: with ``enabled``, cert, key and ca are required."""
+
+    enabled: bool = False
+    """Use mTLS; plaintext TCP otherwise (tests and local demos only)."""
+    cert: Path | None = None
+    """This peer's certificate (PEM)."""
+    key: Path | None = None
+    """This peer's private key (PEM)."""
+    ca: Path | None = None
+    """The CA that signs every peer's certificate (PEM)."""
+
+    def files(self) -> tuple[Path, Path, Path]:
+        """The three files, or ValueError naming the first missing key."""
+        for key in ("cert", "key", "ca"):
+            if getattr(self, key) is None:
+                raise ValueError(f"tls.{key} is required when tls.enabled is true")
+        assert self.cert and self.key and self.ca
+        return self.cert, self.key, self.ca
+
+
+@dataclass(frozen=True, slots=True)
+class PeerIdentity:
+    """Who is on the other end, from its certificate (anonymous without TLS)."""
+
+    name: str
+    """The certificate's common name."""
+    role: Role | None
+    """The certificate's role (OU); None for plaintext or a certificate without one."""
+
+
+ANONYMOUS = PeerIdentity(name="", role=None)
+
+
+def _context(purpose: ssl.Purpose, config: TlsConfig) -> ssl.SSLContext:
+    cert, key, ca = config.files()
+    context = ssl.create_default_context(purpose, cafile=str(ca))
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(str(cert), str(key))
+    return context
+
+
+def server_context(config: TlsConfig) -> ssl.SSLContext:
+    """A listener's context: client certificates required and verified against the CA."""
+    context = _context(ssl.Purpose.CLIENT_AUTH, config)
+    context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def client_context(config: TlsConfig) -> ssl.SSLContext:
+    """A dialer's context: presents its certificate and verifies the server's name and CA."""
+    return _context(ssl.Purpose.SERVER_AUTH, config)
+
+
+def peer_identity(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> PeerIdentity:
+    """The verified peer's name and role; anonymous when there is no TLS."""
+    if ssl_object is None:
+        return ANONYMOUS
+    cert = ssl_object.getpeercert() or {}
+    subject = {key: value for rdn in cert.get("subject", ()) for key, value in rdn}
+    role_name = subject.get("organizationalUnitName", "")
+    role = Role(role_name) if role_name in Role._value2member_map_ else None
+    return PeerIdentity(name=subject.get("commonName", ""), role=role)

@@ -1,0 +1,104 @@
+"""Shared fixtures: certificates minted per test, listeners on 127.0.0.1 port 0, polling."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from iop_gen.bp import iop as bp
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire.certs import Authority
+from iop_wire.connection import ConnectionConfig, EventSink
+from iop_wire.endpoint import Listener, ListenerConfig
+from iop_wire.errors import ErrorCode, IopError
+from iop_wire.tls import Role, TlsConfig
+
+
+async def assert_eventually(condition: Callable[[], bool], timeout: float = 5.0, interval: float = 0.01) -> None:
+    """Poll ``condition`` until it holds, failing after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        await asyncio.sleep(interval)
+
+
+@dataclass
+class Pki:
+    """A CA and a directory to write certificates into."""
+
+    authority: Authority
+    directory: Path
+
+    def config(self, name: str, role: Role | None, **issue: object) -> TlsConfig:
+        """Issue a certificate and return the TlsConfig that presents it."""
+        ca = self.directory / "ca.crt"
+        ca.write_bytes(self.authority.cert_pem)
+        cert, key = self.authority.issue(name, role, **issue).write(self.directory, f"{name}-{role}")  # type: ignore[arg-type]
+        return TlsConfig(enabled=True, cert=cert, key=key, ca=ca)
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    return Pki(Authority("test CA"), tmp_path)
+
+
+class EchoHandler:
+    """Serves runs by streaming ``max_tokens`` numbered words (default 3), or hanging on model 'hang'."""
+
+    def __init__(self) -> None:
+        self.cancelled: list[str] = []
+        self.messages: list[pb.Envelope] = []
+        self.sent = 0
+
+    async def run(self, request: bp.RunRequest, sink: EventSink) -> None:
+        await sink.start(node_id="test-node", model=request.model, adapter="echo")
+        count = request.sampling.max_tokens if request.sampling and request.sampling.max_tokens else 3
+        try:
+            if request.model == "hang":
+                await asyncio.Event().wait()
+            if request.model == "fail":
+                raise IopError(ErrorCode.BACKEND_ERROR, "backend said no")
+            for index in range(count):
+                await sink.delta(f"w{index} ")
+                self.sent += 1
+        except asyncio.CancelledError:
+            self.cancelled.append(sink.cancel_reason)
+            raise
+        await sink.complete(pb.FINISH_REASON_STOP, pb.Usage(prompt_tokens=1, completion_tokens=count))
+
+    async def capabilities(self) -> bp.CapabilityResponse:
+        return bp.CapabilityResponse(
+            node_id="test-node", version="test", adapters=[bp.AdapterInfo(name="echo", models=[bp.ModelInfo(name="m")])]
+        )
+
+    async def message(self, connection: object, envelope: pb.Envelope) -> None:
+        self.messages.append(envelope)
+
+
+@pytest.fixture
+def handler() -> EchoHandler:
+    return EchoHandler()
+
+
+@pytest.fixture
+async def server(pki: Pki, handler: EchoHandler) -> AsyncIterator[Listener]:
+    """An mTLS listener for edges and admins, serving EchoHandler, with fast heartbeats."""
+    config = ListenerConfig(
+        tls=pki.config("test-node", Role.NODE),
+        allowed_roles=frozenset({Role.EDGE, Role.ADMIN}),
+        connection=ConnectionConfig(heartbeat_interval=0.2, max_frame_size=64 * 1024),
+    )
+    listener = await Listener(config, lambda peer: handler).start()
+    yield listener
+    await listener.close()
+
+
+@pytest.fixture
+def edge_tls(pki: Pki) -> TlsConfig:
+    return pki.config("test-edge", Role.EDGE)

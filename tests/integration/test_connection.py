@@ -1,0 +1,180 @@
+"""Runs over real mTLS connections on 127.0.0.1: streaming, multiplexing, cancel, close, liveness."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+from conftest import EchoHandler, Pki, assert_eventually
+
+from iop_gen.bp import iop as bp
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire.connection import ConnectionConfig
+from iop_wire.endpoint import Listener, ListenerConfig, dial, open_stream
+from iop_wire.errors import ErrorCode, IopError
+from iop_wire.tls import Role, TlsConfig
+
+
+def _request(run_id: str, model: str = "m", tokens: int = 3) -> bp.RunRequest:
+    return bp.RunRequest(run_id=run_id, model=model, sampling=bp.Sampling(max_tokens=tokens))
+
+
+@pytest.mark.parametrize("codec", ["proto", "json"])
+async def test_streaming_run_and_capabilities(server: Listener, edge_tls: TlsConfig, codec: str) -> None:
+    connection = await dial("127.0.0.1", server.port, tls=edge_tls, codec=codec, server_hostname="localhost")
+    assert connection.peer.name == "test-node" and connection.peer.role is Role.NODE
+    capabilities = await connection.capabilities()
+    assert capabilities.adapters[0].models[0].name == "m"
+    events = [event async for event in await connection.open_run(_request("r1"))]
+    assert [e.WhichOneof("event") for e in events] == ["start", "delta", "delta", "delta", "complete"]
+    assert [e.sequence for e in events] == [0, 1, 2, 3, 4]
+    assert "".join(e.delta.text for e in events) == "w0 w1 w2 "
+    assert events[-1].complete.usage.completion_tokens == 3
+    await connection.close()
+
+
+async def test_server_sees_client_identity(server: Listener, edge_tls: TlsConfig) -> None:
+    connection = await dial("127.0.0.1", server.port, tls=edge_tls, server_hostname="localhost")
+    await assert_eventually(lambda: len(server.connections) == 1)
+    (served,) = server.connections
+    assert (served.peer.name, served.peer.role) == ("test-edge", Role.EDGE)
+    await connection.close()
+
+
+async def test_many_concurrent_runs_are_multiplexed(server: Listener, edge_tls: TlsConfig) -> None:
+    connection = await dial("127.0.0.1", server.port, tls=edge_tls, server_hostname="localhost")
+
+    async def text(index: int) -> str:
+        stream = await connection.open_run(_request(f"run-{index}", tokens=index % 7 + 1))
+        return "".join([event.delta.text async for event in stream])
+
+    texts = await asyncio.gather(*(text(i) for i in range(100)))
+    assert texts == ["".join(f"w{k} " for k in range(i % 7 + 1)) for i in range(100)]
+    await connection.close()
+
+
+async def test_cancel_reaches_the_handler_and_ends_the_stream(
+    server: Listener, edge_tls: TlsConfig, handler: EchoHandler
+) -> None:
+    connection = await dial("127.0.0.1", server.port, tls=edge_tls, server_hostname="localhost")
+    stream = await connection.open_run(_request("slow", model="hang"))
+    assert (await anext(stream)).WhichOneof("event") == "start"
+    await stream.cancel("user pressed stop")
+    last = await anext(stream)
+    assert last.error.code == pb.ERROR_CODE_CANCELLED and "user pressed stop" in last.error.message
+    assert handler.cancelled == ["user pressed stop"]
+    with pytest.raises(StopAsyncIteration):
+        await anext(stream)
+    await connection.close()
+
+
+async def test_handler_error_becomes_error_event(server: Listener, edge_tls: TlsConfig) -> None:
+    connection = await dial("127.0.0.1", server.port, tls=edge_tls, server_hostname="localhost")
+    events = [e async for e in await connection.open_run(_request("f", model="fail"))]
+    assert events[-1].error.code == pb.ERROR_CODE_BACKEND_ERROR
+    assert events[-1].error.message == "backend said no" and events[-1].error.run_id == "f"
+    await connection.close()
+
+
+async def test_duplicate_run_id_is_a_protocol_violation(server: Listener, edge_tls: TlsConfig) -> None:
+    connection = await dial("127.0.0.1", server.port, tls=edge_tls, server_hostname="localhost")
+    first = await connection.open_run(_request("same", model="hang"))
+    await anext(first)
+    await connection.send(pb.Envelope(run_id="same", run_request=pb.RunRequest(run_id="same", model="m")))
+    error = await anext(first)  # the server's error for the duplicate names the run id
+    assert error.error.code == pb.ERROR_CODE_PROTOCOL_VIOLATION
+    await connection.close()
+
+
+async def test_client_disconnect_cancels_its_runs(server: Listener, edge_tls: TlsConfig, handler: EchoHandler) -> None:
+    connection = await dial("127.0.0.1", server.port, tls=edge_tls, server_hostname="localhost")
+    stream = await connection.open_run(_request("orphan", model="hang"))
+    await anext(stream)
+    connection._writer.transport.abort()  # the client vanishes without a goodbye
+    await assert_eventually(lambda: len(handler.cancelled) == 1)
+    assert handler.cancelled[0].startswith("connection closed")
+
+
+async def test_graceful_close_fails_in_flight_runs_retryably_on_both_ends(
+    server: Listener, edge_tls: TlsConfig, handler: EchoHandler
+) -> None:
+    connection = await dial("127.0.0.1", server.port, tls=edge_tls, server_hostname="localhost")
+    streams = [await connection.open_run(_request(f"h{i}", model="hang")) for i in range(3)]
+    for stream in streams:
+        await anext(stream)
+    await server.close("node draining")  # the serving end closes
+    for stream in streams:
+        last = await anext(stream)
+        assert last.error.retryable, last
+        assert last.error.code == pb.ERROR_CODE_SHUTTING_DOWN
+    assert len(handler.cancelled) == 3
+
+
+async def test_local_close_ends_own_streams_with_retryable_error(pki: Pki, handler: EchoHandler, edge_tls: TlsConfig) -> None:
+    listener = await Listener(ListenerConfig(tls=pki.config("n", Role.NODE)), lambda peer: handler).start()
+    connection = await dial("127.0.0.1", listener.port, tls=edge_tls, server_hostname="localhost")
+    stream = await connection.open_run(_request("mine", model="hang"))
+    await anext(stream)
+    await connection.close("client going away")
+    last = await anext(stream)
+    assert last.error.retryable and "client going away" in last.error.message
+    await assert_eventually(lambda: len(handler.cancelled) == 1)
+    assert handler.cancelled[0].startswith("connection closed") and "client going away" in handler.cancelled[0]
+    await listener.close()
+
+
+async def test_silent_peer_is_declared_dead_after_three_missed_heartbeats(
+    server: Listener, edge_tls: TlsConfig
+) -> None:
+    reader, writer = await open_stream("127.0.0.1", server.port, tls=edge_tls, server_hostname="localhost")
+    # This raw client never sends anything: the server (0.2 s heartbeats) gives up after ~0.6 s
+    # and says why in an error envelope before closing.
+    data = await asyncio.wait_for(reader.read(), timeout=5)
+    assert b"missed 3 heartbeats" in data
+    writer.close()
+    await assert_eventually(lambda: len(server.connections) == 0)
+
+
+async def test_heartbeats_keep_an_idle_connection_alive(server: Listener, edge_tls: TlsConfig) -> None:
+    config = ConnectionConfig(heartbeat_interval=0.1)
+    connection = await dial("127.0.0.1", server.port, tls=edge_tls, server_hostname="localhost", config=config)
+    await asyncio.sleep(1.0)  # five server heartbeat periods with no application traffic
+    assert not connection.closed
+    assert (await connection.capabilities()).node_id == "test-node"
+    await connection.close()
+
+
+async def test_slow_reader_bounds_the_writer(pki: Pki, edge_tls: TlsConfig) -> None:
+    handler = EchoHandler()
+    small = ConnectionConfig(run_buffer=8, write_buffer=16 * 1024)
+    listener = await Listener(ListenerConfig(tls=pki.config("n", Role.NODE), connection=small), lambda p: handler).start()
+    connection = await dial("127.0.0.1", listener.port, tls=edge_tls, server_hostname="localhost", config=small)
+    # Small kernel buffers, so that what the kernel holds does not hide our own buffering.
+    connection._writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)
+    await assert_eventually(lambda: len(listener.connections) == 1)
+    (served,) = listener.connections
+    served._writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 * 1024)
+    stream = await connection.open_run(_request("firehose", tokens=1_000_000))
+    await anext(stream)
+    await asyncio.sleep(0.5)
+    stalled_at = handler.sent
+    await asyncio.sleep(0.5)
+    # The writer waits instead of producing a million deltas: what is in flight is bounded by
+    # fixed-size buffers (our write buffer, one read chunk, TLS records, the kernel's), ~1 MiB.
+    assert handler.sent == stalled_at < 50_000
+    assert served._out_bytes <= small.write_buffer + 1024
+    for _ in range(stalled_at):  # reading again lets the writer continue
+        assert (await anext(stream)).WhichOneof("event") == "delta"
+        if handler.sent > stalled_at:
+            break
+    assert handler.sent > stalled_at
+    await connection.close()
+    await listener.close()
+
+
+async def test_role_not_allowed_is_refused_with_error(server: Listener, pki: Pki) -> None:
+    worker = pki.config("w", Role.WORKER)
+    with pytest.raises(IopError) as caught:
+        await dial("127.0.0.1", server.port, tls=worker, server_hostname="localhost")
+    assert caught.value.code == ErrorCode.PERMISSION_DENIED and "worker" in caught.value.message
