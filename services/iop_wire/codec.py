@@ -38,7 +38,7 @@ class Codec(Protocol):
 class ProtobufCodec:
     """Protobuf binary encoding."""
 
-    name: Final = "proto"
+    name = "proto"
 
     def encode(self, envelope: Envelope) -> bytes:
         return envelope.SerializeToString()
@@ -53,7 +53,7 @@ class ProtobufCodec:
 class JsonCodec:
     """Proto3 canonical JSON, UTF-8, one envelope object per frame."""
 
-    name: Final = "json"
+    name = "json"
 
     def encode(self, envelope: Envelope) -> bytes:
         document = json_format.MessageToDict(envelope)

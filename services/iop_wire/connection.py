@@ -368,9 +368,7 @@ class Connection:
 
     async def cancel_run(self, run_id: str, reason: str) -> None:
         """Send cancel.request for ``run_id``."""
-        await self.send(
-            pb.Envelope(run_id=run_id, cancel_request=pb.CancelRequest(run_id=run_id, reason=reason))
-        )
+        await self.send(pb.Envelope(run_id=run_id, cancel_request=pb.CancelRequest(run_id=run_id, reason=reason)))
 
     async def request(self, envelope: pb.Envelope, timeout: float = 10.0) -> pb.Envelope:
         """Send ``envelope`` and wait for the envelope whose ``in_reply_to`` names it."""
@@ -510,7 +508,7 @@ class Connection:
             await sink.error(IopError(ErrorCode.CANCELLED, sink.cancel_reason or "cancelled"))
         except IopError as exc:
             await sink.error(exc)
-        except Exception:
+        except Exception:  # noqa: BLE001 - a handler's bug fails its run, not the connection
             self._log.exception("run handler failed", run_id=sink.run_id)
             await sink.error(IopError(ErrorCode.INTERNAL, "internal error"))
         finally:

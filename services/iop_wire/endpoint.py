@@ -128,7 +128,8 @@ class Listener:
                 ErrorCode.CODEC_MISMATCH,
                 f"codec mismatch: client asked for {asked or 'no valid preface'}, server accepts {accepted}",
             )
-            return await _refuse(writer, codec or CODECS["proto"], error, log)
+            await _refuse(writer, codec or CODECS["proto"], error, log)
+            return None
         assert codec is not None
         allowed = self.config.allowed_roles
         if allowed is not None and peer.role not in allowed:
@@ -137,11 +138,18 @@ class Listener:
                 ErrorCode.PERMISSION_DENIED,
                 f"role {peer.role or '(none)'} of {peer.name or 'anonymous'} may not connect here; allowed: {names}",
             )
-            return await _refuse(writer, codec, error, log)
+            await _refuse(writer, codec, error, log)
+            return None
         writer.write(preface(codec.name))
         label = f"{peer.name or 'anonymous'}/{codec.name}"
         return Connection(
-            reader, writer, codec, peer=peer, handler=self._make_handler(peer), config=self.config.connection, label=label
+            reader,
+            writer,
+            codec,
+            peer=peer,
+            handler=self._make_handler(peer),
+            config=self.config.connection,
+            label=label,
         ).start()
 
 
@@ -188,6 +196,8 @@ async def _refuse(
 
 
 def _reason(exc: BaseException) -> str:
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"{exc.reason}: {exc.verify_message}"
     if isinstance(exc, ssl.SSLError):
         return exc.reason or str(exc)
     if isinstance(exc, TimeoutError):

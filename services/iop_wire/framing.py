@@ -56,9 +56,7 @@ class FrameDecoder:
             (size,) = _HEADER.unpack_from(buffer, offset)
             if size == 0 or size > self.max_frame_size:
                 del buffer[:]
-                raise FrameError(
-                    f"frame length {size} is outside 1..{self.max_frame_size} bytes"
-                )
+                raise FrameError(f"frame length {size} is outside 1..{self.max_frame_size} bytes")
             end = offset + HEADER_SIZE + size
             if end > available:
                 break

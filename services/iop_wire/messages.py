@@ -30,8 +30,7 @@ _Pb = TypeVar("_Pb", bound=PbMessage)
 
 #: Seed message-type name for each ``Envelope.body`` field.
 MESSAGE_TYPES: Final[dict[str, str]] = {
-    field.name: field.name.replace("_", ".")
-    for field in pb.Envelope.DESCRIPTOR.oneofs_by_name["body"].fields
+    field.name: field.name.replace("_", ".") for field in pb.Envelope.DESCRIPTOR.oneofs_by_name["body"].fields
 }
 
 

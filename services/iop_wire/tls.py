@@ -11,6 +11,7 @@ import ssl
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from typing import cast
 
 __all__ = ["PeerIdentity", "Role", "TlsConfig", "client_context", "peer_identity", "server_context"]
 
@@ -43,8 +44,7 @@ class TlsConfig:
         for key in ("cert", "key", "ca"):
             if getattr(self, key) is None:
                 raise ValueError(f"tls.{key} is required when tls.enabled is true")
-        assert self.cert and self.key and self.ca
-        return self.cert, self.key, self.ca
+        return self.cert, self.key, self.ca  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +85,8 @@ def peer_identity(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> PeerIdent
     if ssl_object is None:
         return ANONYMOUS
     cert = ssl_object.getpeercert() or {}
-    subject = {key: value for rdn in cert.get("subject", ()) for key, value in rdn}
+    rdns = cast("tuple[tuple[tuple[str, str], ...], ...]", cert.get("subject", ()))
+    subject = {key: value for rdn in rdns for key, value in rdn}
     role_name = subject.get("organizationalUnitName", "")
     role = Role(role_name) if role_name in Role._value2member_map_ else None
     return PeerIdentity(name=subject.get("commonName", ""), role=role)

@@ -111,7 +111,9 @@ async def test_graceful_close_fails_in_flight_runs_retryably_on_both_ends(
     assert len(handler.cancelled) == 3
 
 
-async def test_local_close_ends_own_streams_with_retryable_error(pki: Pki, handler: EchoHandler, edge_tls: TlsConfig) -> None:
+async def test_local_close_ends_own_streams_with_retryable_error(
+    pki: Pki, handler: EchoHandler, edge_tls: TlsConfig
+) -> None:
     listener = await Listener(ListenerConfig(tls=pki.config("n", Role.NODE)), lambda peer: handler).start()
     connection = await dial("127.0.0.1", listener.port, tls=edge_tls, server_hostname="localhost")
     stream = await connection.open_run(_request("mine", model="hang"))
@@ -148,7 +150,9 @@ async def test_heartbeats_keep_an_idle_connection_alive(server: Listener, edge_t
 async def test_slow_reader_bounds_the_writer(pki: Pki, edge_tls: TlsConfig) -> None:
     handler = EchoHandler()
     small = ConnectionConfig(run_buffer=8, write_buffer=16 * 1024)
-    listener = await Listener(ListenerConfig(tls=pki.config("n", Role.NODE), connection=small), lambda p: handler).start()
+    listener = await Listener(
+        ListenerConfig(tls=pki.config("n", Role.NODE), connection=small), lambda p: handler
+    ).start()
     connection = await dial("127.0.0.1", listener.port, tls=edge_tls, server_hostname="localhost", config=small)
     # Small kernel buffers, so that what the kernel holds does not hide our own buffering.
     connection._writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)

@@ -361,9 +361,7 @@ class AdapterInfo(betterproto2.Message):
     Adapter name: mock, cli, ollama, vllm.
     """
 
-    models: "list[ModelInfo]" = betterproto2.field(
-        2, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    models: "list[ModelInfo]" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, repeated=True)
     """
     The models it serves.
     """
@@ -446,9 +444,7 @@ class CapabilityResponse(betterproto2.Message):
     The answering software's version.
     """
 
-    adapters: "list[AdapterInfo]" = betterproto2.field(
-        3, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    adapters: "list[AdapterInfo]" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, repeated=True)
     """
     Adapters and the models each serves.
     """
@@ -459,11 +455,7 @@ class CapabilityResponse(betterproto2.Message):
     """
 
     labels: "dict[str, str]" = betterproto2.field(
-        5,
-        betterproto2.TYPE_MAP,
-        map_meta=betterproto2.map_meta(
-            betterproto2.TYPE_STRING, betterproto2.TYPE_STRING
-        ),
+        5, betterproto2.TYPE_MAP, map_meta=betterproto2.map_meta(betterproto2.TYPE_STRING, betterproto2.TYPE_STRING)
     )
     """
     Operator labels (zone, gpu type, ...), used by scheduling policy.
@@ -479,16 +471,12 @@ class ChatMessage(betterproto2.Message):
     One message of a chat conversation.
     """
 
-    role: "Role" = betterproto2.field(
-        1, betterproto2.TYPE_ENUM, default_factory=lambda: Role(0)
-    )
+    role: "Role" = betterproto2.field(1, betterproto2.TYPE_ENUM, default_factory=lambda: Role(0))
     """
     Who wrote it.
     """
 
-    content: "list[ContentPart]" = betterproto2.field(
-        2, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    content: "list[ContentPart]" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, repeated=True)
     """
     The content as content parts; a plain-text message is one text part.
     """
@@ -498,9 +486,7 @@ class ChatMessage(betterproto2.Message):
     Optional participant name.
     """
 
-    tool_calls: "list[ToolCall]" = betterproto2.field(
-        4, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    tool_calls: "list[ToolCall]" = betterproto2.field(4, betterproto2.TYPE_MESSAGE, repeated=True)
     """
     Tool calls the assistant made (role assistant).
     """
@@ -523,23 +509,17 @@ class ContentPart(betterproto2.Message):
         - part: Exactly one is set.
     """
 
-    text: "str | None" = betterproto2.field(
-        1, betterproto2.TYPE_STRING, optional=True, group="part"
-    )
+    text: "str | None" = betterproto2.field(1, betterproto2.TYPE_STRING, optional=True, group="part")
     """
     Text.
     """
 
-    image_url: "ImageUrl | None" = betterproto2.field(
-        2, betterproto2.TYPE_MESSAGE, optional=True, group="part"
-    )
+    image_url: "ImageUrl | None" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, optional=True, group="part")
     """
     An image by URL or data: URL.
     """
 
-    input_audio: "InputAudio | None" = betterproto2.field(
-        3, betterproto2.TYPE_MESSAGE, optional=True, group="part"
-    )
+    input_audio: "InputAudio | None" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, optional=True, group="part")
     """
     Base64 audio input.
     """
@@ -559,9 +539,7 @@ class Embedding(betterproto2.Message):
     Index of the prompt entry it embeds.
     """
 
-    values: "list[float]" = betterproto2.field(
-        2, betterproto2.TYPE_FLOAT, repeated=True
-    )
+    values: "list[float]" = betterproto2.field(2, betterproto2.TYPE_FLOAT, repeated=True)
     """
     The vector.
     """
@@ -597,10 +575,7 @@ class Envelope(betterproto2.Message):
     """
 
     sent_at: "datetime.datetime | None" = betterproto2.field(
-        3,
-        betterproto2.TYPE_MESSAGE,
-        unwrap=lambda: _google__protobuf__.Timestamp,
-        optional=True,
+        3, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
     )
     """
     When the sender wrote the envelope.
@@ -613,23 +588,17 @@ class Envelope(betterproto2.Message):
     error may answer any request).
     """
 
-    run_request: "RunRequest | None" = betterproto2.field(
-        10, betterproto2.TYPE_MESSAGE, optional=True, group="body"
-    )
+    run_request: "RunRequest | None" = betterproto2.field(10, betterproto2.TYPE_MESSAGE, optional=True, group="body")
     """
     run.request: start an inference run (client -> node, control-plane -> node).
     """
 
-    run_event: "RunEvent | None" = betterproto2.field(
-        11, betterproto2.TYPE_MESSAGE, optional=True, group="body"
-    )
+    run_event: "RunEvent | None" = betterproto2.field(11, betterproto2.TYPE_MESSAGE, optional=True, group="body")
     """
     run.event: one event of a run's stream (node -> client).
     """
 
-    heartbeat: "Heartbeat | None" = betterproto2.field(
-        12, betterproto2.TYPE_MESSAGE, optional=True, group="body"
-    )
+    heartbeat: "Heartbeat | None" = betterproto2.field(12, betterproto2.TYPE_MESSAGE, optional=True, group="body")
     """
     heartbeat: keep-alive, both ways.
     """
@@ -655,9 +624,7 @@ class Envelope(betterproto2.Message):
     capability.response: the answer to capability.request.
     """
 
-    error: "Error | None" = betterproto2.field(
-        16, betterproto2.TYPE_MESSAGE, optional=True, group="body"
-    )
+    error: "Error | None" = betterproto2.field(16, betterproto2.TYPE_MESSAGE, optional=True, group="body")
     """
     error: a connection-level or request-level failure.
     """
@@ -676,16 +643,12 @@ class Envelope(betterproto2.Message):
     node.registered: the control-plane accepts a node.register.
     """
 
-    node_status: "NodeStatus | None" = betterproto2.field(
-        19, betterproto2.TYPE_MESSAGE, optional=True, group="body"
-    )
+    node_status: "NodeStatus | None" = betterproto2.field(19, betterproto2.TYPE_MESSAGE, optional=True, group="body")
     """
     node.status: a node's load, sent with every heartbeat and on change.
     """
 
-    node_drain: "NodeDrain | None" = betterproto2.field(
-        20, betterproto2.TYPE_MESSAGE, optional=True, group="body"
-    )
+    node_drain: "NodeDrain | None" = betterproto2.field(20, betterproto2.TYPE_MESSAGE, optional=True, group="body")
     """
     node.drain: the control-plane asks a node to stop taking runs.
     """
@@ -702,9 +665,7 @@ class Error(betterproto2.Message):
     just before the sender closes the connection.
     """
 
-    code: "ErrorCode" = betterproto2.field(
-        1, betterproto2.TYPE_ENUM, default_factory=lambda: ErrorCode(0)
-    )
+    code: "ErrorCode" = betterproto2.field(1, betterproto2.TYPE_ENUM, default_factory=lambda: ErrorCode(0))
     """
     What went wrong, from the code list shared by all services.
     """
@@ -761,10 +722,7 @@ class Heartbeat(betterproto2.Message):
     """
 
     interval: "datetime.timedelta | None" = betterproto2.field(
-        2,
-        betterproto2.TYPE_MESSAGE,
-        unwrap=lambda: _google__protobuf__.Duration,
-        optional=True,
+        2, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Duration, optional=True
     )
     """
     The sender's heartbeat interval, so the receiver can tell when one is missed.
@@ -825,9 +783,7 @@ class ModelInfo(betterproto2.Message):
     The name clients use.
     """
 
-    kinds: "list[RunKind]" = betterproto2.field(
-        2, betterproto2.TYPE_ENUM, repeated=True
-    )
+    kinds: "list[RunKind]" = betterproto2.field(2, betterproto2.TYPE_ENUM, repeated=True)
     """
     Run kinds it supports.
     """
@@ -903,10 +859,7 @@ class NodeDrain(betterproto2.Message):
     """
 
     grace: "datetime.timedelta | None" = betterproto2.field(
-        3,
-        betterproto2.TYPE_MESSAGE,
-        unwrap=lambda: _google__protobuf__.Duration,
-        optional=True,
+        3, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Duration, optional=True
     )
     """
     How long in-flight runs may take before they are cancelled.
@@ -928,16 +881,12 @@ class NodeRegister(betterproto2.Message):
     The node's id, unique in the cluster.
     """
 
-    capabilities: "CapabilityResponse | None" = betterproto2.field(
-        2, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    capabilities: "CapabilityResponse | None" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, optional=True)
     """
     What the node can run.
     """
 
-    status: "NodeStatus | None" = betterproto2.field(
-        3, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    status: "NodeStatus | None" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, optional=True)
     """
     The node's current load.
     """
@@ -958,10 +907,7 @@ class NodeRegistered(betterproto2.Message):
     """
 
     heartbeat_interval: "datetime.timedelta | None" = betterproto2.field(
-        2,
-        betterproto2.TYPE_MESSAGE,
-        unwrap=lambda: _google__protobuf__.Duration,
-        optional=True,
+        2, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Duration, optional=True
     )
     """
     The heartbeat interval the control-plane expects from the node.
@@ -982,9 +928,7 @@ class NodeStatus(betterproto2.Message):
     The reporting node.
     """
 
-    models: "list[ModelLoad]" = betterproto2.field(
-        2, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    models: "list[ModelLoad]" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, repeated=True)
     """
     Load per model.
     """
@@ -1026,16 +970,12 @@ class RunComplete(betterproto2.Message):
     Why generation stopped.
     """
 
-    usage: "Usage | None" = betterproto2.field(
-        2, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    usage: "Usage | None" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, optional=True)
     """
     Token counts.
     """
 
-    timings: "Timings | None" = betterproto2.field(
-        3, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    timings: "Timings | None" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, optional=True)
     """
     Where the time went.
     """
@@ -1055,23 +995,17 @@ class RunDelta(betterproto2.Message):
     Generated text since the previous delta.
     """
 
-    tool_calls: "list[ToolCallDelta]" = betterproto2.field(
-        2, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    tool_calls: "list[ToolCallDelta]" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, repeated=True)
     """
     Fragments of tool calls, merged by index as OpenAI streams them.
     """
 
-    logprobs: "list[TokenLogprob]" = betterproto2.field(
-        3, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    logprobs: "list[TokenLogprob]" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, repeated=True)
     """
     Log probabilities of the tokens in this delta, when requested.
     """
 
-    embeddings: "list[Embedding]" = betterproto2.field(
-        4, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    embeddings: "list[Embedding]" = betterproto2.field(4, betterproto2.TYPE_MESSAGE, repeated=True)
     """
     Embedding vectors (RUN_KIND_EMBEDDING), one per prompt entry.
     """
@@ -1095,30 +1029,22 @@ class RunEvent(betterproto2.Message):
     Position in the run's stream, from 0, without gaps.
     """
 
-    start: "RunStart | None" = betterproto2.field(
-        10, betterproto2.TYPE_MESSAGE, optional=True, group="event"
-    )
+    start: "RunStart | None" = betterproto2.field(10, betterproto2.TYPE_MESSAGE, optional=True, group="event")
     """
     The run has started on a node.
     """
 
-    delta: "RunDelta | None" = betterproto2.field(
-        11, betterproto2.TYPE_MESSAGE, optional=True, group="event"
-    )
+    delta: "RunDelta | None" = betterproto2.field(11, betterproto2.TYPE_MESSAGE, optional=True, group="event")
     """
     New output.
     """
 
-    complete: "RunComplete | None" = betterproto2.field(
-        12, betterproto2.TYPE_MESSAGE, optional=True, group="event"
-    )
+    complete: "RunComplete | None" = betterproto2.field(12, betterproto2.TYPE_MESSAGE, optional=True, group="event")
     """
     The run finished normally.
     """
 
-    error: "Error | None" = betterproto2.field(
-        13, betterproto2.TYPE_MESSAGE, optional=True, group="event"
-    )
+    error: "Error | None" = betterproto2.field(13, betterproto2.TYPE_MESSAGE, optional=True, group="event")
     """
     The run failed or was cancelled.
     """
@@ -1145,16 +1071,12 @@ class RunRequest(betterproto2.Message):
     Model name as the client asked for it (the router maps it to a backend).
     """
 
-    kind: "RunKind" = betterproto2.field(
-        3, betterproto2.TYPE_ENUM, default_factory=lambda: RunKind(0)
-    )
+    kind: "RunKind" = betterproto2.field(3, betterproto2.TYPE_ENUM, default_factory=lambda: RunKind(0))
     """
     What kind of work this is.
     """
 
-    messages: "list[ChatMessage]" = betterproto2.field(
-        4, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    messages: "list[ChatMessage]" = betterproto2.field(4, betterproto2.TYPE_MESSAGE, repeated=True)
     """
     The conversation, for RUN_KIND_CHAT.
     """
@@ -1165,16 +1087,12 @@ class RunRequest(betterproto2.Message):
     RUN_KIND_EMBEDDING (one entry each).
     """
 
-    sampling: "Sampling | None" = betterproto2.field(
-        6, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    sampling: "Sampling | None" = betterproto2.field(6, betterproto2.TYPE_MESSAGE, optional=True)
     """
     Sampling parameters; unset fields take the route's or backend's default.
     """
 
-    openai_fields: "_google__protobuf__.Struct | None" = betterproto2.field(
-        7, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    openai_fields: "_google__protobuf__.Struct | None" = betterproto2.field(7, betterproto2.TYPE_MESSAGE, optional=True)
     """
     OpenAI request fields carried through to the backend untouched
     (tools, tool_choice, response_format, logprobs, top_logprobs, n, user,
@@ -1194,28 +1112,19 @@ class RunRequest(betterproto2.Message):
     """
 
     deadline: "datetime.datetime | None" = betterproto2.field(
-        10,
-        betterproto2.TYPE_MESSAGE,
-        unwrap=lambda: _google__protobuf__.Timestamp,
-        optional=True,
+        10, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
     )
     """
     The run fails with ERROR_CODE_DEADLINE_EXCEEDED if not complete by then.
     """
 
-    caller: "Caller | None" = betterproto2.field(
-        11, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    caller: "Caller | None" = betterproto2.field(11, betterproto2.TYPE_MESSAGE, optional=True)
     """
     Who asked, for quotas, accounting and run history.
     """
 
     metadata: "dict[str, str]" = betterproto2.field(
-        12,
-        betterproto2.TYPE_MAP,
-        map_meta=betterproto2.map_meta(
-            betterproto2.TYPE_STRING, betterproto2.TYPE_STRING
-        ),
+        12, betterproto2.TYPE_MAP, map_meta=betterproto2.map_meta(betterproto2.TYPE_STRING, betterproto2.TYPE_STRING)
     )
     """
     Free-form labels recorded with the run (request ids, trace ids, tags).
@@ -1256,23 +1165,17 @@ class Sampling(betterproto2.Message):
     Sampling parameters, with OpenAI's meanings.
     """
 
-    temperature: "float | None" = betterproto2.field(
-        1, betterproto2.TYPE_DOUBLE, optional=True
-    )
+    temperature: "float | None" = betterproto2.field(1, betterproto2.TYPE_DOUBLE, optional=True)
     """
     0 to 2; higher is more random.
     """
 
-    top_p: "float | None" = betterproto2.field(
-        2, betterproto2.TYPE_DOUBLE, optional=True
-    )
+    top_p: "float | None" = betterproto2.field(2, betterproto2.TYPE_DOUBLE, optional=True)
     """
     Nucleus sampling mass, 0 to 1.
     """
 
-    max_tokens: "int | None" = betterproto2.field(
-        3, betterproto2.TYPE_INT32, optional=True
-    )
+    max_tokens: "int | None" = betterproto2.field(3, betterproto2.TYPE_INT32, optional=True)
     """
     Upper bound on generated tokens; must be positive.
     """
@@ -1287,16 +1190,12 @@ class Sampling(betterproto2.Message):
     Seed for deterministic sampling where the backend supports it.
     """
 
-    presence_penalty: "float | None" = betterproto2.field(
-        6, betterproto2.TYPE_DOUBLE, optional=True
-    )
+    presence_penalty: "float | None" = betterproto2.field(6, betterproto2.TYPE_DOUBLE, optional=True)
     """
     -2 to 2; penalises tokens already present.
     """
 
-    frequency_penalty: "float | None" = betterproto2.field(
-        7, betterproto2.TYPE_DOUBLE, optional=True
-    )
+    frequency_penalty: "float | None" = betterproto2.field(7, betterproto2.TYPE_DOUBLE, optional=True)
     """
     -2 to 2; penalises tokens by their frequency so far.
     """
@@ -1312,30 +1211,21 @@ class Timings(betterproto2.Message):
     """
 
     queued: "datetime.timedelta | None" = betterproto2.field(
-        1,
-        betterproto2.TYPE_MESSAGE,
-        unwrap=lambda: _google__protobuf__.Duration,
-        optional=True,
+        1, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Duration, optional=True
     )
     """
     From the request's arrival to the adapter starting it.
     """
 
     time_to_first_token: "datetime.timedelta | None" = betterproto2.field(
-        2,
-        betterproto2.TYPE_MESSAGE,
-        unwrap=lambda: _google__protobuf__.Duration,
-        optional=True,
+        2, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Duration, optional=True
     )
     """
     From the adapter starting to the first delta.
     """
 
     generation: "datetime.timedelta | None" = betterproto2.field(
-        3,
-        betterproto2.TYPE_MESSAGE,
-        unwrap=lambda: _google__protobuf__.Duration,
-        optional=True,
+        3, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Duration, optional=True
     )
     """
     From the adapter starting to completion.
@@ -1366,9 +1256,7 @@ class TokenLogprob(betterproto2.Message):
     Its UTF-8 bytes, when the token is not valid text on its own.
     """
 
-    top_logprobs: "list[TopLogprob]" = betterproto2.field(
-        4, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    top_logprobs: "list[TopLogprob]" = betterproto2.field(4, betterproto2.TYPE_MESSAGE, repeated=True)
     """
     The most likely alternatives at this position.
     """
@@ -1393,9 +1281,7 @@ class ToolCall(betterproto2.Message):
     Tool type; "function" today.
     """
 
-    function: "FunctionCall | None" = betterproto2.field(
-        3, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    function: "FunctionCall | None" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, optional=True)
     """
     The function called.
     """

@@ -121,10 +121,7 @@ class Duration(betterproto2.Message):
 
     @classmethod
     def from_timedelta(
-        cls,
-        delta: datetime.timedelta,
-        *,
-        _1_microsecond: datetime.timedelta = datetime.timedelta(microseconds=1),
+        cls, delta: datetime.timedelta, *, _1_microsecond: datetime.timedelta = datetime.timedelta(microseconds=1)
     ) -> "Duration":
         total_ms = delta // _1_microsecond
         seconds = int(total_ms / 1e6)
@@ -191,9 +188,7 @@ class ListValue(betterproto2.Message):
     Represents a JSON array.
     """
 
-    values: "list[Value]" = betterproto2.field(
-        1, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    values: "list[Value]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
     """
     Repeated field of dynamically typed values.
     """
@@ -237,11 +232,7 @@ class Struct(betterproto2.Message):
     """
 
     fields: "dict[str, Value]" = betterproto2.field(
-        1,
-        betterproto2.TYPE_MAP,
-        map_meta=betterproto2.map_meta(
-            betterproto2.TYPE_STRING, betterproto2.TYPE_MESSAGE
-        ),
+        1, betterproto2.TYPE_MAP, map_meta=betterproto2.map_meta(betterproto2.TYPE_STRING, betterproto2.TYPE_MESSAGE)
     )
     """
     Unordered map of dynamically typed values.
@@ -270,9 +261,7 @@ class Struct(betterproto2.Message):
 
         return {
             key: value.to_dict(
-                output_format=output_format,
-                casing=casing,
-                include_default_values=include_default_values,
+                output_format=output_format, casing=casing, include_default_values=include_default_values
             )
             for key, value in self.fields.items()
         }
@@ -404,9 +393,7 @@ class Timestamp(betterproto2.Message):
         offset = dt - datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
         # below is the same as timedelta.total_seconds() but without dividing by 1e6
         # so we end up with microseconds as integers instead of seconds as float
-        offset_us = (
-            offset.days * 24 * 60 * 60 + offset.seconds
-        ) * 10**6 + offset.microseconds
+        offset_us = (offset.days * 24 * 60 * 60 + offset.seconds) * 10**6 + offset.microseconds
         seconds, us = divmod(offset_us, 10**6)
         return cls(seconds, us * 1000)
 
@@ -414,9 +401,7 @@ class Timestamp(betterproto2.Message):
         # datetime.fromtimestamp() expects a timestamp in seconds, not microseconds
         # if we pass it as a floating point number, we will run into rounding errors
         # see also #407
-        offset = datetime.timedelta(
-            seconds=self.seconds, microseconds=self.nanos // 1000
-        )
+        offset = datetime.timedelta(seconds=self.seconds, microseconds=self.nanos // 1000)
         return datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc) + offset
 
     @staticmethod
@@ -486,16 +471,12 @@ class Value(betterproto2.Message):
         - kind: The kind of value.
     """
 
-    null_value: "NullValue | None" = betterproto2.field(
-        1, betterproto2.TYPE_ENUM, optional=True, group="kind"
-    )
+    null_value: "NullValue | None" = betterproto2.field(1, betterproto2.TYPE_ENUM, optional=True, group="kind")
     """
     Represents a JSON `null`.
     """
 
-    number_value: "float | None" = betterproto2.field(
-        2, betterproto2.TYPE_DOUBLE, optional=True, group="kind"
-    )
+    number_value: "float | None" = betterproto2.field(2, betterproto2.TYPE_DOUBLE, optional=True, group="kind")
     """
     Represents a JSON number. Must not be `NaN`, `Infinity` or
     `-Infinity`, since those are not supported in JSON. This also cannot
@@ -503,30 +484,22 @@ class Value(betterproto2.Message):
     support them in its number type.
     """
 
-    string_value: "str | None" = betterproto2.field(
-        3, betterproto2.TYPE_STRING, optional=True, group="kind"
-    )
+    string_value: "str | None" = betterproto2.field(3, betterproto2.TYPE_STRING, optional=True, group="kind")
     """
     Represents a JSON string.
     """
 
-    bool_value: "bool | None" = betterproto2.field(
-        4, betterproto2.TYPE_BOOL, optional=True, group="kind"
-    )
+    bool_value: "bool | None" = betterproto2.field(4, betterproto2.TYPE_BOOL, optional=True, group="kind")
     """
     Represents a JSON boolean (`true` or `false` literal in JSON).
     """
 
-    struct_value: "Struct | None" = betterproto2.field(
-        5, betterproto2.TYPE_MESSAGE, optional=True, group="kind"
-    )
+    struct_value: "Struct | None" = betterproto2.field(5, betterproto2.TYPE_MESSAGE, optional=True, group="kind")
     """
     Represents a JSON object.
     """
 
-    list_value: "ListValue | None" = betterproto2.field(
-        6, betterproto2.TYPE_MESSAGE, optional=True, group="kind"
-    )
+    list_value: "ListValue | None" = betterproto2.field(6, betterproto2.TYPE_MESSAGE, optional=True, group="kind")
     """
     Represents a JSON array.
     """
