@@ -22,6 +22,7 @@ gen:
     printf '%s\n"""Generated types: bp (betterproto2 dataclasses) and pb (google protobuf, upb)."""\n' "{{header}}" > gen/iop_gen/__init__.py
     printf '%s\n' "{{header}}" > gen/iop_gen/pb/__init__.py
     printf '%s\n' "{{header}}" > gen/iop_gen/pb/iop/__init__.py
+    for file in $(grep -L "DO NOT EDIT" $(find gen -name '*.py' | sort)); do { echo "{{header}}"; cat "$file"; } > "$file.new"; mv "$file.new" "$file"; done
 
 # Regenerate and fail if that changed anything under gen/ (against the index, so staged output counts).
 gen-check: gen

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import ssl
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -32,13 +31,13 @@ from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.codec import Codec
 from iop_wire.errors import ConnectionClosed, DecodeError, ErrorCode, FrameError, IopError
 from iop_wire.framing import DEFAULT_MAX_FRAME_SIZE, FrameDecoder, encode_frame
-from iop_wire.messages import error_envelope, error_message, from_typed, to_typed
+from iop_wire.messages import error_envelope, from_typed, to_typed
+from iop_wire.runs import TERMINAL_EVENTS, EventSink, RunStream
 from iop_wire.tls import ANONYMOUS, PeerIdentity
 
 __all__ = ["Connection", "ConnectionConfig", "EventSink", "Handler", "RunStream"]
 
 _log = structlog.get_logger("iop.wire")
-_TERMINAL = frozenset({"complete", "error"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,136 +74,6 @@ class Handler(Protocol):
     async def message(self, connection: Connection, envelope: pb.Envelope) -> None:
         """Any other envelope (node.register, node.status, node.drain, ...)."""
         ...
-
-
-class RunStream:
-    """The events of one run this end opened, in order; ends after complete or error."""
-
-    def __init__(self, connection: Connection, run_id: str, capacity: int) -> None:
-        self.connection = connection
-        self.run_id = run_id
-        self._capacity = capacity
-        self._events: deque[tuple[pb.RunEvent, bytes]] = deque()
-        self._readable = asyncio.Event()
-        self._writable = asyncio.Event()
-        self._writable.set()
-        self._finished = False
-
-    def __aiter__(self) -> RunStream:
-        return self
-
-    async def __anext__(self) -> pb.RunEvent:
-        return (await self.next_frame())[0]
-
-    async def next_frame(self) -> tuple[pb.RunEvent, bytes]:
-        """The next event with its frame body as received, for relays that forward it as is."""
-        while not self._events:
-            if self._finished:
-                raise StopAsyncIteration
-            self._readable.clear()
-            await self._readable.wait()
-        item = self._events.popleft()
-        self._writable.set()
-        if item[0].WhichOneof("event") in _TERMINAL:
-            self._finished = True
-        return item
-
-    async def cancel(self, reason: str = "cancelled by client") -> None:
-        """Ask the serving end to stop this run; its terminal event still arrives."""
-        await self.connection.cancel_run(self.run_id, reason)
-
-    async def _put(self, event: pb.RunEvent, body: bytes) -> None:
-        while len(self._events) >= self._capacity:
-            self._writable.clear()
-            await self._writable.wait()
-        self._events.append((event, body))
-        self._readable.set()
-
-    def _fail(self, error: IopError) -> None:
-        """End the stream with ``error``; may exceed the capacity by this one event."""
-        event = pb.RunEvent(error=error_message(error))
-        self._events.append((event, b""))
-        self._readable.set()
-
-
-class EventSink:
-    """Writes one served run's events: start, deltas, then one complete or error.
-
-    Adapters call these methods and never build messages; they encode straight to frames
-    with upb. After the terminal event, or once the connection is gone, calls do nothing.
-    """
-
-    __slots__ = ("_connection", "_sequence", "cancel_reason", "finished", "run_id")
-
-    def __init__(self, connection: Connection, run_id: str) -> None:
-        self._connection = connection
-        self._sequence = 0
-        self.run_id = run_id
-        self.finished = False
-        """True once complete or error was sent."""
-        self.cancel_reason = ""
-        """Why the run was cancelled, when it was."""
-
-    @property
-    def peer(self) -> PeerIdentity:
-        """Who asked for the run."""
-        return self._connection.peer
-
-    async def start(self, *, node_id: str, model: str, adapter: str) -> None:
-        """The run has been admitted and started."""
-        await self._send(pb.RunEvent(start=pb.RunStart(node_id=node_id, model=model, adapter=adapter)))
-
-    async def delta(
-        self,
-        text: str = "",
-        *,
-        tool_calls: list[pb.ToolCallDelta] | None = None,
-        logprobs: list[pb.TokenLogprob] | None = None,
-        embeddings: list[pb.Embedding] | None = None,
-    ) -> None:
-        """New output: text and/or tool-call fragments, logprobs, embeddings."""
-        delta = pb.RunDelta(text=text)
-        if tool_calls:
-            delta.tool_calls.extend(tool_calls)
-        if logprobs:
-            delta.logprobs.extend(logprobs)
-        if embeddings:
-            delta.embeddings.extend(embeddings)
-        await self._send(pb.RunEvent(delta=delta))
-
-    async def complete(
-        self,
-        finish_reason: pb.FinishReason.ValueType,
-        usage: pb.Usage | None = None,
-        timings: pb.Timings | None = None,
-    ) -> None:
-        """The run finished normally."""
-        await self._send(
-            pb.RunEvent(complete=pb.RunComplete(finish_reason=finish_reason, usage=usage, timings=timings)),
-            terminal=True,
-        )
-
-    async def error(self, error: IopError) -> None:
-        """The run failed (or was cancelled) with ``error``."""
-        error.run_id = self.run_id
-        await self._send(pb.RunEvent(error=error_message(error)), terminal=True)
-
-    async def _send(self, event: pb.RunEvent, *, terminal: bool = False) -> None:
-        if self.finished or self._connection.closed:
-            return
-        event.sequence = self._sequence
-        self._sequence += 1
-        self.finished = terminal
-        await self._connection.send(pb.Envelope(run_id=self.run_id, run_event=event))
-
-    def fail_now(self, error: IopError) -> None:
-        """Queue a terminal error without waiting (used while the connection closes)."""
-        if self.finished:
-            return
-        error.run_id = self.run_id
-        event = pb.RunEvent(sequence=self._sequence, error=error_message(error))
-        self.finished = True
-        self._connection.send_nowait(pb.Envelope(run_id=self.run_id, run_event=event))
 
 
 @dataclass(slots=True)
@@ -290,7 +159,7 @@ class Connection:
             served.sink.cancel_reason = f"connection closed: {error.message}"
             served.task.cancel()
         for stream in list(self._streams.values()):
-            stream._fail(ConnectionClosed(f"connection closed: {error.message}", error.code))
+            stream.fail(ConnectionClosed(f"connection closed: {error.message}", error.code))
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(ConnectionClosed(error.message, error.code))
@@ -361,7 +230,7 @@ class Connection:
             raise IopError(ErrorCode.PROTOCOL_VIOLATION, f"run {message.run_id} is already open")
         if self.closed:
             raise ConnectionClosed("connection is closed")
-        stream = RunStream(self, message.run_id, self.config.run_buffer)
+        stream = RunStream(message.run_id, self.config.run_buffer, self.cancel_run)
         self._streams[message.run_id] = stream
         await self.send(pb.Envelope(run_id=message.run_id, run_request=message))
         return stream
@@ -455,17 +324,17 @@ class Connection:
         if stream is None:
             return  # a late event of a run already ended here
         event = envelope.run_event
-        if event.WhichOneof("event") in _TERMINAL:
+        if event.WhichOneof("event") in TERMINAL_EVENTS:
             del self._streams[envelope.run_id]
-        if len(stream._events) >= stream._capacity:
+        if stream.full:
             self._reading_paused = True
             try:
-                await stream._put(event, body)
+                await stream.put(event, body)
             finally:
                 self._reading_paused = False
                 self._last_heard = self._loop.time()
         else:
-            await stream._put(event, body)
+            await stream.put(event, body)
 
     async def _on_error(self, envelope: pb.Envelope, body: bytes) -> None:
         if envelope.in_reply_to in self._pending:
@@ -473,7 +342,7 @@ class Connection:
             return
         stream = self._streams.pop(envelope.run_id, None)
         if stream is not None:
-            await stream._put(pb.RunEvent(error=envelope.error), body)
+            await stream.put(pb.RunEvent(error=envelope.error), body)
             return
         err = envelope.error
         level = self._log.info if err.code == pb.ERROR_CODE_SHUTTING_DOWN else self._log.warning

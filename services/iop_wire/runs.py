@@ -1,0 +1,164 @@
+"""Both ends of one run on a connection: the RunStream a caller reads, the EventSink a server writes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire.errors import IopError
+from iop_wire.messages import error_message
+from iop_wire.tls import PeerIdentity
+
+__all__ = ["TERMINAL_EVENTS", "EventSink", "RunStream"]
+
+#: The ``RunEvent.event`` cases after which a run's stream ends.
+TERMINAL_EVENTS = frozenset({"complete", "error"})
+
+
+class _Sender(Protocol):
+    """What an EventSink needs of its connection."""
+
+    peer: PeerIdentity
+    closed: bool
+
+    async def send(self, envelope: pb.Envelope) -> None: ...
+
+    def send_nowait(self, envelope: pb.Envelope) -> None: ...
+
+
+class RunStream:
+    """The events of one run this end opened, in order; ends after complete or error."""
+
+    def __init__(self, run_id: str, capacity: int, cancel: Callable[[str, str], Awaitable[None]]) -> None:
+        self.run_id = run_id
+        self._cancel = cancel
+        self._capacity = capacity
+        self._events: deque[tuple[pb.RunEvent, bytes]] = deque()
+        self._readable = asyncio.Event()
+        self._writable = asyncio.Event()
+        self._writable.set()
+        self._finished = False
+
+    def __aiter__(self) -> RunStream:
+        return self
+
+    async def __anext__(self) -> pb.RunEvent:
+        return (await self.next_frame())[0]
+
+    async def next_frame(self) -> tuple[pb.RunEvent, bytes]:
+        """The next event with its frame body as received, for relays that forward it as is."""
+        while not self._events:
+            if self._finished:
+                raise StopAsyncIteration
+            self._readable.clear()
+            await self._readable.wait()
+        item = self._events.popleft()
+        self._writable.set()
+        if item[0].WhichOneof("event") in TERMINAL_EVENTS:
+            self._finished = True
+        return item
+
+    async def cancel(self, reason: str = "cancelled by client") -> None:
+        """Ask the serving end to stop this run; its terminal event still arrives."""
+        await self._cancel(self.run_id, reason)
+
+    @property
+    def full(self) -> bool:
+        """True while the reader is ``capacity`` events behind."""
+        return len(self._events) >= self._capacity
+
+    async def put(self, event: pb.RunEvent, body: bytes) -> None:
+        while len(self._events) >= self._capacity:
+            self._writable.clear()
+            await self._writable.wait()
+        self._events.append((event, body))
+        self._readable.set()
+
+    def fail(self, error: IopError) -> None:
+        """End the stream with ``error``; may exceed the capacity by this one event."""
+        event = pb.RunEvent(error=error_message(error))
+        self._events.append((event, b""))
+        self._readable.set()
+
+
+class EventSink:
+    """Writes one served run's events: start, deltas, then one complete or error.
+
+    Adapters call these methods and never build messages; they encode straight to frames
+    with upb. After the terminal event, or once the connection is gone, calls do nothing.
+    """
+
+    __slots__ = ("_connection", "_sequence", "cancel_reason", "finished", "run_id")
+
+    def __init__(self, connection: _Sender, run_id: str) -> None:
+        self._connection = connection
+        self._sequence = 0
+        self.run_id = run_id
+        self.finished = False
+        """True once complete or error was sent."""
+        self.cancel_reason = ""
+        """Why the run was cancelled, when it was."""
+
+    @property
+    def peer(self) -> PeerIdentity:
+        """Who asked for the run."""
+        return self._connection.peer
+
+    async def start(self, *, node_id: str, model: str, adapter: str) -> None:
+        """The run has been admitted and started."""
+        await self._send(pb.RunEvent(start=pb.RunStart(node_id=node_id, model=model, adapter=adapter)))
+
+    async def delta(
+        self,
+        text: str = "",
+        *,
+        tool_calls: list[pb.ToolCallDelta] | None = None,
+        logprobs: list[pb.TokenLogprob] | None = None,
+        embeddings: list[pb.Embedding] | None = None,
+    ) -> None:
+        """New output: text and/or tool-call fragments, logprobs, embeddings."""
+        delta = pb.RunDelta(text=text)
+        if tool_calls:
+            delta.tool_calls.extend(tool_calls)
+        if logprobs:
+            delta.logprobs.extend(logprobs)
+        if embeddings:
+            delta.embeddings.extend(embeddings)
+        await self._send(pb.RunEvent(delta=delta))
+
+    async def complete(
+        self,
+        finish_reason: pb.FinishReason.ValueType,
+        usage: pb.Usage | None = None,
+        timings: pb.Timings | None = None,
+    ) -> None:
+        """The run finished normally."""
+        await self._send(
+            pb.RunEvent(complete=pb.RunComplete(finish_reason=finish_reason, usage=usage, timings=timings)),
+            terminal=True,
+        )
+
+    async def error(self, error: IopError) -> None:
+        """The run failed (or was cancelled) with ``error``."""
+        error.run_id = self.run_id
+        await self._send(pb.RunEvent(error=error_message(error)), terminal=True)
+
+    async def _send(self, event: pb.RunEvent, *, terminal: bool = False) -> None:
+        if self.finished or self._connection.closed:
+            return
+        event.sequence = self._sequence
+        self._sequence += 1
+        self.finished = terminal
+        await self._connection.send(pb.Envelope(run_id=self.run_id, run_event=event))
+
+    def fail_now(self, error: IopError) -> None:
+        """Queue a terminal error without waiting (used while the connection closes)."""
+        if self.finished:
+            return
+        error.run_id = self.run_id
+        event = pb.RunEvent(sequence=self._sequence, error=error_message(error))
+        self.finished = True
+        self._connection.send_nowait(pb.Envelope(run_id=self.run_id, run_event=event))
