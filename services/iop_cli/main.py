@@ -2,6 +2,9 @@
 
     iop certs init DIR [--san NAME ...]   a CA and a certificate per role, files 0600
     iop up [--dir DIR]                    start what exists of the platform (see README)
+    iop node --config node.yaml           run a node
+    iop runs ls [--status S] [--model M] [--since 1h]   the run history
+    iop runs show RUN_ID
     iop version
 
 Subcommands import their service lazily, so ``iop certs`` does not load a web server.
@@ -12,9 +15,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 __all__ = ["console", "main"]
 
@@ -35,6 +39,51 @@ def _up(args: argparse.Namespace) -> int:
     from iop_cli.up import up
 
     return asyncio.run(up(args.dir))
+
+
+def _node(args: argparse.Namespace) -> int:
+    from iop_node.main import run
+
+    return run(args.config)
+
+
+def _history_db(args: argparse.Namespace) -> Path:
+    if args.db is not None:
+        return Path(args.db)
+    from iop_node.settings import load_settings
+
+    return load_settings(args.config).store_path
+
+
+def _runs_ls(args: argparse.Namespace) -> int:
+    from iop_node.history import list_runs
+
+    return _print_history(
+        lambda db: list_runs(db, status=args.status, model=args.model, since=args.since, limit=args.limit), args
+    )
+
+
+def _runs_show(args: argparse.Namespace) -> int:
+    from iop_node.history import show_run
+
+    return _print_history(lambda db: show_run(db, args.run_id), args, missing=f"no run {args.run_id!r}")
+
+
+def _print_history(
+    query: Callable[[Path], Coroutine[Any, Any, str | None]], args: argparse.Namespace, missing: str = ""
+) -> int:
+    from iop_node.settings import ConfigError
+
+    try:
+        text = asyncio.run(query(_history_db(args)))
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"iop runs: {exc}", file=sys.stderr)
+        return 2
+    if text is None:
+        print(f"iop runs: {missing}", file=sys.stderr)
+        return 1
+    print(text)
+    return 0
 
 
 def _version(args: argparse.Namespace) -> int:
@@ -58,13 +107,31 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--dir", type=Path, default=Path(".iop"), help="state directory (certificates, databases)")
     up.set_defaults(run=_up)
 
+    node = commands.add_parser("node", help="run a node")
+    node.add_argument("--config", type=Path, help="YAML settings (IOP_ environment variables override)")
+    node.set_defaults(run=_node)
+
+    runs = commands.add_parser("runs", help="the run history").add_subparsers(dest="runs_command", required=True)
+    for name, helptext in (("ls", "list runs, newest first"), ("show", "every field of one run")):
+        sub = runs.add_parser(name, help=helptext)
+        sub.add_argument("--db", type=Path, help="history file (default: the config's store_path)")
+        sub.add_argument("--config", type=Path, help="node settings to take store_path from")
+    ls, show = runs.choices["ls"], runs.choices["show"]
+    ls.add_argument("--status", help="running, completed, failed, cancelled or interrupted")
+    ls.add_argument("--model")
+    ls.add_argument("--since", help="ISO time, or a duration back from now: 30s, 10m, 2h, 7d")
+    ls.add_argument("--limit", type=int, default=50)
+    ls.set_defaults(run=_runs_ls)
+    show.add_argument("run_id")
+    show.set_defaults(run=_runs_show)
+
     commands.add_parser("version", help="print the version").set_defaults(run=_version)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``iop`` command; returns the exit code."""
-    from iop_cli.logs import configure
+    from iop_wire.logs import configure
 
     args = _parser().parse_args(argv)
     configure(args.log_level)

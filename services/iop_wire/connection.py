@@ -153,11 +153,13 @@ class Connection:
         self.closed = True
         self.close_error = error
         self._log.info("connection closed", reason=error.message, code=error.code.name)
+        served_tasks = []
         for served in list(self._served.values()):
             if notify_peer:
                 served.sink.fail_now(IopError(error.code, error.message, retryable=True))
             served.sink.cancel_reason = f"connection closed: {error.message}"
             served.task.cancel()
+            served_tasks.append(served.task)
         for stream in list(self._streams.values()):
             stream.fail(ConnectionClosed(f"connection closed: {error.message}", error.code))
         for future in self._pending.values():
@@ -171,6 +173,8 @@ class Connection:
             if task is not current:
                 task.cancel()
         await self._close_transport()
+        if served_tasks:  # let cancelled runs record how they ended before close() returns
+            await asyncio.wait(served_tasks, timeout=self.config.close_timeout)
         self._done.set()
 
     async def _close_transport(self) -> None:

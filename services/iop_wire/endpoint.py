@@ -84,6 +84,11 @@ class Listener:
         self._server = await loop.create_server(protocol, self.config.host, self.config.port)
         return self
 
+    def stop_accepting(self) -> None:
+        """Stop taking new connections; the open ones go on."""
+        if self._server is not None:
+            self._server.close()
+
     async def close(self, reason: str = "server shutting down") -> None:
         """Stop accepting and close every connection gracefully."""
         if self._server is not None:

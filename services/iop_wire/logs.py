@@ -1,4 +1,4 @@
-"""Logging for ``iop`` processes: structlog, one JSON object per line on stderr."""
+"""Logging setup shared by every IOP process: structlog, one JSON object per line on stderr."""
 
 from __future__ import annotations
 

@@ -1,0 +1,184 @@
+"""The mock adapter: a deterministic backend for demos, benchmarks and tests (a product feature).
+
+Text is a sequence of words drawn by a generator seeded from the request (its seed, or a hash
+of model and prompt), so the same request always streams the same text. Speed, length, time
+to first token and failures are set per route (``options``) and may be overridden per request
+through metadata keys ``mock.<option>`` (for example ``mock.fail_after: "3"``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from iop_gen.bp import iop as bp
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_node.domain import ExecutionSpec
+from iop_node.ports import EventSink
+from iop_wire.errors import ErrorCode, IopError
+
+__all__ = ["MockAdapter", "MockOptions"]
+
+_WORDS = (
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "was",
+    "for",
+    "on",
+    "that",
+    "with",
+    "as",
+    "by",
+    "at",
+    "from",
+    "it",
+    "an",
+    "be",
+    "this",
+    "are",
+    "which",
+    "or",
+    "his",
+    "had",
+    "not",
+    "but",
+    "what",
+    "all",
+    "were",
+    "when",
+    "we",
+    "there",
+    "can",
+    "more",
+    "if",
+    "no",
+    "out",
+    "so",
+    "said",
+    "up",
+    "time",
+    "about",
+    "into",
+    "than",
+    "them",
+    "could",
+    "model",
+    "token",
+    "stream",
+    "node",
+    "run",
+    "cluster",
+    "latency",
+    "answer",
+    "request",
+    "signal",
+    "window",
+    "vector",
+    "prompt",
+    "reply",
+)
+_YIELD_EVERY = 32  # at full speed, let other runs use the loop every this many tokens
+
+
+class MockOptions(BaseModel):
+    """Options of a mock route; any of them may be overridden per request with ``mock.<name>``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tokens: int = Field(16, ge=0)
+    """Tokens generated when the request sets no smaller max_tokens."""
+    tokens_per_second: float = Field(0.0, ge=0)
+    """Pace of generation; 0 streams as fast as the connection takes it."""
+    ttft: float = Field(0.0, ge=0)
+    """Seconds before the first token."""
+    fail_after: int | None = Field(None, ge=0)
+    """Fail the run with BACKEND_ERROR after this many tokens."""
+    stall_after: int | None = Field(None, ge=0)
+    """Stop producing after this many tokens, until cancelled or past the deadline."""
+    crash_after: int | None = Field(None, ge=0)
+    """Raise an unexpected exception after this many tokens (a crashing backend)."""
+    dimensions: int = Field(8, ge=1, le=4096)
+    """Length of embedding vectors."""
+
+
+class MockAdapter:
+    """Serves every model routed to it with deterministic generated text."""
+
+    name = "mock"
+
+    def __init__(self, models: Mapping[str, MockOptions]) -> None:
+        self._models = dict(models)
+
+    async def capabilities(self) -> list[bp.ModelInfo]:
+        kinds = [bp.RunKind.CHAT, bp.RunKind.COMPLETION, bp.RunKind.EMBEDDING]
+        return [bp.ModelInfo(name=name, kinds=kinds, available=True) for name in self._models]
+
+    async def execute(self, spec: ExecutionSpec, sink: EventSink) -> None:
+        options = _options(self._models[spec.model], spec.metadata)
+        words = random.Random(_seed(spec))  # noqa: S311 - reproducible text, not secrets
+        if options.ttft:
+            await asyncio.sleep(options.ttft)
+        if spec.kind == bp.RunKind.EMBEDDING:
+            await _embed(spec, options, words, sink)
+            return
+        limit = spec.sampling.max_tokens
+        count = options.tokens if limit is None else min(limit, options.tokens)
+        interval = 1.0 / options.tokens_per_second if options.tokens_per_second else 0.0
+        for index in range(count):
+            await _inject(options, index)
+            await sink.delta(words.choice(_WORDS) + " ")
+            if interval:
+                await asyncio.sleep(interval)
+            elif index % _YIELD_EVERY == _YIELD_EVERY - 1:
+                await asyncio.sleep(0)
+        await _inject(options, count)
+        reason = pb.FINISH_REASON_LENGTH if limit is not None and limit <= options.tokens else pb.FINISH_REASON_STOP
+        prompt_tokens = len(spec.prompt_text().split())
+        await sink.complete(reason, pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=count))
+
+
+def _options(base: MockOptions, metadata: Mapping[str, str]) -> MockOptions:
+    overrides: dict[str, Any] = {k.removeprefix("mock."): v for k, v in metadata.items() if k.startswith("mock.")}
+    if not overrides:
+        return base
+    try:
+        return base.model_validate({**base.model_dump(), **overrides})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise IopError(ErrorCode.INVALID_ARGUMENT, f"metadata mock.{first['loc'][0]}: {first['msg']}") from None
+
+
+def _seed(spec: ExecutionSpec) -> int:
+    if spec.sampling.seed is not None:
+        return spec.sampling.seed
+    digest = hashlib.blake2b(f"{spec.model}\0{spec.prompt_text()}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+async def _inject(options: MockOptions, produced: int) -> None:
+    """The configured failure, once ``produced`` tokens are out."""
+    if options.fail_after == produced:
+        raise IopError(ErrorCode.BACKEND_ERROR, f"mock backend failed after {produced} tokens (fail_after)")
+    if options.crash_after == produced:
+        raise RuntimeError(f"mock backend crashed after {produced} tokens (crash_after)")
+    if options.stall_after == produced:
+        await asyncio.Event().wait()
+
+
+async def _embed(spec: ExecutionSpec, options: MockOptions, numbers: random.Random, sink: EventSink) -> None:
+    vectors = [
+        pb.Embedding(index=i, values=[numbers.uniform(-1, 1) for _ in range(options.dimensions)])
+        for i in range(len(spec.prompt))
+    ]
+    await sink.delta(embeddings=vectors)
+    prompt_tokens = sum(len(text.split()) for text in spec.prompt)
+    await sink.complete(pb.FINISH_REASON_STOP, pb.Usage(prompt_tokens=prompt_tokens))

@@ -1,0 +1,282 @@
+"""The node's application core: takes run requests from any transport and sees each through.
+
+For every run: check and route it, record it, wait for a slot, start it, let the adapter
+execute it through a metered sink, and record how it ended, whatever the ending (completed,
+failed, cancelled in the queue or mid-stream, or cut short by the deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import time
+from collections.abc import Callable, Mapping
+
+import structlog
+
+from iop_gen.bp import iop as bp
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_node.admission import Admission
+from iop_node.domain import ExecutionSpec, RunRecord, RunStatus
+from iop_node.metrics import NodeMetrics
+from iop_node.ports import Adapter, RunStore
+from iop_node.router import Router
+from iop_wire.connection import Connection
+from iop_wire.errors import ErrorCode, IopError
+from iop_wire.runs import EventSink as WireSink
+
+__all__ = ["Node"]
+
+_log = structlog.get_logger("iop.node")
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+class MeteredSink:
+    """The adapters' EventSink: forwards to the wire, timing tokens and counting usage."""
+
+    __slots__ = ("_chars", "_last", "_metrics", "_model", "_record", "_spec", "_started", "_wire", "completed")
+
+    def __init__(self, wire: WireSink, spec: ExecutionSpec, record: RunRecord, metrics: NodeMetrics) -> None:
+        self._wire, self._spec, self._record = wire, spec, record
+        self._model = spec.model
+        self._metrics = metrics
+        self._started = time.monotonic()
+        self._last = 0.0
+        self._chars = 0
+        self.completed = False
+
+    async def delta(
+        self,
+        text: str = "",
+        *,
+        tool_calls: list[pb.ToolCallDelta] | None = None,
+        logprobs: list[pb.TokenLogprob] | None = None,
+        embeddings: list[pb.Embedding] | None = None,
+    ) -> None:
+        now = time.monotonic()
+        if self._last:
+            self._metrics.inter_token.labels(self._model).observe(now - self._last)
+        else:
+            self._record.first_token_at = _now()
+            self._metrics.time_to_first_token.labels(self._model).observe(now - self._started)
+        self._last = now
+        self._chars += len(text)
+        await self._wire.delta(text, tool_calls=tool_calls, logprobs=logprobs, embeddings=embeddings)
+
+    async def complete(
+        self,
+        finish_reason: pb.FinishReason.ValueType,
+        usage: pb.Usage | None = None,
+        timings: pb.Timings | None = None,
+    ) -> None:
+        usage = usage or pb.Usage(
+            prompt_tokens=_estimate(len(self._spec.prompt_text())),
+            completion_tokens=_estimate(self._chars),
+            estimated=True,
+        )
+        self._record.prompt_tokens, self._record.completion_tokens = usage.prompt_tokens, usage.completion_tokens
+        self._record.finish_reason = pb.FinishReason.Name(finish_reason).removeprefix("FINISH_REASON_").lower()
+        self.completed = True
+        await self._wire.complete(finish_reason, usage, timings or self._timings())
+
+    def annotate(self, key: str, value: str) -> None:
+        if key == "stderr_tail":
+            self._record.stderr_tail = value
+        else:
+            self._record.extra[key] = value
+
+    def _timings(self) -> pb.Timings:
+        record, timings = self._record, pb.Timings()
+        assert record.received_at is not None and record.started_at is not None
+        timings.queued.FromTimedelta(record.started_at - record.received_at)
+        if record.first_token_at is not None:
+            timings.time_to_first_token.FromTimedelta(record.first_token_at - record.started_at)
+        timings.generation.FromTimedelta(_now() - record.started_at)
+        return timings
+
+
+def _estimate(chars: int) -> int:
+    """Tokens in ``chars`` characters of text, by the usual ~4 characters per token."""
+    return (chars + 3) // 4
+
+
+class Node:
+    """Executes runs; implements the wire's Handler for every connection it serves."""
+
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        router: Router,
+        adapters: Mapping[str, Adapter],
+        store: RunStore,
+        metrics: NodeMetrics,
+        version: str,
+        labels: Mapping[str, str] | None = None,
+    ) -> None:
+        self.node_id = node_id
+        self.draining = False
+        self._router, self._adapters, self._store, self._metrics = router, dict(adapters), store, metrics
+        self._version, self._labels = version, dict(labels or {})
+        self._listeners: list[Callable[[], None]] = []
+        self.admissions = {
+            r.model: Admission(r.model, r.max_concurrency, r.queue_size, self._load_changed) for r in router.routes
+        }
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- the wire Handler --------------------------------------------------------------------
+
+    async def run(self, request: bp.RunRequest, sink: WireSink) -> None:
+        """Execute one run and record it; errors propagate to the wire as error events."""
+        record = RunRecord(
+            run_id=request.run_id,
+            node_id=self.node_id,
+            model=request.model,
+            status=RunStatus.RUNNING,
+            caller=(request.caller.id if request.caller and request.caller.id else sink.peer.name),
+            received_at=_now(),
+        )
+        log = _log.bind(node_id=self.node_id, run_id=request.run_id, model=request.model)
+        try:
+            await self._run(request, sink, record)
+            record.status = RunStatus.COMPLETED
+        except asyncio.CancelledError:
+            self._finish(record, RunStatus.CANCELLED, "CANCELLED", sink.cancel_reason or "cancelled")
+            raise
+        except IopError as exc:
+            self._finish(record, RunStatus.FAILED, exc.code.name, exc.message)
+            raise
+        except Exception as exc:
+            log.exception("run failed unexpectedly")
+            self._finish(record, RunStatus.FAILED, ErrorCode.INTERNAL.name, f"internal error: {type(exc).__name__}")
+            raise IopError(ErrorCode.INTERNAL, "internal error in the node") from exc
+        finally:
+            record.finished_at = _now()
+            await self._store.record_end(record)
+            self._metrics.runs.labels(record.model, record.status.value).inc()
+            log.info("run finished", status=record.status.value, error_code=record.error_code or None)
+
+    async def _run(self, request: bp.RunRequest, sink: WireSink, record: RunRecord) -> None:
+        if self.draining:
+            await self._store.record_start(record)
+            raise IopError(ErrorCode.SHUTTING_DOWN, f"node {self.node_id} is draining; send the run elsewhere")
+        try:
+            spec = self._router.resolve(request)
+        finally:
+            await self._store.record_start(record)
+        record.adapter = spec.adapter
+        adapter = self._adapters[spec.adapter]
+        async with _deadline(spec.deadline):
+            admission = self.admissions[spec.model]
+            await admission.acquire(request.priority)
+            try:
+                record.started_at = _now()
+                await sink.start(node_id=self.node_id, model=spec.target_model, adapter=spec.adapter)
+                metered = MeteredSink(sink, spec, record, self._metrics)
+                await adapter.execute(spec, metered)
+                if not metered.completed:
+                    raise IopError(ErrorCode.INTERNAL, f"adapter {spec.adapter} ended without completing the run")
+            finally:
+                admission.release()
+
+    def _finish(self, record: RunRecord, status: RunStatus, code: str, message: str) -> None:
+        record.status, record.error_code, record.error_message = status, code, message
+        if status is RunStatus.FAILED and record.adapter:
+            self._metrics.adapter_errors.labels(record.adapter, code).inc()
+
+    async def capabilities(self) -> bp.CapabilityResponse:
+        """What this node serves now."""
+        adapters = []
+        routed = {r.model: r for r in self._router.routes}
+        for name, adapter in self._adapters.items():
+            models = await adapter.capabilities()
+            for model in models:
+                route = routed.get(model.name)
+                model.max_concurrency = route.max_concurrency if route else 0
+            adapters.append(bp.AdapterInfo(name=name, models=models))
+        return bp.CapabilityResponse(
+            node_id=self.node_id,
+            version=self._version,
+            adapters=adapters,
+            max_concurrency=sum(a.capacity for a in self.admissions.values()),
+            labels=self._labels,
+        )
+
+    async def message(self, connection: Connection, envelope: pb.Envelope) -> None:
+        """node.drain from the control-plane; other messages are not for a node."""
+        if envelope.WhichOneof("body") == "node_drain":
+            _log.info("drain requested", node_id=self.node_id, reason=envelope.node_drain.reason)
+            self.draining = True
+            self._load_changed()
+
+    # -- load --------------------------------------------------------------------------------
+
+    def status(self) -> bp.NodeStatus:
+        """The node's load now."""
+        models = [
+            bp.ModelLoad(model=a.model, in_flight=a.in_flight, queued=a.queued, capacity=a.capacity, available=True)
+            for a in self.admissions.values()
+        ]
+        return bp.NodeStatus(
+            node_id=self.node_id,
+            models=models,
+            in_flight=sum(m.in_flight for m in models),
+            queued=sum(m.queued for m in models),
+            capacity=sum(m.capacity for m in models),
+            draining=self.draining,
+        )
+
+    @property
+    def busy(self) -> int:
+        """Runs executing or queued, all models."""
+        return sum(a.in_flight + a.queued for a in self.admissions.values())
+
+    def on_load_change(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` whenever in-flight or queued counts change."""
+        self._listeners.append(listener)
+
+    def _load_changed(self) -> None:
+        busy = 0
+        for admission in self.admissions.values():
+            self._metrics.in_flight.labels(admission.model).set(admission.in_flight)
+            self._metrics.queued.labels(admission.model).set(admission.queued)
+            busy += admission.in_flight + admission.queued
+        if busy:
+            self._idle.clear()
+        else:
+            self._idle.set()
+        for listener in self._listeners:
+            listener()
+
+    async def wait_idle(self) -> None:
+        """Wait until no run is executing or queued."""
+        await self._idle.wait()
+
+
+class _deadline:  # noqa: N801 - used like asyncio.timeout, as a context manager
+    """Fail the block with DEADLINE_EXCEEDED at ``deadline`` (nothing if None)."""
+
+    def __init__(self, deadline: datetime.datetime | None) -> None:
+        self._deadline = deadline
+        self._timeout: asyncio.Timeout | None = None
+
+    async def __aenter__(self) -> None:
+        if self._deadline is None:
+            return
+        remaining = (self._deadline - _now()).total_seconds()
+        if remaining <= 0:
+            raise IopError(ErrorCode.DEADLINE_EXCEEDED, "the run's deadline passed before it started")
+        self._timeout = asyncio.timeout(remaining)
+        await self._timeout.__aenter__()
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._timeout is None:
+            return
+        try:
+            await self._timeout.__aexit__(*exc)  # type: ignore[arg-type]
+        except TimeoutError:
+            raise IopError(ErrorCode.DEADLINE_EXCEEDED, "the run's deadline passed") from None

@@ -1,0 +1,44 @@
+"""Prometheus metrics of one node, in a registry of its own (no global state)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["NodeMetrics"]
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class NodeMetrics:
+    """The node's metrics, named ``iop_node_<thing>_<unit>``."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.runs = Counter(
+            "iop_node_runs_total",
+            "Runs finished, by model and final status.",
+            ["model", "status"],
+            registry=self.registry,
+        )
+        self.time_to_first_token = Histogram(
+            "iop_node_time_to_first_token_seconds",
+            "From run start to the first output.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token = Histogram(
+            "iop_node_inter_token_latency_seconds",
+            "Between consecutive outputs of a run.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.in_flight = Gauge("iop_node_runs_in_flight", "Runs executing now.", ["model"], registry=self.registry)
+        self.queued = Gauge("iop_node_runs_queued", "Runs waiting for a slot.", ["model"], registry=self.registry)
+        self.adapter_errors = Counter(
+            "iop_node_adapter_errors_total",
+            "Runs an adapter failed, by error code.",
+            ["adapter", "code"],
+            registry=self.registry,
+        )

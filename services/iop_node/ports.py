@@ -1,0 +1,82 @@
+"""The node's ports: small Protocols its core depends on. Adapters and stores conform; none inherit."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from typing import Protocol
+
+from iop_gen.bp import iop as bp
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_node.domain import ExecutionSpec, RunRecord, RunStatus
+
+__all__ = ["Adapter", "EventSink", "RunStore"]
+
+
+class EventSink(Protocol):
+    """Where an adapter writes a run's output. The core has already sent ``start``.
+
+    An adapter calls ``delta`` for each piece of output, then ``complete`` once; or it raises
+    ``IopError`` (the core sends the error event). Usage it does not pass is counted on the node.
+    """
+
+    async def delta(
+        self,
+        text: str = "",
+        *,
+        tool_calls: list[pb.ToolCallDelta] | None = None,
+        logprobs: list[pb.TokenLogprob] | None = None,
+        embeddings: list[pb.Embedding] | None = None,
+    ) -> None: ...
+
+    async def complete(
+        self,
+        finish_reason: pb.FinishReason.ValueType,
+        usage: pb.Usage | None = None,
+        timings: pb.Timings | None = None,
+    ) -> None: ...
+
+    def annotate(self, key: str, value: str) -> None:
+        """Keep ``value`` in the run record (``stderr_tail``, or any other key in ``extra``)."""
+        ...
+
+
+class Adapter(Protocol):
+    """Executes runs against one kind of backend."""
+
+    name: str
+
+    async def capabilities(self) -> list[bp.ModelInfo]:
+        """The models this adapter can serve now (``available`` false while its backend is down)."""
+        ...
+
+    async def execute(self, spec: ExecutionSpec, sink: EventSink) -> None:
+        """Run ``spec``, writing output to ``sink``; cancelled (CancelledError) when the run is."""
+        ...
+
+
+class RunStore(Protocol):
+    """The run history."""
+
+    async def record_start(self, record: RunRecord) -> None:
+        """Write the row of a run that was received (status running)."""
+        ...
+
+    async def record_end(self, record: RunRecord) -> None:
+        """Complete the row with the run's outcome."""
+        ...
+
+    async def get(self, run_id: str) -> RunRecord | None:
+        """One run by id."""
+        ...
+
+    async def list(
+        self,
+        *,
+        status: RunStatus | None = None,
+        model: str | None = None,
+        since: datetime.datetime | None = None,
+        limit: int = 100,
+    ) -> Sequence[RunRecord]:
+        """Runs, newest first, filtered."""
+        ...

@@ -1,0 +1,266 @@
+"""The node's run history: one SQLite file in WAL mode, written by one group-committing task.
+
+``record_start`` and ``record_end`` only enqueue. A single writer task drains everything queued,
+runs it in one transaction and commits, so a burst of runs costs one commit. Readers flush first
+and so always see their own writes. The file holds unix epoch seconds; :class:`RunRecord` holds
+tz-aware UTC datetimes. The file may be shared by several nodes, hence the ``(node_id, run_id)`` key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import json
+import sqlite3
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TypeAlias
+
+import aiosqlite
+import structlog
+
+from iop_node.domain import RunRecord, RunStatus
+
+__all__ = ["INTERRUPTED_MESSAGE", "SCHEMA_VERSION", "SqliteRunStore"]
+
+_log = structlog.get_logger("iop.node.store")
+
+SCHEMA_VERSION = 1
+INTERRUPTED_MESSAGE = "node stopped while the run was in progress"
+
+_COLUMNS = tuple(field.name for field in dataclasses.fields(RunRecord))  # the SELECT order
+_TIMES = ("received_at", "started_at", "first_token_at", "finished_at")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT NOT NULL, node_id TEXT NOT NULL, caller TEXT NOT NULL DEFAULT '', model TEXT NOT NULL,
+    adapter TEXT NOT NULL DEFAULT '', status TEXT NOT NULL,
+    error_code TEXT NOT NULL DEFAULT '', error_message TEXT NOT NULL DEFAULT '',
+    received_at REAL, started_at REAL, first_token_at REAL, finished_at REAL,  -- unix seconds, NULL when unknown
+    prompt_tokens INTEGER NOT NULL DEFAULT 0, completion_tokens INTEGER NOT NULL DEFAULT 0,
+    finish_reason TEXT NOT NULL DEFAULT '', stderr_tail TEXT NOT NULL DEFAULT '',
+    extra TEXT NOT NULL DEFAULT '{}',  -- a JSON object of strings
+    PRIMARY KEY (node_id, run_id)  -- a client may reuse its run id on another node sharing the file
+);
+CREATE INDEX IF NOT EXISTS runs_status ON runs (status);
+CREATE INDEX IF NOT EXISTS runs_model ON runs (model);
+CREATE INDEX IF NOT EXISTS runs_received_at ON runs (received_at);
+CREATE INDEX IF NOT EXISTS runs_run_id ON runs (run_id);
+"""
+
+# The SQL below names RunRecord's fields, never input, so S608 (SQL injection) does not apply.
+_INSERT = (
+    f"INSERT INTO runs ({', '.join(_COLUMNS)}) VALUES ({', '.join(':' + name for name in _COLUMNS)}) "  # noqa: S608
+    "ON CONFLICT (node_id, run_id) DO UPDATE SET "
+)
+# A repeated start refreshes a running row but never touches one that already has its outcome.
+_START = (
+    _INSERT + "caller = excluded.caller, model = excluded.model, adapter = excluded.adapter, "
+    "received_at = excluded.received_at, started_at = excluded.started_at WHERE runs.status = 'running'"
+)
+# An end inserts the whole row if its start was lost; otherwise it keeps times the end does not know.
+_END = _INSERT + (
+    "adapter = COALESCE(NULLIF(excluded.adapter, ''), runs.adapter), status = excluded.status, "
+    "error_code = excluded.error_code, error_message = excluded.error_message, "
+    "started_at = COALESCE(excluded.started_at, runs.started_at), "
+    "first_token_at = COALESCE(excluded.first_token_at, runs.first_token_at), "
+    "finished_at = COALESCE(excluded.finished_at, runs.finished_at), "
+    "prompt_tokens = excluded.prompt_tokens, completion_tokens = excluded.completion_tokens, "
+    "finish_reason = excluded.finish_reason, stderr_tail = excluded.stderr_tail, extra = excluded.extra"
+)
+_MARK_INTERRUPTED = """
+UPDATE runs SET status = 'interrupted', error_message = :message, finished_at = :now
+WHERE node_id = :node_id AND status = 'running'
+"""
+_SELECT = f"SELECT {', '.join(_COLUMNS)} FROM runs "  # noqa: S608
+_GET = _SELECT + "WHERE run_id = :run_id ORDER BY received_at DESC, rowid DESC LIMIT 1"
+_LIST = _SELECT + (
+    "WHERE (:status IS NULL OR status = :status) AND (:model IS NULL OR model = :model) "
+    "AND (:since IS NULL OR received_at >= :since) ORDER BY received_at DESC, rowid DESC LIMIT :limit"
+)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Write:
+    """One queued statement."""
+
+    sql: str
+    params: dict[str, Any]
+    run_id: str
+
+
+_Item: TypeAlias = "_Write | asyncio.Future[None] | None"  # a future is a flush marker; None stops the writer
+
+
+class SqliteRunStore:
+    """The run history in a SQLite file; conforms to ``iop_node.ports.RunStore``."""
+
+    def __init__(self, path: Path, node_id: str) -> None:
+        self.path = path
+        self.node_id = node_id
+        self._db: aiosqlite.Connection | None = None
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._writer: asyncio.Task[None] | None = None
+        self._commits = 0
+
+    async def open(self, *, mark_interrupted: bool = True) -> int:
+        """Open (creating) the file; mark this node's leftover running rows interrupted and return how many."""
+        if self._db is not None:
+            raise RuntimeError("the run store is already open")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        db = await aiosqlite.connect(self.path)
+        try:
+            await _prepare(db)
+            marked = await self._mark_interrupted(db) if mark_interrupted else 0
+        except BaseException:
+            await db.close()
+            raise
+        self._db = db
+        self._queue = asyncio.Queue()
+        self._writer = asyncio.create_task(self._write_loop(db), name="iop-run-store-writer")
+        return marked
+
+    async def close(self) -> None:
+        """Commit everything queued, stop the writer and close the file."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            self._queue.put_nowait(None)
+            await writer
+        if self._db is not None:
+            await self._db.close()
+            self._db = None
+
+    async def record_start(self, record: RunRecord) -> None:
+        """Queue the row of a received run; returns before it is on disk."""
+        self._enqueue(_Write(_START, _params(record), record.run_id))
+
+    async def record_end(self, record: RunRecord) -> None:
+        """Queue the run's outcome; returns before it is on disk."""
+        self._enqueue(_Write(_END, _params(record), record.run_id))
+
+    async def flush(self) -> None:
+        """Wait until everything queued so far is committed (or its failure logged)."""
+        writer = self._writer
+        if writer is None:
+            return
+        done = asyncio.get_running_loop().create_future()
+        self._enqueue(done)
+        await asyncio.wait((done, writer), return_when=asyncio.FIRST_COMPLETED)
+        if not done.done():
+            raise RuntimeError("the run store's writer stopped")
+
+    async def get(self, run_id: str) -> RunRecord | None:
+        """The run with this id (on any node sharing the file; the newest if several)."""
+        rows = await self._query(_GET, {"run_id": run_id})
+        return _record(rows[0]) if rows else None
+
+    async def _mark_interrupted(self, db: aiosqlite.Connection) -> int:
+        params = {"message": INTERRUPTED_MESSAGE, "now": time.time(), "node_id": self.node_id}
+        cursor = await db.execute(_MARK_INTERRUPTED, params)
+        await db.commit()
+        if cursor.rowcount:
+            _log.warning("runs_marked_interrupted", node_id=self.node_id, count=cursor.rowcount)
+        return cursor.rowcount
+
+    def _enqueue(self, item: _Item) -> None:
+        if self._writer is None:
+            raise RuntimeError("the run store is not open")
+        self._queue.put_nowait(item)
+
+    async def _write_loop(self, db: aiosqlite.Connection) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            while not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            writes = [item for item in batch if isinstance(item, _Write)]
+            if writes:
+                await self._commit(db, writes)
+            for item in batch:
+                if isinstance(item, asyncio.Future) and not item.done():
+                    item.set_result(None)
+            if any(item is None for item in batch):
+                return
+
+    async def _commit(self, db: aiosqlite.Connection, writes: Sequence[_Write]) -> None:
+        for write in writes:
+            try:
+                await db.execute(write.sql, write.params)
+            except (sqlite3.Error, ValueError) as exc:  # ValueError: aiosqlite's "connection closed"
+                _log.error("run_write_failed", node_id=self.node_id, run_id=write.run_id, error=str(exc))
+        try:
+            await db.commit()
+            self._commits += 1
+        except (sqlite3.Error, ValueError) as exc:
+            _log.error("run_commit_failed", node_id=self.node_id, writes=len(writes), error=str(exc))
+            await _rollback(db)
+
+    async def _query(self, sql: str, params: dict[str, Any]) -> Sequence[sqlite3.Row]:
+        await self.flush()
+        if self._db is None:
+            raise RuntimeError("the run store is not open")
+        return tuple(await self._db.execute_fetchall(sql, params))
+
+    # Last: inside the class body, ``list`` names this method from here on.
+    async def list(
+        self,
+        *,
+        status: RunStatus | None = None,
+        model: str | None = None,
+        since: datetime.datetime | None = None,
+        limit: int = 100,
+    ) -> Sequence[RunRecord]:
+        """Runs newest received first; the filters combine with AND."""
+        params = {"status": status, "model": model, "since": _epoch(since), "limit": limit}
+        return [_record(row) for row in await self._query(_LIST, params)]
+
+
+async def _prepare(db: aiosqlite.Connection) -> None:
+    """Set WAL and the schema; a reader of a current file writes nothing."""
+    await db.execute("PRAGMA journal_mode=WAL")
+    await db.execute("PRAGMA synchronous=NORMAL")
+    ((version,),) = await db.execute_fetchall("PRAGMA user_version")
+    if version > SCHEMA_VERSION:
+        raise RuntimeError(f"run history schema version {version} is newer than this node's {SCHEMA_VERSION}")
+    if version < SCHEMA_VERSION:
+        await db.executescript(_SCHEMA)
+        await db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        await db.commit()
+
+
+async def _rollback(db: aiosqlite.Connection) -> None:
+    try:
+        await db.rollback()
+    except (sqlite3.Error, ValueError) as exc:
+        _log.error("run_rollback_failed", error=str(exc))
+
+
+def _params(record: RunRecord) -> dict[str, Any]:
+    params: dict[str, Any] = {name: getattr(record, name) for name in _COLUMNS}
+    params.update({name: _epoch(params[name]) for name in _TIMES})
+    params["status"] = str(record.status)
+    params["extra"] = json.dumps(record.extra, sort_keys=True)
+    return params
+
+
+def _record(row: sqlite3.Row) -> RunRecord:
+    values: dict[str, Any] = dict(zip(_COLUMNS, row, strict=True))
+    values.update({name: _datetime(values[name]) for name in _TIMES})
+    values["status"] = RunStatus(values["status"])
+    extra = json.loads(values["extra"] or "{}")
+    values["extra"] = {str(key): str(value) for key, value in extra.items()} if isinstance(extra, dict) else {}
+    return RunRecord(**values)
+
+
+def _epoch(moment: datetime.datetime | None) -> float | None:
+    """Unix seconds; a naive datetime is taken as UTC."""
+    if moment is None:
+        return None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.UTC)
+    return moment.timestamp()
+
+
+def _datetime(epoch: float | None) -> datetime.datetime | None:
+    return None if epoch is None else datetime.datetime.fromtimestamp(epoch, tz=datetime.UTC)

@@ -1,0 +1,309 @@
+"""The node in-process: real mTLS on 127.0.0.1, a real SQLite history, the mock and cli adapters."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import Pki, assert_eventually
+from node_helpers import chat, client, collect, kinds, node_settings, running_node, text
+
+from iop_gen.bp import iop as bp
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_node.domain import RunStatus
+from iop_node.store import SqliteRunStore
+
+PY = sys.executable
+ROUTES = [
+    {"model": "mock-small", "adapter": "mock", "options": {"tokens": 8}},
+    {
+        "model": "mock-slow",
+        "adapter": "mock",
+        "max_concurrency": 1,
+        "queue_size": 2,
+        "options": {"tokens": 1000, "tokens_per_second": 50},
+    },
+    {
+        "model": "echo",
+        "adapter": "cli",
+        "options": {"argv": [PY, "-c", "import sys; print(sys.stdin.read().upper(), end='')"]},
+    },
+    {
+        "model": "sleeper",
+        "adapter": "cli",
+        "options": {"argv": ["sh", "-c", "echo started; sleep 30 & sleep 30; wait"]},
+    },
+    {"model": "missing", "adapter": "cli", "options": {"argv": ["/no/such/program"]}},
+    {
+        "model": "fails",
+        "adapter": "cli",
+        "options": {"argv": [PY, "-c", "import sys; print('bad thing', file=sys.stderr); sys.exit(1)"]},
+    },
+    {
+        "model": "garbage",
+        "adapter": "cli",
+        "options": {"argv": [PY, "-c", "import sys; sys.stdout.buffer.write(b'ok \\xff\\xfe')"]},
+    },
+]
+
+
+@pytest.fixture
+def settings(pki: Pki, tmp_path: Path):  # type: ignore[no-untyped-def]
+    return node_settings(pki, tmp_path, ROUTES, max_prompt_chars=1000, max_tokens_limit=4096)
+
+
+async def _record(app, run_id: str):  # type: ignore[no-untyped-def]
+    assert isinstance(app.store, SqliteRunStore)
+    return await app.store.get(run_id)
+
+
+@pytest.mark.parametrize("codec", ["proto", "json"])
+async def test_mock_streams_deterministic_text_and_records_it(settings, pki: Pki, codec: str) -> None:  # type: ignore[no-untyped-def]
+    async with running_node(settings) as app:
+        connection = await client(app, pki, codec)
+        first = await collect(await connection.open_run(chat(run_id="a")))
+        second = await collect(await connection.open_run(chat(run_id="b")))
+        other = await collect(await connection.open_run(chat(run_id="c", text="something else")))
+        assert kinds(first) == ["start"] + ["delta"] * 8 + ["complete"]
+        assert first[0].start.node_id == "node-t" and first[0].start.adapter == "mock"
+        assert text(first) == text(second) != text(other)
+        assert first[-1].complete.usage.completion_tokens == 8
+        assert first[-1].complete.timings.HasField("generation")
+        record = await _record(app, "a")
+        assert record.status is RunStatus.COMPLETED and record.completion_tokens == 8
+        assert record.started_at and record.first_token_at and record.finished_at
+        assert record.caller == "edge-t" and record.adapter == "mock" and record.finish_reason == "stop"
+        await connection.close()
+
+
+async def test_capabilities_list_both_adapters_and_their_models(settings, pki: Pki) -> None:  # type: ignore[no-untyped-def]
+    async with running_node(settings) as app:
+        connection = await client(app, pki)
+        capabilities = await connection.capabilities()
+        models = {a.name: {m.name: m for m in a.models} for a in capabilities.adapters}
+        assert set(models) == {"mock", "cli"}
+        assert set(models["mock"]) == {"mock-small", "mock-slow"}
+        assert set(models["cli"]) == {"echo", "sleeper", "missing", "fails", "garbage"}
+        assert models["mock"]["mock-slow"].max_concurrency == 1
+        assert not models["cli"]["missing"].available and models["cli"]["echo"].available
+        await connection.close()
+
+
+async def test_cli_streams_program_output_and_counts_tokens(settings, pki: Pki) -> None:  # type: ignore[no-untyped-def]
+    async with running_node(settings) as app:
+        connection = await client(app, pki)
+        events = await collect(await connection.open_run(chat(model="echo", text="shout this")))
+        assert kinds(events)[0] == "start" and kinds(events)[-1] == "complete"
+        assert text(events) == "USER: SHOUT THIS"
+        usage = events[-1].complete.usage
+        assert usage.estimated and usage.completion_tokens == 4 and usage.prompt_tokens == 4
+        await connection.close()
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "code", "message"),
+    [
+        ({"model": "nope"}, pb.ERROR_CODE_MODEL_NOT_FOUND, "not served here"),
+        ({"messages": []}, pb.ERROR_CODE_INVALID_ARGUMENT, "messages is empty"),
+        ({"sampling": bp.Sampling(max_tokens=-1)}, pb.ERROR_CODE_INVALID_ARGUMENT, "between 1 and 4096, got -1"),
+        ({"sampling": bp.Sampling(max_tokens=10**9)}, pb.ERROR_CODE_INVALID_ARGUMENT, "got 1000000000"),
+        (
+            {"messages": [bp.ChatMessage(role=bp.Role.USER, content=[bp.ContentPart(text="x" * 1001)])]},
+            pb.ERROR_CODE_INVALID_ARGUMENT,
+            "over this node's limit of 1000",
+        ),
+        ({"model": "missing"}, pb.ERROR_CODE_BACKEND_ERROR, "not found"),
+        ({"model": "fails"}, pb.ERROR_CODE_BACKEND_ERROR, "exit code 1"),
+        ({"model": "garbage"}, pb.ERROR_CODE_BACKEND_PROTOCOL_ERROR, "UTF-8"),
+    ],
+    ids=[
+        "unknown-model",
+        "no-messages",
+        "negative-max-tokens",
+        "huge-max-tokens",
+        "prompt-too-big",
+        "cli-missing",
+        "cli-exit-1",
+        "cli-invalid-utf8",
+    ],
+)
+async def test_bad_requests_get_their_error_code_and_a_failed_row(  # type: ignore[no-untyped-def]
+    settings, pki: Pki, request_fields: dict, code: int, message: str
+) -> None:
+    async with running_node(settings) as app:
+        connection = await client(app, pki)
+        request = chat(**{k: v for k, v in request_fields.items() if k != "messages"})
+        if "messages" in request_fields:
+            request.messages = request_fields["messages"]
+        events = await collect(await connection.open_run(request))
+        assert events[-1].error.code == code, events[-1]
+        assert message in events[-1].error.message
+        record = await _record(app, request.run_id)
+        assert record.status is RunStatus.FAILED
+        assert record.error_code == pb.ErrorCode.Name(code).removeprefix("ERROR_CODE_")
+        if request.model == "fails":
+            assert "bad thing" in record.stderr_tail
+        # the node keeps serving
+        assert kinds(await collect(await connection.open_run(chat())))[-1] == "complete"
+        await connection.close()
+
+
+async def test_cancel_while_queued_never_starts(settings, pki: Pki) -> None:  # type: ignore[no-untyped-def]
+    async with running_node(settings) as app:
+        connection = await client(app, pki)
+        holder = await connection.open_run(chat(model="mock-slow", run_id="holder"))
+        assert (await anext(holder)).WhichOneof("event") == "start"
+        waiting = await connection.open_run(chat(model="mock-slow", run_id="waiting"))
+        await assert_eventually(lambda: app.node.admissions["mock-slow"].queued == 1)
+        await waiting.cancel("changed my mind")
+        events = await collect(waiting)
+        assert kinds(events) == ["error"]  # no start: it never left the queue
+        assert events[0].error.code == pb.ERROR_CODE_CANCELLED
+        assert app.node.admissions["mock-slow"].queued == 0
+        record = await _record(app, "waiting")
+        assert record.status is RunStatus.CANCELLED and record.error_message == "changed my mind"
+        assert record.started_at is None
+        await holder.cancel()
+        await connection.close()
+
+
+async def test_cancel_while_starting_and_while_streaming(settings, pki: Pki) -> None:  # type: ignore[no-untyped-def]
+    async with running_node(settings) as app:
+        connection = await client(app, pki)
+        starting = await connection.open_run(chat(run_id="s", metadata={"mock.ttft": "30"}))
+        assert (await anext(starting)).WhichOneof("event") == "start"
+        await starting.cancel("too slow to start")
+        assert kinds(await collect(starting)) == ["error"]
+        streaming = await connection.open_run(chat(model="mock-slow", run_id="t"))
+        seen = [await anext(streaming) for _ in range(4)]
+        await streaming.cancel("enough")
+        rest = await collect(streaming)
+        assert kinds(seen) == ["start", "delta", "delta", "delta"]
+        assert rest[-1].error.code == pb.ERROR_CODE_CANCELLED and "enough" in rest[-1].error.message
+        for run_id, reason in (("s", "too slow to start"), ("t", "enough")):
+            record = await _record(app, run_id)
+            assert (record.status, record.error_message) == (RunStatus.CANCELLED, reason)
+        assert (await _record(app, "s")).first_token_at is None
+        await connection.close()
+
+
+def _group_alive(pgid: int) -> bool:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+            if int(fields[2]) == pgid:
+                return True
+    return False
+
+
+async def test_cli_cancel_mid_stream_removes_the_process_group(settings, pki: Pki) -> None:  # type: ignore[no-untyped-def]
+    async with running_node(settings) as app:
+        connection = await client(app, pki)
+        stream = await connection.open_run(chat(model="sleeper", run_id="sl"))
+        assert kinds([await anext(stream), await anext(stream)]) == ["start", "delta"]
+        pids = [
+            int(p.name)
+            for p in Path("/proc").iterdir()
+            if p.name.isdigit() and _cmdline(p).startswith("sh\0-c\0echo started")
+        ]
+        assert len(pids) == 1
+        await stream.cancel("stop the program")
+        assert kinds(await collect(stream)) == ["error"]
+        await assert_eventually(lambda: not _group_alive(pids[0]))
+        assert not Path(f"/proc/{pids[0]}").exists()  # reaped, not a zombie
+        await connection.close()
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_text()
+    except OSError:
+        return ""
+
+
+async def test_client_disconnect_cancels_its_runs(settings, pki: Pki) -> None:  # type: ignore[no-untyped-def]
+    async with running_node(settings) as app:
+        connection = await client(app, pki)
+        stream = await connection.open_run(chat(model="mock-slow", run_id="gone"))
+        await anext(stream)
+        connection._writer.transport.abort()
+        await assert_eventually(lambda: app.node.admissions["mock-slow"].in_flight == 0)
+        record = await _record(app, "gone")
+        assert record.status is RunStatus.CANCELLED and record.error_message.startswith("connection closed")
+
+
+async def test_queue_overflow_and_priority_order(settings, pki: Pki) -> None:  # type: ignore[no-untyped-def]
+    async with running_node(settings) as app:
+        connection = await client(app, pki)
+        holder = await connection.open_run(chat(model="mock-slow", run_id="holder"))
+        await anext(holder)
+        low = await connection.open_run(
+            chat(model="mock-slow", run_id="low", priority=-1, sampling=bp.Sampling(max_tokens=1))
+        )
+        await assert_eventually(lambda: app.node.admissions["mock-slow"].queued == 1)
+        high = await connection.open_run(
+            chat(model="mock-slow", run_id="high", priority=5, sampling=bp.Sampling(max_tokens=1))
+        )
+        await assert_eventually(lambda: app.node.admissions["mock-slow"].queued == 2)
+        overflow = await collect(await connection.open_run(chat(model="mock-slow", run_id="over")))
+        assert overflow[-1].error.code == pb.ERROR_CODE_RESOURCE_EXHAUSTED and overflow[-1].error.retryable
+        finished: list[str] = []
+
+        async def drain(name: str, stream) -> None:  # type: ignore[no-untyped-def]
+            await collect(stream)
+            finished.append(name)
+
+        tasks = [asyncio.create_task(drain("low", low)), asyncio.create_task(drain("high", high))]
+        await holder.cancel()
+        await asyncio.gather(*tasks)
+        assert finished == ["high", "low"]  # the higher priority left the queue first
+        await connection.close()
+
+
+async def test_deadline_exceeded(settings, pki: Pki) -> None:  # type: ignore[no-untyped-def]
+    import datetime
+
+    async with running_node(settings) as app:
+        connection = await client(app, pki)
+        soon = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=0.3)
+        events = await collect(await connection.open_run(chat(model="mock-slow", run_id="late", deadline=soon)))
+        assert events[-1].error.code == pb.ERROR_CODE_DEADLINE_EXCEEDED
+        assert (await _record(app, "late")).status is RunStatus.FAILED
+        await connection.close()
+
+
+async def test_mock_failure_injection(settings, pki: Pki) -> None:  # type: ignore[no-untyped-def]
+    async with running_node(settings) as app:
+        connection = await client(app, pki)
+        failed = await collect(await connection.open_run(chat(metadata={"mock.fail_after": "3"})))
+        assert kinds(failed) == ["start", "delta", "delta", "delta", "error"]
+        assert failed[-1].error.code == pb.ERROR_CODE_BACKEND_ERROR
+        crashed = await collect(await connection.open_run(chat(metadata={"mock.crash_after": "1"})))
+        assert crashed[-1].error.code == pb.ERROR_CODE_INTERNAL
+        bad = await collect(await connection.open_run(chat(metadata={"mock.tokens": "many"})))
+        assert bad[-1].error.code == pb.ERROR_CODE_INVALID_ARGUMENT and "mock.tokens" in bad[-1].error.message
+        await connection.close()
+
+
+async def test_metrics_exposed(pki: Pki, tmp_path: Path) -> None:
+    import urllib.request
+
+    settings = node_settings(pki, tmp_path, ROUTES[:1], metrics={"port": 0})
+    async with running_node(settings) as app:
+        connection = await client(app, pki)
+        await collect(await connection.open_run(chat()))
+        await collect(await connection.open_run(chat(model="nope")))
+        body = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{app.metrics_port}/metrics", timeout=5).read().decode()
+        )
+        assert 'iop_node_runs_total{model="mock-small",status="completed"} 1.0' in body
+        assert 'iop_node_runs_total{model="nope",status="failed"} 1.0' in body
+        assert "iop_node_time_to_first_token_seconds_bucket" in body
+        assert "iop_node_inter_token_latency_seconds_count" in body
+        assert 'iop_node_runs_in_flight{model="mock-small"} 0.0' in body
+        await connection.close()

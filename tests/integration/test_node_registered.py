@@ -1,0 +1,127 @@
+"""Registered mode against a minimal control-plane written here: register, status, runs, reconnect."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import Pki, assert_eventually
+from node_helpers import chat, collect, kinds, node_settings, running_node
+
+from iop_gen.bp import iop as bp
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire.connection import Connection, ConnectionConfig
+from iop_wire.endpoint import Listener, ListenerConfig
+from iop_wire.tls import Role
+
+
+class ControlPlanePeer:
+    """Answers node.register, keeps every node.status, and can send runs to the node."""
+
+    def __init__(self) -> None:
+        self.registered: list[pb.NodeRegister] = []
+        self.statuses: list[pb.NodeStatus] = []
+        self.connections: list[Connection] = []
+
+    async def run(self, request: bp.RunRequest, sink: object) -> None:
+        raise AssertionError("the control-plane does not serve runs in this test")
+
+    async def capabilities(self) -> bp.CapabilityResponse:
+        return bp.CapabilityResponse(node_id="cp")
+
+    async def message(self, connection: Connection, envelope: pb.Envelope) -> None:
+        kind = envelope.WhichOneof("body")
+        if kind == "node_register":
+            self.registered.append(envelope.node_register)
+            self.connections.append(connection)
+            reply = pb.Envelope(
+                in_reply_to=envelope.id, node_registered=pb.NodeRegistered(node_id=envelope.node_register.node_id)
+            )
+            await connection.send(reply)
+        elif kind == "node_status":
+            self.statuses.append(envelope.node_status)
+
+
+async def _control_plane(pki: Pki, peer: ControlPlanePeer, port: int = 0) -> Listener:
+    config = ListenerConfig(
+        port=port,
+        tls=pki.config("cp", Role.CONTROL_PLANE),
+        allowed_roles=frozenset({Role.NODE}),
+        connection=ConnectionConfig(heartbeat_interval=0.5),
+    )
+    return await Listener(config, lambda identity: peer).start()  # type: ignore[arg-type,return-value]
+
+
+async def test_register_report_serve_and_reconnect(pki: Pki, tmp_path: Path) -> None:
+    peer = ControlPlanePeer()
+    control_plane = await _control_plane(pki, peer)
+    port = control_plane.port
+    routes = [
+        {
+            "model": "mock-slow",
+            "adapter": "mock",
+            "max_concurrency": 2,
+            "options": {"tokens": 1000, "tokens_per_second": 50},
+        },
+        {"model": "mock-small", "adapter": "mock"},
+    ]
+    settings = node_settings(
+        pki,
+        tmp_path,
+        routes,
+        listen={"enabled": False},
+        control_plane={
+            "address": f"127.0.0.1:{port}",
+            "server_name": "localhost",
+            "reconnect_initial": 0.05,
+            "reconnect_max": 0.2,
+        },
+    )
+    async with running_node(settings) as app:
+        await assert_eventually(lambda: len(peer.registered) == 1)
+        register = peer.registered[0]
+        assert register.node_id == "node-t"
+        assert {m.name for a in register.capabilities.adapters for m in a.models} == {"mock-slow", "mock-small"}
+        assert register.status.capacity == 6  # 2 for mock-slow + the default 4 for mock-small
+
+        # a run sent by the control-plane is served like a direct one, and the load is reported
+        connection = peer.connections[0]
+        assert connection.peer.role is Role.NODE
+        stream = await connection.open_run(chat(model="mock-slow", run_id="via-cp"))
+        await anext(stream)
+        await assert_eventually(lambda: any(s.in_flight == 1 for s in peer.statuses))
+        await stream.cancel("done")
+        await collect(stream)
+        await assert_eventually(lambda: peer.statuses[-1].in_flight == 0)
+        small = await collect(await connection.open_run(chat(model="mock-small", run_id="small")))
+        assert kinds(small)[-1] == "complete"
+
+        # heartbeats carry status even when nothing changes
+        count = len(peer.statuses)
+        await assert_eventually(lambda: len(peer.statuses) >= count + 2, timeout=5)
+
+        # the control-plane restarts on the same port: the node registers again
+        await control_plane.close("restart")
+        control_plane = await _control_plane(pki, peer, port)
+        await assert_eventually(lambda: len(peer.registered) == 2, timeout=10)
+        assert app.registration is not None and app.registration.registrations == 2
+    await control_plane.close()
+
+
+async def test_drain_from_control_plane_rejects_new_runs(pki: Pki, tmp_path: Path) -> None:
+    peer = ControlPlanePeer()
+    control_plane = await _control_plane(pki, peer)
+    settings = node_settings(
+        pki,
+        tmp_path,
+        [{"model": "mock-small", "adapter": "mock"}],
+        listen={"enabled": False},
+        control_plane={"address": f"127.0.0.1:{control_plane.port}", "server_name": "localhost"},
+    )
+    async with running_node(settings):
+        await assert_eventually(lambda: len(peer.registered) == 1)
+        connection = peer.connections[0]
+        await connection.send(pb.Envelope(node_drain=pb.NodeDrain(node_id="node-t", reason="maintenance")))
+        await assert_eventually(lambda: bool(peer.statuses) and peer.statuses[-1].draining)
+        events = await collect(await connection.open_run(chat(model="mock-small")))
+        assert events[-1].error.code == pb.ERROR_CODE_SHUTTING_DOWN and events[-1].error.retryable
+    await control_plane.close()
