@@ -12,9 +12,13 @@ default:
 install:
     python3 -m uv sync --frozen
 
-# Start what exists of the platform (today: certificates and a loopback mTLS check).
+# Start the platform in the background (today: one node with mock models, mTLS on 127.0.0.1:7401).
 up:
     iop up
+
+# Stop what `just up` started.
+down:
+    iop down
 
 # Regenerate gen/ from proto/ (buf with local plugins only; no network).
 gen:
@@ -63,6 +67,7 @@ check: lint typecheck contracts gen-check breaking
 test *args:
     pytest {{args}}
 
-# Benchmarks; prints a table (targets and figures in README).
+# Benchmarks; prints tables (targets and figures in README).
 bench:
     python tests/bench/wire_bench.py
+    python tests/bench/node_bench.py

@@ -56,9 +56,9 @@ class EchoHandler:
         self.messages: list[pb.Envelope] = []
         self.sent = 0
 
-    async def run(self, request: bp.RunRequest, sink: EventSink) -> None:
+    async def run(self, request: pb.RunRequest, sink: EventSink) -> None:
         await sink.start(node_id="test-node", model=request.model, adapter="echo")
-        count = request.sampling.max_tokens if request.sampling and request.sampling.max_tokens else 3
+        count = request.sampling.max_tokens or 3
         try:
             if request.model == "hang":
                 await asyncio.Event().wait()

@@ -1,7 +1,7 @@
 """``iop``: the command-line entry point.
 
     iop certs init DIR [--san NAME ...]   a CA and a certificate per role, files 0600
-    iop up [--dir DIR]                    start what exists of the platform (see README)
+    iop up [--dir DIR] [--port N]         start the platform in the background; iop down stops it
     iop node --config node.yaml           run a node
     iop runs ls [--status S] [--model M] [--since 1h]   the run history
     iop runs show RUN_ID
@@ -38,7 +38,13 @@ def _certs_init(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace) -> int:
     from iop_cli.up import up
 
-    return asyncio.run(up(args.dir))
+    return up(args.dir, args.port)
+
+
+def _down(args: argparse.Namespace) -> int:
+    from iop_cli.up import down
+
+    return down(args.dir)
 
 
 def _node(args: argparse.Namespace) -> int:
@@ -103,9 +109,13 @@ def _parser() -> argparse.ArgumentParser:
     init.add_argument("--force", action="store_true", help="replace an existing CA")
     init.set_defaults(run=_certs_init)
 
-    up = commands.add_parser("up", help="start the platform on this machine")
-    up.add_argument("--dir", type=Path, default=Path(".iop"), help="state directory (certificates, databases)")
+    up = commands.add_parser("up", help="start the platform on this machine, in the background")
+    up.add_argument("--dir", type=Path, default=Path(".iop"), help="state directory (certificates, config, history)")
+    up.add_argument("--port", type=int, default=7401, help="node port written to a new DIR/node.yaml (0: any free)")
     up.set_defaults(run=_up)
+    down = commands.add_parser("down", help="stop what 'iop up' started")
+    down.add_argument("--dir", type=Path, default=Path(".iop"), help="state directory")
+    down.set_defaults(run=_down)
 
     node = commands.add_parser("node", help="run a node")
     node.add_argument("--config", type=Path, help="YAML settings (IOP_ environment variables override)")

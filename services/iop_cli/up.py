@@ -1,66 +1,139 @@
-"""``iop up``: bring up what exists of the platform on this machine.
+"""``iop up`` / ``iop down``: run the platform on this machine, in the background.
 
-Today that is the protocol layer: ``up`` makes sure development certificates exist under
-``DIR/certs``, opens an mTLS listener on 127.0.0.1 and proves it with a connection per codec
-(preface, capability exchange, heartbeat), then exits. Services join here as they land.
+``up`` makes sure ``DIR`` holds development certificates (``DIR/certs``) and a node config
+(``DIR/node.yaml``, mock models), starts ``iop node`` detached (log ``DIR/node.log``, pid
+``DIR/node.pid``), and returns once the node answers a capability request over mTLS.
+``down`` stops it with SIGTERM, which lets in-flight runs finish. Services join as they land.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import yaml
+
 from iop_gen.bp import iop as bp
-from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.certs import init_dir
-from iop_wire.connection import Connection, EventSink
-from iop_wire.endpoint import Listener, ListenerConfig, dial
-from iop_wire.errors import ErrorCode, IopError
-from iop_wire.tls import PeerIdentity, Role, TlsConfig
+from iop_wire.endpoint import dial
+from iop_wire.tls import Role, TlsConfig
 
+__all__ = ["down", "up"]
 
-class _NoServices:
-    """Answers for a platform with no node yet: no adapters, every run MODEL_NOT_FOUND."""
-
-    async def run(self, request: bp.RunRequest, sink: EventSink) -> None:
-        raise IopError(ErrorCode.MODEL_NOT_FOUND, f"no node serves {request.model!r} yet")
-
-    async def capabilities(self) -> bp.CapabilityResponse:
-        from importlib.metadata import version
-
-        return bp.CapabilityResponse(node_id="iop-up", version=version("iop"))
-
-    async def message(self, connection: Connection, envelope: pb.Envelope) -> None:
-        return None
+_START_TIMEOUT = 30.0
 
 
 def _tls(certs: Path, role: Role) -> TlsConfig:
     return TlsConfig(enabled=True, cert=certs / f"{role}.crt", key=certs / f"{role}.key", ca=certs / "ca.crt")
 
 
-async def up(state: Path) -> int:
-    """Prepare certificates and prove the wire; returns the exit code."""
+def _node_config(state: Path, port: int) -> dict[str, object]:
+    certs = (state / "certs").resolve()
+    return {
+        "node_id": "local-node",
+        "listen": {"host": "127.0.0.1", "port": port},
+        "tls": {
+            "enabled": True,
+            "cert": str(certs / "node.crt"),
+            "key": str(certs / "node.key"),
+            "ca": str(certs / "ca.crt"),
+        },
+        "store_path": str((state / "node-runs.db").resolve()),
+        "routes": [
+            {"model": "mock-small", "adapter": "mock", "options": {"tokens": 64, "tokens_per_second": 200}},
+            {"model": "mock-fast", "adapter": "mock", "max_concurrency": 64, "options": {"tokens": 256}},
+        ],
+    }
+
+
+def _running(pidfile: Path) -> int | None:
+    """The pid in ``pidfile`` if that process is alive."""
+    try:
+        pid = int(pidfile.read_text())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return None
+    return pid
+
+
+def up(state: Path, port: int = 7401) -> int:
+    """Start the platform under ``state``; returns the exit code."""
     certs = state / "certs"
     if not (certs / "ca.crt").exists():
         init_dir(certs)
         print(f"minted a development CA and per-role certificates in {certs}")
+    config = state / "node.yaml"
+    if not config.exists():
+        config.write_text(yaml.safe_dump(_node_config(state, port), sort_keys=False))
+        print(f"wrote {config} (mock models; edit it to add cli routes)")
+    pidfile, log = state / "node.pid", state / "node.log"
+    if (pid := _running(pidfile)) is not None:
+        print(f"node already running (pid {pid}); stop it with 'iop down'")
+        return 0
+    log.write_text("")
+    with log.open("ab") as sink:
+        process = subprocess.Popen(  # noqa: S603 - our own interpreter and module, no shell
+            [sys.executable, "-m", "iop_cli.main", "--log-level", "info", "node", "--config", str(config)],
+            stdin=subprocess.DEVNULL,
+            stdout=sink,
+            stderr=sink,
+            start_new_session=True,
+        )
+    pidfile.write_text(str(process.pid))
+    started = _wait_started(process, log)
+    if started is None:
+        print(f"the node did not start; the end of {log}:\n{log.read_text()[-2000:]}", file=sys.stderr)
+        pidfile.unlink(missing_ok=True)
+        return 1
+    capabilities = asyncio.run(_capabilities(started, certs))
+    models = ", ".join(m.name for a in capabilities.adapters for m in a.models)
+    print(f"node {capabilities.node_id} up at 127.0.0.1:{started} (mTLS, certificates in {certs}), pid {process.pid}")
+    print(f"models: {models}; log: {log}; run history: iop runs ls --config {config}; stop: iop down")
+    return 0
 
-    def no_services(peer: PeerIdentity) -> _NoServices:
-        return _NoServices()
 
-    listener = await Listener(ListenerConfig(tls=_tls(certs, Role.NODE)), no_services).start()
+async def _capabilities(port: int, certs: Path) -> bp.CapabilityResponse:
+    """Ask the node what it serves, over mTLS as an admin: proof that it is up."""
+    connection = await dial("127.0.0.1", port, tls=_tls(certs, Role.ADMIN), server_hostname="localhost")
     try:
-        for codec in ("proto", "json"):
-            started = time.perf_counter()
-            connection = await dial("127.0.0.1", listener.port, tls=_tls(certs, Role.ADMIN), codec=codec)
-            capabilities = await connection.capabilities()
-            await connection.close("up check done")
-            elapsed = (time.perf_counter() - started) * 1000
-            print(
-                f"wire ok: mTLS to 127.0.0.1:{listener.port} as {connection.peer.role}, codec {codec}, "
-                f"capabilities from {capabilities.node_id} {capabilities.version} in {elapsed:.1f} ms"
-            )
+        return await connection.capabilities()
     finally:
-        await listener.close()
-    print("no services to start yet: the node, control-plane, edge and worker arrive with their issues")
+        await connection.close("up check done")
+
+
+def _wait_started(process: subprocess.Popen[bytes], log: Path) -> int | None:
+    """The node's port once its log says it started; None if it exited or took too long."""
+    deadline = time.monotonic() + _START_TIMEOUT
+    while time.monotonic() < deadline and process.poll() is None:
+        for line in log.read_text().splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if event.get("event") == "node started":
+                return int(event["port"])
+        time.sleep(0.05)
+    return None
+
+
+def down(state: Path) -> int:
+    """Stop what ``up`` started; returns the exit code."""
+    pidfile = state / "node.pid"
+    pid = _running(pidfile)
+    if pid is None:
+        print("no node running")
+        pidfile.unlink(missing_ok=True)
+        return 0
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while _running(pidfile) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pidfile.unlink(missing_ok=True)
+    print(f"node (pid {pid}) stopped")
     return 0

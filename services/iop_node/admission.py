@@ -15,7 +15,7 @@ __all__ = ["Admission"]
 class Admission:
     """Slots for one model's runs."""
 
-    def __init__(self, model: str, capacity: int, queue_size: int, on_change: Callable[[], None]) -> None:
+    def __init__(self, model: str, capacity: int, queue_size: int, on_change: Callable[[Admission], None]) -> None:
         self.model = model
         self.capacity = capacity
         self.queue_size = queue_size
@@ -33,7 +33,7 @@ class Admission:
         """Take a slot, waiting in the queue; RESOURCE_EXHAUSTED when the queue is full."""
         if self.in_flight < self.capacity and not self._waiting:
             self.in_flight += 1
-            self._on_change()
+            self._on_change(self)
             return
         if len(self._waiting) >= self.queue_size:
             raise IopError(
@@ -42,7 +42,7 @@ class Admission:
             )
         entry = (-priority, next(self._order), asyncio.get_running_loop().create_future())
         heapq.heappush(self._waiting, entry)
-        self._on_change()
+        self._on_change(self)
         try:
             await entry[2]
         except asyncio.CancelledError:
@@ -56,7 +56,7 @@ class Admission:
             return
         self._waiting.remove(entry)
         heapq.heapify(self._waiting)
-        self._on_change()
+        self._on_change(self)
 
     def release(self) -> None:
         """Give a slot back; the highest-priority waiter (earliest first) gets it."""
@@ -67,4 +67,4 @@ class Admission:
                 self.in_flight += 1
                 future.set_result(None)
                 break
-        self._on_change()
+        self._on_change(self)

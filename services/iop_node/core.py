@@ -18,7 +18,7 @@ from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.admission import Admission
 from iop_node.domain import ExecutionSpec, RunRecord, RunStatus
-from iop_node.metrics import NodeMetrics
+from iop_node.metrics import ModelMetrics, NodeMetrics
 from iop_node.ports import Adapter, RunStore
 from iop_node.router import Router
 from iop_wire.connection import Connection
@@ -37,11 +37,10 @@ def _now() -> datetime.datetime:
 class MeteredSink:
     """The adapters' EventSink: forwards to the wire, timing tokens and counting usage."""
 
-    __slots__ = ("_chars", "_last", "_metrics", "_model", "_record", "_spec", "_started", "_wire", "completed")
+    __slots__ = ("_chars", "_last", "_metrics", "_record", "_spec", "_started", "_wire", "completed")
 
-    def __init__(self, wire: WireSink, spec: ExecutionSpec, record: RunRecord, metrics: NodeMetrics) -> None:
+    def __init__(self, wire: WireSink, spec: ExecutionSpec, record: RunRecord, metrics: ModelMetrics) -> None:
         self._wire, self._spec, self._record = wire, spec, record
-        self._model = spec.model
         self._metrics = metrics
         self._started = time.monotonic()
         self._last = 0.0
@@ -58,10 +57,10 @@ class MeteredSink:
     ) -> None:
         now = time.monotonic()
         if self._last:
-            self._metrics.inter_token.labels(self._model).observe(now - self._last)
+            self._metrics.inter_token.observe(now - self._last)
         else:
             self._record.first_token_at = _now()
-            self._metrics.time_to_first_token.labels(self._model).observe(now - self._started)
+            self._metrics.time_to_first_token.observe(now - self._started)
         self._last = now
         self._chars += len(text)
         await self._wire.delta(text, tool_calls=tool_calls, logprobs=logprobs, embeddings=embeddings)
@@ -130,17 +129,16 @@ class Node:
 
     # -- the wire Handler --------------------------------------------------------------------
 
-    async def run(self, request: bp.RunRequest, sink: WireSink) -> None:
+    async def run(self, request: pb.RunRequest, sink: WireSink) -> None:
         """Execute one run and record it; errors propagate to the wire as error events."""
         record = RunRecord(
             run_id=request.run_id,
             node_id=self.node_id,
             model=request.model,
             status=RunStatus.RUNNING,
-            caller=(request.caller.id if request.caller and request.caller.id else sink.peer.name),
+            caller=request.caller.id or sink.peer.name,
             received_at=_now(),
         )
-        log = _log.bind(node_id=self.node_id, run_id=request.run_id, model=request.model)
         try:
             await self._run(request, sink, record)
             record.status = RunStatus.COMPLETED
@@ -151,16 +149,16 @@ class Node:
             self._finish(record, RunStatus.FAILED, exc.code.name, exc.message)
             raise
         except Exception as exc:
-            log.exception("run failed unexpectedly")
+            _log.exception("run failed unexpectedly", node_id=self.node_id, run_id=request.run_id)
             self._finish(record, RunStatus.FAILED, ErrorCode.INTERNAL.name, f"internal error: {type(exc).__name__}")
             raise IopError(ErrorCode.INTERNAL, "internal error in the node") from exc
         finally:
             record.finished_at = _now()
             await self._store.record_end(record)
             self._metrics.runs.labels(record.model, record.status.value).inc()
-            log.info("run finished", status=record.status.value, error_code=record.error_code or None)
+            _log.debug("run finished", node_id=self.node_id, run_id=record.run_id, status=record.status.value)
 
-    async def _run(self, request: bp.RunRequest, sink: WireSink, record: RunRecord) -> None:
+    async def _run(self, request: pb.RunRequest, sink: WireSink, record: RunRecord) -> None:
         if self.draining:
             await self._store.record_start(record)
             raise IopError(ErrorCode.SHUTTING_DOWN, f"node {self.node_id} is draining; send the run elsewhere")
@@ -176,7 +174,7 @@ class Node:
             try:
                 record.started_at = _now()
                 await sink.start(node_id=self.node_id, model=spec.target_model, adapter=spec.adapter)
-                metered = MeteredSink(sink, spec, record, self._metrics)
+                metered = MeteredSink(sink, spec, record, self._metrics.model(spec.model))
                 await adapter.execute(spec, metered)
                 if not metered.completed:
                     raise IopError(ErrorCode.INTERNAL, f"adapter {spec.adapter} ended without completing the run")
@@ -239,13 +237,12 @@ class Node:
         """Call ``listener`` whenever in-flight or queued counts change."""
         self._listeners.append(listener)
 
-    def _load_changed(self) -> None:
-        busy = 0
-        for admission in self.admissions.values():
-            self._metrics.in_flight.labels(admission.model).set(admission.in_flight)
-            self._metrics.queued.labels(admission.model).set(admission.queued)
-            busy += admission.in_flight + admission.queued
-        if busy:
+    def _load_changed(self, admission: Admission | None = None) -> None:
+        if admission is not None:
+            gauges = self._metrics.model(admission.model)
+            gauges.in_flight.set(admission.in_flight)
+            gauges.queued.set(admission.queued)
+        if self.busy:
             self._idle.clear()
         else:
             self._idle.set()

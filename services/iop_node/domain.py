@@ -8,6 +8,7 @@ from enum import StrEnum
 from typing import Any
 
 from iop_gen.bp import iop as bp
+from iop_gen.pb.iop import runtime_pb2 as pb
 
 __all__ = ["ExecutionSpec", "RunRecord", "RunStatus", "SamplingSpec"]
 
@@ -49,8 +50,8 @@ class ExecutionSpec:
     """The backend's name for the model (route ``target``; defaults to ``model``)."""
     kind: bp.RunKind
     """Chat, completion or embedding."""
-    messages: tuple[bp.ChatMessage, ...]
-    """The conversation (chat runs)."""
+    messages: tuple[pb.ChatMessage, ...]
+    """The conversation (chat runs), as the upb messages the request arrived in."""
     prompt: tuple[str, ...]
     """Prompt entries (completion and embedding runs)."""
     sampling: SamplingSpec
@@ -72,9 +73,12 @@ class ExecutionSpec:
             return "\n".join(self.prompt)
         lines = []
         for message in self.messages:
-            text = "".join(part.text or "" for part in message.content)
-            lines.append(f"{message.role.name.lower()}: {text}")
+            text = "".join(part.text for part in message.content)
+            lines.append(f"{_ROLE_NAMES[message.role]}: {text}")
         return "\n".join(lines)
+
+
+_ROLE_NAMES = {number: name.removeprefix("ROLE_").lower() for name, number in pb.Role.items()}
 
 
 @dataclass(slots=True)

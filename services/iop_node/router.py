@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf import json_format
 
 from iop_gen.bp import iop as bp
+from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.domain import ExecutionSpec, SamplingSpec
 from iop_node.settings import RouteSettings
 from iop_wire.errors import ErrorCode, IopError
@@ -35,13 +40,13 @@ class Router:
         """The route table."""
         return list(self._routes.values())
 
-    def resolve(self, request: bp.RunRequest) -> ExecutionSpec:
+    def resolve(self, request: pb.RunRequest) -> ExecutionSpec:
         """The spec for ``request``; IopError (MODEL_NOT_FOUND, INVALID_ARGUMENT) if it cannot run here."""
         route = self._routes.get(request.model)
         if route is None:
             known = ", ".join(sorted(self._routes)) or "none"
             raise IopError(ErrorCode.MODEL_NOT_FOUND, f"model {request.model!r} is not served here (models: {known})")
-        kind = request.kind if request.kind != bp.RunKind.UNSPECIFIED else bp.RunKind.CHAT
+        kind = bp.RunKind(request.kind) if request.kind else bp.RunKind.CHAT
         self._check(request, kind)
         return ExecutionSpec(
             run_id=request.run_id,
@@ -53,23 +58,24 @@ class Router:
             prompt=tuple(request.prompt),
             sampling=_sampling(request.sampling, route),
             stream=request.stream,
-            openai_fields=request.openai_fields.to_dict() if request.openai_fields else {},
+            openai_fields=json_format.MessageToDict(request.openai_fields) if request.HasField("openai_fields") else {},
             options=route.options,
             metadata=dict(request.metadata),
-            deadline=request.deadline,
+            deadline=request.deadline.ToDatetime(datetime.UTC) if request.HasField("deadline") else None,
         )
 
-    def _check(self, request: bp.RunRequest, kind: bp.RunKind) -> None:
+    def _check(self, request: pb.RunRequest, kind: bp.RunKind) -> None:
         if kind == bp.RunKind.CHAT and not request.messages:
             raise _invalid("messages is empty: a chat run needs at least one message")
         if kind != bp.RunKind.CHAT and not request.prompt:
             raise _invalid(f"prompt is empty: a {kind.name.lower()} run needs a prompt")
-        if any(message.role == bp.Role.UNSPECIFIED for message in request.messages):
+        if any(message.role == pb.ROLE_UNSPECIFIED for message in request.messages):
             raise _invalid("every message needs a role")
-        max_tokens = request.sampling.max_tokens if request.sampling else None
-        if max_tokens is not None and not 0 < max_tokens <= self._limits.max_tokens:
-            raise _invalid(f"max_tokens must be between 1 and {self._limits.max_tokens}, got {max_tokens}")
-        size = sum(len(part.text or "") for m in request.messages for part in m.content) + sum(map(len, request.prompt))
+        if request.sampling.HasField("max_tokens"):
+            max_tokens = request.sampling.max_tokens
+            if not 0 < max_tokens <= self._limits.max_tokens:
+                raise _invalid(f"max_tokens must be between 1 and {self._limits.max_tokens}, got {max_tokens}")
+        size = sum(len(part.text) for m in request.messages for part in m.content) + sum(map(len, request.prompt))
         if size > self._limits.max_prompt_chars:
             raise _invalid(f"prompt of {size} characters is over this node's limit of {self._limits.max_prompt_chars}")
 
@@ -78,20 +84,18 @@ def _invalid(message: str) -> IopError:
     return IopError(ErrorCode.INVALID_ARGUMENT, message)
 
 
-def _sampling(given: bp.Sampling | None, route: RouteSettings) -> SamplingSpec:
-    given = given or bp.Sampling()
+def _sampling(given: pb.Sampling, route: RouteSettings) -> SamplingSpec:
     defaults = route.defaults
 
-    def pick(name: str) -> object:
-        value = getattr(given, name)
-        return getattr(defaults, name) if value is None else value
+    def pick(name: str) -> Any:
+        return getattr(given, name) if given.HasField(name) else getattr(defaults, name)  # type: ignore[arg-type]
 
     return SamplingSpec(
-        temperature=pick("temperature"),  # type: ignore[arg-type]
-        top_p=pick("top_p"),  # type: ignore[arg-type]
-        max_tokens=pick("max_tokens"),  # type: ignore[arg-type]
-        stop=tuple(given.stop or defaults.stop or ()),
-        seed=pick("seed"),  # type: ignore[arg-type]
-        presence_penalty=pick("presence_penalty"),  # type: ignore[arg-type]
-        frequency_penalty=pick("frequency_penalty"),  # type: ignore[arg-type]
+        temperature=pick("temperature"),
+        top_p=pick("top_p"),
+        max_tokens=pick("max_tokens"),
+        stop=tuple(given.stop) or tuple(defaults.stop or ()),
+        seed=pick("seed"),
+        presence_penalty=pick("presence_penalty"),
+        frequency_penalty=pick("frequency_penalty"),
     )

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -63,8 +64,12 @@ class ConnectionConfig:
 class Handler(Protocol):
     """What a connection calls for the requests it serves."""
 
-    async def run(self, request: bp.RunRequest, sink: EventSink) -> None:
-        """Execute ``request``, reporting through ``sink``; cancelled when the run is."""
+    async def run(self, request: pb.RunRequest, sink: EventSink) -> None:
+        """Execute ``request``, reporting through ``sink``; cancelled when the run is.
+
+        The request stays a upb message (typed by its mypy-protobuf stub): converting it to
+        betterproto2 would cost ~100 us per run, a third of a one-token run's budget.
+        """
         ...
 
     async def capabilities(self) -> bp.CapabilityResponse:
@@ -204,7 +209,7 @@ class Connection:
         """Queue ``envelope`` for the next write; raises ConnectionClosed once closed."""
         if not envelope.id:
             envelope.id = str(next(self._ids))
-        envelope.sent_at.GetCurrentTime()
+        envelope.sent_at.FromNanoseconds(time.time_ns())  # 6 times cheaper than GetCurrentTime
         self._queue(encode_frame(self.codec.encode(envelope), self.config.max_frame_size))
 
     def _queue(self, frame: bytes | bytearray) -> None:
@@ -368,10 +373,10 @@ class Connection:
         else:
             message.run_id = run_id
             sink = EventSink(self, run_id)
-            task = asyncio.create_task(self._serve(to_typed(message, bp.RunRequest), sink))
+            task = asyncio.create_task(self._serve(message, sink))
             self._served[run_id] = _Served(task, sink)
 
-    async def _serve(self, request: bp.RunRequest, sink: EventSink) -> None:
+    async def _serve(self, request: pb.RunRequest, sink: EventSink) -> None:
         assert self._handler is not None
         try:
             await self._handler.run(request, sink)

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from table import print_table
+
 from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.certs import init_dir
@@ -22,6 +24,7 @@ from iop_wire.codec import get_codec
 from iop_wire.connection import EventSink
 from iop_wire.endpoint import Listener, ListenerConfig, dial
 from iop_wire.framing import FrameDecoder, encode_frame
+from iop_wire.logs import configure
 from iop_wire.tls import TlsConfig
 
 TEXT = "hello"
@@ -34,7 +37,7 @@ def _delta_envelope(sequence: int) -> pb.Envelope:
         run_id="run-0123456789",
         run_event=pb.RunEvent(sequence=sequence, delta=pb.RunDelta(text=TEXT)),
     )
-    envelope.sent_at.GetCurrentTime()
+    envelope.sent_at.FromNanoseconds(time.time_ns())
     return envelope
 
 
@@ -87,10 +90,10 @@ def codec_rows() -> list[tuple[str, float]]:
 class _Streamer:
     """Streams ``max_tokens`` deltas per run as fast as the connection takes them."""
 
-    async def run(self, request: bp.RunRequest, sink: EventSink) -> None:
-        count = request.sampling.max_tokens if request.sampling else 0
+    async def run(self, request: pb.RunRequest, sink: EventSink) -> None:
+        count = request.sampling.max_tokens
         await sink.start(node_id="bench", model=request.model, adapter="bench")
-        for _ in range(count or 0):
+        for _ in range(count):
             await sink.delta(TEXT)
         await sink.complete(pb.FINISH_REASON_LENGTH)
 
@@ -147,6 +150,7 @@ def stream_rows(total_events: int) -> list[tuple[str, float]]:
 
 
 def main() -> None:
+    configure("warning")
     parser = argparse.ArgumentParser()
     parser.add_argument("--serve", type=Path)
     parser.add_argument("--events", type=int, default=200_000)
@@ -155,11 +159,7 @@ def main() -> None:
         asyncio.run(_serve(args.serve))
         return
     rows = codec_rows() + stream_rows(args.events)
-    width = max(len(name) for name, _ in rows)
-    print(f"{'benchmark':<{width}}  {'per second':>12}")
-    print(f"{'-' * width}  {'-' * 12}")
-    for name, rate in rows:
-        print(f"{name:<{width}}  {rate:>12,.0f}")
+    print_table([(name, f"{rate:,.0f}") for name, rate in rows], unit="per second")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ class ControlPlanePeer:
         self.statuses: list[pb.NodeStatus] = []
         self.connections: list[Connection] = []
 
-    async def run(self, request: bp.RunRequest, sink: object) -> None:
+    async def run(self, request: pb.RunRequest, sink: object) -> None:
         raise AssertionError("the control-plane does not serve runs in this test")
 
     async def capabilities(self) -> bp.CapabilityResponse:
