@@ -33,6 +33,7 @@ ROUTES = [
     {
         "model": "sleeper",
         "adapter": "cli",
+        "max_concurrency": 1,
         "options": {"argv": ["sh", "-c", "echo started; sleep 30 & sleep 30; wait"]},
     },
     {"model": "missing", "adapter": "cli", "options": {"argv": ["/no/such/program"]}},
@@ -150,22 +151,26 @@ async def test_bad_requests_get_their_error_code_and_a_failed_row(  # type: igno
         await connection.close()
 
 
-async def test_cancel_while_queued_never_starts(settings, pki: Pki) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("model", ["mock-slow", "sleeper"], ids=["mock", "cli"])
+async def test_cancel_while_queued_never_starts(settings, pki: Pki, model: str) -> None:  # type: ignore[no-untyped-def]
     async with running_node(settings) as app:
         connection = await client(app, pki)
-        holder = await connection.open_run(chat(model="mock-slow", run_id="holder"))
+        holder = await connection.open_run(chat(model=model, run_id="holder"))
         assert (await anext(holder)).WhichOneof("event") == "start"
-        waiting = await connection.open_run(chat(model="mock-slow", run_id="waiting"))
-        await assert_eventually(lambda: app.node.admissions["mock-slow"].queued == 1)
+        waiting = await connection.open_run(chat(model=model, run_id="waiting"))
+        await assert_eventually(lambda: app.node.admissions[model].queued == 1)
         await waiting.cancel("changed my mind")
         events = await collect(waiting)
         assert kinds(events) == ["error"]  # no start: it never left the queue
         assert events[0].error.code == pb.ERROR_CODE_CANCELLED
-        assert app.node.admissions["mock-slow"].queued == 0
+        assert app.node.admissions[model].queued == 0
         record = await _record(app, "waiting")
         assert record.status is RunStatus.CANCELLED and record.error_message == "changed my mind"
         assert record.started_at is None
+        if model == "sleeper":
+            assert len(_sleepers()) == 1  # only the holder's program was ever started
         await holder.cancel()
+        await collect(holder)
         await connection.close()
 
 
@@ -190,32 +195,48 @@ async def test_cancel_while_starting_and_while_streaming(settings, pki: Pki) -> 
 
 
 def _group_alive(pgid: int) -> bool:
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except (FileNotFoundError, ProcessLookupError, IndexError):
-                continue
-            if int(fields[2]) == pgid:
-                return True
-    return False
+    return any(entry.name.isdigit() and _pgid(entry) == pgid for entry in Path("/proc").iterdir())
 
 
-async def test_cli_cancel_mid_stream_removes_the_process_group(settings, pki: Pki) -> None:  # type: ignore[no-untyped-def]
+def _sleepers() -> list[int]:
+    """The sleeper programs the cli adapter started (group leaders, not their forked children)."""
+    return [
+        int(p.name)
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit() and _cmdline(p).startswith(_SLEEPER) and _pgid(p) == int(p.name)
+    ]
+
+
+def _pgid(proc: Path) -> int | None:
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[2])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+_SLEEPER = "sh\0-c\0echo started"
+
+
+@pytest.mark.parametrize("how", ["cancel", "disconnect"])
+async def test_cli_run_stopped_mid_stream_leaves_no_process(settings, pki: Pki, how: str) -> None:  # type: ignore[no-untyped-def]
     async with running_node(settings) as app:
         connection = await client(app, pki)
         stream = await connection.open_run(chat(model="sleeper", run_id="sl"))
         assert kinds([await anext(stream), await anext(stream)]) == ["start", "delta"]
-        pids = [
-            int(p.name)
-            for p in Path("/proc").iterdir()
-            if p.name.isdigit() and _cmdline(p).startswith("sh\0-c\0echo started")
-        ]
+        pids = _sleepers()
         assert len(pids) == 1
-        await stream.cancel("stop the program")
-        assert kinds(await collect(stream)) == ["error"]
+        if how == "cancel":
+            await stream.cancel("stop the program")
+            assert kinds(await collect(stream)) == ["error"]
+        else:
+            connection._writer.transport.abort()
         await assert_eventually(lambda: not _group_alive(pids[0]))
         assert not Path(f"/proc/{pids[0]}").exists()  # reaped, not a zombie
+        await assert_eventually(lambda: app.node.admissions["sleeper"].in_flight == 0)
+        record = await _record(app, "sl")
+        assert record.status is RunStatus.CANCELLED
+        expected = "stop the program" if how == "cancel" else "connection closed"
+        assert record.error_message.startswith(expected)
         await connection.close()
 
 
