@@ -20,8 +20,20 @@ up:
 down:
     iop down
 
+# npm packages of the TypeScript client and protoc-gen-es, pinned by tests/ts/package-lock.json.
+ts-install:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    cd tests/ts
+    stamp=node_modules/.iop-lock.sha256
+    want=$(sha256sum package-lock.json | cut -d' ' -f1)
+    if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+        npm ci --no-audit --no-fund --loglevel=error
+        echo "$want" > "$stamp"
+    fi
+
 # Regenerate gen/ from proto/ (buf with local plugins only; no network).
-gen:
+gen: ts-install
     buf generate 2> >(grep -v '^Writing' >&2)
     printf '%s\n"""Generated types: bp (betterproto2 dataclasses) and pb (google protobuf, upb)."""\n' "{{header}}" > gen/iop_gen/__init__.py
     printf '%s\n' "{{header}}" > gen/iop_gen/pb/__init__.py
@@ -64,7 +76,7 @@ breaking:
 check: lint typecheck contracts gen-check breaking
 
 # The test suite (pytest; add args, e.g. `just test -k codec`).
-test *args:
+test *args: ts-install
     pytest {{args}}
 
 # Benchmarks; prints tables (targets and figures in README).
