@@ -112,6 +112,10 @@ class NodeApp:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
+        for adapter in self.node.adapters.values():
+            closer = getattr(adapter, "aclose", None)
+            if closer is not None:
+                await closer()
         if isinstance(self.store, SqliteRunStore):
             await self.store.close()
         _log.info("node stopped", node_id=self.node.node_id)

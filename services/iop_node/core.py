@@ -79,7 +79,7 @@ class MeteredSink:
         self._record.prompt_tokens, self._record.completion_tokens = usage.prompt_tokens, usage.completion_tokens
         self._record.finish_reason = pb.FinishReason.Name(finish_reason).removeprefix("FINISH_REASON_").lower()
         self.completed = True
-        await self._wire.complete(finish_reason, usage, timings or self._timings())
+        await self._wire.complete(finish_reason, usage, self._timings(timings))
 
     def annotate(self, key: str, value: str) -> None:
         if key == "stderr_tail":
@@ -87,13 +87,16 @@ class MeteredSink:
         else:
             self._record.extra[key] = value
 
-    def _timings(self) -> pb.Timings:
+    def _timings(self, reported: pb.Timings | None) -> pb.Timings:
+        """The backend's timings where it reported them, the node's own measurements otherwise."""
         record, timings = self._record, pb.Timings()
         assert record.received_at is not None and record.started_at is not None
         timings.queued.FromTimedelta(record.started_at - record.received_at)
         if record.first_token_at is not None:
             timings.time_to_first_token.FromTimedelta(record.first_token_at - record.started_at)
         timings.generation.FromTimedelta(_now() - record.started_at)
+        if reported is not None:
+            timings.MergeFrom(reported)
         return timings
 
 
@@ -118,7 +121,8 @@ class Node:
     ) -> None:
         self.node_id = node_id
         self.draining = False
-        self._router, self._adapters, self._store, self._metrics = router, dict(adapters), store, metrics
+        self._router, self._store, self._metrics = router, store, metrics
+        self.adapters = dict(adapters)
         self._version, self._labels = version, dict(labels or {})
         self._listeners: list[Callable[[], None]] = []
         self.admissions = {
@@ -167,7 +171,7 @@ class Node:
         finally:
             await self._store.record_start(record)
         record.adapter = spec.adapter
-        adapter = self._adapters[spec.adapter]
+        adapter = self.adapters[spec.adapter]
         async with _deadline(spec.deadline):
             admission = self.admissions[spec.model]
             await admission.acquire(request.priority)
@@ -190,7 +194,7 @@ class Node:
         """What this node serves now."""
         adapters = []
         routed = {r.model: r for r in self._router.routes}
-        for name, adapter in self._adapters.items():
+        for name, adapter in self.adapters.items():
             models = await adapter.capabilities()
             for model in models:
                 route = routed.get(model.name)
@@ -215,8 +219,15 @@ class Node:
 
     def status(self) -> bp.NodeStatus:
         """The node's load now."""
+        routes = {route.model: route.adapter for route in self._router.routes}
         models = [
-            bp.ModelLoad(model=a.model, in_flight=a.in_flight, queued=a.queued, capacity=a.capacity, available=True)
+            bp.ModelLoad(
+                model=a.model,
+                in_flight=a.in_flight,
+                queued=a.queued,
+                capacity=a.capacity,
+                available=self.adapters[routes[a.model]].available(a.model),
+            )
             for a in self.admissions.values()
         ]
         return bp.NodeStatus(

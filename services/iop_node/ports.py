@@ -50,6 +50,10 @@ class Adapter(Protocol):
         """The models this adapter can serve now (``available`` false while its backend is down)."""
         ...
 
+    def available(self, model: str) -> bool:
+        """Whether ``model``'s backend is up, as last seen (no I/O: node.status asks often)."""
+        ...
+
     async def execute(self, spec: ExecutionSpec, sink: EventSink) -> None:
         """Run ``spec``, writing output to ``sink``; cancelled (CancelledError) when the run is."""
         ...

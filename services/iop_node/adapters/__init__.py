@@ -14,6 +14,8 @@ from pydantic import BaseModel
 
 from iop_node.adapters.cli import CliAdapter, CliOptions
 from iop_node.adapters.mock import MockAdapter, MockOptions
+from iop_node.adapters.ollama import OllamaAdapter, OllamaOptions
+from iop_node.adapters.vllm import VllmAdapter, VllmOptions
 from iop_node.ports import Adapter
 
 __all__ = ["REGISTRY", "AdapterEntry"]
@@ -24,4 +26,6 @@ AdapterEntry = tuple[type[BaseModel], Callable[[Mapping[str, Any]], Adapter]]
 REGISTRY: dict[str, AdapterEntry] = {
     "mock": (MockOptions, MockAdapter),
     "cli": (CliOptions, CliAdapter),
+    "vllm": (VllmOptions, VllmAdapter),
+    "ollama": (OllamaOptions, OllamaAdapter),
 }

@@ -81,6 +81,9 @@ class CliAdapter:
     def __init__(self, models: Mapping[str, CliOptions]) -> None:
         self._models = dict(models)
 
+    def available(self, model: str) -> bool:
+        return _resolvable(self._models[model])
+
     async def capabilities(self) -> list[bp.ModelInfo]:
         """Every configured model; available while its program can be found."""
         kinds = [bp.RunKind.CHAT, bp.RunKind.COMPLETION]

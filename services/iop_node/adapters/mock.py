@@ -118,6 +118,9 @@ class MockAdapter:
     def __init__(self, models: Mapping[str, MockOptions]) -> None:
         self._models = dict(models)
 
+    def available(self, model: str) -> bool:
+        return True
+
     async def capabilities(self) -> list[bp.ModelInfo]:
         kinds = [bp.RunKind.CHAT, bp.RunKind.COMPLETION, bp.RunKind.EMBEDDING]
         return [bp.ModelInfo(name=name, kinds=kinds, available=True) for name in self._models]

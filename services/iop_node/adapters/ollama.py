@@ -1,0 +1,212 @@
+"""The ollama adapter: Ollama's native API.
+
+Chat runs stream NDJSON from /api/chat, completion runs from /api/generate, embedding runs use
+/api/embed; /api/tags lists the models. Sampling maps to Ollama options (temperature, top_p,
+seed, stop, num_predict, presence/frequency penalty), ``done_reason`` to the finish reason,
+``prompt_eval_count`` / ``eval_count`` to usage and the reported durations to timings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import Field
+
+from iop_gen.bp import iop as bp
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_node.adapters.http import Backend, HttpOptions, protocol_error
+from iop_node.domain import ExecutionSpec
+from iop_node.ports import EventSink
+from iop_wire.errors import ErrorCode, IopError
+
+__all__ = ["OllamaAdapter", "OllamaOptions"]
+
+_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+_ROLES = {number: name.removeprefix("ROLE_").lower() for name, number in pb.Role.items()}
+_OPTION_NAMES = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "seed": "seed",
+    "max_tokens": "num_predict",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+}
+
+
+class OllamaOptions(HttpOptions):
+    """A route served by an Ollama server."""
+
+    base_url: str = Field("http://127.0.0.1:11434", pattern=r"^https?://")
+    """The Ollama server."""
+    keep_alive: str | None = None
+    """How long Ollama keeps the model loaded after a run (Ollama's ``keep_alive``, e.g. "10m")."""
+
+
+class OllamaAdapter:
+    """Relays runs to Ollama servers, one pooled client per base URL."""
+
+    name = "ollama"
+
+    def __init__(self, models: Mapping[str, OllamaOptions]) -> None:
+        self._options = dict(models)
+        self._backends: dict[str, Backend] = {}
+        for options in self._options.values():
+            if options.base_url not in self._backends:
+                self._backends[options.base_url] = Backend(
+                    options, health_path="/api/tags", name=f"ollama {options.base_url}"
+                )
+
+    def _backend(self, model: str) -> Backend:
+        return self._backends[self._options[model].base_url]
+
+    def available(self, model: str) -> bool:
+        return self._backend(model).available
+
+    async def aclose(self) -> None:
+        """Close every backend's connection pool."""
+        for backend in self._backends.values():
+            await backend.aclose()
+
+    async def capabilities(self) -> list[bp.ModelInfo]:
+        tags: dict[str, set[str]] = {}
+        for url, backend in self._backends.items():
+            with contextlib.suppress(IopError):
+                document = await backend.get_json("/api/tags")
+                tags[url] = {str(m.get("name")) for m in document.get("models", [])}
+        kinds = [bp.RunKind.CHAT, bp.RunKind.COMPLETION, bp.RunKind.EMBEDDING]
+        return [
+            bp.ModelInfo(
+                name=model, kinds=kinds, available=self._backend(model).available and model in self._targets(tags)
+            )
+            for model in self._options
+        ]
+
+    def _targets(self, tags: dict[str, set[str]]) -> set[str]:
+        """Route models whose target the backend's /api/tags lists (``name`` or ``name:latest``)."""
+        found = set()
+        for model, options in self._options.items():
+            names = tags.get(options.base_url, set())
+            if model in names or f"{model}:latest" in names or any(n.split(":")[0] == model for n in names):
+                found.add(model)
+        return found
+
+    async def execute(self, spec: ExecutionSpec, sink: EventSink) -> None:
+        backend = self._backend(spec.model)
+        if spec.kind == bp.RunKind.EMBEDDING:
+            await _embed(backend, spec, sink)
+            return
+        path, body = _request_body(spec, self._options[spec.model])
+        final: dict[str, Any] | None = None
+        async with contextlib.aclosing(backend.post_lines(path, body)) as lines:
+            async for line in lines:
+                item = _parse(line)
+                text = (item.get("message") or {}).get("content") if "message" in item else item.get("response")
+                if text:
+                    await sink.delta(text)
+                if item.get("done"):
+                    final = item
+                    break
+        if final is None:
+            raise protocol_error("the backend's stream ended without a done line")
+        await sink.complete(
+            _FINISH.get(final.get("done_reason") or "stop", pb.FINISH_REASON_STOP), _usage(final), _timings(final)
+        )
+
+
+def _request_body(spec: ExecutionSpec, options: OllamaOptions) -> tuple[str, dict[str, Any]]:
+    body: dict[str, Any] = {"model": spec.target_model, "stream": spec.stream, "options": _sampling(spec)}
+    if options.keep_alive is not None:
+        body["keep_alive"] = options.keep_alive
+    response_format = spec.openai_fields.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") == "json_object":
+        body["format"] = "json"
+    elif isinstance(response_format, dict) and response_format.get("type") == "json_schema":
+        body["format"] = (response_format.get("json_schema") or {}).get("schema", "json")
+    if spec.openai_fields.get("tools"):
+        body["tools"] = spec.openai_fields["tools"]
+    if spec.kind == bp.RunKind.COMPLETION:
+        body["prompt"] = "\n".join(spec.prompt)
+        return "/api/generate", body
+    body["messages"] = [_message(message) for message in spec.messages]
+    return "/api/chat", body
+
+
+def _sampling(spec: ExecutionSpec) -> dict[str, Any]:
+    options = {
+        name: getattr(spec.sampling, field)
+        for field, name in _OPTION_NAMES.items()
+        if getattr(spec.sampling, field) is not None
+    }
+    if spec.sampling.stop:
+        options["stop"] = list(spec.sampling.stop)
+    return options
+
+
+def _message(message: pb.ChatMessage) -> dict[str, Any]:
+    result: dict[str, Any] = {"role": _ROLES[message.role], "content": "".join(p.text for p in message.content)}
+    images = [_image(p.image_url.url) for p in message.content if p.WhichOneof("part") == "image_url"]
+    if images:
+        result["images"] = images
+    if message.tool_calls:
+        result["tool_calls"] = [
+            {"function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+            for c in message.tool_calls
+        ]
+    return result
+
+
+def _image(url: str) -> str:
+    """Ollama takes base64 image data, not URLs: a data: URL is unwrapped, anything else refused."""
+    if url.startswith("data:") and "," in url:
+        return url.split(",", 1)[1]
+    raise IopError(ErrorCode.INVALID_ARGUMENT, "the ollama adapter needs images as data: URLs")
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text) if text else {}
+    except ValueError:
+        raise IopError(ErrorCode.INVALID_ARGUMENT, "tool call arguments must be a JSON text") from None
+
+
+def _parse(line: bytes) -> dict[str, Any]:
+    try:
+        item = json.loads(line)
+    except ValueError:
+        raise protocol_error(f"the backend sent a line that is not JSON: {line[:120]!r}") from None
+    if not isinstance(item, dict):
+        raise protocol_error(f"the backend sent a JSON {type(item).__name__}, not an object")
+    if "error" in item:
+        raise IopError(ErrorCode.BACKEND_ERROR, f"ollama reported an error mid-stream: {item['error']}")
+    return item
+
+
+async def _embed(backend: Backend, spec: ExecutionSpec, sink: EventSink) -> None:
+    document = await backend.post_json("/api/embed", {"model": spec.target_model, "input": list(spec.prompt)})
+    try:
+        vectors = [pb.Embedding(index=i, values=values) for i, values in enumerate(document["embeddings"])]
+    except (KeyError, TypeError) as exc:
+        raise protocol_error(f"embed answer without embeddings: {exc}") from None
+    await sink.delta(embeddings=vectors)
+    await sink.complete(pb.FINISH_REASON_STOP, pb.Usage(prompt_tokens=document.get("prompt_eval_count") or 0))
+
+
+def _usage(final: dict[str, Any]) -> pb.Usage | None:
+    if "eval_count" not in final and "prompt_eval_count" not in final:
+        return None
+    return pb.Usage(prompt_tokens=final.get("prompt_eval_count") or 0, completion_tokens=final.get("eval_count") or 0)
+
+
+def _timings(final: dict[str, Any]) -> pb.Timings | None:
+    """Ollama's nanosecond durations: loading + prompt evaluation is the time to first token."""
+    if "total_duration" not in final:
+        return None
+    timings = pb.Timings()
+    timings.time_to_first_token.FromNanoseconds(
+        int(final.get("load_duration", 0)) + int(final.get("prompt_eval_duration", 0))
+    )
+    timings.generation.FromNanoseconds(int(final["total_duration"]))
+    return timings

@@ -1,0 +1,277 @@
+"""The vllm adapter: any OpenAI-compatible server (vLLM, llama.cpp's, SGLang, TGI, LM Studio, ...).
+
+Chat runs go to /v1/chat/completions, completion runs to /v1/completions, embedding runs to
+/v1/embeddings; streamed (SSE) or not as the client asked. OpenAI fields the client sent
+(tools, tool_choice, response_format, logprobs, ...) pass through untouched; tool-call deltas and
+logprobs come back as run events. Usage is asked for (``stream_options.include_usage``) and
+counted on the node when the server does not report it. The served models come from
+GET /v1/models, refreshed periodically and whenever a run fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import Field
+
+from iop_gen.bp import iop as bp
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_node.adapters.http import Backend, HttpOptions, protocol_error
+from iop_node.domain import ExecutionSpec
+from iop_node.ports import EventSink
+from iop_wire.errors import ErrorCode, IopError
+
+__all__ = ["VllmAdapter", "VllmOptions"]
+
+_FINISH = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "tool_calls": pb.FINISH_REASON_TOOL_CALLS,
+    "function_call": pb.FINISH_REASON_TOOL_CALLS,
+    "content_filter": pb.FINISH_REASON_CONTENT_FILTER,
+}
+_ROLES = {number: name.removeprefix("ROLE_").lower() for name, number in pb.Role.items()}
+
+
+class VllmOptions(HttpOptions):
+    """A route served by an OpenAI-compatible server."""
+
+    models_refresh: float = Field(60.0, gt=0)
+    """Seconds between GET /v1/models refreshes."""
+
+
+class VllmAdapter:
+    """Relays runs to OpenAI-compatible servers, one pooled client per base URL."""
+
+    name = "vllm"
+
+    def __init__(self, models: Mapping[str, VllmOptions]) -> None:
+        self._options = dict(models)
+        self._backends: dict[str, Backend] = {}
+        for options in self._options.values():
+            if options.base_url not in self._backends:
+                self._backends[options.base_url] = Backend(
+                    options, health_path="/v1/models", name=f"vllm {options.base_url}"
+                )
+        self._served: dict[str, set[str]] = {}
+        self._refreshed: dict[str, float] = {}
+
+    def _backend(self, model: str) -> Backend:
+        return self._backends[self._options[model].base_url]
+
+    def available(self, model: str) -> bool:
+        return self._backend(model).available
+
+    async def aclose(self) -> None:
+        """Close every backend's connection pool."""
+        for backend in self._backends.values():
+            await backend.aclose()
+
+    async def capabilities(self) -> list[bp.ModelInfo]:
+        kinds = [bp.RunKind.CHAT, bp.RunKind.COMPLETION, bp.RunKind.EMBEDDING]
+        infos = []
+        for model in self._options:
+            served = await self._served_models(model)
+            up = self._backend(model).available and (served is None or bool(served))
+            infos.append(bp.ModelInfo(name=model, kinds=kinds, available=up))
+        return infos
+
+    async def _served_models(self, model: str) -> set[str] | None:
+        """The backend's model ids (GET /v1/models), refreshed every ``models_refresh`` s."""
+        options = self._options[model]
+        url = options.base_url
+        if time.monotonic() - self._refreshed.get(url, -1e9) > options.models_refresh:
+            self._refreshed[url] = time.monotonic()
+            with contextlib.suppress(IopError):
+                document = await self._backends[url].get_json("/v1/models")
+                self._served[url] = {str(item.get("id")) for item in document.get("data", [])}
+        return self._served.get(url)
+
+    async def execute(self, spec: ExecutionSpec, sink: EventSink) -> None:
+        backend = self._backend(spec.model)
+        try:
+            if spec.kind == bp.RunKind.EMBEDDING:
+                await self._embed(backend, spec, sink)
+            elif spec.stream:
+                await self._stream(backend, spec, sink)
+            else:
+                await self._whole(backend, spec, sink)
+        except IopError:
+            self._refreshed.pop(backend.options.base_url, None)  # look at /v1/models again next time
+            raise
+
+    async def _stream(self, backend: Backend, spec: ExecutionSpec, sink: EventSink) -> None:
+        path, body = _request_body(spec, stream=True)
+        finish: str | None = None
+        usage: pb.Usage | None = None
+        async with contextlib.aclosing(backend.post_lines(path, body)) as lines:
+            async for line in lines:
+                if not line.startswith(b"data:"):
+                    continue  # SSE comments and other fields
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = _parse(data)
+                usage = _usage(chunk.get("usage")) or usage
+                finish = await _relay(chunk, sink) or finish
+        if finish is None:
+            raise protocol_error("the backend's stream ended without a finish_reason")
+        await sink.complete(_FINISH.get(finish, pb.FINISH_REASON_STOP), usage)
+
+    async def _whole(self, backend: Backend, spec: ExecutionSpec, sink: EventSink) -> None:
+        path, body = _request_body(spec, stream=False)
+        document = await backend.post_json(path, body)
+        try:
+            choice = document["choices"][0]
+        except (KeyError, IndexError, TypeError):
+            raise protocol_error(f"no choices in the backend's answer: {str(document)[:200]}") from None
+        message = choice.get("message") or {}
+        text = message.get("content") if "message" in choice else choice.get("text")
+        calls = [_tool_call(i, call) for i, call in enumerate(message.get("tool_calls") or [])]
+        logprobs = _logprobs(choice.get("logprobs"))
+        if text or calls or logprobs:
+            await sink.delta(text or "", tool_calls=calls, logprobs=logprobs)
+        finish = _FINISH.get(choice.get("finish_reason") or "stop", pb.FINISH_REASON_STOP)
+        await sink.complete(finish, _usage(document.get("usage")))
+
+    async def _embed(self, backend: Backend, spec: ExecutionSpec, sink: EventSink) -> None:
+        body = {**spec.openai_fields, "model": spec.target_model, "input": list(spec.prompt)}
+        document = await backend.post_json("/v1/embeddings", body)
+        try:
+            vectors = [pb.Embedding(index=item["index"], values=item["embedding"]) for item in document["data"]]
+        except (KeyError, TypeError) as exc:
+            raise protocol_error(f"embeddings answer without data[].embedding: {exc}") from None
+        await sink.delta(embeddings=vectors)
+        await sink.complete(pb.FINISH_REASON_STOP, _usage(document.get("usage")))
+
+
+def _request_body(spec: ExecutionSpec, *, stream: bool) -> tuple[str, dict[str, Any]]:
+    """The path and JSON body for a chat or completion run: the client's OpenAI fields, then ours."""
+    body: dict[str, Any] = dict(spec.openai_fields)
+    body["model"] = spec.target_model
+    body["stream"] = stream
+    if stream:
+        body["stream_options"] = {**body.get("stream_options", {}), "include_usage": True}
+    sampling = spec.sampling
+    for key in ("temperature", "top_p", "max_tokens", "seed", "presence_penalty", "frequency_penalty"):
+        value = getattr(sampling, key)
+        if value is not None:
+            body[key] = value
+    if sampling.stop:
+        body["stop"] = list(sampling.stop)
+    if spec.kind == bp.RunKind.COMPLETION:
+        body["prompt"] = spec.prompt[0] if len(spec.prompt) == 1 else list(spec.prompt)
+        return "/v1/completions", body
+    body["messages"] = [_message(message) for message in spec.messages]
+    return "/v1/chat/completions", body
+
+
+def _message(message: pb.ChatMessage) -> dict[str, Any]:
+    """A ChatMessage in OpenAI's shape."""
+    result: dict[str, Any] = {"role": _ROLES[message.role]}
+    parts = [_part(part) for part in message.content]
+    if len(parts) == 1 and parts[0]["type"] == "text":
+        result["content"] = parts[0]["text"]
+    elif parts:
+        result["content"] = parts
+    if message.name:
+        result["name"] = message.name
+    if message.tool_calls:
+        result["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": call.type or "function",
+                "function": {"name": call.function.name, "arguments": call.function.arguments},
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id:
+        result["tool_call_id"] = message.tool_call_id
+    return result
+
+
+def _part(part: pb.ContentPart) -> dict[str, Any]:
+    kind = part.WhichOneof("part")
+    if kind == "image_url":
+        image = {"url": part.image_url.url, **({"detail": part.image_url.detail} if part.image_url.detail else {})}
+        return {"type": "image_url", "image_url": image}
+    if kind == "input_audio":
+        return {
+            "type": "input_audio",
+            "input_audio": {"data": part.input_audio.data, "format": part.input_audio.format},
+        }
+    return {"type": "text", "text": part.text}
+
+
+def _parse(data: bytes) -> dict[str, Any]:
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        raise protocol_error(f"the backend sent a line that is not JSON: {data[:120]!r}") from None
+    if not isinstance(chunk, dict):
+        raise protocol_error(f"the backend sent a JSON {type(chunk).__name__}, not an object")
+    if "error" in chunk:
+        error = chunk["error"]
+        detail = error.get("message", error) if isinstance(error, dict) else error
+        raise IopError(ErrorCode.BACKEND_ERROR, f"the backend reported an error mid-stream: {detail}")
+    return chunk
+
+
+async def _relay(chunk: dict[str, Any], sink: EventSink) -> str | None:
+    """Send one SSE chunk's output on; return its finish_reason, if any."""
+    choices = chunk.get("choices") or ()
+    if not choices:
+        return None
+    choice = choices[0]
+    delta = choice.get("delta")
+    text = (delta.get("content") if delta is not None else choice.get("text")) or ""
+    calls = [_tool_call(call.get("index", i), call) for i, call in enumerate((delta or {}).get("tool_calls") or ())]
+    logprobs = _logprobs(choice.get("logprobs"))
+    if text or calls or logprobs:
+        await sink.delta(text, tool_calls=calls or None, logprobs=logprobs or None)
+    finish: str | None = choice.get("finish_reason")
+    return finish
+
+
+def _tool_call(index: int, call: dict[str, Any]) -> pb.ToolCallDelta:
+    function = call.get("function") or {}
+    return pb.ToolCallDelta(
+        index=index,
+        id=call.get("id") or "",
+        function_name=function.get("name") or "",
+        arguments=function.get("arguments") or "",
+    )
+
+
+def _logprobs(logprobs: Any) -> list[pb.TokenLogprob]:
+    if not isinstance(logprobs, dict) or not isinstance(logprobs.get("content"), list):
+        return []
+    return [
+        pb.TokenLogprob(
+            token=item.get("token", ""),
+            logprob=item.get("logprob", 0.0),
+            bytes=bytes(item.get("bytes") or ()),
+            top_logprobs=[
+                pb.TopLogprob(
+                    token=top.get("token", ""), logprob=top.get("logprob", 0.0), bytes=bytes(top.get("bytes") or ())
+                )
+                for top in item.get("top_logprobs") or ()
+            ],
+        )
+        for item in logprobs["content"]
+    ]
+
+
+def _usage(usage: Any) -> pb.Usage | None:
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details") or {}
+    return pb.Usage(
+        prompt_tokens=usage.get("prompt_tokens") or 0,
+        completion_tokens=usage.get("completion_tokens") or 0,
+        cached_tokens=(details.get("cached_tokens") if isinstance(details, dict) else 0) or 0,
+    )

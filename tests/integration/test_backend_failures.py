@@ -1,0 +1,147 @@
+"""Backend failures, each with its IOP error code, through a real node; the node keeps serving.
+
+The misbehaving backend is a small OpenAI-compatible server written here (aiohttp.web on
+127.0.0.1 port 0) that fails on purpose in the way the model name asks; a real llama.cpp server
+cannot be made to answer 500 or send a broken line on demand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+from conftest import Pki, assert_eventually
+from node_helpers import chat, client, collect, kinds, node_settings, running_node, text
+
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_node.bootstrap import NodeApp
+from iop_node.domain import RunStatus
+
+_CHUNK = {"id": "c1", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "ok "}}]}
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    body = await request.json()
+    model = body["model"]
+    statuses = {"gone": 404, "boom": 500, "busy": 429, "picky": 400}
+    if model in statuses:
+        message = f"scripted {statuses[model]} for model {model!r}"
+        return web.json_response({"error": {"message": message}}, status=statuses[model])
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(b"data: " + json.dumps(_CHUNK).encode() + b"\n\n")
+    if model == "garbled":
+        await response.write(b"data: {this is not json\n\n")
+    elif model == "stall":
+        await asyncio.sleep(30)
+    elif model == "cutoff":
+        pass  # ends without a finish_reason or [DONE]
+    else:
+        final = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+        await response.write(b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n")
+    return response
+
+
+async def _models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [{"id": "fine", "object": "model"}]})
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+async def _serve(port: int) -> web.AppRunner:
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_get("/v1/models", _models)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+MODELS = ["fine", "gone", "boom", "busy", "picky", "garbled", "cutoff", "stall"]
+
+
+@pytest.fixture
+async def scripted() -> AsyncIterator[int]:
+    port = _free_port()
+    runner = await _serve(port)
+    yield port
+    await runner.cleanup()
+
+
+@pytest.fixture
+async def node(pki: Pki, tmp_path: Path, scripted: int) -> AsyncIterator[NodeApp]:
+    options = {"base_url": f"http://127.0.0.1:{scripted}", "timeouts": {"idle": 0.3, "first_byte": 5}, "health_interval": 0.1}
+    routes = [{"model": m, "adapter": "vllm", "options": options} for m in MODELS]
+    routes.append({"model": "mock-small", "adapter": "mock"})
+    async with running_node(node_settings(pki, tmp_path, routes)) as app:
+        yield app
+
+
+@pytest.mark.parametrize(
+    ("model", "code", "retryable", "message"),
+    [
+        ("gone", pb.ERROR_CODE_MODEL_NOT_FOUND, False, "scripted 404 for model 'gone'"),
+        ("boom", pb.ERROR_CODE_BACKEND_ERROR, False, "HTTP 500: scripted 500"),
+        ("busy", pb.ERROR_CODE_RESOURCE_EXHAUSTED, True, "HTTP 429"),
+        ("picky", pb.ERROR_CODE_INVALID_ARGUMENT, False, "HTTP 400"),
+        ("garbled", pb.ERROR_CODE_BACKEND_PROTOCOL_ERROR, False, "not JSON"),
+        ("cutoff", pb.ERROR_CODE_BACKEND_PROTOCOL_ERROR, False, "without a finish_reason"),
+        ("stall", pb.ERROR_CODE_UNAVAILABLE, True, "stalled, no data for 0.3 s"),
+    ],
+)
+async def test_backend_failure_maps_to_its_code(  # noqa: PLR0913 - the case table's columns
+    node: NodeApp, pki: Pki, model: str, code: int, retryable: bool, message: str
+) -> None:
+    connection = await client(node, pki)
+    events = await collect(await connection.open_run(chat(model=model, run_id=f"r-{model}")))
+    error = events[-1].error
+    assert (error.code, error.retryable) == (code, retryable), error
+    assert message in error.message
+    assert (await node.store.get(f"r-{model}")).status is RunStatus.FAILED  # type: ignore[attr-defined]
+    assert kinds(await collect(await connection.open_run(chat(model="fine"))))[-1] == "complete"
+    assert kinds(await collect(await connection.open_run(chat())))[-1] == "complete"
+    await connection.close()
+
+
+async def test_healthy_backend_streams_with_usage(node: NodeApp, pki: Pki) -> None:
+    connection = await client(node, pki)
+    events = await collect(await connection.open_run(chat(model="fine")))
+    assert kinds(events) == ["start", "delta", "complete"]
+    assert text(events) == "ok "
+    usage = events[-1].complete.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.estimated) == (3, 1, False)
+    await connection.close()
+
+
+async def test_backend_not_running_then_coming_back(pki: Pki, tmp_path: Path) -> None:
+    port = _free_port()  # nothing listens here yet
+    options = {"base_url": f"http://127.0.0.1:{port}", "health_interval": 0.1}
+    routes = [{"model": "fine", "adapter": "vllm", "options": options}, {"model": "mock-small", "adapter": "mock"}]
+    async with running_node(node_settings(pki, tmp_path, routes)) as app:
+        connection = await client(app, pki)
+        events = await collect(await connection.open_run(chat(model="fine")))
+        assert events[-1].error.code == pb.ERROR_CODE_UNAVAILABLE and events[-1].error.retryable
+        assert "cannot reach" in events[-1].error.message
+        assert [m.available for m in app.node.status().models] == [False, True]
+        capabilities = await connection.capabilities()
+        vllm = next(a for a in capabilities.adapters if a.name == "vllm")
+        assert not vllm.models[0].available
+        assert kinds(await collect(await connection.open_run(chat())))[-1] == "complete"
+        runner = await _serve(port)  # the backend starts: the health probe sees it
+        try:
+            await assert_eventually(lambda: app.node.status().models[0].available)
+            assert kinds(await collect(await connection.open_run(chat(model="fine"))))[-1] == "complete"
+        finally:
+            await runner.cleanup()
+        await connection.close()
