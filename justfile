@@ -32,6 +32,11 @@ ts-install:
         echo "$want" > "$stamp"
     fi
 
+# Install the real inference servers the adapter tests start (llama-cpp-python, Ollama) under
+# ~/.cache/iop-backends. The first run compiles llama.cpp (6-20 min); pip caches the wheel.
+backends *parts:
+    bash tests/backends/install.sh {{parts}}
+
 # Regenerate gen/ from proto/ (buf with local plugins only; no network).
 gen: ts-install
     buf generate 2> >(grep -v '^Writing' >&2)
@@ -83,3 +88,4 @@ test *args: ts-install
 bench:
     python tests/bench/wire_bench.py
     python tests/bench/node_bench.py
+    python tests/bench/relay_bench.py

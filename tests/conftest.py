@@ -18,6 +18,9 @@ from iop_wire.endpoint import Listener, ListenerConfig
 from iop_wire.errors import ErrorCode, IopError
 from iop_wire.tls import Role, TlsConfig
 
+# Real inference servers (llama-cpp-python, Ollama) for the adapter tests: tests/backends.
+pytest_plugins = ["backends.fixtures"]
+
 
 async def assert_eventually(condition: Callable[[], bool], timeout: float = 5.0, interval: float = 0.01) -> None:
     """Poll ``condition`` until it holds, failing after ``timeout`` seconds."""

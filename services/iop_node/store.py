@@ -82,6 +82,9 @@ _LIST = _SELECT + (
 )
 
 
+_COMMIT_WINDOW = 0.005  # seconds the writer gathers writes before it commits them
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Write:
     """One queued statement."""
@@ -172,6 +175,10 @@ class SqliteRunStore:
     async def _write_loop(self, db: aiosqlite.Connection) -> None:
         while True:
             batch = [await self._queue.get()]
+            if batch[0] is not None:
+                # Gather what the next milliseconds bring: fewer commits, and SQLite's thread
+                # does not wake (and take the GIL) while a run is waiting for its first token.
+                await asyncio.sleep(_COMMIT_WINDOW)
             while not self._queue.empty():
                 batch.append(self._queue.get_nowait())
             writes = [item for item in batch if isinstance(item, _Write)]

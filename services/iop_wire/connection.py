@@ -191,9 +191,9 @@ class Connection:
 
     # -- sending -----------------------------------------------------------------------------
 
-    async def send(self, envelope: pb.Envelope) -> None:
+    async def send(self, envelope: pb.Envelope, *, urgent: bool = False) -> None:
         """Send ``envelope``, waiting while more than ``write_buffer`` bytes are queued."""
-        self.send_nowait(envelope)
+        self.send_nowait(envelope, urgent=urgent)
         if self._out_bytes >= self.config.write_buffer:
             self._flush()
             await self._writer.drain()
@@ -205,12 +205,19 @@ class Connection:
             self._flush()
             await self._writer.drain()
 
-    def send_nowait(self, envelope: pb.Envelope) -> None:
-        """Queue ``envelope`` for the next write; raises ConnectionClosed once closed."""
+    def send_nowait(self, envelope: pb.Envelope, *, urgent: bool = False) -> None:
+        """Queue ``envelope``; raises ConnectionClosed once closed.
+
+        Frames are gathered and written once per event-loop turn (throughput); an ``urgent``
+        one (a request, a run's start, first token and end) goes out at once, with whatever was
+        gathered before it, because someone is waiting for exactly that frame.
+        """
         if not envelope.id:
             envelope.id = str(next(self._ids))
         envelope.sent_at.FromNanoseconds(time.time_ns())  # 6 times cheaper than GetCurrentTime
         self._queue(encode_frame(self.codec.encode(envelope), self.config.max_frame_size))
+        if urgent:
+            self._flush()
 
     def _queue(self, frame: bytes | bytearray) -> None:
         if self._writer.is_closing():
@@ -241,12 +248,13 @@ class Connection:
             raise ConnectionClosed("connection is closed")
         stream = RunStream(message.run_id, self.config.run_buffer, self.cancel_run)
         self._streams[message.run_id] = stream
-        await self.send(pb.Envelope(run_id=message.run_id, run_request=message))
+        await self.send(pb.Envelope(run_id=message.run_id, run_request=message), urgent=True)
         return stream
 
     async def cancel_run(self, run_id: str, reason: str) -> None:
         """Send cancel.request for ``run_id``."""
-        await self.send(pb.Envelope(run_id=run_id, cancel_request=pb.CancelRequest(run_id=run_id, reason=reason)))
+        cancel = pb.CancelRequest(run_id=run_id, reason=reason)
+        await self.send(pb.Envelope(run_id=run_id, cancel_request=cancel), urgent=True)
 
     async def request(self, envelope: pb.Envelope, timeout: float = 10.0) -> pb.Envelope:
         """Send ``envelope`` and wait for the envelope whose ``in_reply_to`` names it."""
@@ -254,7 +262,7 @@ class Connection:
         future: asyncio.Future[pb.Envelope] = self._loop.create_future()
         self._pending[envelope.id] = future
         try:
-            await self.send(envelope)
+            await self.send(envelope, urgent=True)
             return await asyncio.wait_for(future, timeout)
         finally:
             self._pending.pop(envelope.id, None)
@@ -404,12 +412,8 @@ class Connection:
             await self._reject(envelope, ErrorCode.UNKNOWN_MESSAGE_TYPE, "capability.request is not served here")
             return
         response = await self._handler.capabilities()
-        await self.send(
-            pb.Envelope(
-                in_reply_to=envelope.id,
-                capability_response=from_typed(response, pb.CapabilityResponse),
-            )
-        )
+        reply = pb.Envelope(in_reply_to=envelope.id, capability_response=from_typed(response, pb.CapabilityResponse))
+        await self.send(reply, urgent=True)
 
     # -- liveness ----------------------------------------------------------------------------
 

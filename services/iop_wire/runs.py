@@ -24,7 +24,7 @@ class _Sender(Protocol):
     peer: PeerIdentity
     closed: bool
 
-    async def send(self, envelope: pb.Envelope) -> None: ...
+    async def send(self, envelope: pb.Envelope, *, urgent: bool = False) -> None: ...
 
     def send_nowait(self, envelope: pb.Envelope) -> None: ...
 
@@ -149,10 +149,12 @@ class EventSink:
     async def _send(self, event: pb.RunEvent, *, terminal: bool = False) -> None:
         if self.finished or self._connection.closed:
             return
-        event.sequence = self._sequence
+        event.sequence = sequence = self._sequence
         self._sequence += 1
         self.finished = terminal
-        await self._connection.send(pb.Envelope(run_id=self.run_id, run_event=event))
+        # start, the first output and the end are waited for: they skip the turn's batching
+        urgent = terminal or sequence < 2
+        await self._connection.send(pb.Envelope(run_id=self.run_id, run_event=event), urgent=urgent)
 
     def fail_now(self, error: IopError) -> None:
         """Queue a terminal error without waiting (used while the connection closes)."""

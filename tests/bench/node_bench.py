@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 from table import print_table
 
-from iop_gen.bp import iop as bp
+from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.certs import init_dir
 from iop_wire.connection import Connection
 from iop_wire.endpoint import dial
@@ -30,7 +30,8 @@ from iop_wire.tls import TlsConfig
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def _config(state: Path) -> Path:
+def write_config(state: Path, routes: list[dict[str, object]]) -> Path:
+    """Certificates and a node config under ``state``, for a node on 127.0.0.1 port 0 with mTLS."""
     certs = state / "certs"
     init_dir(certs)
     data = {
@@ -44,7 +45,17 @@ def _config(state: Path) -> Path:
         },
         "store_path": str(state / "runs.db"),
         "log_level": "warning",
-        "routes": [
+        "routes": routes,
+    }
+    path = state / "node.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _config(state: Path) -> Path:
+    return write_config(
+        state,
+        [
             {
                 "model": "fast",
                 "adapter": "mock",
@@ -59,10 +70,7 @@ def _config(state: Path) -> Path:
                 "options": {"tokens": 10_000, "tokens_per_second": 200},
             },
         ],
-    }
-    path = state / "node.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    )
 
 
 def _start(config: Path) -> tuple[subprocess.Popen[str], int]:
@@ -83,17 +91,18 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
-def _request(run_id: str, model: str, tokens: int) -> bp.RunRequest:
-    return bp.RunRequest(
+def _request(run_id: str, model: str, tokens: int) -> pb.RunRequest:
+    """A chat request built as a relay builds one: upb, no betterproto2 conversion."""
+    return pb.RunRequest(
         run_id=run_id,
         model=model,
         stream=True,
-        sampling=bp.Sampling(max_tokens=tokens),
-        messages=[bp.ChatMessage(role=bp.Role.USER, content=[bp.ContentPart(text="benchmark prompt")])],
+        sampling=pb.Sampling(max_tokens=tokens),
+        messages=[pb.ChatMessage(role=pb.ROLE_USER, content=[pb.ContentPart(text="benchmark prompt")])],
     )
 
 
-async def _drain(connection: Connection, request: bp.RunRequest) -> int:
+async def _drain(connection: Connection, request: pb.RunRequest) -> int:
     return len([event async for event in await connection.open_run(request)])
 
 

@@ -42,7 +42,10 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     elif model == "cutoff":
         pass  # ends without a finish_reason or [DONE]
     else:
-        final = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+        final = {
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1},
+        }
         await response.write(b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n")
     return response
 
@@ -81,7 +84,11 @@ async def scripted() -> AsyncIterator[int]:
 
 @pytest.fixture
 async def node(pki: Pki, tmp_path: Path, scripted: int) -> AsyncIterator[NodeApp]:
-    options = {"base_url": f"http://127.0.0.1:{scripted}", "timeouts": {"idle": 0.3, "first_byte": 5}, "health_interval": 0.1}
+    options = {
+        "base_url": f"http://127.0.0.1:{scripted}",
+        "timeouts": {"idle": 0.3, "first_byte": 5},
+        "health_interval": 0.1,
+    }
     routes = [{"model": m, "adapter": "vllm", "options": options} for m in MODELS]
     routes.append({"model": "mock-small", "adapter": "mock"})
     async with running_node(node_settings(pki, tmp_path, routes)) as app:
@@ -100,7 +107,7 @@ async def node(pki: Pki, tmp_path: Path, scripted: int) -> AsyncIterator[NodeApp
         ("stall", pb.ERROR_CODE_UNAVAILABLE, True, "stalled, no data for 0.3 s"),
     ],
 )
-async def test_backend_failure_maps_to_its_code(  # noqa: PLR0913 - the case table's columns
+async def test_backend_failure_maps_to_its_code(  # noqa: PLR0917 - the case table's columns
     node: NodeApp, pki: Pki, model: str, code: int, retryable: bool, message: str
 ) -> None:
     connection = await client(node, pki)

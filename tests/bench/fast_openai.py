@@ -1,0 +1,74 @@
+"""A fast OpenAI-compatible streaming server for relay benchmarks: canned chunks, no model.
+
+    python fast_openai.py PORT
+
+POST /v1/chat/completions answers ``max_tokens`` SSE chunks as fast as the socket takes them,
+then a usage chunk and ``data: [DONE]``; GET /v1/models lists one model. HTTP/1.1 keep-alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+_CHUNK = json.dumps(
+    {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "fast",
+        "choices": [{"index": 0, "delta": {"content": "tok "}, "logprobs": None, "finish_reason": None}],
+    }
+).encode()
+_MODELS = json.dumps({"object": "list", "data": [{"id": "fast", "object": "model"}]}).encode()
+
+
+def _chunked(writer: asyncio.StreamWriter, data: bytes) -> None:
+    writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+
+async def _answer(writer: asyncio.StreamWriter, body: dict[str, object]) -> None:
+    count = int(body.get("max_tokens") or 16)  # type: ignore[call-overload]
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+    for index in range(count):
+        _chunked(writer, b"data: " + _CHUNK + b"\n\n")
+        if index % 64 == 0:
+            await writer.drain()
+    final = {
+        "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": count, "total_tokens": count + 5},
+    }
+    _chunked(writer, b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n")
+    writer.write(b"0\r\n\r\n")
+    await writer.drain()
+
+
+async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":", 1)[1])
+            body = json.loads(await reader.readexactly(length)) if length else {}
+            if head.startswith(b"GET"):
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                    % (len(_MODELS), _MODELS)
+                )
+            else:
+                await _answer(writer, body)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        writer.close()
+
+
+async def main(port: int) -> None:
+    server = await asyncio.start_server(_handle, "127.0.0.1", port)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await server.serve_forever()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(int(sys.argv[1]) if len(sys.argv) > 1 else 0))

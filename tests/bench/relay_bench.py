@@ -1,0 +1,127 @@
+"""Relay benchmark: the vllm adapter in front of a fast local OpenAI-compatible server.
+
+Node CPU per relayed token, and the time to first token a client sees through the node
+compared with talking to the server directly, at concurrency 1. The node runs pinned to
+core 0; the server (tests/bench/fast_openai.py) and this client share core 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+from node_bench import _cpu_seconds, _request, _start, write_config
+from table import print_table
+
+from iop_wire.connection import Connection
+from iop_wire.endpoint import dial
+from iop_wire.logs import configure
+from iop_wire.tls import TlsConfig
+
+
+def _config(state: Path, server_port: int) -> Path:
+    options = {"base_url": f"http://127.0.0.1:{server_port}"}
+    return write_config(state, [{"model": "fast", "adapter": "vllm", "max_concurrency": 64, "options": options}])
+
+
+async def _direct_ttft(port: int, runs: int) -> list[float]:
+    """Milliseconds to the first content chunk, straight from the server."""
+    latencies = []
+    body = {"model": "fast", "stream": True, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    async with aiohttp.ClientSession() as session:
+        for _ in range(runs):
+            started = time.perf_counter()
+            async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as response:
+                first = None
+                async for line in response.content:
+                    if first is None and line.startswith(b"data: {"):
+                        first = time.perf_counter()
+                assert first is not None
+                latencies.append((first - started) * 1000)
+    return latencies
+
+
+async def _node_ttft(connection: Connection, runs: int) -> list[float]:
+    """Milliseconds to the first delta, through the node."""
+    latencies = []
+    for index in range(runs):
+        started = time.perf_counter()
+        first = None
+        async for event in await connection.open_run(_request(f"ttft-{index}", "fast", 8)):
+            if first is None and event.WhichOneof("event") == "delta":
+                first = time.perf_counter()
+        assert first is not None
+        latencies.append((first - started) * 1000)
+    return latencies
+
+
+async def _cpu_per_token(connection: Connection, pid: int, runs: int, tokens: int) -> float:
+    before = _cpu_seconds(pid)
+    counts = await asyncio.gather(*(_count(connection, f"cpu-{i}", tokens) for i in range(runs)))
+    return (_cpu_seconds(pid) - before) / sum(counts) * 1e6
+
+
+async def _count(connection: Connection, run_id: str, tokens: int) -> int:
+    return sum(
+        [
+            1
+            async for e in await connection.open_run(_request(run_id, "fast", tokens))
+            if e.WhichOneof("event") == "delta"
+        ]
+    )
+
+
+async def _bench(node_port: int, node_pid: int, server_port: int, certs: Path) -> list[tuple[str, str]]:
+    tls = TlsConfig(enabled=True, cert=certs / "edge.crt", key=certs / "edge.key", ca=certs / "ca.crt")
+    connection = await dial("127.0.0.1", node_port, tls=tls, server_hostname="localhost")
+    await _node_ttft(connection, 20)  # warm up both connection pools
+    await _direct_ttft(server_port, 20)
+    # The direct client runs where the node runs (core 0), so that both paths cross the same
+    # cores: an idle core's wake-up, not IOP, would otherwise be most of the difference.
+    os.sched_setaffinity(0, {0})
+    direct = statistics.median(await _direct_ttft(server_port, 200))
+    os.sched_setaffinity(0, {1})
+    relayed = statistics.median(await _node_ttft(connection, 200))
+    cpu = await _cpu_per_token(connection, node_pid, 10, 5000)
+    await connection.close()
+    return [
+        ("vllm adapter: node CPU per relayed token (10 runs x 5,000 tokens)", f"{cpu:.1f} us"),
+        ("time to first token, client -> server directly (median of 200)", f"{direct:.2f} ms"),
+        ("time to first token, client -> node (mTLS) -> server (median of 200)", f"{relayed:.2f} ms"),
+        ("time to first token added by the node", f"{relayed - direct:.2f} ms"),
+    ]
+
+
+def main() -> None:
+    configure("warning")
+    here = Path(__file__).parent
+    server = subprocess.Popen(
+        ["taskset", "-c", "1", sys.executable, str(here / "fast_openai.py"), "0"], stdout=subprocess.PIPE, text=True
+    )
+    assert server.stdout is not None
+    server_port = int(server.stdout.readline())
+    os.sched_setaffinity(0, {1})
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            state = Path(tmp)
+            node, node_port = _start(_config(state, server_port))
+            try:
+                rows = asyncio.run(_bench(node_port, node.pid, server_port, state / "certs"))
+            finally:
+                node.terminate()
+                node.wait(timeout=30)
+    finally:
+        server.kill()
+        server.wait()
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()
