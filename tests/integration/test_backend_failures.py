@@ -25,8 +25,53 @@ from iop_node.domain import RunStatus
 _CHUNK = {"id": "c1", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "ok "}}]}
 
 
+_TOOL_CHUNKS = [
+    {
+        "choices": [
+            {
+                "index": 0,
+                "delta": {
+                    "tool_calls": [
+                        {
+                            "index": 0,
+                            "id": "call_7",
+                            "type": "function",
+                            "function": {"name": "lookup", "arguments": ""},
+                        }
+                    ]
+                },
+            }
+        ]
+    },
+    {
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"q": 1}'}}]},
+                "logprobs": {
+                    "content": [
+                        {
+                            "token": "x",
+                            "logprob": -0.5,
+                            "bytes": [120],
+                            "top_logprobs": [{"token": "x", "logprob": -0.5, "bytes": [120]}],
+                        }
+                    ]
+                },
+            }
+        ]
+    },
+    {
+        "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}],
+        "usage": {"prompt_tokens": 9, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 8}},
+    },
+]
+SEEN: list[dict[str, object]] = []
+
+
 async def _chat(request: web.Request) -> web.StreamResponse:
     body = await request.json()
+    SEEN.append({"body": body, "authorization": request.headers.get("Authorization")})
     model = body["model"]
     statuses = {"gone": 404, "boom": 500, "busy": 429, "picky": 400}
     if model in statuses:
@@ -34,6 +79,11 @@ async def _chat(request: web.Request) -> web.StreamResponse:
         return web.json_response({"error": {"message": message}}, status=statuses[model])
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
+    if model == "tools":
+        for chunk in _TOOL_CHUNKS:
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
     await response.write(b"data: " + json.dumps(_CHUNK).encode() + b"\n\n")
     if model == "garbled":
         await response.write(b"data: {this is not json\n\n")
@@ -71,7 +121,7 @@ async def _serve(port: int) -> web.AppRunner:
     return runner
 
 
-MODELS = ["fine", "gone", "boom", "busy", "picky", "garbled", "cutoff", "stall"]
+MODELS = ["fine", "gone", "boom", "busy", "picky", "garbled", "cutoff", "stall", "tools"]
 
 
 @pytest.fixture
@@ -86,6 +136,7 @@ async def scripted() -> AsyncIterator[int]:
 async def node(pki: Pki, tmp_path: Path, scripted: int) -> AsyncIterator[NodeApp]:
     options = {
         "base_url": f"http://127.0.0.1:{scripted}",
+        "api_key": "sk-test-key",
         "timeouts": {"idle": 0.3, "first_byte": 5},
         "health_interval": 0.1,
     }
@@ -152,3 +203,33 @@ async def test_backend_not_running_then_coming_back(pki: Pki, tmp_path: Path) ->
         finally:
             await runner.cleanup()
         await connection.close()
+
+
+async def test_openai_fields_pass_through_and_tool_calls_logprobs_usage_come_back(node: NodeApp, pki: Pki) -> None:
+    from iop_gen.bp import iop as bp
+    from iop_gen.bp.google.protobuf import Struct
+
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    fields = Struct.from_dict(
+        {"tools": tools, "tool_choice": "auto", "logprobs": True, "top_logprobs": 1, "user": "u-1"}
+    )
+    request = chat(model="tools", openai_fields=fields, sampling=bp.Sampling(temperature=0.2, seed=5, stop=["END"]))
+    SEEN.clear()
+    connection = await client(node, pki)
+    events = await collect(await connection.open_run(request))
+    sent = SEEN[-1]["body"]
+    assert SEEN[-1]["authorization"] == "Bearer sk-test-key"
+    assert sent["tools"] == tools and sent["tool_choice"] == "auto" and sent["logprobs"] is True  # type: ignore[index]
+    assert sent["top_logprobs"] == 1 and sent["user"] == "u-1"  # type: ignore[index]
+    assert (sent["temperature"], sent["seed"], sent["stop"]) == (0.2, 5, ["END"])  # type: ignore[index]
+    assert sent["stream_options"] == {"include_usage": True}  # type: ignore[index]
+    assert sent["messages"] == [{"role": "user", "content": "hello there"}]  # type: ignore[index]
+    first, second = events[1].delta, events[2].delta
+    assert (first.tool_calls[0].id, first.tool_calls[0].function_name) == ("call_7", "lookup")
+    assert second.tool_calls[0].arguments == '{"q": 1}' and second.tool_calls[0].index == 0
+    assert second.logprobs[0].token == "x" and second.logprobs[0].bytes == b"x"
+    assert second.logprobs[0].top_logprobs[0].logprob == -0.5
+    complete = events[-1].complete
+    assert complete.finish_reason == pb.FINISH_REASON_TOOL_CALLS
+    assert (complete.usage.prompt_tokens, complete.usage.completion_tokens, complete.usage.cached_tokens) == (9, 4, 8)
+    await connection.close()

@@ -198,6 +198,9 @@ async def test_ollama_tags_generate_and_unknown_model(ollama_node: NodeApp, pki:
     )
     events = await collect(await connection.open_run(completion))
     assert kinds(events)[-1] == "complete" and events[-1].complete.usage.completion_tokens == 4
+    embed = bp.RunRequest(run_id="oe", model="tiny", kind=bp.RunKind.EMBEDDING, prompt=["one", "two words"])
+    vectors = (await collect(await connection.open_run(embed)))[1].delta.embeddings
+    assert [v.index for v in vectors] == [0, 1] and len(vectors[0].values) == 64
     missing = await collect(await connection.open_run(chat(model="absent")))
     assert missing[-1].error.code == pb.ERROR_CODE_MODEL_NOT_FOUND and "not found" in missing[-1].error.message
     await connection.close()
