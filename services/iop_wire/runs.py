@@ -152,8 +152,9 @@ class EventSink:
         event.sequence = sequence = self._sequence
         self._sequence += 1
         self.finished = terminal
-        # start, the first output and the end are waited for: they skip the turn's batching
-        urgent = terminal or sequence < 2
+        # The first output and the end are waited for: they skip the turn's batching. start is
+        # not: it goes out while the adapter waits for its backend.
+        urgent = terminal or sequence == 1
         await self._connection.send(pb.Envelope(run_id=self.run_id, run_event=event), urgent=urgent)
 
     def fail_now(self, error: IopError) -> None:

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -98,8 +99,12 @@ def test_kill_ends_the_stream_and_leaves_no_process(ollama_backend_fresh: Backen
         os.killpg(group, signal.SIGKILL)
     except ProcessLookupError:
         return
-    # A zombie child not yet reaped by init still counts as a group member: it is dead.
-    assert all(_state(pid) == "Z" for pid in _members(group))
+    # A zombie child not yet reaped by init still counts as a group member: it is dead. SIGKILL
+    # takes a moment to land, so poll with a deadline.
+    deadline = time.monotonic() + 5
+    while not all(_state(pid) == "Z" for pid in _members(group)):
+        assert time.monotonic() < deadline, [(pid, _state(pid)) for pid in _members(group)]
+        time.sleep(0.01)
 
 
 def _members(group: int) -> list[int]:
