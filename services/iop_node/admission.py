@@ -54,6 +54,8 @@ class Admission:
         if entry[2].done() and not entry[2].cancelled():
             self.release()
             return
+        if entry not in self._waiting:
+            return  # release() already popped it (its future was cancelled with it)
         self._waiting.remove(entry)
         heapq.heapify(self._waiting)
         self._on_change(self)

@@ -39,8 +39,11 @@ def build_adapters(settings: Settings) -> dict[str, Adapter]:
             known = ", ".join(sorted(REGISTRY))
             raise ConfigError(f"routes.{index}.adapter: unknown adapter {route.adapter!r} (known: {known})")
         options_model, _ = REGISTRY[route.adapter]
+        data = dict(route.options)
+        if "target" in options_model.model_fields:  # adapters that check their backend's model list
+            data["target"] = route.target or route.model
         try:
-            options = options_model.model_validate(route.options)
+            options = options_model.model_validate(data)
         except ValidationError as exc:
             first = exc.errors()[0]
             key = ".".join(str(part) for part in first["loc"])
@@ -99,7 +102,7 @@ class NodeApp:
     async def stop(self, grace: float | None = None) -> None:
         """Graceful stop: refuse new runs, let in-flight ones finish for ``grace`` s, cancel the rest."""
         grace = self.settings.shutdown_grace if grace is None else grace
-        self.node.draining = True
+        self.node.drain()  # refuse new runs, and say so to the control-plane
         if self.listener is not None:
             self.listener.stop_accepting()
         with contextlib.suppress(TimeoutError):

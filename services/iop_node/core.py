@@ -11,6 +11,7 @@ import asyncio
 import datetime
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import structlog
 
@@ -125,6 +126,10 @@ class Node:
         self.adapters = dict(adapters)
         self._version, self._labels = version, dict(labels or {})
         self._listeners: list[Callable[[], None]] = []
+        self.control_planes: set[Connection] = set()
+        """Connections to this node's control-plane: the only ones node.drain is taken from."""
+        self._running: dict[asyncio.Task[Any], WireSink] = {}
+        self._shutting_down: set[asyncio.Task[Any]] = set()
         self.admissions = {
             r.model: Admission(r.model, r.max_concurrency, r.queue_size, self._load_changed) for r in router.routes
         }
@@ -143,11 +148,16 @@ class Node:
             caller=request.caller.id or sink.peer.name,
             received_at=_now(),
         )
+        task = asyncio.current_task()
+        assert task is not None
+        self._running[task] = sink
         try:
             await self._run(request, sink, record)
             record.status = RunStatus.COMPLETED
         except asyncio.CancelledError:
             self._finish(record, RunStatus.CANCELLED, "CANCELLED", sink.cancel_reason or "cancelled")
+            if task in self._shutting_down:  # ended by a drain: tell the client to go elsewhere
+                raise IopError(ErrorCode.SHUTTING_DOWN, sink.cancel_reason) from None
             raise
         except IopError as exc:
             self._finish(record, RunStatus.FAILED, exc.code.name, exc.message)
@@ -157,9 +167,15 @@ class Node:
             self._finish(record, RunStatus.FAILED, ErrorCode.INTERNAL.name, f"internal error: {type(exc).__name__}")
             raise IopError(ErrorCode.INTERNAL, "internal error in the node") from exc
         finally:
+            self._running.pop(task, None)
+            self._shutting_down.discard(task)
             record.finished_at = _now()
-            await self._store.record_end(record)
-            self._metrics.runs.labels(record.model, record.status.value).inc()
+            try:
+                await self._store.record_end(record)
+            except RuntimeError:  # the store closed while this run was still stopping (shutdown)
+                _log.warning("run outcome not recorded", node_id=self.node_id, run_id=record.run_id)
+            label = record.model if record.model in self.admissions else "(unrouted)"  # bounded label values
+            self._metrics.runs.labels(label, record.status.value).inc()
             _log.debug("run finished", node_id=self.node_id, run_id=record.run_id, status=record.status.value)
 
     async def _run(self, request: pb.RunRequest, sink: WireSink, record: RunRecord) -> None:
@@ -209,11 +225,31 @@ class Node:
         )
 
     async def message(self, connection: Connection, envelope: pb.Envelope) -> None:
-        """node.drain from the control-plane; other messages are not for a node."""
-        if envelope.WhichOneof("body") == "node_drain":
-            _log.info("drain requested", node_id=self.node_id, reason=envelope.node_drain.reason)
-            self.draining = True
-            self._load_changed()
+        """node.drain, from this node's control-plane connection only; nothing else is for a node."""
+        drain = envelope.node_drain
+        if envelope.WhichOneof("body") != "node_drain":
+            raise IopError(ErrorCode.UNKNOWN_MESSAGE_TYPE, f"a node does not take {envelope.WhichOneof('body')}")
+        if connection not in self.control_planes:
+            raise IopError(ErrorCode.PERMISSION_DENIED, "node.drain is taken only from this node's control-plane")
+        if drain.node_id and drain.node_id != self.node_id:
+            raise IopError(ErrorCode.INVALID_ARGUMENT, f"node.drain for {drain.node_id!r} reached {self.node_id!r}")
+        _log.info("drain requested", node_id=self.node_id, reason=drain.reason)
+        self.drain(drain.grace.ToTimedelta().total_seconds() if drain.HasField("grace") else None)
+
+    def drain(self, grace: float | None = None) -> None:
+        """Stop taking runs; after ``grace`` seconds, end the runs still going retryably."""
+        self.draining = True
+        self._load_changed()
+        if grace is not None:
+            asyncio.get_running_loop().call_later(
+                grace, self._end_running, "the node was drained and its grace ran out"
+            )
+
+    def _end_running(self, reason: str) -> None:
+        for task, sink in list(self._running.items()):
+            sink.cancel_reason = reason
+            self._shutting_down.add(task)
+            task.cancel()
 
     # -- load --------------------------------------------------------------------------------
 

@@ -46,6 +46,8 @@ class Router:
         if route is None:
             known = ", ".join(sorted(self._routes)) or "none"
             raise IopError(ErrorCode.MODEL_NOT_FOUND, f"model {request.model!r} is not served here (models: {known})")
+        if request.kind not in _KINDS:
+            raise _invalid(f"unknown run kind {request.kind}")
         kind = bp.RunKind(request.kind) if request.kind else bp.RunKind.CHAT
         self._check(request, kind)
         return ExecutionSpec(
@@ -78,6 +80,9 @@ class Router:
         size = sum(len(part.text) for m in request.messages for part in m.content) + sum(map(len, request.prompt))
         if size > self._limits.max_prompt_chars:
             raise _invalid(f"prompt of {size} characters is over this node's limit of {self._limits.max_prompt_chars}")
+
+
+_KINDS = frozenset(int(kind) for kind in bp.RunKind)
 
 
 def _invalid(message: str) -> IopError:

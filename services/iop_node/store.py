@@ -42,7 +42,8 @@ CREATE TABLE IF NOT EXISTS runs (
     prompt_tokens INTEGER NOT NULL DEFAULT 0, completion_tokens INTEGER NOT NULL DEFAULT 0,
     finish_reason TEXT NOT NULL DEFAULT '', stderr_tail TEXT NOT NULL DEFAULT '',
     extra TEXT NOT NULL DEFAULT '{}',  -- a JSON object of strings
-    PRIMARY KEY (node_id, run_id)  -- a client may reuse its run id on another node sharing the file
+    -- run ids are unique per caller (runtime.proto), and a caller may reuse one on another node
+    PRIMARY KEY (node_id, caller, run_id)
 );
 CREATE INDEX IF NOT EXISTS runs_status ON runs (status);
 CREATE INDEX IF NOT EXISTS runs_model ON runs (model);
@@ -53,11 +54,11 @@ CREATE INDEX IF NOT EXISTS runs_run_id ON runs (run_id);
 # The SQL below names RunRecord's fields, never input, so S608 (SQL injection) does not apply.
 _INSERT = (
     f"INSERT INTO runs ({', '.join(_COLUMNS)}) VALUES ({', '.join(':' + name for name in _COLUMNS)}) "  # noqa: S608
-    "ON CONFLICT (node_id, run_id) DO UPDATE SET "
+    "ON CONFLICT (node_id, caller, run_id) DO UPDATE SET "
 )
 # A repeated start refreshes a running row but never touches one that already has its outcome.
 _START = (
-    _INSERT + "caller = excluded.caller, model = excluded.model, adapter = excluded.adapter, "
+    _INSERT + "model = excluded.model, adapter = excluded.adapter, "
     "received_at = excluded.received_at, started_at = excluded.started_at WHERE runs.status = 'running'"
 )
 # An end inserts the whole row if its start was lost; otherwise it keeps times the end does not know.

@@ -48,6 +48,9 @@ class Registration:
             except (OSError, TimeoutError, IopError) as exc:
                 failures += 1
                 _log.warning("control-plane unreachable", address=f"{self._host}:{self._port}", reason=str(exc))
+            except Exception:  # noqa: BLE001 - a bug in one session must not end registration for good
+                failures += 1
+                _log.exception("registration session failed", address=f"{self._host}:{self._port}")
             delay = min(self._settings.reconnect_max, self._settings.reconnect_initial * 2 ** min(failures, 16))
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))  # noqa: S311 - jitter, not a secret
 
@@ -62,6 +65,7 @@ class Registration:
             expect_roles={Role.CONTROL_PLANE} if self._tls.enabled else None,
         )
         self.connection = connection
+        self._node.control_planes.add(connection)
         try:
             register = pb.NodeRegister(
                 node_id=self._node.node_id,
@@ -76,6 +80,7 @@ class Registration:
             _log.info("registered", node_id=self._node.node_id, address=f"{self._host}:{self._port}")
             await self._report_until_closed(connection)
         finally:
+            self._node.control_planes.discard(connection)
             self.connection = None
             if not connection.closed:
                 await connection.close("node stopping")

@@ -77,7 +77,7 @@ class Handler(Protocol):
         ...
 
     async def message(self, connection: Connection, envelope: pb.Envelope) -> None:
-        """Any other envelope (node.register, node.status, node.drain, ...)."""
+        """Any other envelope (node.register, node.status, node.drain, ...); IopError refuses it."""
         ...
 
 
@@ -119,6 +119,8 @@ class Connection:
         self._served: dict[str, _Served] = {}
         self._pending: dict[str, asyncio.Future[pb.Envelope]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._side_tasks: set[asyncio.Task[None]] = set()
+        self._peer_interval = 0.0
         self._loop = asyncio.get_running_loop()
         self._last_heard = self._loop.time()
         self._reading_paused = False
@@ -158,29 +160,42 @@ class Connection:
         self.closed = True
         self.close_error = error
         self._log.info("connection closed", reason=error.message, code=error.code.name)
+        # Runs end retryably: SHUTTING_DOWN on a graceful close, UNAVAILABLE for anything else.
+        run_code = error.code if error.code == ErrorCode.SHUTTING_DOWN else ErrorCode.UNAVAILABLE
+        try:
+            served_tasks = self._end_runs(error, run_code, notify_peer=notify_peer)
+            if notify_peer and not self._writer.is_closing():
+                self.send_nowait(error_envelope(error))
+            self._flush()
+            current = asyncio.current_task()
+            for task in (*self._tasks, *self._side_tasks):
+                if task is not current:
+                    task.cancel()
+            await self._close_transport()
+            if served_tasks:  # let cancelled runs record how they ended before close() returns
+                await asyncio.wait(served_tasks, timeout=self.config.close_timeout)
+        except BaseException:
+            self._writer.transport.abort()
+            raise
+        finally:
+            self._done.set()
+
+    def _end_runs(self, error: IopError, code: ErrorCode, *, notify_peer: bool) -> list[asyncio.Task[None]]:
+        """Fail every run on this connection; return the served runs' tasks (now cancelled)."""
         served_tasks = []
         for served in list(self._served.values()):
-            if notify_peer:
-                served.sink.fail_now(IopError(error.code, error.message, retryable=True))
+            if notify_peer and not self._writer.is_closing():
+                served.sink.fail_now(IopError(code, error.message, retryable=True))
             served.sink.cancel_reason = f"connection closed: {error.message}"
             served.task.cancel()
             served_tasks.append(served.task)
         for stream in list(self._streams.values()):
-            stream.fail(ConnectionClosed(f"connection closed: {error.message}", error.code))
+            stream.fail(ConnectionClosed(f"connection closed: {error.message}", code))
+        self._streams.clear()
         for future in self._pending.values():
             if not future.done():
-                future.set_exception(ConnectionClosed(error.message, error.code))
-        if notify_peer:
-            self.send_nowait(error_envelope(error))
-        self._flush()
-        current = asyncio.current_task()
-        for task in self._tasks:
-            if task is not current:
-                task.cancel()
-        await self._close_transport()
-        if served_tasks:  # let cancelled runs record how they ended before close() returns
-            await asyncio.wait(served_tasks, timeout=self.config.close_timeout)
-        self._done.set()
+                future.set_exception(ConnectionClosed(error.message, code))
+        return served_tasks
 
     async def _close_transport(self) -> None:
         self._writer.close()
@@ -194,22 +209,26 @@ class Connection:
     async def send(self, envelope: pb.Envelope, *, urgent: bool = False) -> None:
         """Send ``envelope``, waiting while more than ``write_buffer`` bytes are queued."""
         self.send_nowait(envelope, urgent=urgent)
-        if self._out_bytes >= self.config.write_buffer:
-            self._flush()
-            await self._writer.drain()
+        await self._backpressure()
 
     async def send_body(self, body: bytes) -> None:
         """Send an already-encoded envelope (a relay forwarding a frame it received)."""
         self._queue(encode_frame(body, self.config.max_frame_size))
+        await self._backpressure()
+
+    async def _backpressure(self) -> None:
+        """Wait while the transport is over its high-water mark or ``write_buffer`` bytes wait here."""
         if self._out_bytes >= self.config.write_buffer:
             self._flush()
-            await self._writer.drain()
+        # Returns at once unless the transport paused writing (TCP or TLS buffers full): a
+        # producer that yields between frames is held here too.
+        await self._writer.drain()
 
     def send_nowait(self, envelope: pb.Envelope, *, urgent: bool = False) -> None:
         """Queue ``envelope``; raises ConnectionClosed once closed.
 
         Frames are gathered and written once per event-loop turn (throughput); an ``urgent``
-        one (a request, a run's start, first token and end) goes out at once, with whatever was
+        one (a request, a run's first token and its end) goes out at once, with whatever was
         gathered before it, because someone is waiting for exactly that frame.
         """
         if not envelope.id:
@@ -292,6 +311,12 @@ class Connection:
         except (ConnectionError, ssl.SSLError, OSError) as exc:
             self._log.warning("connection lost", reason=str(exc) or type(exc).__name__)
             await self._shutdown(ConnectionClosed(f"connection lost: {exc}"), notify_peer=False)
+        except ConnectionClosed:
+            return  # closed by another task while this one was sending
+        except Exception as exc:  # noqa: BLE001 - a bug must close this connection, not leave it deaf
+            self._log.exception("connection failed", reason=type(exc).__name__)
+            failure = IopError(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}")
+            await self._shutdown(failure, notify_peer=True)
 
     async def _on_eof(self) -> None:
         if self._decoder.buffered:
@@ -317,7 +342,10 @@ class Connection:
         elif envelope.in_reply_to in self._pending:
             self._resolve(envelope)
         elif kind is not None and self._handler is not None:
-            await self._handler.message(self, envelope)
+            try:
+                await self._handler.message(self, envelope)
+            except IopError as exc:  # the handler refused it: say so, and go on
+                await self._reject(envelope, exc.code, exc.message)
         else:
             await self._reject(envelope, ErrorCode.UNKNOWN_MESSAGE_TYPE, f"unknown message type {kind or '(none)'}")
 
@@ -343,6 +371,10 @@ class Connection:
         event = envelope.run_event
         if event.WhichOneof("event") in TERMINAL_EVENTS:
             del self._streams[envelope.run_id]
+            stream.end(event, body)  # never waits: nothing may keep a run from ending
+            return
+        if stream.cancelled:
+            return  # its reader asked to stop; only the terminal event still matters
         if stream.full:
             self._reading_paused = True
             try:
@@ -359,7 +391,7 @@ class Connection:
             return
         stream = self._streams.pop(envelope.run_id, None)
         if stream is not None:
-            await stream.put(pb.RunEvent(error=envelope.error), body)
+            stream.end(pb.RunEvent(error=envelope.error), body)
             return
         err = envelope.error
         level = self._log.info if err.code == pb.ERROR_CODE_SHUTTING_DOWN else self._log.warning
@@ -367,7 +399,9 @@ class Connection:
         self.close_error = IopError(ErrorCode(err.code), err.message, retryable=err.retryable)
 
     async def _on_heartbeat(self, envelope: pb.Envelope, body: bytes) -> None:
-        return  # any frame counts as a sign of life; the read loop noted the time
+        # Any frame counts as a sign of life (the read loop noted the time); the interval tells
+        # how long this peer may stay silent.
+        self._peer_interval = envelope.heartbeat.interval.ToNanoseconds() / 1e9
 
     async def _on_run_request(self, envelope: pb.Envelope, body: bytes) -> None:
         message = envelope.run_request
@@ -377,6 +411,7 @@ class Connection:
         elif not run_id:
             await self._reject(envelope, ErrorCode.INVALID_ARGUMENT, "run.request needs a run_id")
         elif run_id in self._served:
+            envelope.run_id = ""  # the answer must not end the live run that has this id
             await self._reject(envelope, ErrorCode.PROTOCOL_VIOLATION, f"run {run_id} is already running")
         else:
             message.run_id = run_id
@@ -411,7 +446,22 @@ class Connection:
         if self._handler is None:
             await self._reject(envelope, ErrorCode.UNKNOWN_MESSAGE_TYPE, "capability.request is not served here")
             return
-        response = await self._handler.capabilities()
+        # Answering may take a while (an adapter may ask its backend): not in the read loop.
+        task = asyncio.create_task(self._answer_capabilities(envelope))
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
+
+    async def _answer_capabilities(self, envelope: pb.Envelope) -> None:
+        assert self._handler is not None
+        try:
+            response = await self._handler.capabilities()
+        except Exception:  # noqa: BLE001 - answer with an error; the connection goes on
+            self._log.exception("capabilities failed")
+            if not self.closed:
+                await self._reject(envelope, ErrorCode.INTERNAL, "capabilities failed")
+            return
+        if self.closed:
+            return
         reply = pb.Envelope(in_reply_to=envelope.id, capability_response=from_typed(response, pb.CapabilityResponse))
         await self.send(reply, urgent=True)
 
@@ -419,7 +469,6 @@ class Connection:
 
     async def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval
-        limit = interval * self.config.missed_heartbeats
         beat = pb.Heartbeat()
         beat.interval.FromNanoseconds(int(interval * 1e9))
         for sequence in itertools.count():
@@ -430,6 +479,7 @@ class Connection:
                 return
             await asyncio.sleep(interval)
             silent = self._loop.time() - self._last_heard
+            limit = max(interval, self._peer_interval) * self.config.missed_heartbeats
             if silent > limit and not self._reading_paused:
                 reason = f"peer missed {self.config.missed_heartbeats} heartbeats ({silent:.2f} s silent)"
                 self._log.warning("peer dead", reason=reason)

@@ -41,6 +41,8 @@ class RunStream:
         self._writable = asyncio.Event()
         self._writable.set()
         self._finished = False
+        self.cancelled = False
+        """True once its reader asked to stop: only the terminal event is still delivered."""
 
     def __aiter__(self) -> RunStream:
         return self
@@ -62,7 +64,14 @@ class RunStream:
         return item
 
     async def cancel(self, reason: str = "cancelled by client") -> None:
-        """Ask the serving end to stop this run; its terminal event still arrives."""
+        """Ask the serving end to stop this run; its terminal event still arrives, nothing else.
+
+        A caller that walks away after cancelling holds up nothing: output still buffered is
+        dropped and more is not kept.
+        """
+        self.cancelled = True
+        self._events = deque(item for item in self._events if item[0].WhichOneof("event") in TERMINAL_EVENTS)
+        self._writable.set()
         await self._cancel(self.run_id, reason)
 
     @property
@@ -77,11 +86,14 @@ class RunStream:
         self._events.append((event, body))
         self._readable.set()
 
-    def fail(self, error: IopError) -> None:
-        """End the stream with ``error``; may exceed the capacity by this one event."""
-        event = pb.RunEvent(error=error_message(error))
-        self._events.append((event, b""))
+    def end(self, event: pb.RunEvent, body: bytes) -> None:
+        """Deliver the terminal event; it may exceed the capacity by this one event."""
+        self._events.append((event, body))
         self._readable.set()
+
+    def fail(self, error: IopError) -> None:
+        """End the stream with ``error``."""
+        self.end(pb.RunEvent(error=error_message(error)), b"")
 
 
 class EventSink:

@@ -73,6 +73,8 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     SEEN.append({"body": body, "authorization": request.headers.get("Authorization")})
     model = body["model"]
+    if model == "slowstart":  # headers after longer than the idle timeout, within first_byte
+        await asyncio.sleep(0.6)
     statuses = {"gone": 404, "boom": 500, "busy": 429, "picky": 400}
     if model in statuses:
         message = f"scripted {statuses[model]} for model {model!r}"
@@ -121,7 +123,7 @@ async def _serve(port: int) -> web.AppRunner:
     return runner
 
 
-MODELS = ["fine", "gone", "boom", "busy", "picky", "garbled", "cutoff", "stall", "tools"]
+MODELS = ["fine", "gone", "boom", "busy", "picky", "garbled", "cutoff", "stall", "tools", "slowstart"]
 
 
 @pytest.fixture
@@ -232,4 +234,24 @@ async def test_openai_fields_pass_through_and_tool_calls_logprobs_usage_come_bac
     complete = events[-1].complete
     assert complete.finish_reason == pb.FINISH_REASON_TOOL_CALLS
     assert (complete.usage.prompt_tokens, complete.usage.completion_tokens, complete.usage.cached_tokens) == (9, 4, 8)
+    await connection.close()
+
+
+async def test_first_byte_and_idle_timeouts_are_separate(node: NodeApp, pki: Pki) -> None:
+    connection = await client(node, pki)
+    events = await collect(await connection.open_run(chat(model="slowstart")))  # 0.6 s to headers, idle is 0.3 s
+    assert kinds(events) == ["start", "delta", "complete"]
+    await connection.close()
+
+
+def _connections_to(port: int) -> int:
+    rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return sum(1 for row in rows if row.split()[2] == f"0100007F:{port:04X}" and row.split()[3] == "01")
+
+
+async def test_finished_streams_keep_their_backend_connection_alive(node: NodeApp, pki: Pki, scripted: int) -> None:
+    connection = await client(node, pki)
+    for _ in range(5):
+        assert kinds(await collect(await connection.open_run(chat(model="fine"))))[-1] == "complete"
+    assert _connections_to(scripted) == 1  # one pooled keep-alive connection served all five
     await connection.close()

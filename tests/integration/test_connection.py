@@ -10,7 +10,7 @@ from conftest import EchoHandler, Pki, assert_eventually
 
 from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_wire.connection import ConnectionConfig
+from iop_wire.connection import ConnectionConfig, EventSink
 from iop_wire.endpoint import Listener, ListenerConfig, dial, open_stream
 from iop_wire.errors import ErrorCode, IopError
 from iop_wire.tls import Role, TlsConfig
@@ -81,9 +81,12 @@ async def test_duplicate_run_id_is_a_protocol_violation(server: Listener, edge_t
     connection = await dial("127.0.0.1", server.port, tls=edge_tls, server_hostname="localhost")
     first = await connection.open_run(_request("same", model="hang"))
     await anext(first)
-    await connection.send(pb.Envelope(run_id="same", run_request=pb.RunRequest(run_id="same", model="m")))
-    error = await anext(first)  # the server's error for the duplicate names the run id
-    assert error.error.code == pb.ERROR_CODE_PROTOCOL_VIOLATION
+    with pytest.raises(IopError) as caught:  # the answer goes to the duplicate request ...
+        await connection.request(pb.Envelope(run_id="same", run_request=pb.RunRequest(run_id="same", model="m")))
+    assert caught.value.code == ErrorCode.PROTOCOL_VIOLATION and "already running" in caught.value.message
+    await first.cancel("done")  # ... and the live run with that id goes on until it is cancelled
+    last = await anext(first)
+    assert last.error.code == pb.ERROR_CODE_CANCELLED
     await connection.close()
 
 
@@ -147,8 +150,22 @@ async def test_heartbeats_keep_an_idle_connection_alive(server: Listener, edge_t
     await connection.close()
 
 
-async def test_slow_reader_bounds_the_writer(pki: Pki, edge_tls: TlsConfig) -> None:
-    handler = EchoHandler()
+class _YieldingHandler(EchoHandler):
+    """Like EchoHandler, but lets the event loop run between deltas, as real adapters do."""
+
+    async def run(self, request: pb.RunRequest, sink: EventSink) -> None:
+        await sink.start(node_id="n", model=request.model, adapter="yielding")
+        for index in range(request.sampling.max_tokens):
+            await sink.delta(f"w{index} ")
+            self.sent += 1
+            if index % 32 == 0:
+                await asyncio.sleep(0)
+        await sink.complete(pb.FINISH_REASON_STOP)
+
+
+@pytest.mark.parametrize("yields", [False, True], ids=["busy-writer", "yielding-writer"])
+async def test_slow_reader_bounds_the_writer(pki: Pki, edge_tls: TlsConfig, yields: bool) -> None:
+    handler = _YieldingHandler() if yields else EchoHandler()
     small = ConnectionConfig(run_buffer=8, write_buffer=16 * 1024)
     listener = await Listener(
         ListenerConfig(tls=pki.config("n", Role.NODE), connection=small), lambda p: handler
@@ -182,3 +199,59 @@ async def test_role_not_allowed_is_refused_with_error(server: Listener, pki: Pki
     with pytest.raises(IopError) as caught:
         await dial("127.0.0.1", server.port, tls=worker, server_hostname="localhost")
     assert caught.value.code == ErrorCode.PERMISSION_DENIED and "worker" in caught.value.message
+
+
+async def test_cancelled_stream_abandoned_by_its_reader_blocks_nothing(server: Listener, edge_tls: TlsConfig) -> None:
+    config = ConnectionConfig(run_buffer=4)
+    connection = await dial("127.0.0.1", server.port, tls=edge_tls, server_hostname="localhost", config=config)
+    abandoned = await connection.open_run(_request("walked-away", tokens=100_000))
+    await anext(abandoned)
+    await abandoned.cancel("not interested")
+    del abandoned  # nobody reads it again
+    events = [e async for e in await connection.open_run(_request("next", tokens=3))]
+    assert [e.WhichOneof("event") for e in events][-1] == "complete"
+    assert (await connection.capabilities()).node_id == "test-node"
+    await connection.close()
+
+
+async def test_a_full_stream_still_ends_when_the_connection_closes(pki: Pki, edge_tls: TlsConfig) -> None:
+    handler = EchoHandler()
+    listener = await Listener(ListenerConfig(tls=pki.config("n", Role.NODE)), lambda p: handler).start()
+    config = ConnectionConfig(run_buffer=2)
+    connection = await dial("127.0.0.1", listener.port, tls=edge_tls, server_hostname="localhost", config=config)
+    stream = await connection.open_run(_request("slow-reader", tokens=200_000))
+    await assert_eventually(lambda: connection._reading_paused)  # its reader fell behind: reading stopped
+    await listener.close("going away")
+    events = [e async for e in stream]  # reading again lets the connection see the close
+    assert events[-1].WhichOneof("event") == "error" and events[-1].error.retryable
+
+
+class _BrokenCapabilities(EchoHandler):
+    async def capabilities(self) -> bp.CapabilityResponse:
+        raise TypeError("'NoneType' object is not iterable")
+
+
+class _SlowCapabilities(EchoHandler):
+    async def capabilities(self) -> bp.CapabilityResponse:
+        await asyncio.sleep(1.0)
+        return await super().capabilities()
+
+
+async def test_capability_failures_and_slowness_do_not_harm_the_connection(pki: Pki, edge_tls: TlsConfig) -> None:
+    fast = ConnectionConfig(heartbeat_interval=0.2)
+    for handler in (_BrokenCapabilities(), _SlowCapabilities()):
+        config = ListenerConfig(tls=pki.config("n", Role.NODE), connection=fast)
+        listener = await Listener(config, lambda p, h=handler: h).start()  # type: ignore[misc]
+        connection = await dial("127.0.0.1", listener.port, tls=edge_tls, server_hostname="localhost", config=fast)
+        if isinstance(handler, _BrokenCapabilities):
+            with pytest.raises(IopError) as caught:
+                await connection.capabilities()
+            assert caught.value.code == ErrorCode.INTERNAL
+        else:  # a slow answer keeps the read loop free: runs go on, heartbeats too
+            answer = asyncio.create_task(connection.capabilities())
+            events = [e async for e in await connection.open_run(_request("meanwhile"))]
+            assert events[-1].WhichOneof("event") == "complete"
+            assert (await answer).node_id == "test-node"
+        assert not connection.closed
+        await connection.close()
+        await listener.close()

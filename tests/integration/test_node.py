@@ -323,8 +323,23 @@ async def test_metrics_exposed(pki: Pki, tmp_path: Path) -> None:
             lambda: urllib.request.urlopen(f"http://127.0.0.1:{app.metrics_port}/metrics", timeout=5).read().decode()
         )
         assert 'iop_node_runs_total{model="mock-small",status="completed"} 1.0' in body
-        assert 'iop_node_runs_total{model="nope",status="failed"} 1.0' in body
+        assert 'iop_node_runs_total{model="(unrouted)",status="failed"} 1.0' in body  # no label per bad name
         assert "iop_node_time_to_first_token_seconds_bucket" in body
         assert "iop_node_inter_token_latency_seconds_count" in body
         assert 'iop_node_runs_in_flight{model="mock-small"} 0.0' in body
         await connection.close()
+
+
+async def test_closing_a_connection_with_running_and_queued_runs_records_both_cancelled(settings, pki: Pki) -> None:  # type: ignore[no-untyped-def]
+    async with running_node(settings) as app:
+        connection = await client(app, pki)
+        holder = await connection.open_run(chat(model="mock-slow", run_id="holding"))
+        await anext(holder)
+        await connection.open_run(chat(model="mock-slow", run_id="queued"))
+        await assert_eventually(lambda: app.node.admissions["mock-slow"].queued == 1)
+        connection._writer.transport.abort()  # both runs are cancelled in the same turn
+        await assert_eventually(lambda: app.node.admissions["mock-slow"].in_flight == 0)
+        for run_id in ("holding", "queued"):
+            record = await _record(app, run_id)
+            assert record.status is RunStatus.CANCELLED, (run_id, record.error_code, record.error_message)
+        assert app.node.admissions["mock-slow"].queued == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from conftest import Pki, assert_eventually
 from node_helpers import chat, collect, kinds, node_settings, running_node
 
@@ -11,6 +12,7 @@ from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.connection import Connection, ConnectionConfig
 from iop_wire.endpoint import Listener, ListenerConfig
+from iop_wire.errors import ErrorCode
 from iop_wire.tls import Role
 
 
@@ -124,4 +126,38 @@ async def test_drain_from_control_plane_rejects_new_runs(pki: Pki, tmp_path: Pat
         await assert_eventually(lambda: bool(peer.statuses) and peer.statuses[-1].draining)
         events = await collect(await connection.open_run(chat(model="mock-small")))
         assert events[-1].error.code == pb.ERROR_CODE_SHUTTING_DOWN and events[-1].error.retryable
+    await control_plane.close()
+
+
+async def test_drain_grace_ends_runs_retryably_and_clients_cannot_drain(pki: Pki, tmp_path: Path) -> None:
+    from iop_wire.endpoint import dial
+    from iop_wire.errors import IopError
+
+    peer = ControlPlanePeer()
+    control_plane = await _control_plane(pki, peer)
+    routes = [{"model": "mock-slow", "adapter": "mock", "options": {"tokens": 1000, "tokens_per_second": 20}}]
+    settings = node_settings(
+        pki,
+        tmp_path,
+        routes,
+        control_plane={"address": f"127.0.0.1:{control_plane.port}", "server_name": "localhost"},
+    )
+    async with running_node(settings) as app:
+        await assert_eventually(lambda: len(peer.registered) == 1)
+        assert app.listener is not None
+        edge = await dial("127.0.0.1", app.listener.port, tls=pki.config("e", Role.EDGE), server_hostname="localhost")
+        with pytest.raises(IopError) as refused:  # a client may not drain the node
+            await edge.request(pb.Envelope(node_drain=pb.NodeDrain(node_id="node-t")))
+        assert refused.value.code == ErrorCode.PERMISSION_DENIED
+        assert not app.node.draining
+        stream = await edge.open_run(chat(model="mock-slow", run_id="long"))
+        await anext(stream)
+        drain = pb.NodeDrain(node_id="node-t", reason="maintenance")
+        drain.grace.FromMilliseconds(300)
+        await peer.connections[0].send(pb.Envelope(node_drain=drain))
+        last = (await collect(stream))[-1]
+        assert last.error.code == pb.ERROR_CODE_SHUTTING_DOWN and last.error.retryable
+        assert "grace ran out" in last.error.message
+        assert (await app.store.get("long")).status.value == "cancelled"  # type: ignore[attr-defined]
+        await edge.close()
     await control_plane.close()

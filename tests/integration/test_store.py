@@ -182,8 +182,18 @@ async def test_a_repeated_start_does_not_clobber_a_finished_row(store: SqliteRun
     record = _start("r1")
     await store.record_start(record)
     await store.record_end(_end(record))
-    await store.record_start(dataclasses.replace(record, received_at=_at(99), caller="again"))
+    await store.record_start(dataclasses.replace(record, received_at=_at(99), model="again"))
     assert await store.get("r1") == _end(record)
+
+
+async def test_two_callers_may_use_the_same_run_id(store: SqliteRunStore) -> None:
+    alice = dataclasses.replace(_start("job-1"), caller="alice")
+    bob = dataclasses.replace(_start("job-1"), caller="bob", received_at=_at(50))
+    await store.record_start(alice)
+    await store.record_start(bob)
+    await store.record_end(_end(alice))
+    rows = await store.list()
+    assert sorted((r.caller, r.status.value) for r in rows) == [("alice", "completed"), ("bob", "running")]
 
 
 async def test_an_end_without_its_start_still_lands(store: SqliteRunStore) -> None:

@@ -36,6 +36,7 @@ _STATUS_CODES = {
     429: ErrorCode.RESOURCE_EXHAUSTED,
 }
 _MESSAGE_LIMIT = 500
+_TAIL_WAIT = 0.2  # seconds to wait for a response's end after its final marker
 
 
 class Timeouts(BaseModel):
@@ -60,6 +61,8 @@ class HttpOptions(BaseModel):
 
     base_url: str = Field(pattern=r"^https?://")
     """The backend's address, e.g. http://10.0.0.5:8000; routes with the same one share a client."""
+    target: str = ""
+    """The backend's model name: set by the node from the route's ``target`` (or ``model``)."""
     api_key: str | None = None
     """Sent as ``Authorization: Bearer``; never logged."""
     timeouts: Timeouts = Timeouts()
@@ -93,9 +96,9 @@ class Backend:
             timeouts = self.options.timeouts
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self.options.max_connections, keepalive_timeout=30),
-                timeout=aiohttp.ClientTimeout(
-                    total=timeouts.total, sock_connect=timeouts.connect, sock_read=timeouts.idle
-                ),
+                # no sock_read: it would also cut the wait for headers short (first_byte covers
+                # that); the idle timeout is applied between chunks in _lines
+                timeout=aiohttp.ClientTimeout(total=timeouts.total, sock_connect=timeouts.connect),
                 headers=self._headers,
             )
         return self._session
@@ -121,6 +124,14 @@ class Backend:
                 async for line in self._lines(response):
                     yield line
                 finished = True
+            except GeneratorExit:
+                # The caller stopped at the stream's final marker: let the body end (it is a
+                # few bytes away) so the connection can go back to the pool.
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(_TAIL_WAIT):
+                        await response.content.read()
+                    finished = response.content.at_eof()
+                raise
             finally:
                 if not finished:
                     response.close()  # abort: never return a half-read connection to the pool
@@ -132,13 +143,12 @@ class Backend:
         try:
             async with asyncio.timeout(self.options.timeouts.first_byte):
                 response = await self._client().request(method, self._base + path, json=body)
+        except (aiohttp.ClientConnectionError, OSError) as exc:  # before TimeoutError: a connect timeout is both
+            raise self._unreachable(exc) from None
         except TimeoutError:
-            raise IopError(
-                ErrorCode.UNAVAILABLE, f"{self.name}: no response within {self.options.timeouts.first_byte:g} s"
-            ) from None
-        except (aiohttp.ClientConnectionError, OSError) as exc:
-            self.mark_down(str(exc))
-            raise IopError(ErrorCode.UNAVAILABLE, f"{self.name}: cannot reach {self._base}: {exc}") from None
+            raise self._unavailable(f"no response within {self.options.timeouts.first_byte:g} s") from None
+        except aiohttp.ClientResponseError as exc:
+            raise protocol_error(f"{self.name}: unreadable HTTP response: {exc.message}") from None
         try:
             if response.status >= 300:
                 raise await self._status_error(response)
@@ -147,33 +157,45 @@ class Backend:
             response.release()
 
     async def _lines(self, response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+        idle = self.options.timeouts.idle
+        loop = asyncio.get_running_loop()
+        deadline: asyncio.Timeout | None = None
         try:
-            async for raw in response.content:
-                line = raw.strip()
-                if line:
-                    yield line
-        except TimeoutError:
-            raise IopError(
-                ErrorCode.UNAVAILABLE, f"{self.name}: stalled, no data for {self.options.timeouts.idle:g} s"
-            ) from None
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError) as exc:
-            self.mark_down(str(exc))
-            raise IopError(
-                ErrorCode.UNAVAILABLE, f"{self.name}: connection lost mid-stream: {exc or type(exc).__name__}"
-            ) from None
+            async with asyncio.timeout(idle) as deadline:
+                async for raw in response.content:
+                    deadline.reschedule(loop.time() + idle)  # idle time counts from the last chunk
+                    line = raw.strip()
+                    if line:
+                        yield line
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError, TimeoutError) as exc:
+            # aiohttp may turn the idle timeout's cancellation into a payload error: ask the timer
+            if isinstance(exc, TimeoutError) or (deadline is not None and deadline.expired()):
+                raise self._unavailable(f"stalled, no data for {idle:g} s") from None
+            raise self._lost(exc) from None
+        except aiohttp.ClientResponseError as exc:
+            raise protocol_error(f"{self.name}: unreadable HTTP response: {exc.message}") from None
 
     async def _json(self, response: aiohttp.ClientResponse) -> Any:
         try:
-            return json.loads(await response.read())
+            async with asyncio.timeout(self.options.timeouts.idle):
+                return json.loads(await response.read())
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+            raise self._lost(exc) from None
         except TimeoutError:
-            raise IopError(
-                ErrorCode.UNAVAILABLE, f"{self.name}: stalled, no data for {self.options.timeouts.idle:g} s"
-            ) from None
+            raise self._unavailable(f"stalled, no data for {self.options.timeouts.idle:g} s") from None
         except ValueError as exc:
             raise protocol_error(f"{self.name}: response is not JSON: {exc}") from None
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-            self.mark_down(str(exc))
-            raise IopError(ErrorCode.UNAVAILABLE, f"{self.name}: connection lost: {exc}") from None
+
+    def _unavailable(self, message: str) -> IopError:
+        return IopError(ErrorCode.UNAVAILABLE, f"{self.name}: {message}")
+
+    def _unreachable(self, exc: BaseException) -> IopError:
+        self.mark_down(str(exc) or type(exc).__name__)
+        return self._unavailable(f"cannot reach {self._base}: {exc or type(exc).__name__}")
+
+    def _lost(self, exc: BaseException) -> IopError:
+        self.mark_down(str(exc) or type(exc).__name__)
+        return self._unavailable(f"connection lost mid-response: {exc or type(exc).__name__}")
 
     async def _status_error(self, response: aiohttp.ClientResponse) -> IopError:
         text = (await response.text(errors="replace"))[:_MESSAGE_LIMIT]

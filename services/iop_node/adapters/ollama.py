@@ -89,7 +89,8 @@ class OllamaAdapter:
         found = set()
         for model, options in self._options.items():
             names = tags.get(options.base_url, set())
-            if model in names or f"{model}:latest" in names or any(n.split(":")[0] == model for n in names):
+            target = options.target or model
+            if target in names or (":" not in target and f"{target}:latest" in names):
                 found.add(model)
         return found
 

@@ -74,9 +74,9 @@ class VllmAdapter:
     async def capabilities(self) -> list[bp.ModelInfo]:
         kinds = [bp.RunKind.CHAT, bp.RunKind.COMPLETION, bp.RunKind.EMBEDDING]
         infos = []
-        for model in self._options:
+        for model, options in self._options.items():
             served = await self._served_models(model)
-            up = self._backend(model).available and (served is None or bool(served))
+            up = self._backend(model).available and (served is None or (options.target or model) in served)
             infos.append(bp.ModelInfo(name=model, kinds=kinds, available=up))
         return infos
 
@@ -93,6 +93,8 @@ class VllmAdapter:
 
     async def execute(self, spec: ExecutionSpec, sink: EventSink) -> None:
         backend = self._backend(spec.model)
+        if int(spec.openai_fields.get("n") or 1) != 1:
+            raise IopError(ErrorCode.INVALID_ARGUMENT, "n > 1 is not supported: send one run per choice")
         try:
             if spec.kind == bp.RunKind.EMBEDDING:
                 await self._embed(backend, spec, sink)
@@ -116,8 +118,11 @@ class VllmAdapter:
                 if data == b"[DONE]":
                     break
                 chunk = _parse(data)
-                usage = _usage(chunk.get("usage")) or usage
-                finish = await _relay(chunk, sink) or finish
+                try:
+                    usage = _usage(chunk.get("usage")) or usage
+                    finish = await _relay(chunk, sink) or finish
+                except (AttributeError, KeyError, TypeError, ValueError) as exc:
+                    raise protocol_error(f"unexpected chunk shape ({exc}): {data[:120]!r}") from None
         if finish is None:
             raise protocol_error("the backend's stream ended without a finish_reason")
         await sink.complete(_FINISH.get(finish, pb.FINISH_REASON_STOP), usage)
