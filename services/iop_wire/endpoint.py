@@ -228,8 +228,12 @@ async def open_stream(
 
     async def connect() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         reader, writer = await asyncio.open_connection(host, port, ssl=context, server_hostname=hostname)
-        writer.write(preface(codec))
-        answer = await _read_answer(reader, codec)
+        try:
+            writer.write(preface(codec))
+            answer = await _read_answer(reader, codec)
+        except BaseException:  # a timeout or an unreadable answer: do not leak the socket
+            writer.transport.abort()
+            raise
         if answer is not None:
             writer.close()
             raise answer

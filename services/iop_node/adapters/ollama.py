@@ -77,10 +77,9 @@ class OllamaAdapter:
                 document = await backend.get_json("/api/tags")
                 tags[url] = {str(m.get("name")) for m in document.get("models", [])}
         kinds = [bp.RunKind.CHAT, bp.RunKind.COMPLETION, bp.RunKind.EMBEDDING]
+        listed = self._targets(tags)
         return [
-            bp.ModelInfo(
-                name=model, kinds=kinds, available=self._backend(model).available and model in self._targets(tags)
-            )
+            bp.ModelInfo(name=model, kinds=kinds, available=self._backend(model).available and model in listed)
             for model in self._options
         ]
 
