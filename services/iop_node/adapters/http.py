@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 
 import aiohttp
@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from iop_wire.errors import ErrorCode, IopError
 
-__all__ = ["Backend", "HttpOptions", "Timeouts", "protocol_error"]
+__all__ = ["Backend", "Backends", "HttpOptions", "Timeouts", "protocol_error"]
 
 _log = structlog.get_logger("iop.node.http")
 _STATUS_CODES = {
@@ -267,3 +267,28 @@ class Backend:
             self._probe.cancel()
         if self._session is not None:
             await self._session.close()
+
+
+class Backends:
+    """The backends of one adapter: one ``Backend`` per base URL, looked up by route model."""
+
+    def __init__(self, models: Mapping[str, HttpOptions], *, health_path: str, kind: str) -> None:
+        self.options = dict(models)
+        self.by_url: dict[str, Backend] = {}
+        for options in self.options.values():
+            if options.base_url not in self.by_url:
+                self.by_url[options.base_url] = Backend(
+                    options, health_path=health_path, name=f"{kind} {options.base_url}"
+                )
+
+    def __getitem__(self, model: str) -> Backend:
+        return self.by_url[self.options[model].base_url]
+
+    def available(self, model: str) -> bool:
+        """Whether ``model``'s backend is up, as last seen."""
+        return self[model].available
+
+    async def aclose(self) -> None:
+        """Close every backend's connection pool."""
+        for backend in self.by_url.values():
+            await backend.aclose()

@@ -17,7 +17,7 @@ from pydantic import Field
 
 from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_node.adapters.http import Backend, HttpOptions, protocol_error
+from iop_node.adapters.http import Backend, Backends, HttpOptions, protocol_error
 from iop_node.domain import ExecutionSpec
 from iop_node.ports import EventSink
 from iop_wire.errors import ErrorCode, IopError
@@ -52,34 +52,20 @@ class OllamaAdapter:
 
     def __init__(self, models: Mapping[str, OllamaOptions]) -> None:
         self._options = dict(models)
-        self._backends: dict[str, Backend] = {}
-        for options in self._options.values():
-            if options.base_url not in self._backends:
-                self._backends[options.base_url] = Backend(
-                    options, health_path="/api/tags", name=f"ollama {options.base_url}"
-                )
-
-    def _backend(self, model: str) -> Backend:
-        return self._backends[self._options[model].base_url]
-
-    def available(self, model: str) -> bool:
-        return self._backend(model).available
-
-    async def aclose(self) -> None:
-        """Close every backend's connection pool."""
-        for backend in self._backends.values():
-            await backend.aclose()
+        self._backends = Backends(self._options, health_path="/api/tags", kind="ollama")
+        self.available = self._backends.available
+        self.aclose = self._backends.aclose
 
     async def capabilities(self) -> list[bp.ModelInfo]:
         tags: dict[str, set[str]] = {}
-        for url, backend in self._backends.items():
+        for url, backend in self._backends.by_url.items():
             with contextlib.suppress(IopError):
                 document = await backend.get_json("/api/tags")
                 tags[url] = {str(m.get("name")) for m in document.get("models", [])}
         kinds = [bp.RunKind.CHAT, bp.RunKind.COMPLETION, bp.RunKind.EMBEDDING]
         listed = self._targets(tags)
         return [
-            bp.ModelInfo(name=model, kinds=kinds, available=self._backend(model).available and model in listed)
+            bp.ModelInfo(name=model, kinds=kinds, available=self._backends[model].available and model in listed)
             for model in self._options
         ]
 
@@ -94,7 +80,7 @@ class OllamaAdapter:
         return found
 
     async def execute(self, spec: ExecutionSpec, sink: EventSink) -> None:
-        backend = self._backend(spec.model)
+        backend = self._backends[spec.model]
         if spec.kind == bp.RunKind.EMBEDDING:
             await _embed(backend, spec, sink)
             return

@@ -20,7 +20,7 @@ from pydantic import Field
 
 from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_node.adapters.http import Backend, HttpOptions, protocol_error
+from iop_node.adapters.http import Backend, Backends, HttpOptions, protocol_error
 from iop_node.domain import ExecutionSpec
 from iop_node.ports import EventSink
 from iop_wire.errors import ErrorCode, IopError
@@ -51,32 +51,18 @@ class VllmAdapter:
 
     def __init__(self, models: Mapping[str, VllmOptions]) -> None:
         self._options = dict(models)
-        self._backends: dict[str, Backend] = {}
-        for options in self._options.values():
-            if options.base_url not in self._backends:
-                self._backends[options.base_url] = Backend(
-                    options, health_path="/v1/models", name=f"vllm {options.base_url}"
-                )
+        self._backends = Backends(self._options, health_path="/v1/models", kind="vllm")
+        self.available = self._backends.available
+        self.aclose = self._backends.aclose
         self._served: dict[str, set[str]] = {}
         self._refreshed: dict[str, float] = {}
-
-    def _backend(self, model: str) -> Backend:
-        return self._backends[self._options[model].base_url]
-
-    def available(self, model: str) -> bool:
-        return self._backend(model).available
-
-    async def aclose(self) -> None:
-        """Close every backend's connection pool."""
-        for backend in self._backends.values():
-            await backend.aclose()
 
     async def capabilities(self) -> list[bp.ModelInfo]:
         kinds = [bp.RunKind.CHAT, bp.RunKind.COMPLETION, bp.RunKind.EMBEDDING]
         infos = []
         for model, options in self._options.items():
             served = await self._served_models(model)
-            up = self._backend(model).available and (served is None or (options.target or model) in served)
+            up = self._backends[model].available and (served is None or (options.target or model) in served)
             infos.append(bp.ModelInfo(name=model, kinds=kinds, available=up))
         return infos
 
@@ -87,12 +73,12 @@ class VllmAdapter:
         if time.monotonic() - self._refreshed.get(url, -1e9) > options.models_refresh:
             self._refreshed[url] = time.monotonic()
             with contextlib.suppress(IopError):
-                document = await self._backends[url].get_json("/v1/models")
+                document = await self._backends.by_url[url].get_json("/v1/models")
                 self._served[url] = {str(item.get("id")) for item in document.get("data", [])}
         return self._served.get(url)
 
     async def execute(self, spec: ExecutionSpec, sink: EventSink) -> None:
-        backend = self._backend(spec.model)
+        backend = self._backends[spec.model]
         if int(spec.openai_fields.get("n") or 1) != 1:
             raise IopError(ErrorCode.INVALID_ARGUMENT, "n > 1 is not supported: send one run per choice")
         try:
