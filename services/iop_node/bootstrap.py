@@ -102,25 +102,27 @@ class NodeApp:
     async def stop(self, grace: float | None = None) -> None:
         """Graceful stop: refuse new runs, let in-flight ones finish for ``grace`` s, cancel the rest."""
         grace = self.settings.shutdown_grace if grace is None else grace
-        self.node.drain()  # refuse new runs, and say so to the control-plane
-        if self.listener is not None:
-            self.listener.stop_accepting()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.node.wait_idle(), grace)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.listener is not None:
-            await self.listener.close("node shutting down")
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
-            self._metrics_server.server_close()
-        for adapter in self.node.adapters.values():
-            closer = getattr(adapter, "aclose", None)
-            if closer is not None:
-                await closer()
-        if isinstance(self.store, SqliteRunStore):
-            await self.store.close()
+        try:
+            self.node.drain()  # refuse new runs, and say so to the control-plane
+            if self.listener is not None:
+                self.listener.stop_accepting()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.node.wait_idle(), grace)
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            if self.listener is not None:
+                await self.listener.close("node shutting down")
+            if self._metrics_server is not None:
+                self._metrics_server.shutdown()
+                self._metrics_server.server_close()
+            for adapter in self.node.adapters.values():
+                closer = getattr(adapter, "aclose", None)
+                if closer is not None:
+                    await closer()
+        finally:  # whatever failed above, the history is committed and closed
+            if isinstance(self.store, SqliteRunStore):
+                await self.store.close()
         _log.info("node stopped", node_id=self.node.node_id)
 
 

@@ -114,7 +114,11 @@ class SqliteRunStore:
         if self._db is not None:
             raise RuntimeError("the run store is already open")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        db = await aiosqlite.connect(self.path)
+        connecting = aiosqlite.connect(self.path)
+        # aiosqlite's worker thread is not a daemon: a store left open (a crash path, a bug)
+        # would keep the process from ever exiting. _thread is private to aiosqlite 0.22 (pinned).
+        connecting._thread.daemon = True
+        db = await connecting
         try:
             await _prepare(db)
             marked = await self._mark_interrupted(db) if mark_interrupted else 0
