@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
@@ -20,6 +22,12 @@ from iop_wire.tls import Role, TlsConfig
 
 # Real inference servers (llama-cpp-python, Ollama) for the adapter tests: tests/backends.
 pytest_plugins = ["backends.fixtures"]
+
+# In CI, property tests draw the same examples on every run: a red CI then always means a
+# change broke something, never that this run happened on a rare input (found locally).
+settings.register_profile("ci", derandomize=True, database=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 async def assert_eventually(condition: Callable[[], bool], timeout: float = 5.0, interval: float = 0.01) -> None:
