@@ -108,9 +108,12 @@ class NodeApp:
                 self.listener.stop_accepting()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.node.wait_idle(), grace)
+            if self.registration is not None:
+                await self.registration.stop()
             for task in self._tasks:
                 task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            if self._tasks:
+                await asyncio.wait(self._tasks, timeout=self.connection_config.close_timeout)
             if self.listener is not None:
                 await self.listener.close("node shutting down")
             if self._metrics_server is not None:

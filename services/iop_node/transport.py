@@ -36,6 +36,7 @@ class Registration:
         self._reported = -1
         self.connection: Connection | None = None
         self.registrations = 0
+        self._stopping = False
         node.on_load_change(self._on_load_change)
 
     async def run_forever(self) -> None:
@@ -51,8 +52,21 @@ class Registration:
             except Exception:  # noqa: BLE001 - a bug in one session must not end registration for good
                 failures += 1
                 _log.exception("registration session failed", address=f"{self._host}:{self._port}")
+            if self._stopping:  # stop() closed the session: do not reconnect
+                return
             delay = min(self._settings.reconnect_max, self._settings.reconnect_initial * 2 ** min(failures, 16))
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))  # noqa: S311 - jitter, not a secret
+
+    async def stop(self) -> None:
+        """Stop reconnecting and close the control-plane connection gracefully.
+
+        Closing the connection ends the session by itself, without relying on cancellation
+        reaching the session wherever it is waiting.
+        """
+        self._stopping = True
+        connection = self.connection
+        if connection is not None and not connection.closed:
+            await connection.close("node stopping")
 
     async def _session(self) -> None:
         connection = await dial(

@@ -105,7 +105,9 @@ async def test_register_report_serve_and_reconnect(pki: Pki, tmp_path: Path) -> 
         await control_plane.close("restart")
         control_plane = await _control_plane(pki, peer, port)
         await assert_eventually(lambda: len(peer.registered) == 2, timeout=10)
-        assert app.registration is not None and app.registration.registrations == 2
+        registration = app.registration
+        assert registration is not None
+        await assert_eventually(lambda: registration.registrations == 2)  # its node.registered came back
     await control_plane.close()
 
 
