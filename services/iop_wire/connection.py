@@ -234,16 +234,16 @@ class Connection:
         if not envelope.id:
             envelope.id = str(next(self._ids))
         envelope.sent_at.FromNanoseconds(time.time_ns())  # 6 times cheaper than GetCurrentTime
-        self._queue(encode_frame(self.codec.encode(envelope), self.config.max_frame_size))
-        if urgent:
-            self._flush()
+        self._queue(encode_frame(self.codec.encode(envelope), self.config.max_frame_size), urgent=urgent)
 
-    def _queue(self, frame: bytes | bytearray) -> None:
+    def _queue(self, frame: bytes | bytearray, *, urgent: bool = False) -> None:
         if self._writer.is_closing():
             raise ConnectionClosed("connection is closed")
         self._out.append(frame)
         self._out_bytes += len(frame)
-        if not self._flush_scheduled:
+        if urgent:  # written now, with what was gathered before it; no turn-end flush needed
+            self._flush()
+        elif not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
 
