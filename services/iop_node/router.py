@@ -33,6 +33,7 @@ class Router:
 
     def __init__(self, routes: Iterable[RouteSettings], limits: Limits) -> None:
         self._routes = {route.model: route for route in routes}
+        self._defaults = {route.model: _defaults(route) for route in self._routes.values()}
         self._limits = limits
 
     @property
@@ -46,9 +47,9 @@ class Router:
         if route is None:
             known = ", ".join(sorted(self._routes)) or "none"
             raise IopError(ErrorCode.MODEL_NOT_FOUND, f"model {request.model!r} is not served here (models: {known})")
-        if request.kind not in _KINDS:
+        kind = _KINDS.get(request.kind)
+        if kind is None:
             raise _invalid(f"unknown run kind {request.kind}")
-        kind = bp.RunKind(request.kind) if request.kind else bp.RunKind.CHAT
         self._check(request, kind)
         return ExecutionSpec(
             run_id=request.run_id,
@@ -58,7 +59,7 @@ class Router:
             kind=kind,
             messages=tuple(request.messages),
             prompt=tuple(request.prompt),
-            sampling=_sampling(request.sampling, route),
+            sampling=_sampling(request.sampling, self._defaults[route.model]),
             stream=request.stream,
             openai_fields=json_format.MessageToDict(request.openai_fields) if request.HasField("openai_fields") else {},
             options=route.options,
@@ -71,36 +72,37 @@ class Router:
             raise _invalid("messages is empty: a chat run needs at least one message")
         if kind != bp.RunKind.CHAT and not request.prompt:
             raise _invalid(f"prompt is empty: a {kind.name.lower()} run needs a prompt")
-        if any(message.role == pb.ROLE_UNSPECIFIED for message in request.messages):
-            raise _invalid("every message needs a role")
+        size = sum(map(len, request.prompt))
+        for message in request.messages:
+            if message.role == pb.ROLE_UNSPECIFIED:
+                raise _invalid("every message needs a role")
+            for part in message.content:
+                size += len(part.text)
         if request.sampling.HasField("max_tokens"):
             max_tokens = request.sampling.max_tokens
             if not 0 < max_tokens <= self._limits.max_tokens:
                 raise _invalid(f"max_tokens must be between 1 and {self._limits.max_tokens}, got {max_tokens}")
-        size = sum(len(part.text) for m in request.messages for part in m.content) + sum(map(len, request.prompt))
         if size > self._limits.max_prompt_chars:
             raise _invalid(f"prompt of {size} characters is over this node's limit of {self._limits.max_prompt_chars}")
 
 
-_KINDS = frozenset(int(kind) for kind in bp.RunKind)
+_KINDS = {int(kind): kind for kind in bp.RunKind} | {0: bp.RunKind.CHAT}  # unset means chat
 
 
 def _invalid(message: str) -> IopError:
     return IopError(ErrorCode.INVALID_ARGUMENT, message)
 
 
-def _sampling(given: pb.Sampling, route: RouteSettings) -> SamplingSpec:
-    defaults = route.defaults
+def _sampling(given: pb.Sampling, defaults: dict[str, Any]) -> SamplingSpec:
+    """The request's sampling fields where it set them (a stop list if not empty), the route's defaults elsewhere."""
+    values = defaults.copy()
+    for field, value in given.ListFields():
+        values[field.name] = value
+    if "stop" in values:
+        values["stop"] = tuple(values["stop"])
+    return SamplingSpec(**values)
 
-    def pick(name: str) -> Any:
-        return getattr(given, name) if given.HasField(name) else getattr(defaults, name)  # type: ignore[arg-type]
 
-    return SamplingSpec(
-        temperature=pick("temperature"),
-        top_p=pick("top_p"),
-        max_tokens=pick("max_tokens"),
-        stop=tuple(given.stop) or tuple(defaults.stop or ()),
-        seed=pick("seed"),
-        presence_penalty=pick("presence_penalty"),
-        frequency_penalty=pick("frequency_penalty"),
-    )
+def _defaults(route: RouteSettings) -> dict[str, Any]:
+    """The route's sampling defaults that are set."""
+    return {name: value for name, value in route.defaults.model_dump().items() if value is not None and value != []}

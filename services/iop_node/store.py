@@ -1,9 +1,13 @@
 """The node's run history: one SQLite file in WAL mode, written by one group-committing task.
 
-``record_start`` and ``record_end`` only enqueue. A single writer task drains everything queued,
-runs it in one transaction and commits, so a burst of runs costs one commit. Readers flush first
-and so always see their own writes. The file holds unix epoch seconds; :class:`RunRecord` holds
-tz-aware UTC datetimes. The file may be shared by several nodes, hence the ``(node_id, run_id)`` key.
+``record_start`` and ``record_end`` only enqueue: they cost a list append, so recording adds
+nothing a run waits for. A single writer task wakes a few milliseconds after the first write
+queued, runs everything queued in one transaction and commits, so a burst of runs costs one
+commit. A row is read off its RunRecord when it is written, so a start written late already
+shows what the run did since. Readers flush first and so always see their own writes.
+
+The file holds unix epoch seconds; :class:`RunRecord` holds tz-aware UTC datetimes. The file
+may be shared by several nodes, hence the ``(node_id, caller, run_id)`` key.
 """
 
 from __future__ import annotations
@@ -88,14 +92,16 @@ _COMMIT_WINDOW = 0.005  # seconds the writer gathers writes before it commits th
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Write:
-    """One queued statement."""
+    """One queued statement, with the record its parameters are read from."""
 
     sql: str
-    params: dict[str, Any]
-    run_id: str
+    record: RunRecord
 
 
-_Item: TypeAlias = "_Write | asyncio.Future[None] | None"  # a future is a flush marker; None stops the writer
+# What wakes the writer: _WINDOW_ENDED, a future (a flush: resolve it once
+# everything queued before it is committed) or None (commit what is queued, then stop).
+_Wake: TypeAlias = "str | asyncio.Future[None] | None"
+_WINDOW_ENDED = "window ended"
 
 
 class SqliteRunStore:
@@ -105,7 +111,9 @@ class SqliteRunStore:
         self.path = path
         self.node_id = node_id
         self._db: aiosqlite.Connection | None = None
-        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._queue: asyncio.Queue[_Wake] = asyncio.Queue()
+        self._writes: list[_Write] = []
+        self._window: asyncio.TimerHandle | None = None
         self._writer: asyncio.Task[None] | None = None
         self._commits = 0
 
@@ -136,17 +144,20 @@ class SqliteRunStore:
         if writer is not None:
             self._queue.put_nowait(None)
             await writer
+        if self._window is not None:
+            self._window.cancel()
+            self._window = None
         if self._db is not None:
             await self._db.close()
             self._db = None
 
     async def record_start(self, record: RunRecord) -> None:
         """Queue the row of a received run; returns before it is on disk."""
-        self._enqueue(_Write(_START, _params(record), record.run_id))
+        self._write(_Write(_START, record))
 
     async def record_end(self, record: RunRecord) -> None:
         """Queue the run's outcome; returns before it is on disk."""
-        self._enqueue(_Write(_END, _params(record), record.run_id))
+        self._write(_Write(_END, record))
 
     async def flush(self) -> None:
         """Wait until everything queued so far is committed (or its failure logged)."""
@@ -154,7 +165,7 @@ class SqliteRunStore:
         if writer is None:
             return
         done = asyncio.get_running_loop().create_future()
-        self._enqueue(done)
+        self._queue.put_nowait(done)
         await asyncio.wait((done, writer), return_when=asyncio.FIRST_COMPLETED)
         if not done.done():
             raise RuntimeError("the run store's writer stopped")
@@ -172,35 +183,39 @@ class SqliteRunStore:
             _log.warning("runs_marked_interrupted", node_id=self.node_id, count=cursor.rowcount)
         return cursor.rowcount
 
-    def _enqueue(self, item: _Item) -> None:
+    def _write(self, write: _Write) -> None:
         if self._writer is None:
             raise RuntimeError("the run store is not open")
-        self._queue.put_nowait(item)
+        self._writes.append(write)
+        if self._window is None:
+            # Gather what the next milliseconds bring: fewer commits, and neither the writer
+            # nor SQLite's thread (which takes the GIL) wakes while a run waits for its first token.
+            self._window = asyncio.get_running_loop().call_later(_COMMIT_WINDOW, self._window_ended)
+
+    def _window_ended(self) -> None:
+        self._window = None
+        self._queue.put_nowait(_WINDOW_ENDED)
 
     async def _write_loop(self, db: aiosqlite.Connection) -> None:
         while True:
-            batch = [await self._queue.get()]
-            if batch[0] is not None:
-                # Gather what the next milliseconds bring: fewer commits, and SQLite's thread
-                # does not wake (and take the GIL) while a run is waiting for its first token.
-                await asyncio.sleep(_COMMIT_WINDOW)
+            wakes = [await self._queue.get()]
             while not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            writes = [item for item in batch if isinstance(item, _Write)]
+                wakes.append(self._queue.get_nowait())
+            writes, self._writes = self._writes, []
             if writes:
                 await self._commit(db, writes)
-            for item in batch:
-                if isinstance(item, asyncio.Future) and not item.done():
-                    item.set_result(None)
-            if any(item is None for item in batch):
+            for wake in wakes:
+                if isinstance(wake, asyncio.Future) and not wake.done():
+                    wake.set_result(None)
+            if None in wakes:
                 return
 
     async def _commit(self, db: aiosqlite.Connection, writes: Sequence[_Write]) -> None:
         for write in writes:
             try:
-                await db.execute(write.sql, write.params)
+                await db.execute(write.sql, _params(write.record))
             except (sqlite3.Error, ValueError) as exc:  # ValueError: aiosqlite's "connection closed"
-                _log.error("run_write_failed", node_id=self.node_id, run_id=write.run_id, error=str(exc))
+                _log.error("run_write_failed", node_id=self.node_id, run_id=write.record.run_id, error=str(exc))
         try:
             await db.commit()
             self._commits += 1

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_wire.errors import IopError
+from iop_wire.errors import ConnectionClosed, IopError
 from iop_wire.messages import error_message
 from iop_wire.tls import PeerIdentity
 
@@ -103,11 +104,12 @@ class EventSink:
     with upb. After the terminal event, or once the connection is gone, calls do nothing.
     """
 
-    __slots__ = ("_connection", "_sequence", "cancel_reason", "finished", "run_id")
+    __slots__ = ("_connection", "_sequence", "_start", "cancel_reason", "finished", "run_id")
 
     def __init__(self, connection: _Sender, run_id: str) -> None:
         self._connection = connection
         self._sequence = 0
+        self._start: pb.RunStart | None = None
         self.run_id = run_id
         self.finished = False
         """True once complete or error was sent."""
@@ -120,8 +122,23 @@ class EventSink:
         return self._connection.peer
 
     async def start(self, *, node_id: str, model: str, adapter: str) -> None:
-        """The run has been admitted and started."""
-        await self._send(pb.RunEvent(start=pb.RunStart(node_id=node_id, model=model, adapter=adapter)))
+        """The run has been admitted and started.
+
+        The event goes out when the task's current step ends, or before the run's next event
+        if that comes first: by then an adapter has sent its backend request, so announcing
+        the run does not delay the work that produces its first token.
+        """
+        self._start = pb.RunStart(node_id=node_id, model=model, adapter=adapter)
+        asyncio.get_running_loop().call_soon(self._send_start)
+
+    def _send_start(self) -> None:
+        start, self._start = self._start, None
+        if start is None or self.finished or self._connection.closed:
+            return
+        event = pb.RunEvent(sequence=self._sequence, start=start)
+        self._sequence += 1
+        with contextlib.suppress(ConnectionClosed):  # the connection's close ends the run
+            self._connection.send_nowait(pb.Envelope(run_id=self.run_id, run_event=event))
 
     async def delta(
         self,
@@ -161,6 +178,8 @@ class EventSink:
     async def _send(self, event: pb.RunEvent, *, terminal: bool = False) -> None:
         if self.finished or self._connection.closed:
             return
+        if self._start is not None:
+            self._send_start()
         event.sequence = sequence = self._sequence
         self._sequence += 1
         self.finished = terminal
@@ -173,6 +192,8 @@ class EventSink:
         """Queue a terminal error without waiting (used while the connection closes)."""
         if self.finished:
             return
+        if self._start is not None:
+            self._send_start()
         error.run_id = self.run_id
         event = pb.RunEvent(sequence=self._sequence, error=error_message(error))
         self.finished = True

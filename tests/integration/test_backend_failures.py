@@ -91,6 +91,10 @@ async def _chat(request: web.Request) -> web.StreamResponse:
         await response.write(b"data: {this is not json\n\n")
     elif model == "stall":
         await asyncio.sleep(30)
+    elif model == "trickle":  # never idle for long, never done
+        for _ in range(300):
+            await asyncio.sleep(0.1)
+            await response.write(b"data: " + json.dumps(_CHUNK).encode() + b"\n\n")
     elif model == "cutoff":
         pass  # ends without a finish_reason or [DONE]
     else:
@@ -242,6 +246,20 @@ async def test_first_byte_and_idle_timeouts_are_separate(node: NodeApp, pki: Pki
     events = await collect(await connection.open_run(chat(model="slowstart")))  # 0.6 s to headers, idle is 0.3 s
     assert kinds(events) == ["start", "delta", "complete"]
     await connection.close()
+
+
+async def test_a_stream_past_the_total_timeout_is_cut(pki: Pki, tmp_path: Path, scripted: int) -> None:
+    options = {"base_url": f"http://127.0.0.1:{scripted}", "timeouts": {"idle": 0.3, "total": 0.8}}
+    routes = [{"model": "trickle", "adapter": "vllm", "options": options}, {"model": "mock-small", "adapter": "mock"}]
+    async with running_node(node_settings(pki, tmp_path, routes)) as app:
+        connection = await client(app, pki)
+        events = await collect(await connection.open_run(chat(model="trickle")))
+        assert kinds(events)[:3] == ["start", "delta", "delta"]  # chunks kept coming, 0.1 s apart
+        error = events[-1].error
+        assert (error.code, error.retryable) == (pb.ERROR_CODE_UNAVAILABLE, True)
+        assert "the response took over 0.8 s" in error.message
+        assert kinds(await collect(await connection.open_run(chat())))[-1] == "complete"
+        await connection.close()
 
 
 def _connections_to(port: int) -> int:

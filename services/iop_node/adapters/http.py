@@ -17,13 +17,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 
-import aiohttp
 import structlog
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, FilePath
 
+from iop_node.adapters.httpclient import BadResponse, ConnectionLost, HttpClient, Response
 from iop_wire.errors import ErrorCode, IopError
 
 __all__ = ["Backend", "Backends", "HttpOptions", "Timeouts", "protocol_error"]
@@ -37,6 +38,7 @@ _STATUS_CODES = {
 }
 _MESSAGE_LIMIT = 500
 _TAIL_WAIT = 0.2  # seconds to wait for a response's end after its final marker
+_MAX_BODY = 256 * 1024 * 1024  # bytes of a JSON answer (embeddings of many inputs are large)
 
 
 class Timeouts(BaseModel):
@@ -65,6 +67,8 @@ class HttpOptions(BaseModel):
     """The backend's model name: set by the node from the route's ``target`` (or ``model``)."""
     api_key: str | None = None
     """Sent as ``Authorization: Bearer``; never logged."""
+    ca: FilePath | None = None
+    """A CA bundle (PEM) to verify an https backend's certificate with, instead of the system's."""
     timeouts: Timeouts = Timeouts()
     """Connect, first byte, idle and total timeouts."""
     health_interval: float = Field(2.0, gt=0)
@@ -73,36 +77,39 @@ class HttpOptions(BaseModel):
     """Connections kept to the backend at most (kept alive between runs)."""
 
 
-class _IdleTimer:
-    """Cancels the current task once ``seconds`` pass with no ``touch()``.
+class _StreamTimer:
+    """Cancels the current task once ``idle`` seconds pass with no ``touch()``, or at ``deadline``.
 
     One timer that re-arms itself when it finds recent data: touching costs a clock read per
     chunk, where rescheduling a timeout per chunk cost ~5 us of the relay's 30 us per token.
     """
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
+    def __init__(self, idle: float, deadline: float) -> None:
+        self.idle = idle
+        self._deadline = deadline
         self._loop = asyncio.get_running_loop()
         self._task = asyncio.current_task()
         self._last = self._loop.time()
-        self._fired = False
-        self._handle = self._loop.call_at(self._last + seconds, self._check)
+        self.fired = ""
+        """Why the timer cancelled the task ("idle" or "total"); empty while it has not."""
+        self._handle = self._loop.call_at(min(self._last + idle, deadline), self._check)
 
     def touch(self) -> None:
         self._last = self._loop.time()
 
     def _check(self) -> None:
-        if self._loop.time() - self._last >= self.seconds and self._task is not None:
-            self._fired = True
+        now = self._loop.time()
+        if self._task is not None and (now >= self._deadline or now - self._last >= self.idle):
+            self.fired = "total" if now >= self._deadline else "idle"
             self._task.cancel()
         else:
-            self._handle = self._loop.call_at(self._last + self.seconds, self._check)
+            self._handle = self._loop.call_at(min(self._last + self.idle, self._deadline), self._check)
 
-    def fired(self) -> bool:
-        """True if the timer cancelled the task (and takes that cancellation back)."""
-        if self._fired and self._task is not None:
+    def take_back(self) -> bool:
+        """True if the timer cancelled the task; the task's cancellation is then taken back."""
+        if self.fired and self._task is not None:
             self._task.uncancel()
-        return self._fired
+        return bool(self.fired)
 
     def stop(self) -> None:
         self._handle.cancel()
@@ -122,21 +129,10 @@ class Backend:
         self.available = True
         self._base = options.base_url.rstrip("/")
         self._health_path = health_path
-        self._session: aiohttp.ClientSession | None = None
         self._probe: asyncio.Task[None] | None = None
-        self._headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
-
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            timeouts = self.options.timeouts
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.options.max_connections, keepalive_timeout=30),
-                # no sock_read: it would also cut the wait for headers short (first_byte covers
-                # that); the idle timeout is applied between chunks in _lines
-                timeout=aiohttp.ClientTimeout(total=timeouts.total, sock_connect=timeouts.connect),
-                headers=self._headers,
-            )
-        return self._session
+        headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
+        tls = ssl.create_default_context(cafile=options.ca) if self._base.startswith("https:") else None
+        self._client = HttpClient(self._base, max_connections=options.max_connections, headers=headers, tls=tls)
 
     async def get_json(self, path: str) -> Any:
         """GET ``path`` and return its JSON body."""
@@ -154,71 +150,71 @@ class Backend:
         Leaving the iteration early (a cancel) closes the connection, so the backend sees it.
         """
         async with self._request("POST", path, body) as response:
-            finished = False
             try:
-                async for line in self._lines(response):
-                    yield line
-                finished = True
+                async with contextlib.aclosing(self._lines(response)) as lines:
+                    async for line in lines:
+                        yield line
             except GeneratorExit:
                 # The caller stopped at the stream's final marker: let the body end (it is a
                 # few bytes away) so the connection can go back to the pool.
                 with contextlib.suppress(Exception):
                     async with asyncio.timeout(_TAIL_WAIT):
-                        await response.content.read()
-                    finished = response.content.at_eof()
+                        async for _ in response.iter_bytes():
+                            pass
                 raise
-            finally:
-                if not finished:
-                    response.close()  # abort: never return a half-read connection to the pool
 
     @contextlib.asynccontextmanager
-    async def _request(
-        self, method: str, path: str, body: dict[str, Any] | None
-    ) -> AsyncIterator[aiohttp.ClientResponse]:
+    async def _request(self, method: str, path: str, body: dict[str, Any] | None) -> AsyncIterator[Response]:
+        timeouts = self.options.timeouts
+        data = None if body is None else json.dumps(body, separators=(",", ":")).encode()
         try:
-            async with asyncio.timeout(self.options.timeouts.first_byte):
-                response = await self._client().request(method, self._base + path, json=body)
-        except (aiohttp.ClientConnectionError, OSError) as exc:  # before TimeoutError: a connect timeout is both
+            response = await self._client.request(
+                method, path, data, connect_timeout=timeouts.connect, head_timeout=timeouts.first_byte
+            )
+        except ConnectionLost as exc:
+            raise self._lost(exc) from None
+        except OSError as exc:
             raise self._unreachable(exc) from None
         except TimeoutError:
-            raise self._unavailable(f"no response within {self.options.timeouts.first_byte:g} s") from None
-        except aiohttp.ClientResponseError as exc:
-            raise protocol_error(f"{self.name}: unreadable HTTP response: {exc.message}") from None
+            raise self._unavailable(f"no response within {timeouts.first_byte:g} s") from None
+        except BadResponse as exc:
+            raise protocol_error(f"{self.name}: unreadable HTTP response: {exc}") from None
         try:
             if response.status >= 300:
                 raise await self._status_error(response)
             yield response
         finally:
-            response.release()
+            response.release()  # back to the pool if read to the end; closed (the backend sees it) if not
 
-    async def _lines(self, response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-        idle = _IdleTimer(self.options.timeouts.idle)
+    async def _lines(self, response: Response) -> AsyncGenerator[bytes, None]:
+        timeouts = self.options.timeouts
+        timer = _StreamTimer(timeouts.idle, asyncio.get_running_loop().time() + timeouts.total)
         try:
-            async for raw in response.content:
-                idle.touch()
-                line = raw.strip()
-                if line:
-                    yield line
+            async for line in response.lines():
+                timer.touch()
+                yield line
         except asyncio.CancelledError:
-            if idle.fired():
-                raise self._unavailable(f"stalled, no data for {idle.seconds:g} s") from None
+            if timer.take_back():
+                if timer.fired == "total":
+                    raise self._unavailable(f"the response took over {timeouts.total:g} s") from None
+                raise self._unavailable(f"stalled, no data for {timeouts.idle:g} s") from None
             raise
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError) as exc:
+        except OSError as exc:
             raise self._lost(exc) from None
-        except aiohttp.ClientResponseError as exc:
-            raise protocol_error(f"{self.name}: unreadable HTTP response: {exc.message}") from None
+        except BadResponse as exc:
+            raise protocol_error(f"{self.name}: unreadable HTTP response: {exc}") from None
         finally:
-            idle.stop()
+            timer.stop()
 
-    async def _json(self, response: aiohttp.ClientResponse) -> Any:
+    async def _json(self, response: Response) -> Any:
         try:
             async with asyncio.timeout(self.options.timeouts.idle):
-                return json.loads(await response.read())
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+                return json.loads(await response.read(_MAX_BODY))
+        except OSError as exc:
             raise self._lost(exc) from None
         except TimeoutError:
             raise self._unavailable(f"stalled, no data for {self.options.timeouts.idle:g} s") from None
-        except ValueError as exc:
+        except ValueError as exc:  # BadResponse too
             raise protocol_error(f"{self.name}: response is not JSON: {exc}") from None
 
     def _unavailable(self, message: str) -> IopError:
@@ -232,8 +228,13 @@ class Backend:
         self.mark_down(str(exc) or type(exc).__name__)
         return self._unavailable(f"connection lost mid-response: {exc or type(exc).__name__}")
 
-    async def _status_error(self, response: aiohttp.ClientResponse) -> IopError:
-        text = (await response.text(errors="replace"))[:_MESSAGE_LIMIT]
+    async def _status_error(self, response: Response) -> IopError:
+        try:
+            async with asyncio.timeout(self.options.timeouts.idle):
+                raw = await response.read(_MAX_BODY)
+        except (OSError, TimeoutError, ValueError):
+            raw = b""
+        text = raw.decode(errors="replace")[:_MESSAGE_LIMIT]
         with contextlib.suppress(ValueError, AttributeError, TypeError):
             document = json.loads(text)
             error = document.get("error", document)
@@ -250,14 +251,17 @@ class Backend:
             self._probe = asyncio.get_running_loop().create_task(self._probe_until_up())
 
     async def _probe_until_up(self) -> None:
+        connect = self.options.timeouts.connect
         while not self.available:
             await asyncio.sleep(self.options.health_interval)
             try:
-                async with asyncio.timeout(self.options.timeouts.connect + 1):
-                    response = await self._client().get(self._base + self._health_path)
-                    response.release()
+                async with asyncio.timeout(connect + 1):
+                    response = await self._client.request(
+                        "GET", self._health_path, connect_timeout=connect, head_timeout=connect
+                    )
+                    response.abort()  # the probe wants the status only
                     self.available = response.status < 500
-            except (aiohttp.ClientError, OSError, TimeoutError):
+            except (OSError, TimeoutError, ValueError):
                 continue
         _log.info("backend up", backend=self.name, url=self._base)
 
@@ -265,8 +269,7 @@ class Backend:
         """Stop probing and close the connection pool."""
         if self._probe is not None:
             self._probe.cancel()
-        if self._session is not None:
-            await self._session.close()
+        await self._client.aclose()
 
 
 class Backends:

@@ -1,0 +1,397 @@
+"""The node's HTTP/1.1 client against scripted servers on 127.0.0.1: framing, keep-alive, failures.
+
+Each server here is a few lines of asyncio that write exact bytes, so every framing case
+(chunked with extensions and trailers, split at any byte, close-delimited, 1xx) and every
+failure (a stale keep-alive connection, a cut, a bad head) is produced on demand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from iop_node.adapters import httpclient
+from iop_node.adapters.httpclient import BadResponse, ConnectionLost, HttpClient
+from iop_wire.certs import Authority
+from iop_wire.tls import Role
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+_TIMEOUTS = {"connect_timeout": 2.0, "head_timeout": 2.0}
+
+
+class Server:
+    """A TCP server on port 0 running ``handler`` per connection; counts connections."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.closed = asyncio.Event()
+        self.server: asyncio.Server | None = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            await self.handler(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def start(self, tls: ssl.SSLContext | None = None) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=tls)
+        port = self.server.sockets[0].getsockname()[1]
+        return f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+
+    async def read_request(self, reader: asyncio.StreamReader) -> bytes:
+        """One request, head and Content-Length body."""
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = 0
+        for line in head.split(b"\r\n"):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":", 1)[1])
+        request = head + await reader.readexactly(length)
+        self.requests.append(request)
+        return request
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Callable[[Handler], Awaitable[tuple[Server, HttpClient]]]]:
+    servers: list[Server] = []
+    clients: list[HttpClient] = []
+
+    async def start(handler: Handler, *, max_connections: int = 8) -> tuple[Server, HttpClient]:
+        server = Server(handler)
+        servers.append(server)
+        client = HttpClient(await server.start(), max_connections=max_connections, headers={"X-Test": "1"})
+        clients.append(client)
+        return server, client
+
+    yield start
+    for client in clients:
+        await client.aclose()
+    for server in servers:
+        assert server.server is not None
+        server.server.close()
+
+
+def _length(body: bytes, extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%s\r\n%s" % (len(body), extra, body)
+
+
+def _chunked(*chunks: bytes, trailer: bytes = b"") -> bytes:
+    out = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    for chunk in chunks:
+        out += b"%x\r\n%s\r\n" % (len(chunk), chunk)
+    return out + b"0\r\n" + trailer + b"\r\n"
+
+
+async def _get_all(client: HttpClient, method: str = "POST", body: bytes | None = b"{}") -> tuple[int, bytes]:
+    response = await client.request(method, "/v1/x", body, **_TIMEOUTS)
+    try:
+        return response.status, await response.read(1 << 20)
+    finally:
+        response.release()
+
+
+async def test_request_bytes_and_a_keep_alive_connection_reused(serve) -> None:  # type: ignore[no-untyped-def]
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await server.read_request(reader)
+            writer.write(_length(b'{"ok":true}'))
+
+    server, client = await serve(handler)
+    for _ in range(3):
+        assert await _get_all(client) == (200, b'{"ok":true}')
+    assert server.connections == 1
+    first = server.requests[0]
+    assert first.startswith(b"POST /v1/x HTTP/1.1\r\n")
+    for field in (b"Host: 127.0.0.1:", b"Content-Type: application/json", b"Content-Length: 2", b"X-Test: 1"):
+        assert field in first
+    assert b"accept-encoding" not in first.lower()  # answers come uncompressed
+    assert first.endswith(b"\r\n\r\n{}")
+
+
+async def test_chunked_body_split_at_every_byte_with_extensions_and_trailers(serve) -> None:  # type: ignore[no-untyped-def]
+    stream = _chunked(b'data: {"a":1}\n\n', b"data: [DO", b"NE]\r\n\r\n", trailer=b"X-Trailer: yes\r\n")
+    stream = stream.replace(b"\r\n9\r\n", b"\r\n9;ext=1\r\n")  # a chunk extension is ignored
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        for byte in stream:  # one byte per write: every boundary falls somewhere
+            writer.write(bytes([byte]))
+            await writer.drain()
+            await asyncio.sleep(0)
+        await server.read_request(reader)
+        writer.write(_length(b"again"))
+
+    server, client = await serve(handler)
+    response = await client.request("POST", "/v1/x", b"{}", **_TIMEOUTS)
+    lines = [line async for line in response.lines()]
+    assert lines == [b'data: {"a":1}', b"data: [DONE]"]
+    assert response.done
+    response.release()
+    assert await _get_all(client) == (200, b"again")  # the trailer was consumed: the connection is reusable
+    assert server.connections == 1
+
+
+async def test_close_delimited_body_and_http_1_0_are_not_reused(serve) -> None:  # type: ignore[no-untyped-def]
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\nline one\nline two")
+        await writer.drain()
+
+    server, client = await serve(handler)
+    assert await _get_all(client) == (200, b"line one\nline two")
+    assert await _get_all(client) == (200, b"line one\nline two")
+    assert server.connections == 2
+
+
+async def test_connection_close_header_is_honoured(serve) -> None:  # type: ignore[no-untyped-def]
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(_length(b"bye", b"Connection: close\r\n"))
+        await writer.drain()
+        await asyncio.sleep(0.2)  # the client must not wait for this close to finish the body
+
+    server, client = await serve(handler)
+    assert await _get_all(client) == (200, b"bye")
+    assert await _get_all(client) == (200, b"bye")
+    assert server.connections == 2
+
+
+async def test_interim_1xx_answers_are_skipped_and_204_has_no_body(serve) -> None:  # type: ignore[no-untyped-def]
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n" + _length(b"ok"))
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+        await server.read_request(reader)
+        writer.write(_length(b"third"))
+
+    server, client = await serve(handler)
+    assert await _get_all(client) == (200, b"ok")
+    assert await _get_all(client, "GET", None) == (204, b"")
+    assert await _get_all(client) == (200, b"third")
+    assert server.connections == 1
+    assert server.requests[1].startswith(b"GET /v1/x HTTP/1.1\r\n")
+    assert b"content-length" not in server.requests[1].lower()
+
+
+async def test_repeated_headers_are_joined_and_names_lower_cased(serve) -> None:  # type: ignore[no-untyped-def]
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 404 Not Found\r\nX-A: 1\r\nx-a:  2 \r\nContent-Length: 0\r\n\r\n")
+
+    server, client = await serve(handler)
+    response = await client.request("GET", "/", **_TIMEOUTS)
+    assert (response.status, response.headers["x-a"]) == (404, "1, 2")
+    response.release()
+
+
+async def test_a_stale_keep_alive_connection_is_replaced_once(serve) -> None:  # type: ignore[no-untyped-def]
+    """The server drops an idle connection as the next request arrives (the keep-alive race)."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(_length(b"ok"))
+        if server.connections == 1:
+            await reader.readuntil(b"\r\n\r\n")  # the second request: dropped unanswered
+            return
+        await server.read_request(reader)
+
+    server, client = await serve(handler)
+    assert await _get_all(client) == (200, b"ok")
+    assert await _get_all(client) == (200, b"ok")
+    assert server.connections == 2
+
+
+async def test_a_new_connection_closed_before_any_answer_is_an_error_not_a_retry(serve) -> None:  # type: ignore[no-untyped-def]
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)  # and close without a word
+
+    server, client = await serve(handler)
+    with pytest.raises(ConnectionLost, match="closed by the server"):
+        await client.request("POST", "/", b"{}", **_TIMEOUTS)
+    assert server.connections == 1
+
+
+async def test_a_connection_cut_mid_body_is_connection_lost(serve) -> None:  # type: ignore[no-untyped-def]
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+
+    server, client = await serve(handler)
+    response = await client.request("POST", "/", b"{}", **_TIMEOUTS)
+    received: list[bytes] = []
+    with pytest.raises(ConnectionLost):
+        await _collect(response.iter_bytes(), received)
+    assert received == [b"hello"]
+    response.release()
+
+
+async def _collect(items: AsyncIterator[bytes], into: list[bytes]) -> None:
+    async for item in items:
+        into.append(item)  # noqa: PERF401 - what arrived before the failure is the point
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        (b"SSH-2.0-OpenSSH\r\n\r\n", "not an HTTP/1.x status line"),
+        (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "bad header line"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", "bad Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nX: " + b"x" * (70 * 1024), "response head over"),
+    ],
+)
+async def test_a_bad_head_is_bad_response(serve, answer: bytes, message: str) -> None:  # type: ignore[no-untyped-def]
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(answer)
+        await asyncio.sleep(1)
+
+    server, client = await serve(handler)
+    with pytest.raises(BadResponse, match=message):
+        await client.request("POST", "/", b"{}", **_TIMEOUTS)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"zz\r\nhello\r\n", "bad chunk size"),
+        (b"5\r\nhelloXX", "chunk not followed by CRLF"),
+        (b"1" * 5000, "chunk-size or trailer line over"),
+    ],
+)
+async def test_a_bad_chunked_body_is_bad_response(serve, body: bytes, message: str) -> None:  # type: ignore[no-untyped-def]
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + body)
+        await asyncio.sleep(1)
+
+    server, client = await serve(handler)
+    response = await client.request("POST", "/", b"{}", **_TIMEOUTS)
+    with pytest.raises(BadResponse, match=message):
+        await response.read(1 << 20)
+    response.release()
+
+
+async def test_body_over_the_limit_is_refused(serve) -> None:  # type: ignore[no-untyped-def]
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(_length(b"x" * 2000))
+
+    server, client = await serve(handler)
+    response = await client.request("POST", "/", b"{}", **_TIMEOUTS)
+    with pytest.raises(BadResponse, match="over 1000 bytes"):
+        await response.read(1000)
+    response.release()
+
+
+async def test_head_timeout_and_connection_refused(serve) -> None:  # type: ignore[no-untyped-def]
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        await asyncio.sleep(5)
+
+    server, client = await serve(handler)
+    with pytest.raises(TimeoutError):
+        await client.request("POST", "/", b"{}", connect_timeout=1.0, head_timeout=0.1)
+    probe = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = probe.sockets[0].getsockname()[1]
+    probe.close()
+    await probe.wait_closed()
+    closed = HttpClient(f"http://127.0.0.1:{port}", max_connections=1)
+    with pytest.raises(ConnectionRefusedError):
+        await closed.request("GET", "/", **_TIMEOUTS)
+
+
+async def test_releasing_an_unfinished_response_closes_its_connection(serve) -> None:  # type: ignore[no-untyped-def]
+    seen_eof = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await writer.drain()
+        if not await reader.read(1):
+            seen_eof.set()
+
+    server, client = await serve(handler)
+    response = await client.request("POST", "/", b"{}", **_TIMEOUTS)
+    assert [data async for data in _first(response.iter_bytes())] == [b"first"]
+    response.release()
+    await asyncio.wait_for(seen_eof.wait(), 2)
+
+
+async def _first(items: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async for item in items:
+        yield item
+        return
+
+
+async def test_connections_are_limited_and_the_slot_comes_back(serve) -> None:  # type: ignore[no-untyped-def]
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await server.read_request(reader)
+            writer.write(_length(b"ok"))
+
+    server, client = await serve(handler, max_connections=1)
+    held = await client.request("POST", "/", b"{}", **_TIMEOUTS)
+    waiting = asyncio.create_task(_get_all(client))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    assert await held.read(100) == b"ok"
+    held.release()
+    assert await asyncio.wait_for(waiting, 2) == (200, b"ok")
+    assert server.connections == 1
+
+
+async def test_a_slow_reader_stops_the_socket_being_read(serve) -> None:  # type: ignore[no-untyped-def]
+    size = 16 * 1024 * 1024
+    sent = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+        writer.write(b"x" * size)
+        await writer.drain()
+        sent.set()
+
+    server, client = await serve(handler)
+    response = await client.request("POST", "/", b"{}", **_TIMEOUTS)
+    await asyncio.sleep(0.3)  # the server writes as fast as it can; nobody reads
+    connection = response._connection
+    assert connection is not None
+    assert len(connection.buffer) < httpclient._HIGH_WATER + 1024 * 1024
+    assert not sent.is_set()  # TCP pushed back on the server
+    assert len(await response.read(size)) == size
+    await asyncio.wait_for(sent.wait(), 5)
+    response.release()
+
+
+async def test_https_with_a_private_ca(tmp_path: Path) -> None:
+    authority = Authority()
+    cert, key = authority.issue("backend", Role.NODE).write(tmp_path, "backend")
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(cert, key)
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(_length(b"secure"))
+        await writer.drain()
+
+    server = Server(handler)
+    url = await server.start(server_tls)
+    trusting = ssl.create_default_context(cafile=authority.write(tmp_path))
+    client = HttpClient(url, max_connections=1, tls=trusting)
+    assert await _get_all(client) == (200, b"secure")
+    await client.aclose()
+    stranger = HttpClient(url, max_connections=1)  # the system's CAs do not know this one
+    with pytest.raises(ssl.SSLCertVerificationError):
+        await stranger.request("GET", "/", **_TIMEOUTS)
+    assert server.server is not None
+    server.server.close()
