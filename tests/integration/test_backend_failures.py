@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -117,13 +118,13 @@ def _free_port() -> int:
     return port
 
 
-async def _serve(port: int) -> web.AppRunner:
+async def _serve(port: int, tls: ssl.SSLContext | None = None) -> web.AppRunner:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_get("/v1/models", _models)
     runner = web.AppRunner(app, shutdown_timeout=0.1)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await web.TCPSite(runner, "127.0.0.1", port, ssl_context=tls).start()
     return runner
 
 
@@ -260,6 +261,36 @@ async def test_a_stream_past_the_total_timeout_is_cut(pki: Pki, tmp_path: Path, 
         assert "the response took over 0.8 s" in error.message
         assert kinds(await collect(await connection.open_run(chat())))[-1] == "complete"
         await connection.close()
+
+
+async def test_an_https_backend_verified_with_the_routes_ca(pki: Pki, tmp_path: Path) -> None:
+    backend = pki.config("backend", None)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(backend.cert, backend.key)  # type: ignore[arg-type]
+    port = _free_port()
+    runner = await _serve(port, tls)
+    url = f"https://127.0.0.1:{port}"
+    routes = [
+        {"model": "fine", "adapter": "vllm", "options": {"base_url": url, "ca": str(backend.ca)}},
+        # another base URL, so another pool (routes with the same one share the first one's)
+        {
+            "model": "fine-untrusted",
+            "adapter": "vllm",
+            "target": "fine",
+            "options": {"base_url": f"https://localhost:{port}"},
+        },
+    ]
+    try:
+        async with running_node(node_settings(pki, tmp_path, routes)) as app:
+            connection = await client(app, pki)
+            events = await collect(await connection.open_run(chat(model="fine")))
+            assert kinds(events) == ["start", "delta", "complete"] and text(events) == "ok "
+            events = await collect(await connection.open_run(chat(model="fine-untrusted")))
+            error = events[-1].error  # the system's CAs do not know the test CA
+            assert error.code == pb.ERROR_CODE_UNAVAILABLE and "certificate verify failed" in error.message
+            await connection.close()
+    finally:
+        await runner.cleanup()
 
 
 def _connections_to(port: int) -> int:

@@ -90,8 +90,12 @@ def _runs(*args: str) -> subprocess.CompletedProcess[str]:
         ({"heartbeat_interval": -1}, "heartbeat_interval: Input should be greater than 0"),
         ({"tls": {"enabled": True}}, "tls.cert is required when tls.enabled is true"),
         ({"colour": "blue"}, "colour: Extra inputs are not permitted"),
+        (
+            {"routes": [{"model": "m", "adapter": "vllm", "options": {"base_url": "https://h", "ca": "/no/ca.pem"}}]},
+            "routes.0.options.ca: Path does not point to a file",
+        ),
     ],
-    ids=["type", "adapter", "adapter-options", "range", "tls", "unknown-key"],
+    ids=["type", "adapter", "adapter-options", "range", "tls", "unknown-key", "backend-ca"],
 )
 def test_bad_config_stops_start_up_with_one_line_naming_the_key(
     pki: Pki, tmp_path: Path, change: dict[str, Any], expected: str
