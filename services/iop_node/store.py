@@ -214,7 +214,7 @@ class SqliteRunStore:
         for write in writes:
             try:
                 await db.execute(write.sql, _params(write.record))
-            except (sqlite3.Error, ValueError) as exc:  # ValueError: aiosqlite's "connection closed"
+            except Exception as exc:  # noqa: BLE001 - one bad row (or aiosqlite's "connection closed") must not stop the writer
                 _log.error("run_write_failed", node_id=self.node_id, run_id=write.record.run_id, error=str(exc))
         try:
             await db.commit()

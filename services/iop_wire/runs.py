@@ -131,9 +131,9 @@ class EventSink:
         self._start = pb.RunStart(node_id=node_id, model=model, adapter=adapter)
         asyncio.get_running_loop().call_soon(self._send_start)
 
-    def _send_start(self) -> None:
+    def _send_start(self, *, closing: bool = False) -> None:
         start, self._start = self._start, None
-        if start is None or self.finished or self._connection.closed:
+        if start is None or self.finished or (self._connection.closed and not closing):
             return
         event = pb.RunEvent(sequence=self._sequence, start=start)
         self._sequence += 1
@@ -193,7 +193,7 @@ class EventSink:
         if self.finished:
             return
         if self._start is not None:
-            self._send_start()
+            self._send_start(closing=True)
         error.run_id = self.run_id
         event = pb.RunEvent(sequence=self._sequence, error=error_message(error))
         self.finished = True

@@ -80,6 +80,11 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     if model in statuses:
         message = f"scripted {statuses[model]} for model {model!r}"
         return web.json_response({"error": {"message": message}}, status=statuses[model])
+    if model == "stalljson":  # a plain JSON answer whose body stops halfway
+        response = web.StreamResponse(headers={"Content-Type": "application/json", "Content-Length": "100"})
+        await response.prepare(request)
+        await response.write(b'{"choices": [')
+        await asyncio.sleep(30)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     if model == "tools":
@@ -293,6 +298,25 @@ async def test_an_https_backend_verified_with_the_routes_ca(pki: Pki, tmp_path: 
         await runner.cleanup()
 
 
+async def test_timeouts_fail_the_run_but_leave_the_backend_up(pki: Pki, tmp_path: Path, scripted: int) -> None:
+    options = {"base_url": f"http://127.0.0.1:{scripted}", "timeouts": {"first_byte": 0.3, "idle": 0.3}}
+    routes = [{"model": m, "adapter": "vllm", "options": options} for m in ("slowstart", "stalljson", "fine")]
+    async with running_node(node_settings(pki, tmp_path, routes)) as app:
+        connection = await client(app, pki)
+        error = (await collect(await connection.open_run(chat(model="slowstart"))))[-1].error
+        assert (error.code, error.retryable) == (pb.ERROR_CODE_UNAVAILABLE, True)
+        assert "no response within 0.3 s" in error.message
+        assert all(model.available for model in app.node.status().models)  # slow is not down
+        whole = chat(model="stalljson")
+        whole.stream = False
+        error = (await collect(await connection.open_run(whole)))[-1].error
+        assert (error.code, error.retryable) == (pb.ERROR_CODE_UNAVAILABLE, True)
+        assert "stalled, no data for 0.3 s" in error.message
+        assert all(model.available for model in app.node.status().models)
+        assert kinds(await collect(await connection.open_run(chat(model="fine"))))[-1] == "complete"
+        await connection.close()
+
+
 def _connections_to(port: int) -> int:
     rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
     return sum(1 for row in rows if row.split()[2] == f"0100007F:{port:04X}" and row.split()[3] == "01")
@@ -304,3 +328,16 @@ async def test_finished_streams_keep_their_backend_connection_alive(node: NodeAp
         assert kinds(await collect(await connection.open_run(chat(model="fine"))))[-1] == "complete"
     assert _connections_to(scripted) == 1  # one pooled keep-alive connection served all five
     await connection.close()
+
+
+async def test_a_closed_backend_fails_requests_without_starting_a_health_probe(scripted: int) -> None:
+    from iop_node.adapters.http import Backend, HttpOptions
+    from iop_wire.errors import ErrorCode, IopError
+
+    backend = Backend(HttpOptions(base_url=f"http://127.0.0.1:{scripted}"), health_path="/v1/models", name="vllm t")
+    assert (await backend.get_json("/v1/models"))["data"][0]["id"] == "fine"
+    await backend.aclose()
+    with pytest.raises(IopError, match="the client is closed") as caught:
+        await backend.get_json("/v1/models")
+    assert caught.value.code == ErrorCode.UNAVAILABLE
+    assert backend._probe is None  # nothing left running after shutdown

@@ -210,6 +210,73 @@ async def test_a_stale_keep_alive_connection_is_replaced_once(serve) -> None:  #
     assert server.connections == 2
 
 
+async def test_bytes_arriving_on_an_idle_connection_retire_it(serve) -> None:  # type: ignore[no-untyped-def]
+    """A server that writes after its answer (here a late 408) must not answer the next request."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(_length(b"first"))
+        await writer.drain()
+        if server.connections == 1:
+            await asyncio.sleep(0.05)
+            writer.write(_length(b"stray", b"Connection: close\r\n").replace(b"200 OK", b"408 Request Timeout"))
+            await asyncio.sleep(1)
+
+    server, client = await serve(handler)
+    assert await _get_all(client) == (200, b"first")
+    await asyncio.sleep(0.2)  # the stray answer lands while the connection is in the pool
+    assert await _get_all(client) == (200, b"first")
+    assert server.connections == 2
+
+
+async def test_a_reused_connection_dropped_late_is_not_sent_again(serve) -> None:  # type: ignore[no-untyped-def]
+    """A close 0.3 s after the request may follow work on it: that POST must not be repeated."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(_length(b"ok"))
+        await server.read_request(reader)
+        await asyncio.sleep(0.3)  # works on it for a while, then dies without answering
+
+    server, client = await serve(handler)
+    assert await _get_all(client) == (200, b"ok")
+    with pytest.raises(ConnectionLost):
+        await client.request("POST", "/generate", b"{}", **_TIMEOUTS)
+    assert len(server.requests) == 2
+    assert server.connections == 1
+
+
+async def test_idle_time_counts_only_while_waiting_and_the_deadline_always(serve) -> None:  # type: ignore[no-untyped-def]
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        if server.connections == 2:  # a trickle: never idle for long, never done
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                writer.write(b"1\r\n.\r\n")
+        await asyncio.sleep(5)
+
+    server, client = await serve(handler)
+    loop = asyncio.get_running_loop()
+    response = await client.request("POST", "/", b"{}", **_TIMEOUTS)
+    response.set_timeouts(0.2, 30, since=loop.time())
+    chunks = response.iter_bytes()
+    assert await anext(chunks) == b"first"
+    await asyncio.sleep(0.5)  # busy elsewhere (a slow client) for longer than the idle timeout
+    waiting = loop.time()
+    with pytest.raises(httpclient.ReadTimeout, match=r"stalled, no data for 0\.2 s"):
+        await anext(chunks)  # the timeout is the server's silence while this waits, not before
+    assert loop.time() - waiting >= 0.15
+    assert not asyncio.current_task().cancelling()  # type: ignore[union-attr]  # no task cancel to take back
+    response.release()
+
+    response = await client.request("POST", "/", b"{}", **_TIMEOUTS)
+    response.set_timeouts(2, 0.4, since=loop.time())
+    with pytest.raises(httpclient.ReadTimeout, match=r"the response took over 0\.4 s"):
+        await response.read(1 << 20)
+    response.release()
+
+
 async def test_a_new_connection_closed_before_any_answer_is_an_error_not_a_retry(serve) -> None:  # type: ignore[no-untyped-def]
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await server.read_request(reader)  # and close without a word
@@ -246,6 +313,7 @@ async def _collect(items: AsyncIterator[bytes], into: list[bytes]) -> None:
         (b"SSH-2.0-OpenSSH\r\n\r\n", "not an HTTP/1.x status line"),
         (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "bad header line"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", "bad Content-Length"),
+        ("HTTP/1.1 200 OK\r\nContent-Length: \u00b2\r\n\r\n".encode("latin-1"), "bad Content-Length"),
         (b"HTTP/1.1 200 OK\r\nX: " + b"x" * (70 * 1024), "response head over"),
     ],
 )

@@ -255,3 +255,16 @@ async def test_history_errors_name_the_problem(tmp_path: Path, path: Path) -> No
         await list_runs(path, status="done", model=None, since=None, limit=10)
     with pytest.raises(ValueError, match="30s"):
         await list_runs(path, status=None, model=None, since="yesterday", limit=10)
+
+
+async def test_a_row_that_cannot_be_written_is_logged_and_the_writer_goes_on(store: SqliteRunStore, path: Path) -> None:
+    broken = _start("broken")
+    broken.extra = {"blob": object()}  # type: ignore[dict-item]  # not JSON: its row cannot be built
+    with structlog.testing.capture_logs() as logs:
+        await store.record_start(broken)
+        await store.record_start(_start("fine"))
+        await store.flush()
+    assert [row[0] for row in _rows(path, "SELECT run_id FROM runs")] == ["fine"]
+    assert any(log["event"] == "run_write_failed" and log["run_id"] == "broken" for log in logs)
+    await store.record_end(_end(_start("later")))  # the writer is still there
+    assert (await store.get("later")).status is RunStatus.COMPLETED  # type: ignore[union-attr]

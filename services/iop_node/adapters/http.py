@@ -1,13 +1,13 @@
 """What the HTTP adapters (vllm, ollama) share: one pooled client per backend, timeouts,
 health, and the one place where backend failures become IOP errors.
 
-    connection refused, reset, closed mid-stream  -> UNAVAILABLE (retryable; backend marked down)
-    no first byte / no data for the idle timeout  -> UNAVAILABLE (retryable)
-    HTTP 404                                      -> MODEL_NOT_FOUND
-    HTTP 400, 422                                 -> INVALID_ARGUMENT
-    HTTP 429                                      -> RESOURCE_EXHAUSTED (retryable)
-    HTTP 5xx and anything else                    -> BACKEND_ERROR
-    a line that is not JSON, a stream with no end -> BACKEND_PROTOCOL_ERROR
+    connection refused, reset, closed mid-stream   -> UNAVAILABLE (retryable; backend marked down)
+    first-byte, idle or total timeout              -> UNAVAILABLE (retryable; a slow backend is up)
+    HTTP 404                                       -> MODEL_NOT_FOUND
+    HTTP 400, 422                                  -> INVALID_ARGUMENT
+    HTTP 429                                       -> RESOURCE_EXHAUSTED (retryable)
+    HTTP 5xx and anything else                     -> BACKEND_ERROR
+    not JSON, not HTTP, a stream with no end       -> BACKEND_PROTOCOL_ERROR
 
 A backend marked down reports its models unavailable until a health probe sees it answer again.
 """
@@ -24,7 +24,7 @@ from typing import Any
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, FilePath
 
-from iop_node.adapters.httpclient import BadResponse, ConnectionLost, HttpClient, Response
+from iop_node.adapters.httpclient import BadResponse, ConnectionLost, HttpClient, ReadTimeout, Response
 from iop_wire.errors import ErrorCode, IopError
 
 __all__ = ["Backend", "Backends", "HttpOptions", "Timeouts", "protocol_error"]
@@ -77,44 +77,6 @@ class HttpOptions(BaseModel):
     """Connections kept to the backend at most (kept alive between runs)."""
 
 
-class _StreamTimer:
-    """Cancels the current task once ``idle`` seconds pass with no ``touch()``, or at ``deadline``.
-
-    One timer that re-arms itself when it finds recent data: touching costs a clock read per
-    chunk, where rescheduling a timeout per chunk cost ~5 us of the relay's 30 us per token.
-    """
-
-    def __init__(self, idle: float, deadline: float) -> None:
-        self.idle = idle
-        self._deadline = deadline
-        self._loop = asyncio.get_running_loop()
-        self._task = asyncio.current_task()
-        self._last = self._loop.time()
-        self.fired = ""
-        """Why the timer cancelled the task ("idle" or "total"); empty while it has not."""
-        self._handle = self._loop.call_at(min(self._last + idle, deadline), self._check)
-
-    def touch(self) -> None:
-        self._last = self._loop.time()
-
-    def _check(self) -> None:
-        now = self._loop.time()
-        if self._task is not None and (now >= self._deadline or now - self._last >= self.idle):
-            self.fired = "total" if now >= self._deadline else "idle"
-            self._task.cancel()
-        else:
-            self._handle = self._loop.call_at(min(self._last + self.idle, self._deadline), self._check)
-
-    def take_back(self) -> bool:
-        """True if the timer cancelled the task; the task's cancellation is then taken back."""
-        if self.fired and self._task is not None:
-            self._task.uncancel()
-        return bool(self.fired)
-
-    def stop(self) -> None:
-        self._handle.cancel()
-
-
 def protocol_error(message: str) -> IopError:
     """The backend's response could not be understood."""
     return IopError(ErrorCode.BACKEND_PROTOCOL_ERROR, message[:_MESSAGE_LIMIT])
@@ -130,6 +92,7 @@ class Backend:
         self._base = options.base_url.rstrip("/")
         self._health_path = health_path
         self._probe: asyncio.Task[None] | None = None
+        self._closed = False
         headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
         tls = ssl.create_default_context(cafile=options.ca) if self._base.startswith("https:") else None
         self._client = HttpClient(self._base, max_connections=options.max_connections, headers=headers, tls=tls)
@@ -155,30 +118,39 @@ class Backend:
                     async for line in lines:
                         yield line
             except GeneratorExit:
-                # The caller stopped at the stream's final marker: let the body end (it is a
-                # few bytes away) so the connection can go back to the pool.
-                with contextlib.suppress(Exception):
-                    async with asyncio.timeout(_TAIL_WAIT):
-                        async for _ in response.iter_bytes():
-                            pass
+                task = asyncio.current_task()
+                if task is None or not task.cancelling():
+                    # The caller stopped at the stream's final marker: let the body end (it is
+                    # a few bytes away) so the connection can go back to the pool. A cancel
+                    # does not wait: releasing the unfinished response closes the connection.
+                    with contextlib.suppress(Exception):
+                        async with asyncio.timeout(_TAIL_WAIT):
+                            async for _ in response.iter_bytes():
+                                pass
                 raise
 
     @contextlib.asynccontextmanager
     async def _request(self, method: str, path: str, body: dict[str, Any] | None) -> AsyncIterator[Response]:
         timeouts = self.options.timeouts
         data = None if body is None else json.dumps(body, separators=(",", ":")).encode()
+        since = asyncio.get_running_loop().time()
         try:
             response = await self._client.request(
-                method, path, data, connect_timeout=timeouts.connect, head_timeout=timeouts.first_byte
+                method,
+                path,
+                data,
+                connect_timeout=timeouts.connect,
+                head_timeout=min(timeouts.first_byte, timeouts.total),
             )
+        except TimeoutError:  # before OSError, its base class; the backend is up, just slow
+            raise self._unavailable(f"no response within {min(timeouts.first_byte, timeouts.total):g} s") from None
         except ConnectionLost as exc:
             raise self._lost(exc) from None
         except OSError as exc:
             raise self._unreachable(exc) from None
-        except TimeoutError:
-            raise self._unavailable(f"no response within {timeouts.first_byte:g} s") from None
         except BadResponse as exc:
             raise protocol_error(f"{self.name}: unreadable HTTP response: {exc}") from None
+        response.set_timeouts(timeouts.idle, timeouts.total, since=since)
         try:
             if response.status >= 300:
                 raise await self._status_error(response)
@@ -187,33 +159,23 @@ class Backend:
             response.release()  # back to the pool if read to the end; closed (the backend sees it) if not
 
     async def _lines(self, response: Response) -> AsyncGenerator[bytes, None]:
-        timeouts = self.options.timeouts
-        timer = _StreamTimer(timeouts.idle, asyncio.get_running_loop().time() + timeouts.total)
         try:
             async for line in response.lines():
-                timer.touch()
                 yield line
-        except asyncio.CancelledError:
-            if timer.take_back():
-                if timer.fired == "total":
-                    raise self._unavailable(f"the response took over {timeouts.total:g} s") from None
-                raise self._unavailable(f"stalled, no data for {timeouts.idle:g} s") from None
-            raise
+        except ReadTimeout as exc:
+            raise self._unavailable(str(exc)) from None
         except OSError as exc:
             raise self._lost(exc) from None
         except BadResponse as exc:
             raise protocol_error(f"{self.name}: unreadable HTTP response: {exc}") from None
-        finally:
-            timer.stop()
 
     async def _json(self, response: Response) -> Any:
         try:
-            async with asyncio.timeout(self.options.timeouts.idle):
-                return json.loads(await response.read(_MAX_BODY))
+            return json.loads(await response.read(_MAX_BODY))
+        except ReadTimeout as exc:
+            raise self._unavailable(str(exc)) from None
         except OSError as exc:
             raise self._lost(exc) from None
-        except TimeoutError:
-            raise self._unavailable(f"stalled, no data for {self.options.timeouts.idle:g} s") from None
         except ValueError as exc:  # BadResponse too
             raise protocol_error(f"{self.name}: response is not JSON: {exc}") from None
 
@@ -221,18 +183,19 @@ class Backend:
         return IopError(ErrorCode.UNAVAILABLE, f"{self.name}: {message}")
 
     def _unreachable(self, exc: BaseException) -> IopError:
-        self.mark_down(str(exc) or type(exc).__name__)
-        return self._unavailable(f"cannot reach {self._base}: {exc or type(exc).__name__}")
+        reason = str(exc) or type(exc).__name__
+        self.mark_down(reason)
+        return self._unavailable(f"cannot reach {self._base}: {reason}")
 
     def _lost(self, exc: BaseException) -> IopError:
-        self.mark_down(str(exc) or type(exc).__name__)
-        return self._unavailable(f"connection lost mid-response: {exc or type(exc).__name__}")
+        reason = str(exc) or type(exc).__name__
+        self.mark_down(reason)
+        return self._unavailable(f"connection lost mid-response: {reason}")
 
     async def _status_error(self, response: Response) -> IopError:
         try:
-            async with asyncio.timeout(self.options.timeouts.idle):
-                raw = await response.read(_MAX_BODY)
-        except (OSError, TimeoutError, ValueError):
+            raw = await response.read(_MAX_BODY)
+        except (OSError, ReadTimeout, ValueError):
             raw = b""
         text = raw.decode(errors="replace")[:_MESSAGE_LIMIT]
         with contextlib.suppress(ValueError, AttributeError, TypeError):
@@ -244,6 +207,8 @@ class Backend:
 
     def mark_down(self, reason: str) -> None:
         """Report the backend's models unavailable until a health probe succeeds."""
+        if self._closed:
+            return  # shutting down: nothing to probe for
         if self.available:
             _log.warning("backend down", backend=self.name, url=self._base, reason=reason)
         self.available = False
@@ -261,12 +226,13 @@ class Backend:
                     )
                     response.abort()  # the probe wants the status only
                     self.available = response.status < 500
-            except (OSError, TimeoutError, ValueError):
+            except (OSError, ValueError):  # TimeoutError is an OSError
                 continue
         _log.info("backend up", backend=self.name, url=self._base)
 
     async def aclose(self) -> None:
         """Stop probing and close the connection pool."""
+        self._closed = True
         if self._probe is not None:
             self._probe.cancel()
         await self._client.aclose()

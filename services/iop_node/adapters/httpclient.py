@@ -20,12 +20,15 @@ import time
 import urllib.parse
 from collections.abc import AsyncIterator, Mapping
 
-__all__ = ["BadResponse", "ConnectionLost", "HttpClient", "Response"]
+__all__ = ["BadResponse", "ConnectionLost", "HttpClient", "ReadTimeout", "Response"]
 
 _MAX_HEAD = 64 * 1024  # bytes of status line and headers
 _MAX_CHUNK_LINE = 4096  # bytes of one chunk-size line (with extensions) or trailer line
 _HIGH_WATER = 1024 * 1024  # unread body bytes at which the socket stops being read
-_KEEPALIVE = 30.0  # seconds an idle connection is kept for reuse
+# Seconds an idle connection is kept for reuse: under the 5 s after which uvicorn (vLLM,
+# llama-cpp-python) and llama.cpp's server close one, so the pool rarely races their close.
+_KEEPALIVE = 4.0
+_RACE = 0.1  # seconds after sending within which a silent close of a reused connection is a keep-alive race
 
 
 class ConnectionLost(OSError):
@@ -34,6 +37,10 @@ class ConnectionLost(OSError):
 
 class BadResponse(ValueError):
     """The server's bytes are not HTTP/1.x as this client reads it."""
+
+
+class ReadTimeout(Exception):
+    """No body bytes for the idle timeout while waiting for them, or the response's deadline passed."""
 
 
 class _Connection(asyncio.Protocol):
@@ -46,7 +53,13 @@ class _Connection(asyncio.Protocol):
         self.error: BaseException | None = None
         self.received = 0
         """Bytes received since the current request was sent."""
+        self.sent_at = 0.0
         self.idle_since = 0.0
+        self.in_use = False
+        """True from a request's send until its connection goes back to the pool."""
+        self.waiting_since = 0.0
+        """When ``more()`` began waiting (loop time); 0 while it is not waiting."""
+        self.timed_out: ReadTimeout | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
 
@@ -55,6 +68,9 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        if not self.in_use:  # bytes nobody asked for (a late 408, a body past its length): unusable
+            self.abort()
+            return
         self.buffer += data
         self.received += len(data)
         if len(self.buffer) > _HIGH_WATER and not self._paused and self.transport is not None:
@@ -78,18 +94,35 @@ class _Connection(asyncio.Protocol):
             waiter.set_result(None)
 
     async def more(self) -> None:
-        """Wait for more bytes; ConnectionLost if the connection ended instead."""
+        """Wait for more bytes; ConnectionLost if the connection ended instead, ReadTimeout on a timeout."""
         if self._paused and self.transport is not None:
             self._paused = False
             self.transport.resume_reading()
         if self.closed:
             raise ConnectionLost(f"connection closed by the server{f': {self.error}' if self.error else ''}")
-        waiter = self._waiter = asyncio.get_running_loop().create_future()
-        await waiter
+        if self.timed_out is not None:
+            raise self.timed_out
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        self.waiting_since = loop.time()
+        try:
+            await waiter
+        finally:
+            self.waiting_since = 0.0
+
+    def time_out(self, error: ReadTimeout) -> None:
+        """Fail the current wait for bytes, and every later one, with ``error``."""
+        self.timed_out = error
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(error)
 
     def send(self, data: bytes) -> None:
         assert self.transport is not None
         self.received = 0
+        self.in_use = True
+        self.timed_out = None
+        self.sent_at = time.monotonic()
         self.transport.write(data)
 
     def abort(self) -> None:
@@ -101,6 +134,36 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         if self.transport is not None:
             self.transport.close()
+
+
+class _ReadTimer:
+    """A response's idle and total timeouts: one timer that re-arms itself, not one per chunk.
+
+    Idle time counts only while the reader waits for bytes (a reader held up by its own
+    consumer is not the server's fault); the deadline holds whatever the reader is doing.
+    Rescheduling an ``asyncio.timeout`` per chunk instead cost ~5 us of the relay's budget.
+    """
+
+    def __init__(self, connection: _Connection, idle: float, total: float, since: float) -> None:
+        self._connection = connection
+        self._idle = idle
+        self._total = total
+        self._deadline = since + total
+        self._loop = asyncio.get_running_loop()
+        self._handle = self._loop.call_at(min(self._loop.time() + idle, self._deadline), self._check)
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        waiting_since = self._connection.waiting_since
+        if now >= self._deadline:
+            self._connection.time_out(ReadTimeout(f"the response took over {self._total:g} s"))
+        elif waiting_since and now - waiting_since >= self._idle:
+            self._connection.time_out(ReadTimeout(f"stalled, no data for {self._idle:g} s"))
+        else:
+            self._handle = self._loop.call_at(min((waiting_since or now) + self._idle, self._deadline), self._check)
+
+    def stop(self) -> None:
+        self._handle.cancel()
 
 
 class Response:
@@ -119,12 +182,13 @@ class Response:
         self._remaining = -1  # body bytes still to come when Content-Length framed; -1: not so framed
         self._chunk_left = 0  # bytes of the current chunk still to come (chunked)
         self._state = "size"  # chunked: size, data, data-end, trailer
+        self._timer: _ReadTimer | None = None
         self.done = False
         """True once the whole body was read."""
         if not self._chunked:
             length = headers.get("content-length")
             if length is not None:
-                if not length.isdigit():
+                if not (length.isascii() and length.isdigit()):
                     raise BadResponse(f"bad Content-Length {length!r}")
                 self._remaining = int(length)
             elif status in (204, 304):
@@ -132,6 +196,12 @@ class Response:
             else:
                 self._keep_alive = False  # the body ends when the connection does
             self.done = self._remaining == 0
+
+    def set_timeouts(self, idle: float, total: float, *, since: float) -> None:
+        """Fail reading with ReadTimeout after ``idle`` seconds waiting for bytes, or ``total``
+        seconds after ``since`` (loop time; when the request was made)."""
+        if self._connection is not None and self._timer is None:
+            self._timer = _ReadTimer(self._connection, idle, total, since)
 
     async def read(self, limit: int) -> bytes:
         """The whole body; BadResponse if it is over ``limit`` bytes."""
@@ -221,6 +291,8 @@ class Response:
         connection, self._connection = self._connection, None
         if connection is None:
             return
+        if self._timer is not None:
+            self._timer.stop()
         if self.done and self._keep_alive and not connection.closed and not connection.buffer:
             self._client.put_back(connection)
         else:
@@ -266,8 +338,9 @@ class HttpClient:
     ) -> Response:
         """Send a request and return the response once its head is in.
 
-        A reused connection that turns out to be closed before any byte of the answer (the
-        server dropped it while idle) is replaced by a new one, once.
+        A reused connection that the server closes, without a byte of answer, within 0.1 s of
+        the request (the server dropped it while idle as the request went out) is replaced by a
+        new one, once. Any later close is the answer: the request may have been worked on.
         """
         if self._closed:
             raise ConnectionLost("the client is closed")
@@ -280,7 +353,7 @@ class HttpClient:
                 try:
                     return await self._answer(connection, head_timeout)
                 except ConnectionLost:
-                    if connection.received:
+                    if connection.received or time.monotonic() - connection.sent_at > _RACE:
                         raise
             connection = await self._connect(connect_timeout)
             connection.send(request)
@@ -299,7 +372,7 @@ class HttpClient:
         now = time.monotonic()
         while self._idle:
             connection = self._idle.pop()
-            if not connection.closed and now - connection.idle_since < _KEEPALIVE:
+            if not connection.closed and not connection.buffer and now - connection.idle_since < _KEEPALIVE:
                 return connection
             connection.abort()
         return None
@@ -331,6 +404,7 @@ class HttpClient:
             connection.close()
             return
         connection.idle_since = time.monotonic()
+        connection.in_use = False
         self._idle.append(connection)
 
     def slot_free(self) -> None:
