@@ -188,18 +188,26 @@ class Node:
             await self._store.record_start(record)
         record.adapter = spec.adapter
         adapter = self.adapters[spec.adapter]
-        async with _deadline(spec.deadline):
-            admission = self.admissions[spec.model]
-            await admission.acquire(request.priority)
-            try:
-                record.started_at = _now()
-                await sink.start(node_id=self.node_id, model=spec.target_model, adapter=spec.adapter)
-                metered = MeteredSink(sink, spec, record, self._metrics.model(spec.model))
-                await adapter.execute(spec, metered)
-                if not metered.completed:
-                    raise IopError(ErrorCode.INTERNAL, f"adapter {spec.adapter} ended without completing the run")
-            finally:
-                admission.release()
+        if spec.deadline is None:
+            await self._execute(spec, adapter, request.priority, sink, record)
+        else:
+            async with _deadline(spec.deadline):
+                await self._execute(spec, adapter, request.priority, sink, record)
+
+    async def _execute(
+        self, spec: ExecutionSpec, adapter: Adapter, priority: int, sink: WireSink, record: RunRecord
+    ) -> None:
+        admission = self.admissions[spec.model]
+        await admission.acquire(priority)
+        try:
+            record.started_at = _now()
+            await sink.start(node_id=self.node_id, model=spec.target_model, adapter=spec.adapter)
+            metered = MeteredSink(sink, spec, record, self._metrics.model(spec.model))
+            await adapter.execute(spec, metered)
+            if not metered.completed:
+                raise IopError(ErrorCode.INTERNAL, f"adapter {spec.adapter} ended without completing the run")
+        finally:
+            admission.release()
 
     def _finish(self, record: RunRecord, status: RunStatus, code: str, message: str) -> None:
         record.status, record.error_code, record.error_message = status, code, message
@@ -302,15 +310,13 @@ class Node:
 
 
 class _deadline:  # noqa: N801 - used like asyncio.timeout, as a context manager
-    """Fail the block with DEADLINE_EXCEEDED at ``deadline`` (nothing if None)."""
+    """Fail the block with DEADLINE_EXCEEDED at ``deadline``."""
 
-    def __init__(self, deadline: datetime.datetime | None) -> None:
+    def __init__(self, deadline: datetime.datetime) -> None:
         self._deadline = deadline
         self._timeout: asyncio.Timeout | None = None
 
     async def __aenter__(self) -> None:
-        if self._deadline is None:
-            return
         remaining = (self._deadline - _now()).total_seconds()
         if remaining <= 0:
             raise IopError(ErrorCode.DEADLINE_EXCEEDED, "the run's deadline passed before it started")

@@ -149,14 +149,16 @@ class EventSink:
         embeddings: list[pb.Embedding] | None = None,
     ) -> None:
         """New output: text and/or tool-call fragments, logprobs, embeddings."""
-        delta = pb.RunDelta(text=text)
+        envelope = pb.Envelope(run_id=self.run_id)  # filled in place: no nested message copied
+        delta = envelope.run_event.delta
+        delta.text = text
         if tool_calls:
             delta.tool_calls.extend(tool_calls)
         if logprobs:
             delta.logprobs.extend(logprobs)
         if embeddings:
             delta.embeddings.extend(embeddings)
-        await self._send(pb.RunEvent(delta=delta))
+        await self._send_envelope(envelope)
 
     async def complete(
         self,
@@ -176,17 +178,20 @@ class EventSink:
         await self._send(pb.RunEvent(error=error_message(error)), terminal=True)
 
     async def _send(self, event: pb.RunEvent, *, terminal: bool = False) -> None:
+        await self._send_envelope(pb.Envelope(run_id=self.run_id, run_event=event), terminal=terminal)
+
+    async def _send_envelope(self, envelope: pb.Envelope, *, terminal: bool = False) -> None:
         if self.finished or self._connection.closed:
             return
         if self._start is not None:
             self._send_start()
-        event.sequence = sequence = self._sequence
+        envelope.run_event.sequence = sequence = self._sequence
         self._sequence += 1
         self.finished = terminal
         # The first output and the end are waited for: they skip the turn's batching. start is
         # not: it goes out while the adapter waits for its backend.
         urgent = terminal or sequence == 1
-        await self._connection.send(pb.Envelope(run_id=self.run_id, run_event=event), urgent=urgent)
+        await self._connection.send(envelope, urgent=urgent)
 
     def fail_now(self, error: IopError) -> None:
         """Queue a terminal error without waiting (used while the connection closes)."""

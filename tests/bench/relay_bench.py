@@ -8,6 +8,7 @@ core 0; the server (tests/bench/fast_openai.py) and this client share core 1.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -33,30 +34,28 @@ def _config(state: Path, server_port: int) -> Path:
     return write_config(state, [{"model": "fast", "adapter": "vllm", "max_concurrency": 64, "options": options}])
 
 
-async def _direct_ttft(port: int, runs: int) -> list[float]:
+_BODY = {"model": "fast", "stream": True, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def _direct_ttft(session: aiohttp.ClientSession, port: int, runs: int) -> list[float]:
     """Milliseconds to the first content chunk, straight from the server."""
     latencies = []
-    body = {"model": "fast", "stream": True, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
-    async with aiohttp.ClientSession() as session:
-        for _ in range(runs):
-            started = time.perf_counter()
-            async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as response:
-                first = None
-                async for line in response.content:
-                    if first is None and line.startswith(b"data: {"):
-                        first = time.perf_counter()
-                assert first is not None
-                latencies.append((first - started) * 1000)
+    for _ in range(runs):
+        started = time.perf_counter()
+        async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=_BODY) as response:
+            first = None
+            async for line in response.content:
+                if first is None and line.startswith(b"data: {"):
+                    first = time.perf_counter()
+            assert first is not None
+            latencies.append((first - started) * 1000)
     return latencies
 
 
-async def _direct_ttft_iop_client(port: int, runs: int) -> list[float]:
+async def _direct_ttft_iop_client(client: HttpClient, runs: int) -> list[float]:
     """The same, with the HTTP client the node itself uses (adapters/httpclient.py)."""
     latencies = []
-    body = json.dumps(
-        {"model": "fast", "stream": True, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
-    ).encode()
-    client = HttpClient(f"http://127.0.0.1:{port}", max_connections=1)
+    body = json.dumps(_BODY).encode()
     for _ in range(runs):
         started = time.perf_counter()
         response = await client.request("POST", "/v1/chat/completions", body, connect_timeout=5, head_timeout=5)
@@ -67,22 +66,48 @@ async def _direct_ttft_iop_client(port: int, runs: int) -> list[float]:
         response.release()
         assert first is not None
         latencies.append((first - started) * 1000)
-    await client.aclose()
     return latencies
 
 
 async def _node_ttft(connection: Connection, runs: int) -> list[float]:
     """Milliseconds to the first delta, through the node."""
     latencies = []
-    for index in range(runs):
+    for _ in range(runs):
         started = time.perf_counter()
         first = None
-        async for event in await connection.open_run(_request(f"ttft-{index}", "fast", 8)):
+        async for event in await connection.open_run(_request(f"ttft-{next(_ids)}", "fast", 8)):
             if first is None and event.WhichOneof("event") == "delta":
                 first = time.perf_counter()
         assert first is not None
         latencies.append((first - started) * 1000)
     return latencies
+
+
+_ids = itertools.count()
+
+
+async def _ttft(connection: Connection, port: int) -> tuple[float, float, float]:
+    """Medians of the three ways to the first token, taken in interleaved blocks.
+
+    The host's speed drifts over tens of seconds; four blocks of each, taken in turn, put each
+    way through the same drifts. A block's first 10 runs are not counted: they settle caches
+    after the client moved between cores and the other clients ran. The direct clients run where
+    the node runs (core 0), so that both paths cross the same cores: an idle core's wake-up,
+    not IOP, would otherwise be most of the difference.
+    """
+    direct: list[float] = []
+    lean: list[float] = []
+    relayed: list[float] = []
+    client = HttpClient(f"http://127.0.0.1:{port}", max_connections=1)
+    async with aiohttp.ClientSession() as session:
+        for _ in range(4):
+            os.sched_setaffinity(0, {0})
+            direct += (await _direct_ttft(session, port, 85))[10:]
+            lean += (await _direct_ttft_iop_client(client, 85))[10:]
+            os.sched_setaffinity(0, {1})
+            relayed += (await _node_ttft(connection, 85))[10:]
+    await client.aclose()
+    return statistics.median(direct), statistics.median(lean), statistics.median(relayed)
 
 
 async def _cpu_per_token(connection: Connection, pid: int, runs: int, tokens: int) -> float:
@@ -104,23 +129,14 @@ async def _count(connection: Connection, run_id: str, tokens: int) -> int:
 async def _bench(node_port: int, node_pid: int, server_port: int, certs: Path) -> list[tuple[str, str]]:
     tls = TlsConfig(enabled=True, cert=certs / "edge.crt", key=certs / "edge.key", ca=certs / "ca.crt")
     connection = await dial("127.0.0.1", node_port, tls=tls, server_hostname="localhost")
-    await _node_ttft(connection, 20)  # warm up both connection pools
-    await _direct_ttft(server_port, 20)
-    await _direct_ttft_iop_client(server_port, 20)
-    # The direct clients run where the node runs (core 0), so that both paths cross the same
-    # cores: an idle core's wake-up, not IOP, would otherwise be most of the difference.
-    os.sched_setaffinity(0, {0})
-    direct = statistics.median(await _direct_ttft(server_port, 200))
-    lean = statistics.median(await _direct_ttft_iop_client(server_port, 200))
-    os.sched_setaffinity(0, {1})
-    relayed = statistics.median(await _node_ttft(connection, 200))
+    direct, lean, relayed = await _ttft(connection, server_port)
     cpu = await _cpu_per_token(connection, node_pid, 10, 5000)
     await connection.close()
     return [
         ("vllm adapter: node CPU per relayed token (10 runs x 5,000 tokens)", f"{cpu:.1f} us"),
-        ("time to first token, aiohttp client -> server directly (median of 200)", f"{direct:.2f} ms"),
-        ("time to first token, IOP's HTTP client -> server directly (median of 200)", f"{lean:.2f} ms"),
-        ("time to first token, client -> node (mTLS) -> server (median of 200)", f"{relayed:.2f} ms"),
+        ("time to first token, aiohttp client -> server directly (median of 300)", f"{direct:.2f} ms"),
+        ("time to first token, IOP's HTTP client -> server directly (median of 300)", f"{lean:.2f} ms"),
+        ("time to first token, client -> node (mTLS) -> server (median of 300)", f"{relayed:.2f} ms"),
         ("time to first token added by the node, against the aiohttp client", f"{relayed - direct:.2f} ms"),
         ("time to first token added by the node, against IOP's HTTP client", f"{relayed - lean:.2f} ms"),
     ]

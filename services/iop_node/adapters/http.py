@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import json
 import ssl
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import structlog
@@ -99,51 +99,67 @@ class Backend:
 
     async def get_json(self, path: str) -> Any:
         """GET ``path`` and return its JSON body."""
-        async with self._request("GET", path, None) as response:
+        response = await self._open("GET", path, None)
+        try:
             return await self._json(response)
+        finally:
+            response.release()
 
     async def post_json(self, path: str, body: dict[str, Any]) -> Any:
         """POST ``body`` to ``path`` and return the JSON answer."""
-        async with self._request("POST", path, body) as response:
+        response = await self._open("POST", path, body)
+        try:
             return await self._json(response)
+        finally:
+            response.release()
 
     async def post_lines(self, path: str, body: dict[str, Any]) -> AsyncGenerator[bytes, None]:
         """POST ``body`` and yield the response's non-empty lines as they arrive.
 
         Leaving the iteration early (a cancel) closes the connection, so the backend sees it.
         """
-        async with self._request("POST", path, body) as response:
-            try:
-                async with contextlib.aclosing(self._lines(response)) as lines:
-                    async for line in lines:
-                        yield line
-            except GeneratorExit:
-                task = asyncio.current_task()
-                if task is None or not task.cancelling():
-                    # The caller stopped at the stream's final marker: let the body end (it is
-                    # a few bytes away) so the connection can go back to the pool. A cancel
-                    # does not wait: releasing the unfinished response closes the connection.
-                    with contextlib.suppress(Exception):
-                        async with asyncio.timeout(_TAIL_WAIT):
-                            async for _ in response.iter_bytes():
-                                pass
-                raise
+        response = await self._open("POST", path, body)
+        lines = response.lines()
+        try:
+            while True:
+                try:
+                    line = await anext(lines)
+                except StopAsyncIteration:
+                    return
+                except ReadTimeout as exc:
+                    raise self._unavailable(str(exc)) from None
+                except OSError as exc:
+                    raise self._lost(exc) from None
+                except BadResponse as exc:
+                    raise protocol_error(f"{self.name}: unreadable HTTP response: {exc}") from None
+                yield line
+        except GeneratorExit:
+            task = asyncio.current_task()
+            if task is None or not task.cancelling():
+                # The caller stopped at the stream's final marker: let the body end (it is a
+                # few bytes away) so the connection can go back to the pool. A cancel does
+                # not wait: releasing the unfinished response closes the connection.
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(_TAIL_WAIT):
+                        async for _ in response.iter_bytes():
+                            pass
+            raise
+        finally:
+            await lines.aclose()
+            response.release()  # back to the pool if read to the end; closed (the backend sees it) if not
 
-    @contextlib.asynccontextmanager
-    async def _request(self, method: str, path: str, body: dict[str, Any] | None) -> AsyncIterator[Response]:
+    async def _open(self, method: str, path: str, body: dict[str, Any] | None) -> Response:
+        """Send the request; the response once its head is in and its status is a success."""
         timeouts = self.options.timeouts
         data = None if body is None else json.dumps(body, separators=(",", ":")).encode()
         since = asyncio.get_running_loop().time()
+        head_timeout = min(timeouts.first_byte, timeouts.total)
         try:
             response = await self._client.request(
-                method,
-                path,
-                data,
-                connect_timeout=timeouts.connect,
-                head_timeout=min(timeouts.first_byte, timeouts.total),
+                method, path, data, connect_timeout=timeouts.connect, head_timeout=head_timeout
             )
         except TimeoutError:  # before OSError, its base class; the backend is up, just slow
-            raise self._unavailable(f"no response within {min(timeouts.first_byte, timeouts.total):g} s") from None
+            raise self._unavailable(f"no response within {head_timeout:g} s") from None
         except ConnectionLost as exc:
             raise self._lost(exc) from None
         except OSError as exc:
@@ -151,23 +167,12 @@ class Backend:
         except BadResponse as exc:
             raise protocol_error(f"{self.name}: unreadable HTTP response: {exc}") from None
         response.set_timeouts(timeouts.idle, timeouts.total, since=since)
-        try:
-            if response.status >= 300:
+        if response.status >= 300:
+            try:
                 raise await self._status_error(response)
-            yield response
-        finally:
-            response.release()  # back to the pool if read to the end; closed (the backend sees it) if not
-
-    async def _lines(self, response: Response) -> AsyncGenerator[bytes, None]:
-        try:
-            async for line in response.lines():
-                yield line
-        except ReadTimeout as exc:
-            raise self._unavailable(str(exc)) from None
-        except OSError as exc:
-            raise self._lost(exc) from None
-        except BadResponse as exc:
-            raise protocol_error(f"{self.name}: unreadable HTTP response: {exc}") from None
+            finally:
+                response.release()
+        return response
 
     async def _json(self, response: Response) -> Any:
         try:

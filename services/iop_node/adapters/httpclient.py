@@ -18,7 +18,7 @@ import asyncio
 import ssl
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 
 __all__ = ["BadResponse", "ConnectionLost", "HttpClient", "ReadTimeout", "Response"]
 
@@ -59,7 +59,7 @@ class _Connection(asyncio.Protocol):
         """True from a request's send until its connection goes back to the pool."""
         self.waiting_since = 0.0
         """When ``more()`` began waiting (loop time); 0 while it is not waiting."""
-        self.timed_out: ReadTimeout | None = None
+        self.timed_out: Exception | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
 
@@ -94,7 +94,7 @@ class _Connection(asyncio.Protocol):
             waiter.set_result(None)
 
     async def more(self) -> None:
-        """Wait for more bytes; ConnectionLost if the connection ended instead, ReadTimeout on a timeout."""
+        """Wait for more bytes; ConnectionLost if the connection ended, a timer's error if one fired."""
         if self._paused and self.transport is not None:
             self._paused = False
             self.transport.resume_reading()
@@ -110,7 +110,7 @@ class _Connection(asyncio.Protocol):
         finally:
             self.waiting_since = 0.0
 
-    def time_out(self, error: ReadTimeout) -> None:
+    def time_out(self, error: Exception) -> None:
         """Fail the current wait for bytes, and every later one, with ``error``."""
         self.timed_out = error
         waiter, self._waiter = self._waiter, None
@@ -216,26 +216,24 @@ class Response:
 
     async def iter_bytes(self) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive (chunk framing removed)."""
-        connection = self._connection
-        if connection is None:
-            raise RuntimeError("the response was released")
+        connection = self._reading()
         while not self.done:
             data = self._take(connection.buffer)
             if data:
                 yield data
             elif not self.done:
-                try:
-                    await connection.more()
-                except ConnectionLost:
-                    if self._remaining < 0 and not self._chunked and connection.error is None:
-                        self.done = True  # a close-delimited body ends with the connection
-                        return
-                    raise
+                await self._more(connection)
 
-    async def lines(self) -> AsyncIterator[bytes]:
+    async def lines(self) -> AsyncGenerator[bytes, None]:
         """The body's non-empty lines, stripped, as they arrive (SSE, NDJSON)."""
+        connection = self._reading()
         pending = b""
-        async for data in self.iter_bytes():
+        while not self.done:
+            data = self._take(connection.buffer)
+            if not data:
+                if not self.done:
+                    await self._more(connection)
+                continue
             *complete, pending = (pending + data).split(b"\n")
             for raw in complete:
                 line = raw.strip()
@@ -244,6 +242,20 @@ class Response:
         pending = pending.strip()
         if pending:
             yield pending
+
+    def _reading(self) -> _Connection:
+        if self._connection is None:
+            raise RuntimeError("the response was released")
+        return self._connection
+
+    async def _more(self, connection: _Connection) -> None:
+        try:
+            await connection.more()
+        except ConnectionLost:
+            if self._remaining < 0 and not self._chunked and connection.error is None:
+                self.done = True  # a close-delimited body ends with the connection
+                return
+            raise
 
     def _take(self, buffer: bytearray) -> bytes:
         """Consume what ``buffer`` holds of the body; returns the body bytes found."""
@@ -389,15 +401,18 @@ class HttpClient:
         return connection
 
     async def _answer(self, connection: _Connection, timeout: float) -> Response:
+        late = TimeoutError(f"no answer within {timeout:g} s")
+        timer = asyncio.get_running_loop().call_later(timeout, connection.time_out, late)
         try:
-            async with asyncio.timeout(timeout):
-                while True:
-                    status, headers, keep_alive = await _read_head(connection)
-                    if not 100 <= status < 200:
-                        return Response(self, connection, status, headers, keep_alive)
+            while True:
+                status, headers, keep_alive = await _read_head(connection)
+                if not 100 <= status < 200:
+                    return Response(self, connection, status, headers, keep_alive)
         except BaseException:
             connection.abort()
             raise
+        finally:
+            timer.cancel()
 
     def put_back(self, connection: _Connection) -> None:
         if self._closed:

@@ -106,9 +106,12 @@ class VllmAdapter:
                 chunk = _parse(data)
                 try:
                     usage = _usage(chunk.get("usage")) or usage
-                    finish = await _relay(chunk, sink) or finish
+                    text, calls, logprobs, finished = _output(chunk)
                 except (AttributeError, KeyError, TypeError, ValueError) as exc:
                     raise protocol_error(f"unexpected chunk shape ({exc}): {data[:120]!r}") from None
+                if text or calls or logprobs:
+                    await sink.delta(text, tool_calls=calls, logprobs=logprobs)
+                finish = finished or finish
         if finish is None:
             raise protocol_error("the backend's stream ended without a finish_reason")
         await sink.complete(_FINISH.get(finish, pb.FINISH_REASON_STOP), usage)
@@ -212,20 +215,19 @@ def _parse(data: bytes) -> dict[str, Any]:
     return chunk
 
 
-async def _relay(chunk: dict[str, Any], sink: EventSink) -> str | None:
-    """Send one SSE chunk's output on; return its finish_reason, if any."""
+def _output(
+    chunk: dict[str, Any],
+) -> tuple[str, list[pb.ToolCallDelta] | None, list[pb.TokenLogprob] | None, str | None]:
+    """One SSE chunk's text, tool-call deltas, logprobs and finish_reason."""
     choices = chunk.get("choices") or ()
     if not choices:
-        return None
+        return "", None, None, None
     choice = choices[0]
     delta = choice.get("delta")
     text = (delta.get("content") if delta is not None else choice.get("text")) or ""
     calls = [_tool_call(call.get("index", i), call) for i, call in enumerate((delta or {}).get("tool_calls") or ())]
-    logprobs = _logprobs(choice.get("logprobs"))
-    if text or calls or logprobs:
-        await sink.delta(text, tool_calls=calls or None, logprobs=logprobs or None)
-    finish: str | None = choice.get("finish_reason")
-    return finish
+    logprobs = _logprobs(choice.get("logprobs")) if choice.get("logprobs") else None
+    return text, calls or None, logprobs or None, choice.get("finish_reason")
 
 
 def _tool_call(index: int, call: dict[str, Any]) -> pb.ToolCallDelta:
