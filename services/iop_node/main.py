@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import sys
 from pathlib import Path
@@ -32,6 +33,10 @@ async def _serve(app: NodeApp) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     await app.start()
+    # Everything made so far (modules, settings, the app) lives as long as the process: frozen,
+    # the collector no longer walks it. Node CPU per one-token run fell by ~10 us (README).
+    gc.collect()
+    gc.freeze()
     await stop.wait()
     await app.stop()
     return 0
