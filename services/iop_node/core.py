@@ -324,8 +324,7 @@ class _deadline:  # noqa: N801 - used like asyncio.timeout, as a context manager
         await self._timeout.__aenter__()
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._timeout is None:
-            return
+        assert self._timeout is not None  # __aenter__ set it, or raised and this is not called
         try:
             await self._timeout.__aexit__(*exc)  # type: ignore[arg-type]
         except TimeoutError:

@@ -95,6 +95,9 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     await response.write(b"data: " + json.dumps(_CHUNK).encode() + b"\n\n")
     if model == "garbled":
         await response.write(b"data: {this is not json\n\n")
+    elif model in ("numeric", "surrogate"):  # content protobuf cannot carry: a number, half an emoji
+        content = b"5" if model == "numeric" else b'"\\ud83d"'
+        await response.write(b'data: {"choices": [{"index": 0, "delta": {"content": %s}}]}\n\n' % content)
     elif model == "stall":
         await asyncio.sleep(30)
     elif model == "trickle":  # never idle for long, never done
@@ -133,7 +136,10 @@ async def _serve(port: int, tls: ssl.SSLContext | None = None) -> web.AppRunner:
     return runner
 
 
-MODELS = ["fine", "gone", "boom", "busy", "picky", "garbled", "cutoff", "stall", "tools", "slowstart"]
+MODELS = [
+    *("fine", "gone", "boom", "busy", "picky", "garbled", "numeric", "surrogate"),
+    *("cutoff", "stall", "tools", "slowstart"),
+]
 
 
 @pytest.fixture
@@ -166,6 +172,8 @@ async def node(pki: Pki, tmp_path: Path, scripted: int) -> AsyncIterator[NodeApp
         ("busy", pb.ERROR_CODE_RESOURCE_EXHAUSTED, True, "HTTP 429"),
         ("picky", pb.ERROR_CODE_INVALID_ARGUMENT, False, "HTTP 400"),
         ("garbled", pb.ERROR_CODE_BACKEND_PROTOCOL_ERROR, False, "not JSON"),
+        ("numeric", pb.ERROR_CODE_BACKEND_PROTOCOL_ERROR, False, "content is a int, not a string"),
+        ("surrogate", pb.ERROR_CODE_BACKEND_PROTOCOL_ERROR, False, "surrogates not allowed"),
         ("cutoff", pb.ERROR_CODE_BACKEND_PROTOCOL_ERROR, False, "without a finish_reason"),
         ("stall", pb.ERROR_CODE_UNAVAILABLE, True, "stalled, no data for 0.3 s"),
     ],

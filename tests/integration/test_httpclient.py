@@ -8,7 +8,10 @@ failure (a stale keep-alive connection, a cut, a bad head) is produced on demand
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
+import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -275,6 +278,36 @@ async def test_idle_time_counts_only_while_waiting_and_the_deadline_always(serve
     with pytest.raises(httpclient.ReadTimeout, match=r"the response took over 0\.4 s"):
         await response.read(1 << 20)
     response.release()
+
+
+async def test_a_head_landing_as_its_timeout_fires_is_taken_and_the_body_reads() -> None:
+    """The head timer and the head's bytes come due in the same loop pass: the head wins.
+
+    The server is a thread, so its bytes arrive while this loop is held up.
+    """
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve_one() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            connection.recv(65536)
+            time.sleep(0.1)
+            connection.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+            time.sleep(0.4)
+            connection.sendall(b"6\r\nsecond\r\n0\r\n\r\n")
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=serve_one, daemon=True)
+    thread.start()
+    client = HttpClient(f"http://127.0.0.1:{listener.getsockname()[1]}", max_connections=1)
+    asyncio.get_running_loop().call_later(0.05, time.sleep, 0.3)  # the loop is stuck while both come due
+    response = await client.request("POST", "/", b"{}", connect_timeout=2.0, head_timeout=0.2)
+    assert response.status == 200
+    assert await response.read(100) == b"firstsecond"  # no stale head timeout on the body's reads
+    response.release()
+    await client.aclose()
+    thread.join()
+    listener.close()
 
 
 async def test_a_new_connection_closed_before_any_answer_is_an_error_not_a_retry(serve) -> None:  # type: ignore[no-untyped-def]

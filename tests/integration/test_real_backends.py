@@ -170,8 +170,11 @@ async def test_vllm_backend_killed_mid_stream(pki: Pki, tmp_path: Path, llama_ba
 # -- ollama adapter against Ollama -----------------------------------------------------------------
 
 
-async def test_ollama_streams_chat_with_usage_done_reason_and_timings(ollama_node: NodeApp, pki: Pki) -> None:
+async def test_ollama_streams_chat_with_usage_done_reason_and_timings(
+    ollama_node: NodeApp, pki: Pki, ollama_backend: BackendServer
+) -> None:
     connection = await client(ollama_node, pki)
+    before = _established(ollama_backend.port)
     events = await collect(await connection.open_run(chat(model="tiny", sampling=bp.Sampling(max_tokens=10, seed=3))))
     assert kinds(events)[0] == "start" and kinds(events)[-1] == "complete"
     assert events[0].start.adapter == "ollama" and kinds(events).count("delta") >= 2
@@ -180,6 +183,10 @@ async def test_ollama_streams_chat_with_usage_done_reason_and_timings(ollama_nod
     assert not complete.usage.estimated
     assert complete.usage.completion_tokens == 10 and complete.usage.prompt_tokens > 0
     assert complete.timings.generation.ToNanoseconds() > 0 and complete.timings.HasField("time_to_first_token")
+    for _ in range(2):  # the done line ends each stream; its connection is kept for the next one
+        again = await collect(await connection.open_run(chat(model="tiny", sampling=bp.Sampling(max_tokens=5))))
+        assert kinds(again)[-1] == "complete", again[-1]
+    assert _established(ollama_backend.port) == before + 1
     await connection.close()
 
 

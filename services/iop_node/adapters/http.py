@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import json
 import ssl
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any
 
 import structlog
@@ -77,6 +77,14 @@ class HttpOptions(BaseModel):
     """Connections kept to the backend at most (kept alive between runs)."""
 
 
+async def _read_to_end(response: Response) -> None:
+    """Read what is left of a body that should be about to end; leave it unfinished if it is not."""
+    with contextlib.suppress(OSError, ReadTimeout, BadResponse, TimeoutError):
+        async with asyncio.timeout(_TAIL_WAIT):
+            async for _ in response.iter_bytes():
+                pass
+
+
 def protocol_error(message: str) -> IopError:
     """The backend's response could not be understood."""
     return IopError(ErrorCode.BACKEND_PROTOCOL_ERROR, message[:_MESSAGE_LIMIT])
@@ -113,10 +121,15 @@ class Backend:
         finally:
             response.release()
 
-    async def post_lines(self, path: str, body: dict[str, Any]) -> AsyncGenerator[bytes, None]:
+    async def post_lines(
+        self, path: str, body: dict[str, Any], *, last: Callable[[bytes], bool]
+    ) -> AsyncGenerator[bytes, None]:
         """POST ``body`` and yield the response's non-empty lines as they arrive.
 
-        Leaving the iteration early (a cancel) closes the connection, so the backend sees it.
+        ``last`` recognizes the stream's final line ([DONE], a done object): before that line is
+        yielded, the few bytes left of the body are read, so that the connection can go back to
+        the pool when the caller stops there. Leaving the iteration anywhere else (a cancel, an
+        error) closes the connection at once, so the backend sees it.
         """
         response = await self._open("POST", path, body)
         lines = response.lines()
@@ -126,24 +139,15 @@ class Backend:
                     line = await anext(lines)
                 except StopAsyncIteration:
                     return
-                except ReadTimeout as exc:
+                except (ReadTimeout, TimeoutError) as exc:  # before OSError, TimeoutError's base
                     raise self._unavailable(str(exc)) from None
                 except OSError as exc:
                     raise self._lost(exc) from None
                 except BadResponse as exc:
                     raise protocol_error(f"{self.name}: unreadable HTTP response: {exc}") from None
+                if last(line):
+                    await _read_to_end(response)
                 yield line
-        except GeneratorExit:
-            task = asyncio.current_task()
-            if task is None or not task.cancelling():
-                # The caller stopped at the stream's final marker: let the body end (it is a
-                # few bytes away) so the connection can go back to the pool. A cancel does
-                # not wait: releasing the unfinished response closes the connection.
-                with contextlib.suppress(Exception):
-                    async with asyncio.timeout(_TAIL_WAIT):
-                        async for _ in response.iter_bytes():
-                            pass
-            raise
         finally:
             await lines.aclose()
             response.release()  # back to the pool if read to the end; closed (the backend sees it) if not
@@ -177,7 +181,7 @@ class Backend:
     async def _json(self, response: Response) -> Any:
         try:
             return json.loads(await response.read(_MAX_BODY))
-        except ReadTimeout as exc:
+        except (ReadTimeout, TimeoutError) as exc:  # before OSError, TimeoutError's base
             raise self._unavailable(str(exc)) from None
         except OSError as exc:
             raise self._lost(exc) from None

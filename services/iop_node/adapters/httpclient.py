@@ -407,6 +407,8 @@ class HttpClient:
             while True:
                 status, headers, keep_alive = await _read_head(connection)
                 if not 100 <= status < 200:
+                    if connection.timed_out is late:
+                        connection.timed_out = None  # it fired in the very pass the head came in
                     return Response(self, connection, status, headers, keep_alive)
         except BaseException:
             connection.abort()

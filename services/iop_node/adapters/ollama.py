@@ -86,7 +86,9 @@ class OllamaAdapter:
             return
         path, body = _request_body(spec, self._options[spec.model])
         final: dict[str, Any] | None = None
-        async with contextlib.aclosing(backend.post_lines(path, body)) as lines:
+        # the final object says "done":true (Go's encoder writes no spaces; a "done" inside a
+        # string would be escaped)
+        async with contextlib.aclosing(backend.post_lines(path, body, last=_is_done)) as lines:
             async for line in lines:
                 item = _parse(line)
                 text = (item.get("message") or {}).get("content") if "message" in item else item.get("response")
@@ -196,3 +198,8 @@ def _timings(final: dict[str, Any]) -> pb.Timings | None:
     )
     timings.generation.FromNanoseconds(int(final["total_duration"]))
     return timings
+
+
+def _is_done(line: bytes) -> bool:
+    """The stream's final object."""
+    return b'"done":true' in line

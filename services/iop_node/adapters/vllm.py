@@ -96,7 +96,7 @@ class VllmAdapter:
         path, body = _request_body(spec, stream=True)
         finish: str | None = None
         usage: pb.Usage | None = None
-        async with contextlib.aclosing(backend.post_lines(path, body)) as lines:
+        async with contextlib.aclosing(backend.post_lines(path, body, last=_is_done)) as lines:
             async for line in lines:
                 if not line.startswith(b"data:"):
                     continue  # SSE comments and other fields
@@ -121,16 +121,17 @@ class VllmAdapter:
         document = await backend.post_json(path, body)
         try:
             choice = document["choices"][0]
-        except (KeyError, IndexError, TypeError):
-            raise protocol_error(f"no choices in the backend's answer: {str(document)[:200]}") from None
-        message = choice.get("message") or {}
-        text = message.get("content") if "message" in choice else choice.get("text")
-        calls = [_tool_call(i, call) for i, call in enumerate(message.get("tool_calls") or [])]
-        logprobs = _logprobs(choice.get("logprobs"))
+            message = choice.get("message") or {}
+            text = _text(message.get("content") if "message" in choice else choice.get("text"))
+            calls = [_tool_call(i, call) for i, call in enumerate(message.get("tool_calls") or [])]
+            logprobs = _logprobs(choice.get("logprobs"))
+            finish = _FINISH.get(choice.get("finish_reason") or "stop", pb.FINISH_REASON_STOP)
+            usage = _usage(document.get("usage"))
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
+            raise protocol_error(f"unexpected answer shape ({exc}): {str(document)[:200]}") from None
         if text or calls or logprobs:
-            await sink.delta(text or "", tool_calls=calls, logprobs=logprobs)
-        finish = _FINISH.get(choice.get("finish_reason") or "stop", pb.FINISH_REASON_STOP)
-        await sink.complete(finish, _usage(document.get("usage")))
+            await sink.delta(text, tool_calls=calls, logprobs=logprobs)
+        await sink.complete(finish, usage)
 
     async def _embed(self, backend: Backend, spec: ExecutionSpec, sink: EventSink) -> None:
         body = {**spec.openai_fields, "model": spec.target_model, "input": list(spec.prompt)}
@@ -201,6 +202,11 @@ def _part(part: pb.ContentPart) -> dict[str, Any]:
     return {"type": "text", "text": part.text}
 
 
+def _is_done(line: bytes) -> bool:
+    """The SSE stream's final line."""
+    return line.startswith(b"data:") and line[5:].strip() == b"[DONE]"
+
+
 def _parse(data: bytes) -> dict[str, Any]:
     try:
         chunk = json.loads(data)
@@ -224,10 +230,20 @@ def _output(
         return "", None, None, None
     choice = choices[0]
     delta = choice.get("delta")
-    text = (delta.get("content") if delta is not None else choice.get("text")) or ""
+    text = _text(delta.get("content") if delta is not None else choice.get("text"))
     calls = [_tool_call(call.get("index", i), call) for i, call in enumerate((delta or {}).get("tool_calls") or ())]
     logprobs = _logprobs(choice.get("logprobs")) if choice.get("logprobs") else None
     return text, calls or None, logprobs or None, choice.get("finish_reason")
+
+
+def _text(value: Any) -> str:
+    """A chunk's text: a string (empty for null); TypeError or ValueError for anything protobuf would refuse."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise TypeError(f"content is a {type(value).__name__}, not a string")
+    value.encode()  # UnicodeEncodeError (a ValueError) for a lone surrogate, before it reaches upb
+    return value
 
 
 def _tool_call(index: int, call: dict[str, Any]) -> pb.ToolCallDelta:
