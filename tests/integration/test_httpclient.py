@@ -51,15 +51,31 @@ class Server:
         return f"{'https' if tls else 'http'}://127.0.0.1:{port}"
 
     async def read_request(self, reader: asyncio.StreamReader) -> bytes:
-        """One request, head and Content-Length body."""
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = 0
-        for line in head.split(b"\r\n"):
-            if line.lower().startswith(b"content-length:"):
-                length = int(line.split(b":", 1)[1])
-        request = head + await reader.readexactly(length)
+        """One request, head and Content-Length body, kept in ``requests``."""
+        request = await _read_request(reader)
         self.requests.append(request)
         return request
+
+
+async def _read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    return head + await reader.readexactly(length)
+
+
+def _replies(answer: bytes, *, hold: float = 0.0) -> Handler:
+    """A server that reads one request, writes ``answer``, and closes after ``hold`` seconds."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(answer)
+        await writer.drain()
+        await asyncio.sleep(hold)
+
+    return handler
 
 
 @pytest.fixture
@@ -143,12 +159,7 @@ async def test_chunked_body_split_at_every_byte_with_extensions_and_trailers(ser
 
 
 async def test_close_delimited_body_and_http_1_0_are_not_reused(serve) -> None:  # type: ignore[no-untyped-def]
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await server.read_request(reader)
-        writer.write(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\nline one\nline two")
-        await writer.drain()
-
-    server, client = await serve(handler)
+    server, client = await serve(_replies(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\nline one\nline two"))
     assert await _get_all(client) == (200, b"line one\nline two")
     assert await _get_all(client) == (200, b"line one\nline two")
     assert server.connections == 2
@@ -186,11 +197,7 @@ async def test_interim_1xx_answers_are_skipped_and_204_has_no_body(serve) -> Non
 
 
 async def test_repeated_headers_are_joined_and_names_lower_cased(serve) -> None:  # type: ignore[no-untyped-def]
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await server.read_request(reader)
-        writer.write(b"HTTP/1.1 404 Not Found\r\nX-A: 1\r\nx-a:  2 \r\nContent-Length: 0\r\n\r\n")
-
-    server, client = await serve(handler)
+    _, client = await serve(_replies(b"HTTP/1.1 404 Not Found\r\nX-A: 1\r\nx-a:  2 \r\nContent-Length: 0\r\n\r\n"))
     response = await client.request("GET", "/", **_TIMEOUTS)
     assert (response.status, response.headers["x-a"]) == (404, "1, 2")
     response.release()
@@ -321,12 +328,7 @@ async def test_a_new_connection_closed_before_any_answer_is_an_error_not_a_retry
 
 
 async def test_a_connection_cut_mid_body_is_connection_lost(serve) -> None:  # type: ignore[no-untyped-def]
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await server.read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
-        await writer.drain()
-
-    server, client = await serve(handler)
+    _, client = await serve(_replies(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"))
     response = await client.request("POST", "/", b"{}", **_TIMEOUTS)
     received: list[bytes] = []
     with pytest.raises(ConnectionLost):
@@ -351,12 +353,7 @@ async def _collect(items: AsyncIterator[bytes], into: list[bytes]) -> None:
     ],
 )
 async def test_a_bad_head_is_bad_response(serve, answer: bytes, message: str) -> None:  # type: ignore[no-untyped-def]
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await server.read_request(reader)
-        writer.write(answer)
-        await asyncio.sleep(1)
-
-    server, client = await serve(handler)
+    _, client = await serve(_replies(answer, hold=1))
     with pytest.raises(BadResponse, match=message):
         await client.request("POST", "/", b"{}", **_TIMEOUTS)
 
@@ -370,12 +367,7 @@ async def test_a_bad_head_is_bad_response(serve, answer: bytes, message: str) ->
     ],
 )
 async def test_a_bad_chunked_body_is_bad_response(serve, body: bytes, message: str) -> None:  # type: ignore[no-untyped-def]
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await server.read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + body)
-        await asyncio.sleep(1)
-
-    server, client = await serve(handler)
+    _, client = await serve(_replies(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + body, hold=1))
     response = await client.request("POST", "/", b"{}", **_TIMEOUTS)
     with pytest.raises(BadResponse, match=message):
         await response.read(1 << 20)
@@ -383,11 +375,7 @@ async def test_a_bad_chunked_body_is_bad_response(serve, body: bytes, message: s
 
 
 async def test_body_over_the_limit_is_refused(serve) -> None:  # type: ignore[no-untyped-def]
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await server.read_request(reader)
-        writer.write(_length(b"x" * 2000))
-
-    server, client = await serve(handler)
+    _, client = await serve(_replies(_length(b"x" * 2000), hold=1))
     response = await client.request("POST", "/", b"{}", **_TIMEOUTS)
     with pytest.raises(BadResponse, match="over 1000 bytes"):
         await response.read(1000)
