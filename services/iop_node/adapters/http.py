@@ -39,6 +39,7 @@ _STATUS_CODES = {
 _MESSAGE_LIMIT = 500
 _TAIL_WAIT = 0.2  # seconds to wait for a response's end after its final marker
 _MAX_BODY = 256 * 1024 * 1024  # bytes of a JSON answer (embeddings of many inputs are large)
+_MAX_ERROR_BODY = 1024 * 1024  # bytes of an error answer read for its message
 
 
 class Timeouts(BaseModel):
@@ -203,7 +204,7 @@ class Backend:
 
     async def _status_error(self, response: Response) -> IopError:
         try:
-            raw = await response.read(_MAX_BODY)
+            raw = await response.read(_MAX_ERROR_BODY)
         except (OSError, ReadTimeout, ValueError):
             raw = b""
         text = raw.decode(errors="replace")[:_MESSAGE_LIMIT]
