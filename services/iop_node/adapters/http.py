@@ -63,7 +63,8 @@ class HttpOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     base_url: str = Field(pattern=r"^https?://")
-    """The backend's address, e.g. http://10.0.0.5:8000; routes with the same one share a client."""
+    """The backend's address, e.g. http://10.0.0.5:8000; routes with the same one share a client,
+    set up from the first such route's connection options."""
     target: str = ""
     """The backend's model name: set by the node from the route's ``target`` (or ``model``)."""
     api_key: str | None = None
