@@ -64,7 +64,12 @@ class MeteredSink:
             self._metrics.time_to_first_token.observe(now - self._started)
         self._last = now
         self._chars += len(text)
-        await self._wire.delta(text, tool_calls=tool_calls, logprobs=logprobs, embeddings=embeddings)
+        try:
+            await self._wire.delta(text, tool_calls=tool_calls, logprobs=logprobs, embeddings=embeddings)
+        except UnicodeEncodeError as exc:  # a lone surrogate, e.g. half an emoji from a JSON backend
+            raise IopError(
+                ErrorCode.BACKEND_PROTOCOL_ERROR, f"the backend's text is not valid Unicode: {exc}"
+            ) from None
 
     async def complete(
         self,

@@ -135,10 +135,9 @@ class EventSink:
         start, self._start = self._start, None
         if start is None or self.finished or (self._connection.closed and not closing):
             return
-        event = pb.RunEvent(sequence=self._sequence, start=start)
-        self._sequence += 1
+        envelope = self._numbered(pb.Envelope(run_id=self.run_id, run_event=pb.RunEvent(start=start)))
         with contextlib.suppress(ConnectionClosed):  # the connection's close ends the run
-            self._connection.send_nowait(pb.Envelope(run_id=self.run_id, run_event=event))
+            self._connection.send_nowait(envelope)
 
     async def delta(
         self,
@@ -158,7 +157,7 @@ class EventSink:
             delta.logprobs.extend(logprobs)
         if embeddings:
             delta.embeddings.extend(embeddings)
-        await self._send_envelope(envelope)
+        await self._send(envelope)
 
     async def complete(
         self,
@@ -167,30 +166,23 @@ class EventSink:
         timings: pb.Timings | None = None,
     ) -> None:
         """The run finished normally."""
-        await self._send(
-            pb.RunEvent(complete=pb.RunComplete(finish_reason=finish_reason, usage=usage, timings=timings)),
-            terminal=True,
-        )
+        complete = pb.RunComplete(finish_reason=finish_reason, usage=usage, timings=timings)
+        await self._send(pb.Envelope(run_id=self.run_id, run_event=pb.RunEvent(complete=complete)), terminal=True)
 
     async def error(self, error: IopError) -> None:
         """The run failed (or was cancelled) with ``error``."""
-        error.run_id = self.run_id
-        await self._send(pb.RunEvent(error=error_message(error)), terminal=True)
+        await self._send(self._error_envelope(error), terminal=True)
 
-    async def _send(self, event: pb.RunEvent, *, terminal: bool = False) -> None:
-        await self._send_envelope(pb.Envelope(run_id=self.run_id, run_event=event), terminal=terminal)
-
-    async def _send_envelope(self, envelope: pb.Envelope, *, terminal: bool = False) -> None:
+    async def _send(self, envelope: pb.Envelope, *, terminal: bool = False) -> None:
         if self.finished or self._connection.closed:
             return
         if self._start is not None:
             self._send_start()
-        envelope.run_event.sequence = sequence = self._sequence
-        self._sequence += 1
+        self._numbered(envelope)
         self.finished = terminal
         # The first output and the end are waited for: they skip the turn's batching. start is
         # not: it goes out while the adapter waits for its backend.
-        urgent = terminal or sequence == 1
+        urgent = terminal or envelope.run_event.sequence == 1
         await self._connection.send(envelope, urgent=urgent)
 
     def fail_now(self, error: IopError) -> None:
@@ -199,7 +191,15 @@ class EventSink:
             return
         if self._start is not None:
             self._send_start(closing=True)
-        error.run_id = self.run_id
-        event = pb.RunEvent(sequence=self._sequence, error=error_message(error))
         self.finished = True
-        self._connection.send_nowait(pb.Envelope(run_id=self.run_id, run_event=event))
+        self._connection.send_nowait(self._numbered(self._error_envelope(error)))
+
+    def _error_envelope(self, error: IopError) -> pb.Envelope:
+        error.run_id = self.run_id
+        return pb.Envelope(run_id=self.run_id, run_event=pb.RunEvent(error=error_message(error)))
+
+    def _numbered(self, envelope: pb.Envelope) -> pb.Envelope:
+        """``envelope`` with its event numbered next in this run."""
+        envelope.run_event.sequence = self._sequence
+        self._sequence += 1
+        return envelope

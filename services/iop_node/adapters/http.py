@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, FilePath
 from iop_node.adapters.httpclient import BadResponse, ConnectionLost, HttpClient, ReadTimeout, Response
 from iop_wire.errors import ErrorCode, IopError
 
-__all__ = ["Backend", "Backends", "HttpOptions", "Timeouts", "protocol_error"]
+__all__ = ["Backend", "Backends", "HttpOptions", "Timeouts", "json_text", "protocol_error"]
 
 _log = structlog.get_logger("iop.node.http")
 _STATUS_CODES = {
@@ -87,6 +87,15 @@ async def _read_to_end(response: Response) -> None:
                 pass
 
 
+def json_text(value: Any) -> str:
+    """Text from a backend's JSON: a string, "" for null; TypeError for anything else."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise TypeError(f"content is a {type(value).__name__}, not a string")
+    return value
+
+
 def protocol_error(message: str) -> IopError:
     """The backend's response could not be understood."""
     return IopError(ErrorCode.BACKEND_PROTOCOL_ERROR, message[:_MESSAGE_LIMIT])
@@ -102,7 +111,6 @@ class Backend:
         self._base = options.base_url.rstrip("/")
         self._health_path = health_path
         self._probe: asyncio.Task[None] | None = None
-        self._closed = False
         headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
         tls = ssl.create_default_context(cafile=options.ca) if self._base.startswith("https:") else None
         self._client = HttpClient(self._base, max_connections=options.max_connections, headers=headers, tls=tls)
@@ -218,7 +226,7 @@ class Backend:
 
     def mark_down(self, reason: str) -> None:
         """Report the backend's models unavailable until a health probe succeeds."""
-        if self._closed:
+        if self._client.closed:
             return  # shutting down: nothing to probe for
         if self.available:
             _log.warning("backend down", backend=self.name, url=self._base, reason=reason)
@@ -243,7 +251,6 @@ class Backend:
 
     async def aclose(self) -> None:
         """Stop probing and close the connection pool."""
-        self._closed = True
         if self._probe is not None:
             self._probe.cancel()
         await self._client.aclose()

@@ -343,7 +343,8 @@ class HttpClient:
         self._head = "".join(f"{name}: {value}\r\n" for name, value in fields.items()).encode("latin-1")
         self._idle: list[_Connection] = []
         self._slots = asyncio.Semaphore(max_connections)
-        self._closed = False
+        self.closed = False
+        """True once ``aclose()`` was called: requests fail with ConnectionLost."""
 
     async def request(
         self, method: str, path: str, body: bytes | None = None, *, connect_timeout: float, head_timeout: float
@@ -354,7 +355,7 @@ class HttpClient:
         the request (the server dropped it while idle as the request went out) is replaced by a
         new one, once. Any later close is the answer: the request may have been worked on.
         """
-        if self._closed:
+        if self.closed:
             raise ConnectionLost("the client is closed")
         request = self._encode(method, path, body)
         await self._slots.acquire()
@@ -384,7 +385,7 @@ class HttpClient:
         now = time.monotonic()
         while self._idle:
             connection = self._idle.pop()
-            if not connection.closed and not connection.buffer and now - connection.idle_since < _KEEPALIVE:
+            if not connection.closed and now - connection.idle_since < _KEEPALIVE:
                 return connection
             connection.abort()
         return None
@@ -417,7 +418,7 @@ class HttpClient:
             timer.cancel()
 
     def put_back(self, connection: _Connection) -> None:
-        if self._closed:
+        if self.closed:
             connection.close()
             return
         connection.idle_since = time.monotonic()
@@ -429,7 +430,7 @@ class HttpClient:
 
     async def aclose(self) -> None:
         """Close the idle connections; responses still being read close theirs when released."""
-        self._closed = True
+        self.closed = True
         while self._idle:
             self._idle.pop().close()
 

@@ -17,7 +17,7 @@ from pydantic import Field
 
 from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_node.adapters.http import Backend, Backends, HttpOptions, protocol_error
+from iop_node.adapters.http import Backend, Backends, HttpOptions, json_text, protocol_error
 from iop_node.domain import ExecutionSpec
 from iop_node.ports import EventSink
 from iop_wire.errors import ErrorCode, IopError
@@ -91,7 +91,11 @@ class OllamaAdapter:
         async with contextlib.aclosing(backend.post_lines(path, body, last=_is_done)) as lines:
             async for line in lines:
                 item = _parse(line)
-                text = (item.get("message") or {}).get("content") if "message" in item else item.get("response")
+                try:
+                    message = item.get("message") or {}
+                    text = json_text(message.get("content") if "message" in item else item.get("response"))
+                except (AttributeError, TypeError) as exc:
+                    raise protocol_error(f"unexpected line shape ({exc}): {line[:120]!r}") from None
                 if text:
                     await sink.delta(text)
                 if item.get("done"):

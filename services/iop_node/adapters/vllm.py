@@ -20,7 +20,7 @@ from pydantic import Field
 
 from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_node.adapters.http import Backend, Backends, HttpOptions, protocol_error
+from iop_node.adapters.http import Backend, Backends, HttpOptions, json_text, protocol_error
 from iop_node.domain import ExecutionSpec
 from iop_node.ports import EventSink
 from iop_wire.errors import ErrorCode, IopError
@@ -122,7 +122,7 @@ class VllmAdapter:
         try:
             choice = document["choices"][0]
             message = choice.get("message") or {}
-            text = _text(message.get("content") if "message" in choice else choice.get("text"))
+            text = json_text(message.get("content") if "message" in choice else choice.get("text"))
             calls = [_tool_call(i, call) for i, call in enumerate(message.get("tool_calls") or [])]
             logprobs = _logprobs(choice.get("logprobs"))
             finish = _FINISH.get(choice.get("finish_reason") or "stop", pb.FINISH_REASON_STOP)
@@ -230,20 +230,10 @@ def _output(
         return "", None, None, None
     choice = choices[0]
     delta = choice.get("delta")
-    text = _text(delta.get("content") if delta is not None else choice.get("text"))
+    text = json_text(delta.get("content") if delta is not None else choice.get("text"))
     calls = [_tool_call(call.get("index", i), call) for i, call in enumerate((delta or {}).get("tool_calls") or ())]
     logprobs = _logprobs(choice.get("logprobs")) if choice.get("logprobs") else None
     return text, calls or None, logprobs or None, choice.get("finish_reason")
-
-
-def _text(value: Any) -> str:
-    """A chunk's text: a string (empty for null); TypeError or ValueError for anything protobuf would refuse."""
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        raise TypeError(f"content is a {type(value).__name__}, not a string")
-    value.encode()  # UnicodeEncodeError (a ValueError) for a lone surrogate, before it reaches upb
-    return value
 
 
 def _tool_call(index: int, call: dict[str, Any]) -> pb.ToolCallDelta:
