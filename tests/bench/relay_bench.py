@@ -16,7 +16,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from node_bench import _cpu_seconds, _request, _start, write_config
@@ -37,52 +39,45 @@ def _config(state: Path, server_port: int) -> Path:
 _BODY = {"model": "fast", "stream": True, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
 
 
-async def _direct_ttft(session: aiohttp.ClientSession, port: int, runs: int) -> list[float]:
-    """Milliseconds to the first content chunk, straight from the server."""
-    latencies = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=_BODY) as response:
-            first = None
-            async for line in response.content:
-                if first is None and line.startswith(b"data: {"):
-                    first = time.perf_counter()
-            assert first is not None
-            latencies.append((first - started) * 1000)
-    return latencies
+async def _first(started: float, items: AsyncIterator[Any], matches: Callable[[Any], bool]) -> float:
+    """Milliseconds from ``started`` to the first of ``items`` that ``matches``; reads them all."""
+    first = None
+    async for item in items:
+        if first is None and matches(item):
+            first = time.perf_counter()
+    assert first is not None
+    return (first - started) * 1000
 
 
-async def _direct_ttft_iop_client(client: HttpClient, runs: int) -> list[float]:
-    """The same, with the HTTP client the node itself uses (adapters/httpclient.py)."""
-    latencies = []
-    body = json.dumps(_BODY).encode()
-    for _ in range(runs):
-        started = time.perf_counter()
-        response = await client.request("POST", "/v1/chat/completions", body, connect_timeout=5, head_timeout=5)
-        first = None
-        async for line in response.lines():
-            if first is None and line.startswith(b"data: {"):
-                first = time.perf_counter()
+def _is_chunk(line: bytes) -> bool:
+    return line.startswith(b"data: {")
+
+
+async def _aiohttp_ttft(session: aiohttp.ClientSession, port: int) -> float:
+    """Straight from the server, with aiohttp."""
+    started = time.perf_counter()
+    async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=_BODY) as response:
+        return await _first(started, response.content, _is_chunk)
+
+
+async def _iop_client_ttft(client: HttpClient) -> float:
+    """Straight from the server, with the HTTP client the node itself uses (adapters/httpclient.py)."""
+    started = time.perf_counter()
+    response = await client.request("POST", "/v1/chat/completions", _BODY_BYTES, connect_timeout=5, head_timeout=5)
+    try:
+        return await _first(started, response.lines(), _is_chunk)
+    finally:
         response.release()
-        assert first is not None
-        latencies.append((first - started) * 1000)
-    return latencies
 
 
-async def _node_ttft(connection: Connection, runs: int) -> list[float]:
-    """Milliseconds to the first delta, through the node."""
-    latencies = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        first = None
-        async for event in await connection.open_run(_request(f"ttft-{next(_ids)}", "fast", 8)):
-            if first is None and event.WhichOneof("event") == "delta":
-                first = time.perf_counter()
-        assert first is not None
-        latencies.append((first - started) * 1000)
-    return latencies
+async def _node_ttft(connection: Connection) -> float:
+    """Through the node."""
+    started = time.perf_counter()
+    stream = await connection.open_run(_request(f"ttft-{next(_ids)}", "fast", 8))
+    return await _first(started, stream, lambda event: event.WhichOneof("event") == "delta")
 
 
+_BODY_BYTES = json.dumps(_BODY).encode()
 _ids = itertools.count()
 
 
@@ -102,10 +97,10 @@ async def _ttft(connection: Connection, port: int) -> tuple[float, float, float]
     async with aiohttp.ClientSession() as session:
         for _ in range(4):
             os.sched_setaffinity(0, {0})
-            direct += (await _direct_ttft(session, port, 85))[10:]
-            lean += (await _direct_ttft_iop_client(client, 85))[10:]
+            direct += [await _aiohttp_ttft(session, port) for _ in range(85)][10:]
+            lean += [await _iop_client_ttft(client) for _ in range(85)][10:]
             os.sched_setaffinity(0, {1})
-            relayed += (await _node_ttft(connection, 85))[10:]
+            relayed += [await _node_ttft(connection) for _ in range(85)][10:]
     await client.aclose()
     return statistics.median(direct), statistics.median(lean), statistics.median(relayed)
 

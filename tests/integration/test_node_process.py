@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import sqlite3
 import subprocess
@@ -121,7 +122,7 @@ def test_environment_overrides_the_file(pki: Pki, tmp_path: Path) -> None:
         text=True,
         timeout=30,
         check=False,
-        env={**__import__("os").environ, "IOP_ROUTES": "[]", "IOP_LISTEN__PORT": "-5"},
+        env={**os.environ, "IOP_ROUTES": "[]", "IOP_LISTEN__PORT": "-5"},
     )
     assert result.returncode == 2
     assert "listen.port" in result.stderr
