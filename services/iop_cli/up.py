@@ -76,8 +76,7 @@ def up(state: Path, port: int = 7401) -> int:
     if (pid := _running(pidfile)) is not None:
         print(f"node already running (pid {pid}); stop it with 'iop down'")
         return 0
-    log.write_text("")
-    with log.open("ab") as sink:
+    with log.open("wb") as sink:
         process = subprocess.Popen(  # noqa: S603 - our own interpreter and module, no shell
             [sys.executable, "-m", "iop_cli.main", "--log-level", "info", "node", "--config", str(config)],
             stdin=subprocess.DEVNULL,

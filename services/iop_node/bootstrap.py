@@ -18,7 +18,7 @@ from iop_node.core import Node
 from iop_node.metrics import NodeMetrics
 from iop_node.ports import Adapter, RunStore
 from iop_node.router import Limits, Router
-from iop_node.settings import ConfigError, Settings
+from iop_node.settings import ConfigError, Settings, one_line
 from iop_node.store import SqliteRunStore
 from iop_node.transport import Registration
 from iop_wire.connection import ConnectionConfig
@@ -45,9 +45,7 @@ def build_adapters(settings: Settings) -> dict[str, Adapter]:
         try:
             options = options_model.model_validate(data)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            key = ".".join(str(part) for part in first["loc"])
-            raise ConfigError(f"routes.{index}.options.{key}: {first['msg']}") from None
+            raise ConfigError(one_line(exc, f"routes.{index}.options")) from None
         per_adapter.setdefault(route.adapter, {})[route.model] = options
     return {name: REGISTRY[name][1](models) for name, models in per_adapter.items()}
 

@@ -135,6 +135,7 @@ class Node:
         """Connections to this node's control-plane: the only ones node.drain is taken from."""
         self._running: dict[asyncio.Task[Any], WireSink] = {}
         self._shutting_down: set[asyncio.Task[Any]] = set()
+        self._adapter_of = {r.model: self.adapters[r.adapter] for r in router.routes}
         self.admissions = {
             r.model: Admission(r.model, r.max_concurrency, r.queue_size, self._load_changed) for r in router.routes
         }
@@ -184,20 +185,26 @@ class Node:
             _log.debug("run finished", node_id=self.node_id, run_id=record.run_id, status=record.status.value)
 
     async def _run(self, request: pb.RunRequest, sink: WireSink, record: RunRecord) -> None:
-        if self.draining:
-            await self._store.record_start(record)
-            raise IopError(ErrorCode.SHUTTING_DOWN, f"node {self.node_id} is draining; send the run elsewhere")
         try:
+            if self.draining:
+                raise IopError(ErrorCode.SHUTTING_DOWN, f"node {self.node_id} is draining; send the run elsewhere")
             spec = self._router.resolve(request)
         finally:
             await self._store.record_start(record)
         record.adapter = spec.adapter
         adapter = self.adapters[spec.adapter]
-        if spec.deadline is None:
-            await self._execute(spec, adapter, request.priority, sink, record)
-        else:
-            async with _deadline(spec.deadline):
+        seconds = None
+        if spec.deadline is not None:
+            seconds = (spec.deadline - _now()).total_seconds()
+            if seconds <= 0:
+                raise IopError(ErrorCode.DEADLINE_EXCEEDED, "the run's deadline passed before it started")
+        try:
+            async with asyncio.timeout(seconds) as scope:  # None: no limit
                 await self._execute(spec, adapter, request.priority, sink, record)
+        except TimeoutError:
+            if not scope.expired():
+                raise  # a timeout of the adapter's own
+            raise IopError(ErrorCode.DEADLINE_EXCEEDED, "the run's deadline passed") from None
 
     async def _execute(
         self, spec: ExecutionSpec, adapter: Adapter, priority: int, sink: WireSink, record: RunRecord
@@ -222,12 +229,11 @@ class Node:
     async def capabilities(self) -> bp.CapabilityResponse:
         """What this node serves now."""
         adapters = []
-        routed = {r.model: r for r in self._router.routes}
         for name, adapter in self.adapters.items():
             models = await adapter.capabilities()
             for model in models:
-                route = routed.get(model.name)
-                model.max_concurrency = route.max_concurrency if route else 0
+                admission = self.admissions.get(model.name)
+                model.max_concurrency = admission.capacity if admission else 0
             adapters.append(bp.AdapterInfo(name=name, models=models))
         return bp.CapabilityResponse(
             node_id=self.node_id,
@@ -268,14 +274,13 @@ class Node:
 
     def status(self) -> bp.NodeStatus:
         """The node's load now."""
-        routes = {route.model: route.adapter for route in self._router.routes}
         models = [
             bp.ModelLoad(
                 model=a.model,
                 in_flight=a.in_flight,
                 queued=a.queued,
                 capacity=a.capacity,
-                available=self.adapters[routes[a.model]].available(a.model),
+                available=self._adapter_of[a.model].available(a.model),
             )
             for a in self.admissions.values()
         ]
@@ -312,25 +317,3 @@ class Node:
     async def wait_idle(self) -> None:
         """Wait until no run is executing or queued."""
         await self._idle.wait()
-
-
-class _deadline:  # noqa: N801 - used like asyncio.timeout, as a context manager
-    """Fail the block with DEADLINE_EXCEEDED at ``deadline``."""
-
-    def __init__(self, deadline: datetime.datetime) -> None:
-        self._deadline = deadline
-        self._timeout: asyncio.Timeout | None = None
-
-    async def __aenter__(self) -> None:
-        remaining = (self._deadline - _now()).total_seconds()
-        if remaining <= 0:
-            raise IopError(ErrorCode.DEADLINE_EXCEEDED, "the run's deadline passed before it started")
-        self._timeout = asyncio.timeout(remaining)
-        await self._timeout.__aenter__()
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._timeout is not None  # __aenter__ set it, or raised and this is not called
-        try:
-            await self._timeout.__aexit__(*exc)  # type: ignore[arg-type]
-        except TimeoutError:
-            raise IopError(ErrorCode.DEADLINE_EXCEEDED, "the run's deadline passed") from None

@@ -10,7 +10,7 @@ from typing import Any
 from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
 
-__all__ = ["ExecutionSpec", "RunRecord", "RunStatus", "SamplingSpec"]
+__all__ = ["ROLE_NAMES", "ExecutionSpec", "RunRecord", "RunStatus", "SamplingSpec"]
 
 
 class RunStatus(StrEnum):
@@ -60,8 +60,6 @@ class ExecutionSpec:
     """Whether the client streams."""
     openai_fields: dict[str, Any]
     """OpenAI fields to pass through untouched."""
-    options: dict[str, Any]
-    """The route's adapter options (argv for cli, speed for mock, ...)."""
     metadata: dict[str, str]
     """The request's metadata."""
     deadline: datetime.datetime | None = None
@@ -74,11 +72,12 @@ class ExecutionSpec:
         lines = []
         for message in self.messages:
             text = "".join(part.text for part in message.content)
-            lines.append(f"{_ROLE_NAMES[message.role]}: {text}")
+            lines.append(f"{ROLE_NAMES[message.role]}: {text}")
         return "\n".join(lines)
 
 
-_ROLE_NAMES = {number: name.removeprefix("ROLE_").lower() for name, number in pb.Role.items()}
+ROLE_NAMES = {number: name.removeprefix("ROLE_").lower() for name, number in pb.Role.items()}
+"""Role numbers -> OpenAI's role names (user, assistant, ...)."""
 
 
 @dataclass(slots=True)

@@ -143,8 +143,6 @@ def _value(value: object) -> str:
         return value.astimezone(_UTC).isoformat()
     if isinstance(value, dict):
         return json.dumps(value, sort_keys=True, ensure_ascii=False) if value else _UNKNOWN
-    if isinstance(value, RunStatus):
-        return value.value
     text = str(value) if value is not None else ""
     return text or _UNKNOWN
 

@@ -62,7 +62,6 @@ class Router:
             sampling=_sampling(request.sampling, self._defaults[route.model]),
             stream=request.stream,
             openai_fields=json_format.MessageToDict(request.openai_fields) if request.HasField("openai_fields") else {},
-            options=route.options,
             metadata=dict(request.metadata),
             deadline=request.deadline.ToDatetime(datetime.UTC) if request.HasField("deadline") else None,
         )

@@ -159,9 +159,10 @@ class Settings(BaseSettings):
         return self
 
 
-def _one_line(error: ValidationError) -> str:
+def one_line(error: ValidationError, prefix: str = "") -> str:
+    """The first error as ``key: message``, its key under ``prefix`` (e.g. "routes.0.options")."""
     first = error.errors()[0]
-    key = ".".join(str(part) for part in first["loc"])
+    key = ".".join((prefix, *(str(part) for part in first["loc"])) if prefix else (str(p) for p in first["loc"]))
     message = first["msg"].removeprefix("Value error, ")
     more = f" (and {error.error_count() - 1} more)" if error.error_count() > 1 else ""
     return f"{key}: {message}{more}" if key else f"{message}{more}"
@@ -195,4 +196,4 @@ def load_settings(path: Path | None) -> Settings:
     try:
         return _FromFile()
     except ValidationError as exc:
-        raise ConfigError(_one_line(exc)) from None
+        raise ConfigError(one_line(exc)) from None

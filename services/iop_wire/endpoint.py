@@ -91,8 +91,7 @@ class Listener:
 
     async def close(self, reason: str = "server shutting down") -> None:
         """Stop accepting and close every connection gracefully."""
-        if self._server is not None:
-            self._server.close()
+        self.stop_accepting()
         for writer in list(self._handshaking):
             writer.transport.abort()
         await asyncio.gather(*(c.close(reason) for c in list(self.connections)), return_exceptions=True)

@@ -81,7 +81,7 @@ class RunStream:
         return len(self._events) >= self._capacity
 
     async def put(self, event: pb.RunEvent, body: bytes) -> None:
-        while len(self._events) >= self._capacity:
+        while self.full:
             self._writable.clear()
             await self._writable.wait()
         self._events.append((event, body))

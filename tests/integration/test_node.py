@@ -286,6 +286,23 @@ async def test_queue_overflow_and_priority_order(settings, pki: Pki) -> None:  #
         await connection.close()
 
 
+async def test_a_deadline_shortens_a_cli_programs_timeout(settings, pki: Pki) -> None:  # type: ignore[no-untyped-def]
+    import datetime
+    import time
+
+    async with running_node(settings) as app:
+        connection = await client(app, pki)
+        soon = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=0.3)
+        started = time.monotonic()
+        events = await collect(await connection.open_run(chat(model="sleeper", deadline=soon)))  # 30 s program
+        assert events[-1].error.code == pb.ERROR_CODE_DEADLINE_EXCEEDED
+        assert time.monotonic() - started < 5
+        past = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=1)
+        events = await collect(await connection.open_run(chat(model="missing", deadline=past)))
+        assert events[-1].error.code == pb.ERROR_CODE_DEADLINE_EXCEEDED
+        await connection.close()
+
+
 async def test_deadline_exceeded(settings, pki: Pki) -> None:  # type: ignore[no-untyped-def]
     import datetime
 

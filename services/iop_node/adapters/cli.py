@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
-import datetime
 import os
 import shutil
 import signal
@@ -49,7 +48,7 @@ class CliOptions(pydantic.BaseModel):
     prompt: Literal["stdin", "arg"] = "stdin"
     """Where the prompt goes: written to stdin (then closed), or into each ``{prompt}`` of ``argv``."""
     timeout: float = pydantic.Field(default=300.0, gt=0)
-    """Seconds a run may take; the run's deadline shortens it."""
+    """Seconds a run may take (the node ends it sooner if its deadline comes first)."""
     env: list[str] = ["PATH", "HOME", "LANG", "LC_ALL", "TZ"]
     """Names of the node's environment variables the program sees; it sees no others."""
     kill_grace: float = pydantic.Field(default=2.0, ge=0)
@@ -80,38 +79,32 @@ class CliAdapter:
 
     def __init__(self, models: Mapping[str, CliOptions]) -> None:
         self._models = dict(models)
+        self._found = {model: _resolvable(options) for model, options in self._models.items()}
 
     def available(self, model: str) -> bool:
-        return _resolvable(self._models[model])
+        """Whether the program was found, as last looked (node.status asks often: no PATH search)."""
+        return self._found[model]
 
     async def capabilities(self) -> list[bp.ModelInfo]:
-        """Every configured model; available while its program can be found."""
+        """Every configured model; available while its program can be found (looked up again now)."""
+        self._found = {model: _resolvable(options) for model, options in self._models.items()}
         kinds = [bp.RunKind.CHAT, bp.RunKind.COMPLETION]
-        return [
-            bp.ModelInfo(name=model, kinds=kinds, available=_resolvable(options))
-            for model, options in self._models.items()
-        ]
+        return [bp.ModelInfo(name=model, kinds=kinds, available=found) for model, found in self._found.items()]
 
     async def execute(self, spec: ExecutionSpec, sink: EventSink) -> None:
         """Run the model's program for ``spec``, streaming its stdout to ``sink`` as it arrives."""
-        options = self._options(spec.model)
-        seconds = _time_budget(options.timeout, spec.deadline)
+        options = self._models[spec.model]
         proc = await _spawn(options, spec.prompt_text())
         log = _log.bind(run_id=spec.run_id, pid=proc.pid)
         log.info("cli_started", program=options.argv[0])
         run = _Run(proc, options, sink, log)
         try:
-            code = await run.stream(seconds)
+            code = await run.stream(options.timeout)
         finally:
             await _uninterrupted(run.close())
         if code != 0:
             raise _failure(code, run.stderr_text())
         await sink.complete(pb.FINISH_REASON_STOP)
-
-    def _options(self, model: str) -> CliOptions:
-        if model not in self._models:
-            raise IopError(ErrorCode.MODEL_NOT_FOUND, f"no cli program for model {model!r}", retryable=False)
-        return self._models[model]
 
 
 class _Run:
@@ -247,16 +240,6 @@ def _resolvable(options: CliOptions) -> bool:
     # Resolve as the child will: with its PATH, which may not be the node's.
     path = _child_env(options).get("PATH", os.defpath)
     return shutil.which(options.argv[0], path=path) is not None
-
-
-def _time_budget(timeout: float, deadline: datetime.datetime | None) -> float:
-    """Seconds the run may take: the timeout, or less if the deadline comes first."""
-    if deadline is None:
-        return timeout
-    left = (deadline - datetime.datetime.now(datetime.UTC)).total_seconds()
-    if left <= 0:
-        raise IopError(ErrorCode.DEADLINE_EXCEEDED, "run deadline passed before the cli program started")
-    return min(timeout, left)
 
 
 def _signal_group(pgid: int, signum: signal.Signals) -> None:

@@ -20,6 +20,7 @@ from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.domain import ExecutionSpec
 from iop_node.ports import EventSink
+from iop_node.settings import one_line
 from iop_wire.errors import ErrorCode, IopError
 
 __all__ = ["MockAdapter", "MockOptions"]
@@ -127,7 +128,8 @@ class MockAdapter:
 
     async def execute(self, spec: ExecutionSpec, sink: EventSink) -> None:
         options = _options(self._models[spec.model], spec.metadata)
-        words = random.Random(_seed(spec))  # noqa: S311 - reproducible text, not secrets
+        prompt = spec.prompt_text()
+        words = random.Random(_seed(spec, prompt))  # noqa: S311 - reproducible text, not secrets
         if options.ttft:
             await asyncio.sleep(options.ttft)
         if spec.kind == bp.RunKind.EMBEDDING:
@@ -136,16 +138,19 @@ class MockAdapter:
         limit = spec.sampling.max_tokens
         count = options.tokens if limit is None else min(limit, options.tokens)
         interval = 1.0 / options.tokens_per_second if options.tokens_per_second else 0.0
+        faulty = (options.fail_after, options.stall_after, options.crash_after) != (None, None, None)
         for index in range(count):
-            await _inject(options, index)
+            if faulty:
+                await _inject(options, index)
             await sink.delta(words.choice(_WORDS) + " ")
             if interval:
                 await asyncio.sleep(interval)
             elif index % _YIELD_EVERY == _YIELD_EVERY - 1:
                 await asyncio.sleep(0)
-        await _inject(options, count)
+        if faulty:
+            await _inject(options, count)
         reason = pb.FINISH_REASON_LENGTH if limit is not None and limit <= options.tokens else pb.FINISH_REASON_STOP
-        prompt_tokens = len(spec.prompt_text().split())
+        prompt_tokens = len(prompt.split())
         await sink.complete(reason, pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=count))
 
 
@@ -156,14 +161,13 @@ def _options(base: MockOptions, metadata: Mapping[str, str]) -> MockOptions:
     try:
         return base.model_validate({**base.model_dump(), **overrides})
     except ValidationError as exc:
-        first = exc.errors()[0]
-        raise IopError(ErrorCode.INVALID_ARGUMENT, f"metadata mock.{first['loc'][0]}: {first['msg']}") from None
+        raise IopError(ErrorCode.INVALID_ARGUMENT, f"metadata {one_line(exc, 'mock')}") from None
 
 
-def _seed(spec: ExecutionSpec) -> int:
+def _seed(spec: ExecutionSpec, prompt: str) -> int:
     if spec.sampling.seed is not None:
         return spec.sampling.seed
-    digest = hashlib.blake2b(f"{spec.model}\0{spec.prompt_text()}".encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(f"{spec.model}\0{prompt}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")
 
 

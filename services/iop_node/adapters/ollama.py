@@ -18,14 +18,13 @@ from pydantic import Field
 from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.adapters.http import Backend, Backends, HttpOptions, json_text, protocol_error
-from iop_node.domain import ExecutionSpec
+from iop_node.domain import ROLE_NAMES, ExecutionSpec
 from iop_node.ports import EventSink
 from iop_wire.errors import ErrorCode, IopError
 
 __all__ = ["OllamaAdapter", "OllamaOptions"]
 
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
-_ROLES = {number: name.removeprefix("ROLE_").lower() for name, number in pb.Role.items()}
 _OPTION_NAMES = {
     "temperature": "temperature",
     "top_p": "top_p",
@@ -138,7 +137,7 @@ def _sampling(spec: ExecutionSpec) -> dict[str, Any]:
 
 
 def _message(message: pb.ChatMessage) -> dict[str, Any]:
-    result: dict[str, Any] = {"role": _ROLES[message.role], "content": "".join(p.text for p in message.content)}
+    result: dict[str, Any] = {"role": ROLE_NAMES[message.role], "content": "".join(p.text for p in message.content)}
     images = [_image(p.image_url.url) for p in message.content if p.WhichOneof("part") == "image_url"]
     if images:
         result["images"] = images

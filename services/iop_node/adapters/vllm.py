@@ -21,7 +21,7 @@ from pydantic import Field
 from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.adapters.http import Backend, Backends, HttpOptions, json_text, protocol_error
-from iop_node.domain import ExecutionSpec
+from iop_node.domain import ROLE_NAMES, ExecutionSpec
 from iop_node.ports import EventSink
 from iop_wire.errors import ErrorCode, IopError
 
@@ -34,7 +34,6 @@ _FINISH = {
     "function_call": pb.FINISH_REASON_TOOL_CALLS,
     "content_filter": pb.FINISH_REASON_CONTENT_FILTER,
 }
-_ROLES = {number: name.removeprefix("ROLE_").lower() for name, number in pb.Role.items()}
 
 
 class VllmOptions(HttpOptions):
@@ -167,7 +166,7 @@ def _request_body(spec: ExecutionSpec, *, stream: bool) -> tuple[str, dict[str, 
 
 def _message(message: pb.ChatMessage) -> dict[str, Any]:
     """A ChatMessage in OpenAI's shape."""
-    result: dict[str, Any] = {"role": _ROLES[message.role]}
+    result: dict[str, Any] = {"role": ROLE_NAMES[message.role]}
     parts = [_part(part) for part in message.content]
     if len(parts) == 1 and parts[0]["type"] == "text":
         result["content"] = parts[0]["text"]
