@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.certs import Authority
-from iop_wire.connection import ConnectionConfig, EventSink
+from iop_wire.connection import ConnectionConfig, EventSink, Handler, Inbound
 from iop_wire.endpoint import Listener, ListenerConfig
-from iop_wire.errors import ErrorCode, IopError
+from iop_wire.errors import IopError
 from iop_wire.tls import Role, TlsConfig
 
 # Real inference servers (llama-cpp-python, Ollama) for the adapter tests: tests/backends.
@@ -74,7 +73,7 @@ class EchoHandler:
             if request.model == "hang":
                 await asyncio.Event().wait()
             if request.model == "fail":
-                raise IopError(ErrorCode.BACKEND_ERROR, "backend said no")
+                raise IopError(pb.ERROR_CODE_BACKEND_ERROR, "backend said no")
             for index in range(count):
                 await sink.delta(f"w{index} ")
                 self.sent += 1
@@ -83,13 +82,22 @@ class EchoHandler:
             raise
         await sink.complete(pb.FINISH_REASON_STOP, pb.Usage(prompt_tokens=1, completion_tokens=count))
 
-    async def capabilities(self) -> bp.CapabilityResponse:
-        return bp.CapabilityResponse(
-            node_id="test-node", version="test", adapters=[bp.AdapterInfo(name="echo", models=[bp.ModelInfo(name="m")])]
+    async def capabilities(self) -> pb.CapabilityResponse:
+        return pb.CapabilityResponse(
+            node_id="test-node", version="test", adapters=[pb.AdapterInfo(name="echo", models=[pb.ModelInfo(name="m")])]
         )
 
-    async def message(self, connection: object, envelope: pb.Envelope) -> None:
-        self.messages.append(envelope)
+    async def on_capabilities(self, inbound: Inbound) -> None:
+        await inbound.reply(pb.Envelope(capability_response=await self.capabilities()))
+
+    async def on_message(self, inbound: Inbound) -> None:
+        self.messages.append(inbound.envelope)
+
+    def wire(self) -> Handler:
+        """The handler table a listener or dialer serves with."""
+        return Handler(
+            run=self.run, messages={"capability_request": self.on_capabilities, "node_status": self.on_message}
+        )
 
 
 @pytest.fixture
@@ -105,7 +113,7 @@ async def server(pki: Pki, handler: EchoHandler) -> AsyncIterator[Listener]:
         allowed_roles=frozenset({Role.EDGE, Role.ADMIN}),
         connection=ConnectionConfig(heartbeat_interval=0.2, max_frame_size=64 * 1024),
     )
-    listener = await Listener(config, lambda peer: handler).start()
+    listener = await Listener(config, handler.wire()).start()
     yield listener
     await listener.close()
 

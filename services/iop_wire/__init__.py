@@ -1,15 +1,56 @@
-"""The IOP wire: framing, codecs, mTLS and multiplexed connections shared by every service.
+"""The IOP wire: the library every IOP service (and any Python client) builds on.
 
 Layers, bottom up (each usable and testable without the ones above it):
 
 - ``framing``: sans-IO length-prefixed frames (no sockets, no logging).
 - ``codec``: Envelope <-> bytes, protobuf binary or proto3 canonical JSON.
-- ``messages``: envelope builders, message-type names, betterproto2 <-> upb conversion.
+- ``messages``: message-type names and the one place errors become ``Error`` messages.
 - ``tls`` and ``certs``: mTLS contexts, peer identity from certificates, certificate minting.
-- ``runs``: a run's two ends: the RunStream its caller reads and the EventSink its server
-  writes (adapter callbacks straight to upb-encoded run.event frames: the fast path).
-- ``connection``: one TCP connection carrying many runs both ways, heartbeats, backpressure.
-- ``endpoint``: listen and dial, the connection preface (codec agreement) and role checks.
+- ``runs``: a run's two ends, the RunStream its caller reads and the EventSink its server
+  writes, and :func:`relay`, which forwards a run from one connection to another.
+- ``connection``: one TCP connection carrying many runs both ways, heartbeats, bounds.
+- ``endpoint``: :class:`Listener` and :func:`dial`, the preface (codec agreement), role checks.
+- ``dialer``: :class:`KeepConnected`, one connection kept open with backoff and jitter.
+- ``settings``: the TLS, listen and limit settings every service shares, and the YAML loader.
+
+Messages are the upb classes generated in ``iop_gen.pb.iop.runtime_pb2``.
 """
 
 from __future__ import annotations
+
+from iop_wire.connection import Connection, ConnectionConfig, Handler, Inbound, MessageHandler, RunHandler
+from iop_wire.dialer import Backoff, KeepConnected, Target
+from iop_wire.endpoint import Listener, ListenerConfig, dial
+from iop_wire.errors import ConnectionClosed, DecodeError, FrameError, HandshakeError, IopError, code_name
+from iop_wire.runs import TERMINAL_EVENTS, EventSink, RunStream, relay
+from iop_wire.tls import TRUSTED_ROLES, PeerIdentity, Role, TlsConfig, acting_caller
+
+__all__ = [
+    "TERMINAL_EVENTS",
+    "TRUSTED_ROLES",
+    "Backoff",
+    "Connection",
+    "ConnectionClosed",
+    "ConnectionConfig",
+    "DecodeError",
+    "EventSink",
+    "FrameError",
+    "Handler",
+    "HandshakeError",
+    "Inbound",
+    "IopError",
+    "KeepConnected",
+    "Listener",
+    "ListenerConfig",
+    "MessageHandler",
+    "PeerIdentity",
+    "Role",
+    "RunHandler",
+    "RunStream",
+    "Target",
+    "TlsConfig",
+    "acting_caller",
+    "code_name",
+    "dial",
+    "relay",
+]

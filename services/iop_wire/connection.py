@@ -1,14 +1,16 @@
 """One IOP connection: many runs multiplexed both ways over a framed asyncio stream.
 
-Either end may open runs (send run.request and read run.events) and serve them (a
-:class:`Handler` executes each run.request, writing through an :class:`EventSink`). The
-connection also answers heartbeats and capability requests, correlates replies by
-``in_reply_to``, and applies backpressure both ways:
+Either end may open runs (send run.request and read run.events) and serve them: a
+:class:`Handler` names the function that executes each run.request (writing through an
+:class:`EventSink`) and one function per other message type it takes (``{body field: fn}``),
+each given an :class:`Inbound` whose ``reply()`` answers it. The connection answers
+heartbeats itself and correlates replies to :meth:`Connection.request` by ``in_reply_to``.
 
-- sending: frames produced in one event-loop turn go out in one write; a sender waits for the
-  socket once more than ``write_buffer`` bytes are queued;
-- receiving: each run buffers at most ``run_buffer`` events; when its reader falls behind,
-  the connection stops reading and TCP pushes back on the peer.
+Every resource the peer can make this end hold is bounded (see :class:`ConnectionConfig`):
+live runs it asks for, message handlers running for it, bytes waiting to be sent to it
+(reading pauses above ``read_pause_bytes``), the time a frame's body may take, and its
+silence. A watchdog timer, never behind a send, declares the peer dead when it has been
+silent, or has not read what we sent, for ``missed_heartbeats`` intervals.
 
 Closing fails every run still open on it with a retryable error: runs this end reads get a
 synthetic error event; runs this end serves are cancelled, and on a graceful close the peer
@@ -19,66 +21,96 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 import ssl
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType, TracebackType
 
 import structlog
 
-from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.codec import Codec
-from iop_wire.errors import ConnectionClosed, DecodeError, ErrorCode, FrameError, IopError
+from iop_wire.errors import Code, ConnectionClosed, DecodeError, FrameError, IopError, code_name
 from iop_wire.framing import DEFAULT_MAX_FRAME_SIZE, FrameDecoder, encode_frame
-from iop_wire.messages import error_envelope, from_typed, to_typed
+from iop_wire.messages import error_envelope, error_message
+from iop_wire.metrics import CONNECTIONS, LIMIT_HITS, PEERS_LOST
 from iop_wire.runs import TERMINAL_EVENTS, EventSink, RunStream
 from iop_wire.tls import ANONYMOUS, PeerIdentity
 
-__all__ = ["Connection", "ConnectionConfig", "EventSink", "Handler", "RunStream"]
+__all__ = ["Connection", "ConnectionConfig", "Handler", "Inbound", "MessageHandler", "RunHandler"]
 
 _log = structlog.get_logger("iop.wire")
 
 
 @dataclass(frozen=True, slots=True)
 class ConnectionConfig:
-    """Limits and timers of one connection."""
+    """Limits and timers of one connection; each limit is counted in ``iop_wire_limit_hits_total``."""
 
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     """Largest frame body accepted or sent, in bytes."""
     heartbeat_interval: float = 30.0
-    """Seconds between heartbeats sent; the peer is dead after ``missed_heartbeats`` silent intervals."""
+    """Seconds between heartbeats sent."""
     missed_heartbeats: int = 3
-    """Silent intervals after which the peer is declared dead."""
+    """Intervals of silence (or of our bytes left unread) after which the peer is dead."""
+    max_peer_interval: float = 120.0
+    """Largest heartbeat interval a peer may announce; a longer one is taken as this."""
+    frame_timeout: float = 30.0
+    """Seconds a frame may take to arrive whole once its first byte came."""
+    max_runs: int = 1024
+    """Runs the peer may have this end serve at once; more are refused RESOURCE_EXHAUSTED."""
+    max_requests: int = 64
+    """Message handlers (capability, node.*, ...) running at once for the peer."""
     run_buffer: int = 256
     """Events buffered per run on the receiving side before reading pauses."""
     write_buffer: int = 256 * 1024
-    """Bytes queued for sending before a sender waits for the socket to drain."""
+    """Bytes gathered before they are written at once (otherwise at the end of the loop's turn)."""
+    read_pause_bytes: int = 4 * 1024 * 1024
+    """Reading pauses while more than this many bytes wait to be sent to the peer."""
     read_size: int = 256 * 1024
     """Bytes asked of the socket per read."""
     close_timeout: float = 5.0
     """Seconds a close waits for the peer before aborting the socket."""
 
+    @property
+    def watch_tick(self) -> float:
+        """How often the watchdog looks: often enough to act within a tenth of any window."""
+        return min(1.0, self.heartbeat_interval / 4, self.frame_timeout / 4)
 
-class Handler(Protocol):
-    """What a connection calls for the requests it serves."""
 
-    async def run(self, request: pb.RunRequest, sink: EventSink) -> None:
-        """Execute ``request``, reporting through ``sink``; cancelled when the run is.
+RunHandler = Callable[[pb.RunRequest, EventSink], Awaitable[None]]
+"""Executes one run.request, writing to the sink; cancelled when the run is."""
+MessageHandler = Callable[["Inbound"], Awaitable[None]]
+"""Handles one envelope of its type; an IopError it raises is sent back as the reply."""
 
-        The request stays a upb message (typed by its mypy-protobuf stub): converting it to
-        betterproto2 would cost ~100 us per run, a third of a one-token run's budget.
-        """
-        ...
 
-    async def capabilities(self) -> bp.CapabilityResponse:
-        """Answer a capability.request."""
-        ...
+@dataclass(frozen=True, slots=True)
+class Handler:
+    """What this end serves on a connection: runs, and a function per other message type."""
 
-    async def message(self, connection: Connection, envelope: pb.Envelope) -> None:
-        """Any other envelope (node.register, node.status, node.drain, ...); IopError refuses it."""
-        ...
+    run: RunHandler | None = None
+    """Serves run.request; None refuses runs with UNKNOWN_MESSAGE_TYPE."""
+    messages: Mapping[str, MessageHandler] = field(default_factory=lambda: MappingProxyType({}))
+    """``Envelope.body`` field name (``capability_request``, ``node_register``, ...) -> handler."""
+
+
+@dataclass(frozen=True, slots=True)
+class Inbound:
+    """An envelope handed to a message handler, with the means to answer it."""
+
+    connection: Connection
+    envelope: pb.Envelope
+
+    @property
+    def peer(self) -> PeerIdentity:
+        """Who sent it, from its certificate."""
+        return self.connection.peer
+
+    async def reply(self, envelope: pb.Envelope) -> None:
+        """Send ``envelope`` as the answer (its ``in_reply_to`` is set to this envelope's id)."""
+        envelope.in_reply_to = self.envelope.id
+        await self.connection.send(envelope, urgent=True)
 
 
 @dataclass(slots=True)
@@ -100,78 +132,91 @@ class Connection:
         handler: Handler | None = None,
         config: ConnectionConfig = ConnectionConfig(),
         label: str = "",
+        side: str = "dialed",
     ) -> None:
         self.peer = peer
         self.codec = codec
         self.config = config
+        self.id = secrets.token_hex(6)
+        """Unique per connection (also across restarts): run ids are scoped to it."""
         self.closed = False
         self.close_error: IopError | None = None
         """Why the connection closed, once it has."""
-        self._reader = reader
-        self._writer = writer
-        self._handler = handler
+        self._reader, self._writer = reader, writer
+        self._handler = handler or Handler()
+        self._side = side
         self._decoder = FrameDecoder(config.max_frame_size)
         self._ids = itertools.count()
         self._out: list[bytes | bytearray] = []
         self._out_bytes = 0
+        self._written = 0
         self._flush_scheduled = False
         self._streams: dict[str, RunStream] = {}
         self._served: dict[str, _Served] = {}
         self._pending: dict[str, asyncio.Future[pb.Envelope]] = {}
+        self._requests: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
-        self._side_tasks: set[asyncio.Task[None]] = set()
         self._peer_interval = 0.0
         self._loop = asyncio.get_running_loop()
         self._last_heard = self._loop.time()
+        self._frame_since: float | None = None
+        self._stall_since: float | None = None
+        self._drained = 0
         self._reading_paused = False
         self._done = asyncio.Event()
-        self._log = _log.bind(peer=peer.name, role=peer.role, conn=label)
-        self._dispatch: dict[str, Callable[[pb.Envelope, bytes], Awaitable[None]]] = {
-            "run_event": self._on_run_event,
-            "run_request": self._on_run_request,
-            "cancel_request": self._on_cancel_request,
-            "capability_request": self._on_capability_request,
-            "heartbeat": self._on_heartbeat,
-            "error": self._on_error,
-        }
+        self._log = _log.bind(peer=peer.name, role=peer.role, conn=label or self.id)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> Connection:
-        """Start reading and heartbeating; returns self."""
+        """Start reading, heartbeating and watching the peer; returns self."""
+        CONNECTIONS.labels(self._side).inc()
         self._tasks = [
             asyncio.create_task(self._read_loop(), name="iop-read"),
-            asyncio.create_task(self._heartbeat_loop(), name="iop-heartbeat"),
+            asyncio.create_task(self._watch_loop(), name="iop-watch"),
         ]
         return self
+
+    async def __aenter__(self) -> Connection:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        await self.close()
 
     async def wait_closed(self) -> None:
         """Wait until the connection has closed."""
         await self._done.wait()
 
-    async def close(self, reason: str = "closing", code: ErrorCode = ErrorCode.SHUTTING_DOWN) -> None:
+    async def close(self, reason: str = "closing", code: Code = pb.ERROR_CODE_SHUTTING_DOWN) -> None:
         """Close gracefully: every open run, both ways, gets a retryable error first."""
         await self._shutdown(ConnectionClosed(reason, code), notify_peer=True)
 
-    async def _shutdown(self, error: IopError, *, notify_peer: bool) -> None:
+    async def _shutdown(self, error: IopError, *, notify_peer: bool, abort: bool = False) -> None:
         if self.closed:
             await self._done.wait()
             return
         self.closed = True
         self.close_error = error
-        self._log.info("connection closed", reason=error.message, code=error.code.name)
+        CONNECTIONS.labels(self._side).dec()
+        self._log.info("connection closed", reason=error.message, code=error.name)
         # Runs end retryably: SHUTTING_DOWN on a graceful close, UNAVAILABLE for anything else.
-        run_code = error.code if error.code == ErrorCode.SHUTTING_DOWN else ErrorCode.UNAVAILABLE
+        run_code = error.code if error.code == pb.ERROR_CODE_SHUTTING_DOWN else pb.ERROR_CODE_UNAVAILABLE
+        notify_peer = notify_peer and not abort
         try:
             served_tasks = self._end_runs(error, run_code, notify_peer=notify_peer)
             if notify_peer and not self._writer.is_closing():
                 self.send_nowait(error_envelope(error))
             self._flush()
             current = asyncio.current_task()
-            for task in (*self._tasks, *self._side_tasks):
+            for task in (*self._tasks, *self._requests):
                 if task is not current:
                     task.cancel()
-            await self._close_transport()
+            if abort:  # the peer does not read: nothing we write would reach it
+                self._writer.transport.abort()
+            else:
+                await self._close_transport()
             if served_tasks:  # let cancelled runs record how they ended before close() returns
                 await asyncio.wait(served_tasks, timeout=self.config.close_timeout)
         except BaseException:
@@ -180,7 +225,7 @@ class Connection:
         finally:
             self._done.set()
 
-    def _end_runs(self, error: IopError, code: ErrorCode, *, notify_peer: bool) -> list[asyncio.Task[None]]:
+    def _end_runs(self, error: IopError, code: Code, *, notify_peer: bool) -> list[asyncio.Task[None]]:
         """Fail every run on this connection; return the served runs' tasks (now cancelled)."""
         served_tasks = []
         for served in list(self._served.values()):
@@ -206,23 +251,25 @@ class Connection:
 
     # -- sending -----------------------------------------------------------------------------
 
+    def next_id(self) -> str:
+        """A fresh envelope id, unique on this connection."""
+        return str(next(self._ids))
+
+    def frame(self, envelope: pb.Envelope) -> bytearray:
+        """``envelope`` stamped (id, sent_at), encoded and framed; FrameError if it is too large."""
+        if not envelope.id:
+            envelope.id = str(next(self._ids))
+        envelope.sent_at.FromNanoseconds(time.time_ns())  # 6 times cheaper than GetCurrentTime
+        return encode_frame(self.codec.encode(envelope), self.config.max_frame_size)
+
+    def frame_body(self, body: bytes) -> bytearray:
+        """An already-encoded envelope framed (a relay forwarding what it received)."""
+        return encode_frame(body, self.config.max_frame_size)
+
     async def send(self, envelope: pb.Envelope, *, urgent: bool = False) -> None:
-        """Send ``envelope``, waiting while more than ``write_buffer`` bytes are queued."""
-        self.send_nowait(envelope, urgent=urgent)
+        """Send ``envelope``, waiting while the socket is behind."""
+        self._queue(self.frame(envelope), urgent=urgent)
         await self._backpressure()
-
-    async def send_body(self, body: bytes) -> None:
-        """Send an already-encoded envelope (a relay forwarding a frame it received)."""
-        self._queue(encode_frame(body, self.config.max_frame_size))
-        await self._backpressure()
-
-    async def _backpressure(self) -> None:
-        """Wait while the transport is over its high-water mark or ``write_buffer`` bytes wait here."""
-        if self._out_bytes >= self.config.write_buffer:
-            self._flush()
-        # Returns at once unless the transport paused writing (TCP or TLS buffers full): a
-        # producer that yields between frames is held here too.
-        await self._writer.drain()
 
     def send_nowait(self, envelope: pb.Envelope, *, urgent: bool = False) -> None:
         """Queue ``envelope``; raises ConnectionClosed once closed.
@@ -231,10 +278,24 @@ class Connection:
         one (a request, a run's first token and its end) goes out at once, with whatever was
         gathered before it, because someone is waiting for exactly that frame.
         """
-        if not envelope.id:
-            envelope.id = str(next(self._ids))
-        envelope.sent_at.FromNanoseconds(time.time_ns())  # 6 times cheaper than GetCurrentTime
-        self._queue(encode_frame(self.codec.encode(envelope), self.config.max_frame_size), urgent=urgent)
+        self._queue(self.frame(envelope), urgent=urgent)
+
+    async def send_frame(self, frame: bytes | bytearray, *, urgent: bool = False) -> None:
+        """Send a framed envelope, waiting while the socket is behind."""
+        self._queue(frame, urgent=urgent)
+        await self._backpressure()
+
+    def send_frame_nowait(self, frame: bytes | bytearray, *, urgent: bool = False) -> None:
+        """Queue a framed envelope."""
+        self._queue(frame, urgent=urgent)
+
+    async def _backpressure(self) -> None:
+        """Wait while the transport is over its high-water mark or ``write_buffer`` bytes wait here."""
+        if self._out_bytes >= self.config.write_buffer:
+            self._flush()
+        # Returns at once unless the transport paused writing (TCP or TLS buffers full): a
+        # producer that yields between frames is held here too.
+        await self._writer.drain()
 
     def _queue(self, frame: bytes | bytearray, *, urgent: bool = False) -> None:
         if self._writer.is_closing():
@@ -251,32 +312,42 @@ class Connection:
         self._flush_scheduled = False
         if self._out and not self._writer.is_closing():
             self._writer.write(b"".join(self._out))
+            self._written += self._out_bytes
         self._out.clear()
         self._out_bytes = 0
 
+    @property
+    def unsent(self) -> int:
+        """Bytes queued for the peer that it has not taken yet (ours and the transport's)."""
+        return self._out_bytes + self._writer.transport.get_write_buffer_size()
+
     # -- opening runs and requests -----------------------------------------------------------
 
-    async def open_run(self, request: bp.RunRequest | pb.RunRequest) -> RunStream:
+    async def open_run(self, request: pb.RunRequest) -> RunStream:
         """Send a run.request and return the stream of its events."""
-        message = request if isinstance(request, pb.RunRequest) else from_typed(request, pb.RunRequest)
-        if not message.run_id:
-            raise IopError(ErrorCode.INVALID_ARGUMENT, "run.request needs a run_id")
-        if message.run_id in self._streams:
-            raise IopError(ErrorCode.PROTOCOL_VIOLATION, f"run {message.run_id} is already open")
+        if not request.run_id:
+            raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, "run.request needs a run_id")
+        if request.run_id in self._streams:
+            raise IopError(pb.ERROR_CODE_PROTOCOL_VIOLATION, f"run {request.run_id} is already open")
         if self.closed:
             raise ConnectionClosed("connection is closed")
-        stream = RunStream(message.run_id, self.config.run_buffer, self.cancel_run)
-        self._streams[message.run_id] = stream
-        await self.send(pb.Envelope(run_id=message.run_id, run_request=message), urgent=True)
+        stream = RunStream(request.run_id, self.config.run_buffer, self.cancel_run)
+        self._streams[request.run_id] = stream
+        await self.send(pb.Envelope(run_id=request.run_id, run_request=request), urgent=True)
         return stream
 
-    async def cancel_run(self, run_id: str, reason: str) -> None:
-        """Send cancel.request for ``run_id``."""
+    def cancel_run(self, run_id: str, reason: str) -> None:
+        """Send cancel.request for ``run_id`` (without waiting for the socket)."""
+        if self.closed:
+            return
         cancel = pb.CancelRequest(run_id=run_id, reason=reason)
-        await self.send(pb.Envelope(run_id=run_id, cancel_request=cancel), urgent=True)
+        self.send_nowait(pb.Envelope(run_id=run_id, cancel_request=cancel), urgent=True)
 
     async def request(self, envelope: pb.Envelope, timeout: float = 10.0) -> pb.Envelope:
-        """Send ``envelope`` and wait for the envelope whose ``in_reply_to`` names it."""
+        """Send ``envelope`` and wait for the envelope whose ``in_reply_to`` names it.
+
+        An ``error`` answer is raised as IopError.
+        """
         envelope.id = envelope.id or str(next(self._ids))
         future: asyncio.Future[pb.Envelope] = self._loop.create_future()
         self._pending[envelope.id] = future
@@ -286,24 +357,32 @@ class Connection:
         finally:
             self._pending.pop(envelope.id, None)
 
-    async def capabilities(self, timeout: float = 10.0) -> bp.CapabilityResponse:
+    async def capabilities(self, timeout: float = 10.0) -> pb.CapabilityResponse:
         """Ask the peer for its capabilities."""
         reply = await self.request(pb.Envelope(capability_request=pb.CapabilityRequest()), timeout)
         if reply.WhichOneof("body") != "capability_response":
-            raise IopError(ErrorCode.PROTOCOL_VIOLATION, "capability.request answered with something else")
-        return to_typed(reply.capability_response, bp.CapabilityResponse)
+            raise IopError(pb.ERROR_CODE_PROTOCOL_VIOLATION, "capability.request answered with something else")
+        return reply.capability_response
 
     # -- receiving ---------------------------------------------------------------------------
 
     async def _read_loop(self) -> None:
         try:
             while True:
+                if self.unsent > self.config.read_pause_bytes:
+                    await self._pause_reading()
                 data = await self._reader.read(self.config.read_size)
                 if not data:
                     await self._on_eof()
                     return
-                self._last_heard = self._loop.time()
-                for body in self._decoder.feed(data):
+                frames = self._decoder.feed(data)
+                now = self._loop.time()
+                if frames:  # only whole frames are signs of life: a trickle of bytes is not
+                    self._last_heard = now
+                    self._frame_since = now if self._decoder.buffered else None
+                elif self._frame_since is None:
+                    self._frame_since = now
+                for body in frames:
                     await self._on_frame(body)
         except FrameError as exc:
             self._log.warning("bad frame", reason=exc.message)
@@ -315,8 +394,23 @@ class Connection:
             return  # closed by another task while this one was sending
         except Exception as exc:  # noqa: BLE001 - a bug must close this connection, not leave it deaf
             self._log.exception("connection failed", reason=type(exc).__name__)
-            failure = IopError(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}")
+            failure = IopError(pb.ERROR_CODE_INTERNAL, f"internal error: {type(exc).__name__}")
             await self._shutdown(failure, notify_peer=True)
+
+    async def _pause_reading(self) -> None:
+        """Read nothing more while the peer leaves our answers unread; TCP then holds it back."""
+        LIMIT_HITS.labels("read_paused").inc()
+        self._log.warning("reading paused", reason="peer is not reading", unsent=self.unsent)
+        self._reading_paused = True
+        try:
+            while self.unsent > self.config.read_pause_bytes // 2 and not self.closed:
+                self._flush()
+                await self._writer.drain()
+                await asyncio.sleep(0)  # drain returns at once when the transport is not paused
+        finally:
+            self._reading_paused = False
+            self._last_heard = self._loop.time()
+        self._log.info("reading resumed", unsent=self.unsent)
 
     async def _on_eof(self) -> None:
         if self._decoder.buffered:
@@ -336,22 +430,26 @@ class Connection:
             await self.send(error_envelope(exc))
             return
         kind = envelope.WhichOneof("body")
-        handler = self._dispatch.get(kind) if kind else None
-        if handler is not None:
-            await handler(envelope, body)
+        if kind == "run_event":
+            await self._on_run_event(envelope, body)
+        elif kind == "run_request":
+            await self._on_run_request(envelope)
+        elif kind == "heartbeat":
+            self._on_heartbeat(envelope.heartbeat)
+        elif kind == "cancel_request":
+            self._on_cancel_request(envelope)
         elif envelope.in_reply_to in self._pending:
             self._resolve(envelope)
-        elif kind is not None and self._handler is not None:
-            try:
-                await self._handler.message(self, envelope)
-            except IopError as exc:  # the handler refused it: say so, and go on
-                await self._reject(envelope, exc.code, exc.message)
+        elif kind == "error":
+            self._on_error(envelope, body)
+        elif kind is not None and kind in self._handler.messages:
+            await self._on_message(self._handler.messages[kind], envelope)
         else:
-            await self._reject(envelope, ErrorCode.UNKNOWN_MESSAGE_TYPE, f"unknown message type {kind or '(none)'}")
+            await self._reject(envelope, pb.ERROR_CODE_UNKNOWN_MESSAGE_TYPE, f"unknown message type {kind or '(none)'}")
 
-    async def _reject(self, envelope: pb.Envelope, code: ErrorCode, message: str) -> None:
-        self._log.warning("rejected envelope", reason=message, code=code.name)
-        error = IopError(code, message, retryable=False, run_id=envelope.run_id)
+    async def _reject(self, envelope: pb.Envelope, code: Code, message: str, *, run_id: str = "") -> None:
+        self._log.warning("rejected envelope", reason=message, code=code_name(code))
+        error = IopError(code, message, retryable=False, run_id=run_id)
         await self.send(error_envelope(error, in_reply_to=envelope.id))
 
     def _resolve(self, envelope: pb.Envelope) -> None:
@@ -359,8 +457,7 @@ class Connection:
         if future is None or future.done():
             return
         if envelope.WhichOneof("body") == "error":
-            err = envelope.error
-            future.set_exception(IopError(ErrorCode(err.code), err.message, retryable=err.retryable))
+            future.set_exception(IopError.from_message(envelope.error))
         else:
             future.set_result(envelope)
 
@@ -385,103 +482,156 @@ class Connection:
         else:
             await stream.put(event, body)
 
-    async def _on_error(self, envelope: pb.Envelope, body: bytes) -> None:
-        if envelope.in_reply_to in self._pending:
-            self._resolve(envelope)
-            return
+    def _on_error(self, envelope: pb.Envelope, body: bytes) -> None:
         stream = self._streams.pop(envelope.run_id, None)
-        if stream is not None:
+        if stream is not None:  # a run.request refused before it became a run
             stream.end(pb.RunEvent(error=envelope.error), body)
             return
         err = envelope.error
         level = self._log.info if err.code == pb.ERROR_CODE_SHUTTING_DOWN else self._log.warning
-        level("peer reported error", code=ErrorCode(err.code).name, reason=err.message)
-        self.close_error = IopError(ErrorCode(err.code), err.message, retryable=err.retryable)
+        level("peer reported error", code=code_name(err.code), reason=err.message)
+        self.close_error = IopError.from_message(err)
 
-    async def _on_heartbeat(self, envelope: pb.Envelope, body: bytes) -> None:
-        # Any frame counts as a sign of life (the read loop noted the time); the interval tells
-        # how long this peer may stay silent.
-        self._peer_interval = envelope.heartbeat.interval.ToNanoseconds() / 1e9
+    def _on_heartbeat(self, beat: pb.Heartbeat) -> None:
+        # Any whole frame counts as a sign of life (the read loop noted the time); the interval
+        # tells how long this peer may stay silent, within our bound.
+        interval = beat.interval.ToNanoseconds() / 1e9
+        if interval > self.config.max_peer_interval:
+            if self._peer_interval < self.config.max_peer_interval:  # log once per connection
+                LIMIT_HITS.labels("peer_heartbeat_interval").inc()
+                self._log.warning(
+                    "peer heartbeat interval clamped", announced=interval, used=self.config.max_peer_interval
+                )
+            interval = self.config.max_peer_interval
+        self._peer_interval = interval
 
-    async def _on_run_request(self, envelope: pb.Envelope, body: bytes) -> None:
-        message = envelope.run_request
-        run_id = message.run_id or envelope.run_id
-        if self._handler is None:
-            await self._reject(envelope, ErrorCode.UNKNOWN_MESSAGE_TYPE, "run.request is not served on this connection")
+    async def _on_run_request(self, envelope: pb.Envelope) -> None:
+        request = envelope.run_request
+        run_id = request.run_id or envelope.run_id
+        if self._handler.run is None:
+            await self._reject(
+                envelope,
+                pb.ERROR_CODE_UNKNOWN_MESSAGE_TYPE,
+                "run.request is not served on this connection",
+                run_id=run_id,
+            )
         elif not run_id:
-            await self._reject(envelope, ErrorCode.INVALID_ARGUMENT, "run.request needs a run_id")
+            await self._reject(envelope, pb.ERROR_CODE_INVALID_ARGUMENT, "run.request needs a run_id")
         elif run_id in self._served:
-            envelope.run_id = ""  # the answer must not end the live run that has this id
-            await self._reject(envelope, ErrorCode.PROTOCOL_VIOLATION, f"run {run_id} is already running")
+            # Not a run event: the live run with this id goes on, and its stream must not end.
+            await self._reject(
+                envelope, pb.ERROR_CODE_PROTOCOL_VIOLATION, f"run {run_id} is already running", run_id=run_id
+            )
+        elif len(self._served) >= self.config.max_runs:
+            LIMIT_HITS.labels("runs_per_connection").inc()
+            self._log.warning("run refused", run_id=run_id, reason="runs per connection", limit=self.config.max_runs)
+            error = IopError(
+                pb.ERROR_CODE_RESOURCE_EXHAUSTED,
+                f"this connection already has {self.config.max_runs} runs in progress",
+                retryable=True,
+                run_id=run_id,
+            )
+            refusal = pb.Envelope(run_id=run_id, run_event=pb.RunEvent(sequence=0, error=error_message(error)))
+            await self.send(refusal, urgent=True)
         else:
-            message.run_id = run_id
+            request.run_id = run_id
             sink = EventSink(self, run_id)
-            task = asyncio.create_task(self._serve(message, sink))
+            task = self._loop.create_task(self._serve(self._handler.run, request, sink))
             self._served[run_id] = _Served(task, sink)
 
-    async def _serve(self, request: pb.RunRequest, sink: EventSink) -> None:
-        assert self._handler is not None
+    async def _serve(self, run: RunHandler, request: pb.RunRequest, sink: EventSink) -> None:
         try:
-            await self._handler.run(request, sink)
+            await run(request, sink)
             if not sink.finished:
-                await sink.error(IopError(ErrorCode.INTERNAL, "run ended without complete or error"))
+                await sink.error(IopError(pb.ERROR_CODE_INTERNAL, "run ended without complete or error"))
         except asyncio.CancelledError:
-            await sink.error(IopError(ErrorCode.CANCELLED, sink.cancel_reason or "cancelled"))
+            await sink.error(IopError(pb.ERROR_CODE_CANCELLED, sink.cancel_reason or "cancelled"))
         except IopError as exc:
             await sink.error(exc)
         except Exception:  # noqa: BLE001 - a handler's bug fails its run, not the connection
             self._log.exception("run handler failed", run_id=sink.run_id)
-            await sink.error(IopError(ErrorCode.INTERNAL, "internal error"))
+            await sink.error(IopError(pb.ERROR_CODE_INTERNAL, "internal error"))
         finally:
             self._served.pop(sink.run_id, None)
 
-    async def _on_cancel_request(self, envelope: pb.Envelope, body: bytes) -> None:
+    def _on_cancel_request(self, envelope: pb.Envelope) -> None:
         message = envelope.cancel_request
         served = self._served.get(message.run_id or envelope.run_id)
         if served is not None:
             served.sink.cancel_reason = message.reason or "cancelled by client"
             served.task.cancel()
 
-    async def _on_capability_request(self, envelope: pb.Envelope, body: bytes) -> None:
-        if self._handler is None:
-            await self._reject(envelope, ErrorCode.UNKNOWN_MESSAGE_TYPE, "capability.request is not served here")
+    async def _on_message(self, handler: MessageHandler, envelope: pb.Envelope) -> None:
+        if len(self._requests) >= self.config.max_requests:
+            LIMIT_HITS.labels("requests_per_connection").inc()
+            self._log.warning("request refused", reason="requests per connection", limit=self.config.max_requests)
+            error = IopError(
+                pb.ERROR_CODE_RESOURCE_EXHAUSTED, f"{self.config.max_requests} requests are already being answered"
+            )
+            await self.send(error_envelope(error, in_reply_to=envelope.id))
             return
-        # Answering may take a while (an adapter may ask its backend): not in the read loop.
-        task = asyncio.create_task(self._answer_capabilities(envelope))
-        self._side_tasks.add(task)
-        task.add_done_callback(self._side_tasks.discard)
+        # Answering may take a while (a node may ask its backends): never in the read loop.
+        task = self._loop.create_task(self._handle(handler, envelope))
+        self._requests.add(task)
+        task.add_done_callback(self._requests.discard)
 
-    async def _answer_capabilities(self, envelope: pb.Envelope) -> None:
-        assert self._handler is not None
+    async def _handle(self, handler: MessageHandler, envelope: pb.Envelope) -> None:
         try:
-            response = await self._handler.capabilities()
-        except Exception:  # noqa: BLE001 - answer with an error; the connection goes on
-            self._log.exception("capabilities failed")
+            await handler(Inbound(self, envelope))
+        except IopError as exc:  # the handler refused it: say so, and go on
             if not self.closed:
-                await self._reject(envelope, ErrorCode.INTERNAL, "capabilities failed")
+                await self._reject(envelope, exc.code, exc.message, run_id=exc.run_id)
+        except ConnectionClosed:
             return
-        if self.closed:
-            return
-        reply = pb.Envelope(in_reply_to=envelope.id, capability_response=from_typed(response, pb.CapabilityResponse))
-        await self.send(reply, urgent=True)
+        except Exception:  # noqa: BLE001 - answer with an error; the connection goes on
+            self._log.exception("message handler failed", message=envelope.WhichOneof("body"))
+            if not self.closed:
+                await self._reject(envelope, pb.ERROR_CODE_INTERNAL, "internal error")
 
     # -- liveness ----------------------------------------------------------------------------
 
-    async def _heartbeat_loop(self) -> None:
+    async def _watch_loop(self) -> None:
+        """Heartbeats out, and the peer's liveness in: on a timer of its own, never behind a send."""
         interval = self.config.heartbeat_interval
         beat = pb.Heartbeat()
         beat.interval.FromNanoseconds(int(interval * 1e9))
+        next_beat = self._loop.time()
         for sequence in itertools.count():
             beat.sequence = sequence
             try:
-                await self.send(pb.Envelope(heartbeat=beat))
+                self.send_nowait(pb.Envelope(heartbeat=beat), urgent=True)
             except ConnectionClosed:
                 return
-            await asyncio.sleep(interval)
-            silent = self._loop.time() - self._last_heard
-            limit = max(interval, self._peer_interval) * self.config.missed_heartbeats
-            if silent > limit and not self._reading_paused:
-                reason = f"peer missed {self.config.missed_heartbeats} heartbeats ({silent:.2f} s silent)"
-                self._log.warning("peer dead", reason=reason)
-                await self._shutdown(ConnectionClosed(reason), notify_peer=True)
-                return
+            next_beat += interval
+            while (now := self._loop.time()) < next_beat:
+                await asyncio.sleep(min(self.config.watch_tick, next_beat - now))
+                failure = self._check_peer()
+                if failure is not None:
+                    reason, message = failure
+                    PEERS_LOST.labels(reason).inc()
+                    self._log.warning("peer dead", reason=message)
+                    code = pb.ERROR_CODE_DEADLINE_EXCEEDED if reason == "frame_timeout" else pb.ERROR_CODE_UNAVAILABLE
+                    await self._shutdown(ConnectionClosed(message, code), notify_peer=True, abort=reason == "unread")
+                    return
+
+    def _check_peer(self) -> tuple[str, str] | None:
+        """Why the peer is to be treated as dead now, if it is: (metric reason, log message)."""
+        now = self._loop.time()
+        window = max(self.config.heartbeat_interval, self._peer_interval) * self.config.missed_heartbeats
+        if self._frame_since is not None and now - self._frame_since > self.config.frame_timeout:
+            LIMIT_HITS.labels("frame_timeout").inc()
+            return "frame_timeout", (
+                f"a frame took over {self.config.frame_timeout:g} s to arrive ({self._decoder.buffered} bytes so far)"
+            )
+        if now - self._last_heard > window and not self._reading_paused:
+            return (
+                "silent",
+                f"peer missed {self.config.missed_heartbeats} heartbeats ({now - self._last_heard:.2f} s silent)",
+            )
+        buffered = self._writer.transport.get_write_buffer_size()
+        drained = self._written - buffered
+        if buffered == 0 or drained > self._drained or self._stall_since is None:
+            self._drained, self._stall_since = drained, now  # the peer took our bytes, or has none to take
+        elif now - self._stall_since > window:
+            return "unread", f"peer read nothing of {buffered} bytes for {now - self._stall_since:.2f} s"
+        return None

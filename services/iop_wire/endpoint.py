@@ -11,19 +11,24 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Callable, Collection
+import time
+from collections import Counter
+from collections.abc import Callable, Collection, Generator
 from dataclasses import dataclass, field
+from types import TracebackType
 
 import structlog
 
+from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.codec import CODECS, Codec, get_codec
 from iop_wire.connection import Connection, ConnectionConfig, Handler
-from iop_wire.errors import ConnectionClosed, ErrorCode, FrameError, HandshakeError, IopError
+from iop_wire.errors import ConnectionClosed, FrameError, HandshakeError, IopError
 from iop_wire.framing import HEADER_SIZE, encode_frame
 from iop_wire.messages import error_envelope
+from iop_wire.metrics import HANDSHAKES, LIMIT_HITS
 from iop_wire.tls import PeerIdentity, Role, TlsConfig, client_context, peer_identity, server_context
 
-__all__ = ["Listener", "ListenerConfig", "dial", "open_stream", "preface"]
+__all__ = ["HandlerFactory", "Listener", "ListenerConfig", "dial", "open_stream", "preface"]
 
 _log = structlog.get_logger("iop.wire")
 _PREFACE_PREFIX = b"IOP/1 "
@@ -37,7 +42,7 @@ def preface(codec: str) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class ListenerConfig:
-    """Where and how a service listens."""
+    """Where and how a service listens, and how much any peer may make it hold."""
 
     host: str = "127.0.0.1"
     """Address to bind."""
@@ -51,20 +56,34 @@ class ListenerConfig:
     """Certificate roles accepted; None accepts any verified certificate."""
     handshake_timeout: float = 10.0
     """Seconds a dialer has for the TLS handshake and the preface."""
+    max_connections: int = 1024
+    """Connections open at once (handshaking ones included); more are closed at accept."""
+    max_connections_per_peer: int = 64
+    """Connections open at once per certificate name (per address without TLS)."""
+    max_handshakes: int = 64
+    """TLS handshakes and prefaces under way at once; more are closed at accept."""
     connection: ConnectionConfig = field(default_factory=ConnectionConfig)
     """Limits and timers of each accepted connection."""
 
 
-class Listener:
-    """Accepts IOP connections and serves each with the handler made for its peer."""
+HandlerFactory = Callable[[PeerIdentity], Handler | None]
 
-    def __init__(self, config: ListenerConfig, handler: Callable[[PeerIdentity], Handler | None]) -> None:
+
+class Listener:
+    """Accepts IOP connections and serves each with the handler made for its peer.
+
+    ``async with Listener(config, handler) as listener:`` starts it and closes it (and every
+    connection, gracefully) on the way out.
+    """
+
+    def __init__(self, config: ListenerConfig, handler: Handler | HandlerFactory | None = None) -> None:
         self.config = config
         self.connections: set[Connection] = set()
-        self._make_handler = handler
+        self._make_handler: HandlerFactory = (lambda _: handler) if isinstance(handler, Handler | None) else handler
         self._ssl = server_context(config.tls) if config.tls.enabled else None
         self._server: asyncio.Server | None = None
         self._handshaking: set[asyncio.StreamWriter] = set()
+        self._per_peer: Counter[str] = Counter()
 
     @property
     def port(self) -> int:
@@ -84,6 +103,14 @@ class Listener:
         self._server = await loop.create_server(protocol, self.config.host, self.config.port)
         return self
 
+    async def __aenter__(self) -> Listener:
+        return await self.start()
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        await self.close()
+
     def stop_accepting(self) -> None:
         """Stop taking new connections; the open ones go on."""
         if self._server is not None:
@@ -99,28 +126,51 @@ class Listener:
             await self._server.wait_closed()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._handshaking.add(writer)
         address = writer.get_extra_info("peername")
-        log = _log.bind(remote=f"{address[0]}:{address[1]}" if address else "?")
+        remote = f"{address[0]}:{address[1]}" if address else "?"
+        log = _log.bind(remote=remote)
+        if not self._admit(writer, log):
+            return
+        self._handshaking.add(writer)
+        HANDSHAKES.inc()
         try:
-            connection = await asyncio.wait_for(self._handshake(reader, writer, log), self.config.handshake_timeout)
+            accepted = await asyncio.wait_for(self._handshake(reader, writer, log), self.config.handshake_timeout)
         except (ssl.SSLError, ConnectionError, OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
             log.warning("handshake failed", reason=_reason(exc))
             writer.transport.abort()
             return
         finally:
             self._handshaking.discard(writer)
-        if connection is None:
+            HANDSHAKES.dec()
+        if accepted is None:
             return
+        connection, key = accepted
         self.connections.add(connection)
         try:
             await connection.wait_closed()
         finally:
             self.connections.discard(connection)
+            self._per_peer[key] -= 1
+            if self._per_peer[key] <= 0:
+                del self._per_peer[key]
+
+    def _admit(self, writer: asyncio.StreamWriter, log: structlog.typing.FilteringBoundLogger) -> bool:
+        """Close a new connection at once when the listener is full or too many handshakes run."""
+        limit = None
+        if len(self.connections) + len(self._handshaking) >= self.config.max_connections:
+            limit, value = "connections", self.config.max_connections
+        elif len(self._handshaking) >= self.config.max_handshakes:
+            limit, value = "handshakes", self.config.max_handshakes
+        if limit is None:
+            return True
+        LIMIT_HITS.labels(limit).inc()
+        log.warning("connection refused", reason=f"{limit} limit reached", limit=value)
+        writer.transport.abort()
+        return False
 
     async def _handshake(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, log: structlog.typing.FilteringBoundLogger
-    ) -> Connection | None:
+    ) -> tuple[Connection, str] | None:
         if self._ssl is not None:
             await writer.start_tls(self._ssl)
         peer = peer_identity(writer.get_extra_info("ssl_object"))
@@ -129,7 +179,7 @@ class Listener:
         if asked not in self.config.codecs:
             accepted = ", ".join(self.config.codecs)
             error = HandshakeError(
-                ErrorCode.CODEC_MISMATCH,
+                pb.ERROR_CODE_CODEC_MISMATCH,
                 f"codec mismatch: client asked for {asked or 'no valid preface'}, server accepts {accepted}",
             )
             await _refuse(writer, codec or CODECS["proto"], error, log)
@@ -139,14 +189,26 @@ class Listener:
         if allowed is not None and peer.role not in allowed:
             names = ", ".join(sorted(allowed))
             error = HandshakeError(
-                ErrorCode.PERMISSION_DENIED,
+                pb.ERROR_CODE_PERMISSION_DENIED,
                 f"role {peer.role or '(none)'} of {peer.name or 'anonymous'} may not connect here; allowed: {names}",
             )
             await _refuse(writer, codec, error, log)
             return None
+        address = writer.get_extra_info("peername")
+        key = peer.name if peer.name else f"address {address[0] if address else '?'}"
+        if self._per_peer[key] >= self.config.max_connections_per_peer:
+            LIMIT_HITS.labels("connections_per_peer").inc()
+            error = HandshakeError(
+                pb.ERROR_CODE_RESOURCE_EXHAUSTED,
+                f"{key} already has {self.config.max_connections_per_peer} connections open here",
+                retryable=True,
+            )
+            await _refuse(writer, codec, error, log)
+            return None
+        self._per_peer[key] += 1
         writer.write(preface(codec.name))
         label = f"{peer.name or 'anonymous'}/{codec.name}"
-        return Connection(
+        connection = Connection(
             reader,
             writer,
             codec,
@@ -154,7 +216,9 @@ class Listener:
             handler=self._make_handler(peer),
             config=self.config.connection,
             label=label,
-        ).start()
+            side="accepted",
+        )
+        return connection.start(), key
 
 
 class _AcceptProtocol(asyncio.StreamReaderProtocol):
@@ -189,8 +253,11 @@ async def _read_preface(reader: asyncio.StreamReader) -> str | None:
 async def _refuse(
     writer: asyncio.StreamWriter, codec: Codec, error: IopError, log: structlog.typing.FilteringBoundLogger
 ) -> None:
-    log.warning("connection refused", reason=error.message, code=error.code.name)
-    writer.write(encode_frame(codec.encode(error_envelope(error))))
+    log.warning("connection refused", reason=error.message, code=error.name)
+    envelope = error_envelope(error)
+    envelope.id = "0"  # every envelope has an id and a time, a refusal too
+    envelope.sent_at.FromNanoseconds(time.time_ns())
+    writer.write(encode_frame(codec.encode(envelope)))
     try:
         await writer.drain()
         writer.close()
@@ -256,33 +323,59 @@ async def _read_answer(reader: asyncio.StreamReader, codec: str) -> IopError | N
         return None
     envelope = get_codec(codec).decode(body)
     if envelope.WhichOneof("body") != "error":
-        return HandshakeError(ErrorCode.PROTOCOL_VIOLATION, "listener answered the preface with a non-error")
+        return HandshakeError(pb.ERROR_CODE_PROTOCOL_VIOLATION, "listener answered the preface with a non-error")
     err = envelope.error
-    return HandshakeError(ErrorCode(err.code), err.message, retryable=err.retryable)
+    return HandshakeError(err.code, err.message, retryable=err.retryable)
 
 
-async def dial(
-    host: str,
-    port: int,
-    *,
-    tls: TlsConfig = TlsConfig(),
-    codec: str = "proto",
-    handler: Handler | None = None,
-    config: ConnectionConfig = ConnectionConfig(),
-    server_hostname: str | None = None,
-    expect_roles: Collection[Role] | None = None,
-    timeout: float = 10.0,
-) -> Connection:
-    """Open an IOP connection to ``host:port``; ``handler`` serves what the peer asks of us."""
-    reader, writer = await open_stream(
-        host, port, tls=tls, codec=codec, server_hostname=server_hostname, timeout=timeout
-    )
-    peer = peer_identity(writer.get_extra_info("ssl_object"))
-    if expect_roles is not None and peer.role not in expect_roles:
-        writer.close()
-        raise HandshakeError(
-            ErrorCode.PERMISSION_DENIED, f"server {peer.name!r} has role {peer.role}, expected {sorted(expect_roles)}"
+class dial:  # noqa: N801 - used like a function: ``await dial(...)`` or ``async with dial(...) as c``
+    """Open an IOP connection to ``host:port``; ``handler`` serves what the peer asks of us.
+
+    ``connection = await dial(...)`` returns it open; ``async with dial(...) as connection:``
+    also closes it (gracefully) on the way out.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        tls: TlsConfig = TlsConfig(),
+        codec: str = "proto",
+        handler: Handler | None = None,
+        config: ConnectionConfig = ConnectionConfig(),
+        server_hostname: str | None = None,
+        expect_roles: Collection[Role] | None = None,
+        timeout: float = 10.0,
+    ) -> None:
+        self._args = (host, port, tls, codec, handler, config, server_hostname, expect_roles, timeout)
+        self._connection: Connection | None = None
+
+    def __await__(self) -> Generator[object, None, Connection]:
+        return self._open().__await__()
+
+    async def __aenter__(self) -> Connection:
+        self._connection = await self._open()
+        return self._connection
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        if self._connection is not None:
+            await self._connection.close()
+
+    async def _open(self) -> Connection:
+        host, port, tls, codec, handler, config, server_hostname, expect_roles, timeout = self._args
+        reader, writer = await open_stream(
+            host, port, tls=tls, codec=codec, server_hostname=server_hostname, timeout=timeout
         )
-    return Connection(
-        reader, writer, get_codec(codec), peer=peer, handler=handler, config=config, label=f"{host}:{port}"
-    ).start()
+        peer = peer_identity(writer.get_extra_info("ssl_object"))
+        if expect_roles is not None and peer.role not in expect_roles:
+            writer.close()
+            raise HandshakeError(
+                pb.ERROR_CODE_PERMISSION_DENIED,
+                f"server {peer.name!r} has role {peer.role}, expected {sorted(expect_roles)}",
+            )
+        return Connection(
+            reader, writer, get_codec(codec), peer=peer, handler=handler, config=config, label=f"{host}:{port}"
+        ).start()

@@ -1,34 +1,44 @@
-"""IOP's error tree; the codes are the proto's ``ErrorCode`` enum.
+"""IOP's error tree; the codes are the proto's ``ErrorCode`` enum, used as generated (upb).
 
     IopError(code, message, retryable, run_id)
-    ├── FrameError            a frame cannot be read: length 0 or over the maximum
+    ├── FrameError            a frame cannot be read: length 0 or over the maximum, or cut off
     ├── DecodeError           a frame's body is not an envelope in the agreed codec
     ├── HandshakeError        the connection preface failed (codec mismatch, bad preface)
     └── ConnectionClosed      the connection is gone; runs on it may be retried
 
+Codes are the generated constants (``pb.ERROR_CODE_UNAVAILABLE``), never a hand copy of the
+enum; :func:`code_name` gives the short name (``UNAVAILABLE``) used in logs and run history.
 Errors become wire ``Error`` messages in one place: :func:`iop_wire.messages.error_message`.
 """
 
 from __future__ import annotations
 
-from iop_gen.bp.iop import ErrorCode
+from typing import TypeAlias
+
+from iop_gen.pb.iop import runtime_pb2 as pb
 
 __all__ = [
+    "Code",
     "ConnectionClosed",
     "DecodeError",
-    "ErrorCode",
     "FrameError",
     "HandshakeError",
     "IopError",
+    "code_name",
 ]
 
-_RETRYABLE = frozenset(
-    {
-        ErrorCode.UNAVAILABLE,
-        ErrorCode.RESOURCE_EXHAUSTED,
-        ErrorCode.SHUTTING_DOWN,
-    }
-)
+Code: TypeAlias = pb.ErrorCode.ValueType
+"""An ``ErrorCode`` value (``pb.ERROR_CODE_*``)."""
+
+_RETRYABLE = frozenset({pb.ERROR_CODE_UNAVAILABLE, pb.ERROR_CODE_RESOURCE_EXHAUSTED, pb.ERROR_CODE_SHUTTING_DOWN})
+
+
+def code_name(code: int) -> str:
+    """``UNAVAILABLE`` for ``pb.ERROR_CODE_UNAVAILABLE``; ``UNKNOWN_<n>`` for a code from a newer peer."""
+    try:
+        return pb.ErrorCode.Name(code).removeprefix("ERROR_CODE_")  # type: ignore[arg-type]
+    except ValueError:
+        return f"UNKNOWN_{code}"
 
 
 class IopError(Exception):
@@ -36,34 +46,44 @@ class IopError(Exception):
 
     def __init__(
         self,
-        code: ErrorCode,
+        code: Code,
         message: str,
         *,
         retryable: bool | None = None,
         run_id: str = "",
     ) -> None:
         super().__init__(message)
-        self.code = ErrorCode(code)
+        self.code: Code = code
         self.message = message
         self.retryable = code in _RETRYABLE if retryable is None else retryable
         self.run_id = run_id
 
+    @property
+    def name(self) -> str:
+        """The code's short name (``UNAVAILABLE``)."""
+        return code_name(self.code)
+
     def __str__(self) -> str:
-        return f"{self.code.name}: {self.message}"
+        return f"{self.name}: {self.message}"
+
+    @classmethod
+    def from_message(cls, error: pb.Error) -> IopError:
+        """The error a peer sent."""
+        return cls(error.code, error.message, retryable=error.retryable, run_id=error.run_id)
 
 
 class FrameError(IopError):
-    """A frame's length prefix is 0 or over the maximum; the stream cannot be resynchronised."""
+    """A frame cannot be read (length 0 or over the maximum, or its body did not arrive in time)."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(ErrorCode.FRAME_TOO_LARGE, message, retryable=False)
+    def __init__(self, message: str, code: Code = pb.ERROR_CODE_FRAME_TOO_LARGE) -> None:
+        super().__init__(code, message, retryable=False)
 
 
 class DecodeError(IopError):
     """A frame's body is not a valid envelope in the agreed codec."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(ErrorCode.MALFORMED_FRAME, message, retryable=False)
+        super().__init__(pb.ERROR_CODE_MALFORMED_FRAME, message, retryable=False)
 
 
 class HandshakeError(IopError):
@@ -73,5 +93,5 @@ class HandshakeError(IopError):
 class ConnectionClosed(IopError):
     """The connection closed; what ran on it may be retried elsewhere."""
 
-    def __init__(self, message: str, code: ErrorCode = ErrorCode.UNAVAILABLE) -> None:
+    def __init__(self, message: str, code: Code = pb.ERROR_CODE_UNAVAILABLE) -> None:
         super().__init__(code, message, retryable=True)

@@ -1,19 +1,27 @@
-"""Both ends of one run on a connection: the RunStream a caller reads, the EventSink a server writes."""
+"""Both ends of one run on a connection: the RunStream a caller reads, the EventSink a server writes.
+
+A run's events are numbered 0, 1, 2, ... by its EventSink with no gaps: a number is taken
+only by an event that was framed and queued. A delta too large for one frame is split into
+several deltas (embeddings and other lists by item, text by size); what cannot be split ends
+the run with an error at the next number. :func:`relay` forwards one run's events from a
+RunStream into another connection's EventSink without encoding them again.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Protocol
 
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_wire.errors import ConnectionClosed, IopError
+from iop_wire.codec import Codec
+from iop_wire.errors import ConnectionClosed, FrameError, IopError
 from iop_wire.messages import error_message
 from iop_wire.tls import PeerIdentity
 
-__all__ = ["TERMINAL_EVENTS", "EventSink", "RunStream"]
+__all__ = ["TERMINAL_EVENTS", "EventSink", "RunStream", "relay"]
 
 #: The ``RunEvent.event`` cases after which a run's stream ends.
 TERMINAL_EVENTS = frozenset({"complete", "error"})
@@ -23,17 +31,25 @@ class _Sender(Protocol):
     """What an EventSink needs of its connection."""
 
     peer: PeerIdentity
+    id: str
     closed: bool
+    codec: Codec
 
-    async def send(self, envelope: pb.Envelope, *, urgent: bool = False) -> None: ...
+    def frame(self, envelope: pb.Envelope) -> bytearray: ...
 
-    def send_nowait(self, envelope: pb.Envelope) -> None: ...
+    def next_id(self) -> str: ...
+
+    async def send_frame(self, frame: bytes | bytearray, *, urgent: bool = False) -> None: ...
+
+    def send_frame_nowait(self, frame: bytes | bytearray, *, urgent: bool = False) -> None: ...
+
+    def frame_body(self, body: bytes) -> bytearray: ...
 
 
 class RunStream:
     """The events of one run this end opened, in order; ends after complete or error."""
 
-    def __init__(self, run_id: str, capacity: int, cancel: Callable[[str, str], Awaitable[None]]) -> None:
+    def __init__(self, run_id: str, capacity: int, cancel: Callable[[str, str], None]) -> None:
         self.run_id = run_id
         self._cancel = cancel
         self._capacity = capacity
@@ -41,7 +57,10 @@ class RunStream:
         self._readable = asyncio.Event()
         self._writable = asyncio.Event()
         self._writable.set()
-        self._finished = False
+        self.finished = False
+        """True once the terminal event was read."""
+        self.ended = False
+        """True once the terminal event arrived (it may not have been read yet)."""
         self.cancelled = False
         """True once its reader asked to stop: only the terminal event is still delivered."""
 
@@ -52,28 +71,38 @@ class RunStream:
         return (await self.next_frame())[0]
 
     async def next_frame(self) -> tuple[pb.RunEvent, bytes]:
-        """The next event with its frame body as received, for relays that forward it as is."""
+        """The next event with its frame body as received, for relays that forward it as is.
+
+        The body is empty for an event made on this side (the connection closed).
+        """
         while not self._events:
-            if self._finished:
+            if self.finished:
                 raise StopAsyncIteration
             self._readable.clear()
             await self._readable.wait()
         item = self._events.popleft()
         self._writable.set()
         if item[0].WhichOneof("event") in TERMINAL_EVENTS:
-            self._finished = True
+            self.finished = True
         return item
 
     async def cancel(self, reason: str = "cancelled by client") -> None:
-        """Ask the serving end to stop this run; its terminal event still arrives, nothing else.
+        """Ask the serving end to stop this run; its terminal event still arrives, nothing else."""
+        self.cancel_nowait(reason)
+        await asyncio.sleep(0)
+
+    def cancel_nowait(self, reason: str = "cancelled by client") -> None:
+        """:meth:`cancel` without waiting: usable while a task is being cancelled.
 
         A caller that walks away after cancelling holds up nothing: output still buffered is
         dropped and more is not kept.
         """
+        if self.cancelled or self.ended:
+            return
         self.cancelled = True
         self._events = deque(item for item in self._events if item[0].WhichOneof("event") in TERMINAL_EVENTS)
         self._writable.set()
-        await self._cancel(self.run_id, reason)
+        self._cancel(self.run_id, reason)
 
     @property
     def full(self) -> bool:
@@ -89,37 +118,66 @@ class RunStream:
 
     def end(self, event: pb.RunEvent, body: bytes) -> None:
         """Deliver the terminal event; it may exceed the capacity by this one event."""
+        if self.ended:
+            return
+        self.ended = True
         self._events.append((event, body))
         self._readable.set()
 
     def fail(self, error: IopError) -> None:
         """End the stream with ``error``."""
+        error.run_id = error.run_id or self.run_id
         self.end(pb.RunEvent(error=error_message(error)), b"")
 
 
 class EventSink:
     """Writes one served run's events: start, deltas, then one complete or error.
 
-    Adapters call these methods and never build messages; they encode straight to frames
-    with upb. After the terminal event, or once the connection is gone, calls do nothing.
+    Adapters call these methods and never build envelopes; events are encoded straight to
+    frames with upb. After the terminal event, or once the connection is gone, calls do nothing.
     """
 
-    __slots__ = ("_connection", "_sequence", "_start", "cancel_reason", "finished", "run_id")
+    __slots__ = (
+        "_connection",
+        "_relay_suffix",
+        "_sequence",
+        "_start",
+        "cancel_reason",
+        "finished",
+        "outputs",
+        "run_id",
+        "started",
+    )
 
     def __init__(self, connection: _Sender, run_id: str) -> None:
         self._connection = connection
         self._sequence = 0
         self._start: pb.RunStart | None = None
+        self._relay_suffix: bytes | None = None
         self.run_id = run_id
         self.finished = False
         """True once complete or error was sent."""
+        self.started = False
+        """True once a start event was sent."""
+        self.outputs = 0
+        """Delta events sent so far."""
         self.cancel_reason = ""
         """Why the run was cancelled, when it was."""
 
     @property
     def peer(self) -> PeerIdentity:
-        """Who asked for the run."""
+        """Who asked for the run (from its certificate)."""
         return self._connection.peer
+
+    @property
+    def connection_id(self) -> str:
+        """The connection the run arrived on: run ids are scoped to it."""
+        return self._connection.id
+
+    @property
+    def sequence(self) -> int:
+        """The number the next event will carry."""
+        return self._sequence
 
     async def start(self, *, node_id: str, model: str, adapter: str) -> None:
         """The run has been admitted and started.
@@ -133,30 +191,22 @@ class EventSink:
 
     def _send_start(self, *, closing: bool = False) -> None:
         start, self._start = self._start, None
-        if start is None or self.finished or (self._connection.closed and not closing):
+        if start is None or self.finished or self.started or (self._connection.closed and not closing):
             return
-        envelope = self._numbered(pb.Envelope(run_id=self.run_id, run_event=pb.RunEvent(start=start)))
         with contextlib.suppress(ConnectionClosed):  # the connection's close ends the run
-            self._connection.send_nowait(envelope)
+            self._connection.send_frame_nowait(self._framed(self._envelope(pb.RunEvent(start=start))))
+            self.started = True
 
-    async def delta(
-        self,
-        text: str = "",
-        *,
-        tool_calls: list[pb.ToolCallDelta] | None = None,
-        logprobs: list[pb.TokenLogprob] | None = None,
-        embeddings: list[pb.Embedding] | None = None,
-    ) -> None:
-        """New output: text and/or tool-call fragments, logprobs, embeddings."""
+    async def delta(self, text: str) -> None:
+        """New text: the per-token fast path."""
         envelope = pb.Envelope(run_id=self.run_id)  # filled in place: no nested message copied
-        delta = envelope.run_event.delta
-        delta.text = text
-        if tool_calls:
-            delta.tool_calls.extend(tool_calls)
-        if logprobs:
-            delta.logprobs.extend(logprobs)
-        if embeddings:
-            delta.embeddings.extend(embeddings)
+        envelope.run_event.delta.text = text
+        await self._send(envelope)
+
+    async def output(self, delta: pb.RunDelta) -> None:
+        """New output of any kind: text, tool-call fragments, logprobs, embeddings."""
+        envelope = pb.Envelope(run_id=self.run_id)
+        envelope.run_event.delta.CopyFrom(delta)
         await self._send(envelope)
 
     async def complete(
@@ -167,23 +217,11 @@ class EventSink:
     ) -> None:
         """The run finished normally."""
         complete = pb.RunComplete(finish_reason=finish_reason, usage=usage, timings=timings)
-        await self._send(pb.Envelope(run_id=self.run_id, run_event=pb.RunEvent(complete=complete)), terminal=True)
+        await self._send(self._envelope(pb.RunEvent(complete=complete)), terminal=True)
 
     async def error(self, error: IopError) -> None:
         """The run failed (or was cancelled) with ``error``."""
         await self._send(self._error_envelope(error), terminal=True)
-
-    async def _send(self, envelope: pb.Envelope, *, terminal: bool = False) -> None:
-        if self.finished or self._connection.closed:
-            return
-        if self._start is not None:
-            self._send_start()
-        self._numbered(envelope)
-        self.finished = terminal
-        # The first output and the end are waited for: they skip the turn's batching. start is
-        # not: it goes out while the adapter waits for its backend.
-        urgent = terminal or envelope.run_event.sequence == 1
-        await self._connection.send(envelope, urgent=urgent)
 
     def fail_now(self, error: IopError) -> None:
         """Queue a terminal error without waiting (used while the connection closes)."""
@@ -192,14 +230,172 @@ class EventSink:
         if self._start is not None:
             self._send_start(closing=True)
         self.finished = True
-        self._connection.send_nowait(self._numbered(self._error_envelope(error)))
+        self._connection.send_frame_nowait(self._framed(self._error_envelope(error)))
+
+    async def forward(self, event: pb.RunEvent, body: bytes) -> None:
+        """Relay an event another connection delivered (``body`` as received, or b"").
+
+        The event is renumbered into this run's sequence; a second ``start`` (a retry on
+        another server) is dropped. Where both connections use the proto codec the received
+        bytes are sent as they are, with the new envelope id, run id and sequence appended
+        (protobuf's last-field-wins and message merging): nothing is decoded or encoded again.
+        """
+        kind = event.WhichOneof("event")
+        if self.finished or self._connection.closed or (kind == "start" and self.started):
+            return
+        if self._start is not None:
+            self._send_start()
+        if body and self._connection.codec.name == "proto":
+            frame = self._forwarded(body, error=kind == "error")
+        else:  # another codec on either side: re-encode the decoded event
+            envelope = self._envelope(event)
+            if kind == "error":
+                envelope.run_event.error.run_id = self.run_id
+            frame = self._framed(envelope, numbered=False)
+            self._sequence += 1
+        terminal = kind in TERMINAL_EVENTS
+        self.finished = terminal
+        self.started = True
+        if kind == "delta":
+            self.outputs += 1
+        await self._connection.send_frame(frame, urgent=terminal or (self.outputs == 1 and kind == "delta"))
+
+    # -- numbering and framing ----------------------------------------------------------------
+
+    async def _send(self, envelope: pb.Envelope, *, terminal: bool = False) -> None:
+        if self.finished or self._connection.closed:
+            return
+        if self._start is not None:
+            self._send_start()
+        try:
+            frame = self._framed(envelope)
+        except FrameError:
+            if terminal or not envelope.run_event.HasField("delta"):
+                raise  # a complete or error too large: only a bug or a huge message gets here
+            await self._send_split(envelope.run_event.delta)
+            return
+        self.finished = terminal
+        if not terminal:
+            self.outputs += 1
+        # The first output and the end are waited for: they skip the turn's batching. start is
+        # not: it goes out while the adapter waits for its backend.
+        await self._connection.send_frame(frame, urgent=terminal or self.outputs == 1)
+
+    async def _send_split(self, delta: pb.RunDelta) -> None:
+        """Send a delta too large for one frame as several, each as large as fits."""
+        for part in _halves(delta):
+            envelope = pb.Envelope(run_id=self.run_id)
+            envelope.run_event.delta.CopyFrom(part)
+            try:
+                frame = self._framed(envelope)
+            except FrameError:
+                if _halves(part) == [part]:
+                    raise IopError(
+                        pb.ERROR_CODE_FRAME_TOO_LARGE,
+                        f"an output of {part.ByteSize()} bytes cannot be split to fit a frame",
+                    ) from None
+                await self._send_split(part)
+                continue
+            self.outputs += 1
+            await self._connection.send_frame(frame, urgent=self.outputs == 1)
+
+    def _framed(self, envelope: pb.Envelope, *, numbered: bool = True) -> bytearray:
+        """``envelope`` numbered next in this run and framed; the number is taken only if it fits."""
+        envelope.run_event.sequence = self._sequence
+        frame = self._connection.frame(envelope)
+        if numbered:
+            self._sequence += 1
+        return frame
+
+    def _forwarded(self, body: bytes, *, error: bool) -> bytearray:
+        if self._relay_suffix is None:
+            self._relay_suffix = _string_field(2, self.run_id.encode())
+        event = _varint_field(1, self._sequence)
+        if error:  # the inner Error names the run too
+            event += _bytes_field(13, _string_field(4, self.run_id.encode()))
+        suffix = _string_field(1, self._connection.next_id().encode()) + self._relay_suffix
+        suffix += _bytes_field(11, event)
+        self._sequence += 1
+        return self._connection.frame_body(body + suffix)
+
+    def _envelope(self, event: pb.RunEvent) -> pb.Envelope:
+        return pb.Envelope(run_id=self.run_id, run_event=event)
 
     def _error_envelope(self, error: IopError) -> pb.Envelope:
         error.run_id = self.run_id
-        return pb.Envelope(run_id=self.run_id, run_event=pb.RunEvent(error=error_message(error)))
+        return self._envelope(pb.RunEvent(error=error_message(error)))
 
-    def _numbered(self, envelope: pb.Envelope) -> pb.Envelope:
-        """``envelope`` with its event numbered next in this run."""
-        envelope.run_event.sequence = self._sequence
-        self._sequence += 1
-        return envelope
+
+def _halves(delta: pb.RunDelta) -> list[pb.RunDelta]:
+    """``delta`` in two or more smaller deltas, or ``[delta]`` when it cannot be split."""
+    kinds = [field for field, _ in delta.ListFields()]
+    if len(kinds) > 1:  # one delta per kind of content first
+        parts = []
+        for field in kinds:
+            part = pb.RunDelta()
+            if field.name == "text":
+                part.text = delta.text
+            else:
+                getattr(part, field.name).extend(getattr(delta, field.name))
+            parts.append(part)
+        return parts
+    if not kinds:
+        return [delta]
+    name = kinds[0].name
+    if name == "text":
+        if len(delta.text) < 2:
+            return [delta]
+        middle = len(delta.text) // 2
+        return [pb.RunDelta(text=delta.text[:middle]), pb.RunDelta(text=delta.text[middle:])]
+    items = getattr(delta, name)
+    if len(items) < 2:
+        return [delta]
+    first, second = pb.RunDelta(), pb.RunDelta()
+    middle = len(items) // 2
+    getattr(first, name).extend(items[:middle])
+    getattr(second, name).extend(items[middle:])
+    return [first, second]
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _varint_field(number: int, value: int) -> bytes:
+    return _varint(number << 3) + _varint(value)
+
+
+def _bytes_field(number: int, value: bytes) -> bytes:
+    return _varint(number << 3 | 2) + _varint(len(value)) + value
+
+
+_string_field = _bytes_field
+
+
+async def relay(stream: RunStream, sink: EventSink) -> tuple[pb.RunEvent, bytes]:
+    """Forward ``stream``'s events into ``sink`` until its terminal event, returned unforwarded.
+
+    The caller decides what the terminal event means: forward it (``sink.forward``), or try
+    the run elsewhere when it failed before any output (``sink.outputs == 0``). If the task
+    is cancelled (the requester cancelled or went away), the run is cancelled upstream too.
+    """
+    try:
+        while True:
+            try:
+                event, body = await stream.next_frame()
+            except StopAsyncIteration:
+                raise IopError(pb.ERROR_CODE_INTERNAL, f"run {stream.run_id} was already read to its end") from None
+            if event.WhichOneof("event") in TERMINAL_EVENTS:
+                return event, body
+            await sink.forward(event, body)
+    except asyncio.CancelledError:
+        stream.cancel_nowait(sink.cancel_reason or "cancelled by the requester")
+        raise

@@ -13,7 +13,17 @@ from enum import StrEnum
 from pathlib import Path
 from typing import cast
 
-__all__ = ["PeerIdentity", "Role", "TlsConfig", "client_context", "peer_identity", "server_context"]
+__all__ = [
+    "ANONYMOUS",
+    "TRUSTED_ROLES",
+    "PeerIdentity",
+    "Role",
+    "TlsConfig",
+    "acting_caller",
+    "client_context",
+    "peer_identity",
+    "server_context",
+]
 
 
 class Role(StrEnum):
@@ -58,6 +68,21 @@ class PeerIdentity:
 
 
 ANONYMOUS = PeerIdentity(name="", role=None)
+
+TRUSTED_ROLES = frozenset({Role.CONTROL_PLANE, Role.EDGE, Role.WORKER})
+"""Roles that act for others: only their requests may name a caller other than themselves."""
+
+
+def acting_caller(peer: PeerIdentity, named: str) -> str:
+    """Who a request is attributed to: the ``named`` caller from a trusted role, else the peer itself.
+
+    Identity comes from the certificate; a request field is only honoured from a peer whose
+    role is to act for others (an edge for its API keys, a worker for its jobs, a control-plane
+    for its requesters). Record it next to ``peer.name``, which says who vouched for it.
+    """
+    if named and peer.role in TRUSTED_ROLES:
+        return named
+    return peer.name
 
 
 def _context(purpose: ssl.Purpose, config: TlsConfig) -> ssl.SSLContext:

@@ -8,16 +8,15 @@ import socket
 import pytest
 from conftest import EchoHandler, Pki, assert_eventually
 
-from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.connection import ConnectionConfig, EventSink
 from iop_wire.endpoint import Listener, ListenerConfig, dial, open_stream
-from iop_wire.errors import ErrorCode, IopError
+from iop_wire.errors import IopError
 from iop_wire.tls import Role, TlsConfig
 
 
-def _request(run_id: str, model: str = "m", tokens: int = 3) -> bp.RunRequest:
-    return bp.RunRequest(run_id=run_id, model=model, sampling=bp.Sampling(max_tokens=tokens))
+def _request(run_id: str, model: str = "m", tokens: int = 3) -> pb.RunRequest:
+    return pb.RunRequest(run_id=run_id, model=model, sampling=pb.Sampling(max_tokens=tokens))
 
 
 @pytest.mark.parametrize("codec", ["proto", "json"])
@@ -83,7 +82,7 @@ async def test_duplicate_run_id_is_a_protocol_violation(server: Listener, edge_t
     await anext(first)
     with pytest.raises(IopError) as caught:  # the answer goes to the duplicate request ...
         await connection.request(pb.Envelope(run_id="same", run_request=pb.RunRequest(run_id="same", model="m")))
-    assert caught.value.code == ErrorCode.PROTOCOL_VIOLATION and "already running" in caught.value.message
+    assert caught.value.code == pb.ERROR_CODE_PROTOCOL_VIOLATION and "already running" in caught.value.message
     await first.cancel("done")  # ... and the live run with that id goes on until it is cancelled
     last = await anext(first)
     assert last.error.code == pb.ERROR_CODE_CANCELLED
@@ -117,7 +116,7 @@ async def test_graceful_close_fails_in_flight_runs_retryably_on_both_ends(
 async def test_local_close_ends_own_streams_with_retryable_error(
     pki: Pki, handler: EchoHandler, edge_tls: TlsConfig
 ) -> None:
-    listener = await Listener(ListenerConfig(tls=pki.config("n", Role.NODE)), lambda peer: handler).start()
+    listener = await Listener(ListenerConfig(tls=pki.config("n", Role.NODE)), handler.wire()).start()
     connection = await dial("127.0.0.1", listener.port, tls=edge_tls, server_hostname="localhost")
     stream = await connection.open_run(_request("mine", model="hang"))
     await anext(stream)
@@ -168,7 +167,7 @@ async def test_slow_reader_bounds_the_writer(pki: Pki, edge_tls: TlsConfig, yiel
     handler = _YieldingHandler() if yields else EchoHandler()
     small = ConnectionConfig(run_buffer=8, write_buffer=16 * 1024)
     listener = await Listener(
-        ListenerConfig(tls=pki.config("n", Role.NODE), connection=small), lambda p: handler
+        ListenerConfig(tls=pki.config("n", Role.NODE), connection=small), handler.wire()
     ).start()
     connection = await dial("127.0.0.1", listener.port, tls=edge_tls, server_hostname="localhost", config=small)
     # Small kernel buffers, so that what the kernel holds does not hide our own buffering.
@@ -198,7 +197,7 @@ async def test_role_not_allowed_is_refused_with_error(server: Listener, pki: Pki
     worker = pki.config("w", Role.WORKER)
     with pytest.raises(IopError) as caught:
         await dial("127.0.0.1", server.port, tls=worker, server_hostname="localhost")
-    assert caught.value.code == ErrorCode.PERMISSION_DENIED and "worker" in caught.value.message
+    assert caught.value.code == pb.ERROR_CODE_PERMISSION_DENIED and "worker" in caught.value.message
 
 
 async def test_cancelled_stream_abandoned_by_its_reader_blocks_nothing(server: Listener, edge_tls: TlsConfig) -> None:
@@ -216,7 +215,7 @@ async def test_cancelled_stream_abandoned_by_its_reader_blocks_nothing(server: L
 
 async def test_a_full_stream_still_ends_when_the_connection_closes(pki: Pki, edge_tls: TlsConfig) -> None:
     handler = EchoHandler()
-    listener = await Listener(ListenerConfig(tls=pki.config("n", Role.NODE)), lambda p: handler).start()
+    listener = await Listener(ListenerConfig(tls=pki.config("n", Role.NODE)), handler.wire()).start()
     config = ConnectionConfig(run_buffer=2)
     connection = await dial("127.0.0.1", listener.port, tls=edge_tls, server_hostname="localhost", config=config)
     stream = await connection.open_run(_request("slow-reader", tokens=200_000))
@@ -227,12 +226,12 @@ async def test_a_full_stream_still_ends_when_the_connection_closes(pki: Pki, edg
 
 
 class _BrokenCapabilities(EchoHandler):
-    async def capabilities(self) -> bp.CapabilityResponse:
+    async def capabilities(self) -> pb.CapabilityResponse:
         raise TypeError("'NoneType' object is not iterable")
 
 
 class _SlowCapabilities(EchoHandler):
-    async def capabilities(self) -> bp.CapabilityResponse:
+    async def capabilities(self) -> pb.CapabilityResponse:
         await asyncio.sleep(1.0)
         return await super().capabilities()
 
@@ -241,12 +240,12 @@ async def test_capability_failures_and_slowness_do_not_harm_the_connection(pki: 
     fast = ConnectionConfig(heartbeat_interval=0.2)
     for handler in (_BrokenCapabilities(), _SlowCapabilities()):
         config = ListenerConfig(tls=pki.config("n", Role.NODE), connection=fast)
-        listener = await Listener(config, lambda p, h=handler: h).start()  # type: ignore[misc]
+        listener = await Listener(config, handler.wire()).start()
         connection = await dial("127.0.0.1", listener.port, tls=edge_tls, server_hostname="localhost", config=fast)
         if isinstance(handler, _BrokenCapabilities):
             with pytest.raises(IopError) as caught:
                 await connection.capabilities()
-            assert caught.value.code == ErrorCode.INTERNAL
+            assert caught.value.code == pb.ERROR_CODE_INTERNAL
         else:  # a slow answer keeps the read loop free: runs go on, heartbeats too
             answer = asyncio.create_task(connection.capabilities())
             events = [e async for e in await connection.open_run(_request("meanwhile"))]
