@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from iop_gen.bp import iop as bp
+from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.certs import init_dir
 from iop_wire.endpoint import dial
 from iop_wire.tls import Role, TlsConfig
@@ -97,7 +97,7 @@ def up(state: Path, port: int = 7401) -> int:
     return 0
 
 
-async def _capabilities(port: int, certs: Path) -> bp.CapabilityResponse:
+async def _capabilities(port: int, certs: Path) -> pb.CapabilityResponse:
     """Ask the node what it serves, over mTLS as an admin: proof that it is up."""
     connection = await dial("127.0.0.1", port, tls=_tls(certs, Role.ADMIN), server_hostname="localhost")
     try:

@@ -7,7 +7,8 @@ import heapq
 import itertools
 from collections.abc import Callable
 
-from iop_wire.errors import ErrorCode, IopError
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire.errors import IopError
 
 __all__ = ["Admission"]
 
@@ -37,7 +38,7 @@ class Admission:
             return
         if len(self._waiting) >= self.queue_size:
             raise IopError(
-                ErrorCode.RESOURCE_EXHAUSTED,
+                pb.ERROR_CODE_RESOURCE_EXHAUSTED,
                 f"model {self.model!r} is at capacity ({self.capacity} running, {self.queue_size} queued)",
             )
         entry = (-priority, next(self._order), asyncio.get_running_loop().create_future())

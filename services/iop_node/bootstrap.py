@@ -20,10 +20,11 @@ from iop_node.ports import Adapter, RunStore
 from iop_node.router import Limits, Router
 from iop_node.settings import ConfigError, Settings, one_line
 from iop_node.store import SqliteRunStore
-from iop_node.transport import Registration
+from iop_node.transport import Registration, node_handler
 from iop_wire.connection import ConnectionConfig
-from iop_wire.endpoint import Listener, ListenerConfig
-from iop_wire.tls import PeerIdentity, Role
+from iop_wire.endpoint import Listener
+from iop_wire.metrics import expose
+from iop_wire.tls import Role
 
 __all__ = ["NodeApp", "build_adapters", "build_node"]
 
@@ -73,14 +74,8 @@ class NodeApp:
                 _log.warning("runs interrupted by an earlier stop", node_id=self.node.node_id, count=interrupted)
         settings = self.settings
         if settings.listen.enabled:
-            config = ListenerConfig(
-                host=settings.listen.host,
-                port=settings.listen.port,
-                tls=settings.tls.config(),
-                allowed_roles=_CLIENT_ROLES if settings.tls.enabled else None,
-                connection=self.connection_config,
-            )
-            self.listener = await Listener(config, self._handler).start()
+            config = settings.listen.config(settings.tls, self.connection_config, _CLIENT_ROLES)
+            self.listener = await Listener(config, node_handler(self.node)).start()
         if settings.control_plane.address:
             self.registration = Registration(
                 self.node, settings.control_plane, settings.tls.config(), self.connection_config
@@ -93,9 +88,6 @@ class NodeApp:
             self.metrics_port = self._metrics_server.server_port
         _log.info("node started", node_id=self.node.node_id, port=self.listener.port if self.listener else None)
         return self
-
-    def _handler(self, peer: PeerIdentity) -> Node:
-        return self.node
 
     async def stop(self, grace: float | None = None) -> None:
         """Graceful stop: refuse new runs, let in-flight ones finish for ``grace`` s, cancel the rest."""
@@ -135,7 +127,9 @@ def build_node(
     metrics: NodeMetrics | None = None,
 ) -> NodeApp:
     """Wire a node from ``settings``; tests pass real or other parts through the same function."""
-    metrics = metrics or NodeMetrics()
+    if metrics is None:
+        metrics = NodeMetrics()
+        expose(metrics.registry)  # the wire's limits and connections, served with the node's metrics
     store = store or SqliteRunStore(settings.store_path, settings.node_id)
     router = Router(settings.routes, Limits(settings.max_prompt_chars, settings.max_tokens_limit))
     node = Node(
@@ -146,5 +140,7 @@ def build_node(
         metrics=metrics,
         version=version("iop"),
     )
-    config = ConnectionConfig(heartbeat_interval=settings.heartbeat_interval, max_frame_size=settings.max_frame_size)
+    config = settings.connection.config(
+        heartbeat_interval=settings.heartbeat_interval, max_frame_size=settings.max_frame_size
+    )
     return NodeApp(settings=settings, node=node, store=store, metrics=metrics, connection_config=config)

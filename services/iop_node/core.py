@@ -15,20 +15,20 @@ from typing import Any
 
 import structlog
 
-from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.admission import Admission
 from iop_node.domain import ExecutionSpec, RunRecord, RunStatus
 from iop_node.metrics import ModelMetrics, NodeMetrics
 from iop_node.ports import Adapter, RunStore
 from iop_node.router import Router
-from iop_wire.connection import Connection
-from iop_wire.errors import ErrorCode, IopError
+from iop_wire.errors import IopError, code_name
 from iop_wire.runs import EventSink as WireSink
+from iop_wire.tls import acting_caller
 
 __all__ = ["Node"]
 
 _log = structlog.get_logger("iop.node")
+_CANCELLED = code_name(pb.ERROR_CODE_CANCELLED)
 
 
 def _now() -> datetime.datetime:
@@ -48,14 +48,21 @@ class MeteredSink:
         self._chars = 0
         self.completed = False
 
-    async def delta(
-        self,
-        text: str = "",
-        *,
-        tool_calls: list[pb.ToolCallDelta] | None = None,
-        logprobs: list[pb.TokenLogprob] | None = None,
-        embeddings: list[pb.Embedding] | None = None,
-    ) -> None:
+    async def delta(self, text: str) -> None:
+        self._tick(len(text))
+        try:
+            await self._wire.delta(text)
+        except UnicodeEncodeError as exc:  # a lone surrogate, e.g. half an emoji from a JSON backend
+            raise IopError(
+                pb.ERROR_CODE_BACKEND_PROTOCOL_ERROR, f"the backend's text is not valid Unicode: {exc}"
+            ) from None
+
+    async def output(self, delta: pb.RunDelta) -> None:
+        self._tick(len(delta.text))
+        await self._wire.output(delta)
+
+    def _tick(self, chars: int) -> None:
+        """Time this output (first token, or since the last one) and count its characters."""
         now = time.monotonic()
         if self._last:
             self._metrics.inter_token.observe(now - self._last)
@@ -63,13 +70,7 @@ class MeteredSink:
             self._record.first_token_at = _now()
             self._metrics.time_to_first_token.observe(now - self._started)
         self._last = now
-        self._chars += len(text)
-        try:
-            await self._wire.delta(text, tool_calls=tool_calls, logprobs=logprobs, embeddings=embeddings)
-        except UnicodeEncodeError as exc:  # a lone surrogate, e.g. half an emoji from a JSON backend
-            raise IopError(
-                ErrorCode.BACKEND_PROTOCOL_ERROR, f"the backend's text is not valid Unicode: {exc}"
-            ) from None
+        self._chars += chars
 
     async def complete(
         self,
@@ -131,8 +132,6 @@ class Node:
         self.adapters = dict(adapters)
         self._version, self._labels = version, dict(labels or {})
         self._listeners: list[Callable[[], None]] = []
-        self.control_planes: set[Connection] = set()
-        """Connections to this node's control-plane: the only ones node.drain is taken from."""
         self._running: dict[asyncio.Task[Any], WireSink] = {}
         self._shutting_down: set[asyncio.Task[Any]] = set()
         self._adapter_of = {r.model: self.adapters[r.adapter] for r in router.routes}
@@ -151,7 +150,10 @@ class Node:
             node_id=self.node_id,
             model=request.model,
             status=RunStatus.RUNNING,
-            caller=request.caller.id or sink.peer.name,
+            # Identity is the certificate's; a named caller only from a role that acts for others.
+            caller=acting_caller(sink.peer, request.caller.id),
+            peer=sink.peer.name,
+            connection=sink.connection_id,
             received_at=_now(),
         )
         task = asyncio.current_task()
@@ -161,17 +163,18 @@ class Node:
             await self._run(request, sink, record)
             record.status = RunStatus.COMPLETED
         except asyncio.CancelledError:
-            self._finish(record, RunStatus.CANCELLED, "CANCELLED", sink.cancel_reason or "cancelled")
+            self._finish(record, RunStatus.CANCELLED, _CANCELLED, sink.cancel_reason or "cancelled")
             if task in self._shutting_down:  # ended by a drain: tell the client to go elsewhere
-                raise IopError(ErrorCode.SHUTTING_DOWN, sink.cancel_reason) from None
+                raise IopError(pb.ERROR_CODE_SHUTTING_DOWN, sink.cancel_reason) from None
             raise
         except IopError as exc:
-            self._finish(record, RunStatus.FAILED, exc.code.name, exc.message)
+            self._finish(record, RunStatus.FAILED, exc.name, exc.message)
             raise
         except Exception as exc:
             _log.exception("run failed unexpectedly", node_id=self.node_id, run_id=request.run_id)
-            self._finish(record, RunStatus.FAILED, ErrorCode.INTERNAL.name, f"internal error: {type(exc).__name__}")
-            raise IopError(ErrorCode.INTERNAL, "internal error in the node") from exc
+            internal = IopError(pb.ERROR_CODE_INTERNAL, "internal error in the node")
+            self._finish(record, RunStatus.FAILED, internal.name, f"internal error: {type(exc).__name__}")
+            raise internal from exc
         finally:
             self._running.pop(task, None)
             self._shutting_down.discard(task)
@@ -187,7 +190,7 @@ class Node:
     async def _run(self, request: pb.RunRequest, sink: WireSink, record: RunRecord) -> None:
         try:
             if self.draining:
-                raise IopError(ErrorCode.SHUTTING_DOWN, f"node {self.node_id} is draining; send the run elsewhere")
+                raise IopError(pb.ERROR_CODE_SHUTTING_DOWN, f"node {self.node_id} is draining; send the run elsewhere")
             spec = self._router.resolve(request)
         finally:
             await self._store.record_start(record)
@@ -197,27 +200,25 @@ class Node:
         if spec.deadline is not None:
             seconds = (spec.deadline - _now()).total_seconds()
             if seconds <= 0:
-                raise IopError(ErrorCode.DEADLINE_EXCEEDED, "the run's deadline passed before it started")
+                raise IopError(pb.ERROR_CODE_DEADLINE_EXCEEDED, "the run's deadline passed before it started")
         try:
             async with asyncio.timeout(seconds) as scope:  # None: no limit
-                await self._execute(spec, adapter, request.priority, sink, record)
+                await self._execute(spec, adapter, sink, record)
         except TimeoutError:
             if not scope.expired():
                 raise  # a timeout of the adapter's own
-            raise IopError(ErrorCode.DEADLINE_EXCEEDED, "the run's deadline passed") from None
+            raise IopError(pb.ERROR_CODE_DEADLINE_EXCEEDED, "the run's deadline passed") from None
 
-    async def _execute(
-        self, spec: ExecutionSpec, adapter: Adapter, priority: int, sink: WireSink, record: RunRecord
-    ) -> None:
-        admission = self.admissions[spec.model]
-        await admission.acquire(priority)
+    async def _execute(self, spec: ExecutionSpec, adapter: Adapter, sink: WireSink, record: RunRecord) -> None:
+        admission = self.admissions[spec.request.model]
+        await admission.acquire(spec.request.priority)
         try:
             record.started_at = _now()
             await sink.start(node_id=self.node_id, model=spec.target_model, adapter=spec.adapter)
-            metered = MeteredSink(sink, spec, record, self._metrics.model(spec.model))
+            metered = MeteredSink(sink, spec, record, self._metrics.model(spec.request.model))
             await adapter.execute(spec, metered)
             if not metered.completed:
-                raise IopError(ErrorCode.INTERNAL, f"adapter {spec.adapter} ended without completing the run")
+                raise IopError(pb.ERROR_CODE_INTERNAL, f"adapter {spec.adapter} ended without completing the run")
         finally:
             admission.release()
 
@@ -226,34 +227,21 @@ class Node:
         if status is RunStatus.FAILED and record.adapter:
             self._metrics.adapter_errors.labels(record.adapter, code).inc()
 
-    async def capabilities(self) -> bp.CapabilityResponse:
+    async def capabilities(self) -> pb.CapabilityResponse:
         """What this node serves now."""
-        adapters = []
+        response = pb.CapabilityResponse(
+            node_id=self.node_id,
+            version=self._version,
+            max_concurrency=sum(a.capacity for a in self.admissions.values()),
+            labels=self._labels,
+        )
         for name, adapter in self.adapters.items():
             models = await adapter.capabilities()
             for model in models:
                 admission = self.admissions.get(model.name)
                 model.max_concurrency = admission.capacity if admission else 0
-            adapters.append(bp.AdapterInfo(name=name, models=models))
-        return bp.CapabilityResponse(
-            node_id=self.node_id,
-            version=self._version,
-            adapters=adapters,
-            max_concurrency=sum(a.capacity for a in self.admissions.values()),
-            labels=self._labels,
-        )
-
-    async def message(self, connection: Connection, envelope: pb.Envelope) -> None:
-        """node.drain, from this node's control-plane connection only; nothing else is for a node."""
-        drain = envelope.node_drain
-        if envelope.WhichOneof("body") != "node_drain":
-            raise IopError(ErrorCode.UNKNOWN_MESSAGE_TYPE, f"a node does not take {envelope.WhichOneof('body')}")
-        if connection not in self.control_planes:
-            raise IopError(ErrorCode.PERMISSION_DENIED, "node.drain is taken only from this node's control-plane")
-        if drain.node_id and drain.node_id != self.node_id:
-            raise IopError(ErrorCode.INVALID_ARGUMENT, f"node.drain for {drain.node_id!r} reached {self.node_id!r}")
-        _log.info("drain requested", node_id=self.node_id, reason=drain.reason)
-        self.drain(drain.grace.ToTimedelta().total_seconds() if drain.HasField("grace") else None)
+            response.adapters.add(name=name, models=models)
+        return response
 
     def drain(self, grace: float | None = None) -> None:
         """Stop taking runs; after ``grace`` seconds, end the runs still going retryably."""
@@ -272,10 +260,10 @@ class Node:
 
     # -- load --------------------------------------------------------------------------------
 
-    def status(self) -> bp.NodeStatus:
+    def status(self) -> pb.NodeStatus:
         """The node's load now."""
         models = [
-            bp.ModelLoad(
+            pb.ModelLoad(
                 model=a.model,
                 in_flight=a.in_flight,
                 queued=a.queued,
@@ -284,7 +272,7 @@ class Node:
             )
             for a in self.admissions.values()
         ]
-        return bp.NodeStatus(
+        return pb.NodeStatus(
             node_id=self.node_id,
             models=models,
             in_flight=sum(m.in_flight for m in models),

@@ -5,12 +5,14 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeAlias
 
-from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
 
-__all__ = ["ROLE_NAMES", "ExecutionSpec", "RunRecord", "RunStatus", "SamplingSpec"]
+__all__ = ["ROLE_NAMES", "ExecutionSpec", "RunKind", "RunRecord", "RunStatus"]
+
+RunKind: TypeAlias = pb.RunKind.ValueType
+"""A ``RunKind`` value (``pb.RUN_KIND_CHAT``, ...)."""
 
 
 class RunStatus(StrEnum):
@@ -24,53 +26,34 @@ class RunStatus(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingSpec:
-    """Sampling after the route's defaults were applied; None means the backend's default."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    max_tokens: int | None = None
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class ExecutionSpec:
-    """Everything an adapter needs to execute one run, resolved by the router."""
+    """A checked request and what the router resolved for it: all an adapter needs to execute one run.
 
-    run_id: str
-    """The client's run id."""
-    model: str
-    """The model name the client asked for."""
+    Everything the client sent (run id, model, messages, prompt, stream, metadata) is read from
+    ``request``; the other fields hold only what the router decided.
+    """
+
+    request: pb.RunRequest
+    """The request as it arrived; adapters must not change it."""
     adapter: str
     """Name of the adapter that executes it."""
     target_model: str
-    """The backend's name for the model (route ``target``; defaults to ``model``)."""
-    kind: bp.RunKind
-    """Chat, completion or embedding."""
-    messages: tuple[pb.ChatMessage, ...]
-    """The conversation (chat runs), as the upb messages the request arrived in."""
-    prompt: tuple[str, ...]
-    """Prompt entries (completion and embedding runs)."""
-    sampling: SamplingSpec
-    """Sampling with route defaults applied."""
-    stream: bool
-    """Whether the client streams."""
+    """The backend's name for the model (route ``target``; defaults to ``request.model``)."""
+    kind: RunKind
+    """Chat, completion or embedding (an unset kind resolved to chat)."""
+    sampling: pb.Sampling
+    """The request's sampling over the route's defaults; an unset field means the backend's default."""
     openai_fields: dict[str, Any]
-    """OpenAI fields to pass through untouched."""
-    metadata: dict[str, str]
-    """The request's metadata."""
+    """The request's OpenAI fields, decoded once, to pass through untouched."""
     deadline: datetime.datetime | None = None
     """When the run must be finished, if the client set a deadline."""
 
     def prompt_text(self) -> str:
         """The input as one text: prompt entries, or the conversation as ``role: text`` lines."""
-        if self.prompt:
-            return "\n".join(self.prompt)
+        if self.request.prompt:
+            return "\n".join(self.request.prompt)
         lines = []
-        for message in self.messages:
+        for message in self.request.messages:
             text = "".join(part.text for part in message.content)
             lines.append(f"{ROLE_NAMES[message.role]}: {text}")
         return "\n".join(lines)
@@ -85,10 +68,16 @@ class RunRecord:
     """One row of the run history."""
 
     run_id: str
+    """The run id the client chose; unique only within its connection."""
     node_id: str
     model: str
     status: RunStatus
     caller: str = ""
+    """Who the run is attributed to: the peer itself, or a caller named by a peer trusted to act for others."""
+    peer: str = ""
+    """The certificate name of the peer that sent the request (it vouches for ``caller``)."""
+    connection: str = ""
+    """The connection the request arrived on: the scope of ``run_id``."""
     adapter: str = ""
     error_code: str = ""
     error_message: str = ""

@@ -24,7 +24,7 @@ _UTC = datetime.UTC
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _DURATION = re.compile(r"(\d+)([smhd])")
 _SINCE_FORMS = "an ISO 8601 time (2026-05-01T12:00:00, naive means UTC) or a duration like 30s, 10m, 2h, 7d"
-_HEADERS = ("RUN ID", "MODEL", "ADAPTER", "STATUS", "ERROR", "RECEIVED", "TTFT", "DURATION", "TOKENS")
+_HEADERS = ("RUN ID", "MODEL", "PEER", "ADAPTER", "STATUS", "ERROR", "RECEIVED", "TTFT", "DURATION", "TOKENS")
 _ERROR_WIDTH = 40
 _UNKNOWN = "-"
 
@@ -114,6 +114,7 @@ def _table_row(record: RunRecord) -> tuple[str, ...]:
     return (
         record.run_id,
         record.model,
+        record.peer or _UNKNOWN,
         record.adapter or _UNKNOWN,
         record.status.value,
         error or _UNKNOWN,

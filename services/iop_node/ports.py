@@ -6,7 +6,6 @@ import datetime
 from collections.abc import Sequence
 from typing import Protocol
 
-from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.domain import ExecutionSpec, RunRecord, RunStatus
 
@@ -16,25 +15,28 @@ __all__ = ["Adapter", "EventSink", "RunStore"]
 class EventSink(Protocol):
     """Where an adapter writes a run's output. The core has already sent ``start``.
 
-    An adapter calls ``delta`` for each piece of output, then ``complete`` once; or it raises
-    ``IopError`` (the core sends the error event). Usage it does not pass is counted on the node.
+    An adapter calls ``delta`` for each piece of text (the per-token fast path) or ``output``
+    for richer output (tool-call fragments, logprobs, embeddings, with or without text), then
+    ``complete`` once; or it raises ``IopError`` (the core sends the error event). Usage it
+    does not pass is counted on the node.
     """
 
-    async def delta(
-        self,
-        text: str = "",
-        *,
-        tool_calls: list[pb.ToolCallDelta] | None = None,
-        logprobs: list[pb.TokenLogprob] | None = None,
-        embeddings: list[pb.Embedding] | None = None,
-    ) -> None: ...
+    async def delta(self, text: str) -> None:
+        """New text."""
+        ...
+
+    async def output(self, delta: pb.RunDelta) -> None:
+        """New output of any kind."""
+        ...
 
     async def complete(
         self,
         finish_reason: pb.FinishReason.ValueType,
         usage: pb.Usage | None = None,
         timings: pb.Timings | None = None,
-    ) -> None: ...
+    ) -> None:
+        """The run finished; ``usage`` and ``timings`` where the backend reported them."""
+        ...
 
     def annotate(self, key: str, value: str) -> None:
         """Keep ``value`` in the run record (``stderr_tail``, or any other key in ``extra``)."""
@@ -46,7 +48,7 @@ class Adapter(Protocol):
 
     name: str
 
-    async def capabilities(self) -> list[bp.ModelInfo]:
+    async def capabilities(self) -> list[pb.ModelInfo]:
         """The models this adapter can serve now (``available`` false while its backend is down)."""
         ...
 

@@ -5,17 +5,15 @@ from __future__ import annotations
 import datetime
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from google.protobuf import json_format
 
-from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_node.domain import ExecutionSpec, SamplingSpec
+from iop_node.domain import ExecutionSpec, RunKind
 from iop_node.settings import RouteSettings
-from iop_wire.errors import ErrorCode, IopError
+from iop_wire.errors import IopError
 
-__all__ = ["Limits", "Router"]
+__all__ = ["Limits", "Router", "merge_sampling"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +31,9 @@ class Router:
 
     def __init__(self, routes: Iterable[RouteSettings], limits: Limits) -> None:
         self._routes = {route.model: route for route in routes}
-        self._defaults = {route.model: _defaults(route) for route in self._routes.values()}
+        self._defaults = {
+            route.model: pb.Sampling(**route.defaults.model_dump(exclude_none=True)) for route in self._routes.values()
+        }
         self._limits = limits
 
     @property
@@ -46,31 +46,29 @@ class Router:
         route = self._routes.get(request.model)
         if route is None:
             known = ", ".join(sorted(self._routes)) or "none"
-            raise IopError(ErrorCode.MODEL_NOT_FOUND, f"model {request.model!r} is not served here (models: {known})")
+            raise IopError(
+                pb.ERROR_CODE_MODEL_NOT_FOUND, f"model {request.model!r} is not served here (models: {known})"
+            )
         kind = _KINDS.get(request.kind)
         if kind is None:
             raise _invalid(f"unknown run kind {request.kind}")
         self._check(request, kind)
         return ExecutionSpec(
-            run_id=request.run_id,
-            model=request.model,
+            request=request,
             adapter=route.adapter,
             target_model=route.target or route.model,
             kind=kind,
-            messages=tuple(request.messages),
-            prompt=tuple(request.prompt),
-            sampling=_sampling(request.sampling, self._defaults[route.model]),
-            stream=request.stream,
+            sampling=merge_sampling(self._defaults[route.model], request.sampling),
             openai_fields=json_format.MessageToDict(request.openai_fields) if request.HasField("openai_fields") else {},
-            metadata=dict(request.metadata),
             deadline=request.deadline.ToDatetime(datetime.UTC) if request.HasField("deadline") else None,
         )
 
-    def _check(self, request: pb.RunRequest, kind: bp.RunKind) -> None:
-        if kind == bp.RunKind.CHAT and not request.messages:
+    def _check(self, request: pb.RunRequest, kind: RunKind) -> None:
+        if kind == pb.RUN_KIND_CHAT and not request.messages:
             raise _invalid("messages is empty: a chat run needs at least one message")
-        if kind != bp.RunKind.CHAT and not request.prompt:
-            raise _invalid(f"prompt is empty: a {kind.name.lower()} run needs a prompt")
+        if kind != pb.RUN_KIND_CHAT and not request.prompt:
+            name = pb.RunKind.Name(kind).removeprefix("RUN_KIND_").lower()
+            raise _invalid(f"prompt is empty: {name} runs need a prompt")
         size = sum(map(len, request.prompt))
         for message in request.messages:
             if message.role == pb.ROLE_UNSPECIFIED:
@@ -85,23 +83,22 @@ class Router:
             raise _invalid(f"prompt of {size} characters is over this node's limit of {self._limits.max_prompt_chars}")
 
 
-_KINDS = {int(kind): kind for kind in bp.RunKind} | {0: bp.RunKind.CHAT}  # unset means chat
+_KINDS: dict[int, RunKind] = {kind: kind for kind in pb.RunKind.values()}
+_KINDS[pb.RUN_KIND_UNSPECIFIED] = pb.RUN_KIND_CHAT  # unset means chat
 
 
 def _invalid(message: str) -> IopError:
-    return IopError(ErrorCode.INVALID_ARGUMENT, message)
+    return IopError(pb.ERROR_CODE_INVALID_ARGUMENT, message)
 
 
-def _sampling(given: pb.Sampling, defaults: dict[str, Any]) -> SamplingSpec:
-    """The request's sampling fields where it set them (a stop list if not empty), the route's defaults elsewhere."""
-    values = defaults.copy()
-    for field, value in given.ListFields():
-        values[field.name] = value
-    if "stop" in values:
-        values["stop"] = tuple(values["stop"])
-    return SamplingSpec(**values)
-
-
-def _defaults(route: RouteSettings) -> dict[str, Any]:
-    """The route's sampling defaults that are set."""
-    return {name: value for name, value in route.defaults.model_dump().items() if value is not None and value != []}
+def merge_sampling(defaults: pb.Sampling, given: pb.Sampling) -> pb.Sampling:
+    """``defaults`` with every field ``given`` sets replaced; a non-empty ``stop`` replaces the whole list."""
+    merged = pb.Sampling()
+    merged.CopyFrom(defaults)
+    for field, value in given.ListFields():  # set optionals (zeros too) and non-empty lists only
+        if field.name == "stop":
+            del merged.stop[:]
+            merged.stop.extend(value)
+        else:
+            setattr(merged, field.name, value)
+    return merged

@@ -9,61 +9,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from iop_wire.framing import DEFAULT_MAX_FRAME_SIZE
-from iop_wire.tls import TlsConfig
+from iop_wire.settings import ConfigError, ConnectionSettings, ListenSettings, TlsSettings, one_line
+from iop_wire.settings import Section as _Section
+from iop_wire.settings import load_settings as _load
 
-__all__ = ["ConfigError", "RouteSettings", "Settings", "load_settings"]
-
-
-class ConfigError(Exception):
-    """A configuration problem, as one line naming the key."""
+__all__ = ["ConfigError", "RouteSettings", "Settings", "load_settings", "one_line"]
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class NodeListenSettings(ListenSettings):
+    """Where the node serves clients directly (standalone mode); false ``enabled`` for registered-only."""
 
-
-class ListenSettings(_Section):
-    """Where the node serves clients directly (standalone mode)."""
-
-    host: str = "127.0.0.1"
-    """Address to bind."""
     port: int = Field(7401, ge=0, le=65535)
     """Port to bind; 0 picks a free one."""
-    enabled: bool = True
-    """Serve direct clients; false for a node that only takes runs from its control-plane."""
-
-
-class TlsSettings(_Section):
-    """The seed's ``tls`` keys."""
-
-    enabled: bool = False
-    """Use mTLS (required on any network but loopback)."""
-    cert: Path | None = None
-    """This node's certificate (role ``node``)."""
-    key: Path | None = None
-    """Its private key."""
-    ca: Path | None = None
-    """The CA that signs every peer."""
-
-    @model_validator(mode="after")
-    def _files_when_enabled(self) -> TlsSettings:
-        if self.enabled:
-            for name in ("cert", "key", "ca"):
-                path = getattr(self, name)
-                if path is None:
-                    raise ValueError(f"tls.{name} is required when tls.enabled is true")
-                if not path.is_file():
-                    raise ValueError(f"tls.{name}: no such file {path}")
-        return self
-
-    def config(self) -> TlsConfig:
-        """The wire's frozen form."""
-        return TlsConfig(enabled=self.enabled, cert=self.cert, key=self.key, ca=self.ca)
 
 
 class SamplingDefaults(_Section):
@@ -128,8 +89,10 @@ class Settings(BaseSettings):
 
     node_id: str = Field("node-1", min_length=1)
     """This node's id, unique in the cluster."""
-    listen: ListenSettings = ListenSettings()
+    listen: NodeListenSettings = NodeListenSettings()
     tls: TlsSettings = TlsSettings()
+    connection: ConnectionSettings = ConnectionSettings()
+    """Limits every connection gets (runs, requests, frame time, unread bytes, heartbeat clamp)."""
     control_plane: ControlPlaneSettings = ControlPlaneSettings()
     metrics: MetricsSettings = MetricsSettings()
     store_path: Path = Path(".iop/node-runs.db")
@@ -159,41 +122,6 @@ class Settings(BaseSettings):
         return self
 
 
-def one_line(error: ValidationError, prefix: str = "") -> str:
-    """The first error as ``key: message``, its key under ``prefix`` (e.g. "routes.0.options")."""
-    first = error.errors()[0]
-    key = ".".join((prefix, *(str(part) for part in first["loc"])) if prefix else (str(p) for p in first["loc"]))
-    message = first["msg"].removeprefix("Value error, ")
-    more = f" (and {error.error_count() - 1} more)" if error.error_count() > 1 else ""
-    return f"{key}: {message}{more}" if key else f"{message}{more}"
-
-
 def load_settings(path: Path | None) -> Settings:
     """Read ``path`` (YAML) with ``IOP_`` overrides; ConfigError on any bad value."""
-    data: Any = {}
-    if path is not None:
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except OSError as exc:
-            raise ConfigError(f"config file {path}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path}: the top level must be a mapping of keys")
-
-    class _FromFile(Settings):
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            return env_settings, InitSettingsSource(settings_cls, data)
-
-    try:
-        return _FromFile()
-    except ValidationError as exc:
-        raise ConfigError(one_line(exc)) from None
+    return _load(Settings, path)

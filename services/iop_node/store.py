@@ -6,8 +6,10 @@ queued, runs everything queued in one transaction and commits, so a burst of run
 commit. A row is read off its RunRecord when it is written, so a start written late already
 shows what the run did since. Readers flush first and so always see their own writes.
 
-The file holds unix epoch seconds; :class:`RunRecord` holds tz-aware UTC datetimes. The file
-may be shared by several nodes, hence the ``(node_id, caller, run_id)`` key.
+The file holds unix epoch seconds; :class:`RunRecord` holds tz-aware UTC datetimes. The key is
+``(node_id, connection, run_id)``: a client picks run ids for its own connection only, so no
+peer can reach another's row by reusing its id, and the file may be shared by several nodes.
+A version 1 file (keyed by the caller a request named) is rebuilt on open: see ``_MIGRATE_V1``.
 """
 
 from __future__ import annotations
@@ -31,39 +33,58 @@ __all__ = ["INTERRUPTED_MESSAGE", "SCHEMA_VERSION", "SqliteRunStore"]
 
 _log = structlog.get_logger("iop.node.store")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 INTERRUPTED_MESSAGE = "node stopped while the run was in progress"
 
 _COLUMNS = tuple(field.name for field in dataclasses.fields(RunRecord))  # the SELECT order
 _TIMES = ("received_at", "started_at", "first_token_at", "finished_at")
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS runs (
-    run_id TEXT NOT NULL, node_id TEXT NOT NULL, caller TEXT NOT NULL DEFAULT '', model TEXT NOT NULL,
+_TABLE = """
+CREATE TABLE {name} (
+    run_id TEXT NOT NULL, node_id TEXT NOT NULL,
+    connection TEXT NOT NULL DEFAULT '',  -- the connection the request came on: the scope of run_id
+    peer TEXT NOT NULL DEFAULT '',  -- the sender's certificate name
+    caller TEXT NOT NULL DEFAULT '', model TEXT NOT NULL,
     adapter TEXT NOT NULL DEFAULT '', status TEXT NOT NULL,
     error_code TEXT NOT NULL DEFAULT '', error_message TEXT NOT NULL DEFAULT '',
     received_at REAL, started_at REAL, first_token_at REAL, finished_at REAL,  -- unix seconds, NULL when unknown
     prompt_tokens INTEGER NOT NULL DEFAULT 0, completion_tokens INTEGER NOT NULL DEFAULT 0,
     finish_reason TEXT NOT NULL DEFAULT '', stderr_tail TEXT NOT NULL DEFAULT '',
-    extra TEXT NOT NULL DEFAULT '{}',  -- a JSON object of strings
-    -- run ids are unique per caller (runtime.proto), and a caller may reuse one on another node
-    PRIMARY KEY (node_id, caller, run_id)
-);
-CREATE INDEX IF NOT EXISTS runs_status ON runs (status);
-CREATE INDEX IF NOT EXISTS runs_model ON runs (model);
-CREATE INDEX IF NOT EXISTS runs_received_at ON runs (received_at);
-CREATE INDEX IF NOT EXISTS runs_run_id ON runs (run_id);
+    extra TEXT NOT NULL DEFAULT '{{}}',  -- a JSON object of strings
+    PRIMARY KEY (node_id, connection, run_id)
+)
 """
+_INDEXES = tuple(
+    f"CREATE INDEX IF NOT EXISTS runs_{column} ON runs ({column})"
+    for column in ("status", "model", "received_at", "run_id")
+)
+_CREATE = (_TABLE.format(name="runs"), *_INDEXES)
 
 # The SQL below names RunRecord's fields, never input, so S608 (SQL injection) does not apply.
+_V1_COLUMNS = ", ".join(name for name in _COLUMNS if name not in ("connection", "peer"))
+# A v1 row was keyed by (node_id, caller, run_id) and knew no peer: its caller is the best
+# account of who sent it. Its connection is unknown (''), unless two callers shared the run
+# id on one node: those rows keep apart under 'v1:<caller>'. rowid order is kept (get's tiebreak).
+_MIGRATE_V1 = (
+    _TABLE.format(name="runs_v2"),
+    f"INSERT INTO runs_v2 (connection, peer, {_V1_COLUMNS}) "  # noqa: S608
+    "SELECT CASE WHEN count(*) OVER (PARTITION BY node_id, run_id) > 1 THEN 'v1:' || caller ELSE '' END, "
+    f"caller, {_V1_COLUMNS} FROM runs ORDER BY rowid",
+    "DROP TABLE runs",  # and its indexes
+    "ALTER TABLE runs_v2 RENAME TO runs",
+    *_INDEXES,
+)
+
 _INSERT = (
     f"INSERT INTO runs ({', '.join(_COLUMNS)}) VALUES ({', '.join(':' + name for name in _COLUMNS)}) "  # noqa: S608
-    "ON CONFLICT (node_id, caller, run_id) DO UPDATE SET "
+    "ON CONFLICT (node_id, connection, run_id) DO UPDATE SET "
 )
+# Neither write touches another peer's row, should a connection id ever come round again.
+_SAME_PEER = " WHERE runs.peer = excluded.peer"
 # A repeated start refreshes a running row but never touches one that already has its outcome.
 _START = (
     _INSERT + "model = excluded.model, adapter = excluded.adapter, "
-    "received_at = excluded.received_at, started_at = excluded.started_at WHERE runs.status = 'running'"
+    "received_at = excluded.received_at, started_at = excluded.started_at" + _SAME_PEER + " AND runs.status = 'running'"
 )
 # An end inserts the whole row if its start was lost; otherwise it keeps times the end does not know.
 _END = _INSERT + (
@@ -73,7 +94,7 @@ _END = _INSERT + (
     "first_token_at = COALESCE(excluded.first_token_at, runs.first_token_at), "
     "finished_at = COALESCE(excluded.finished_at, runs.finished_at), "
     "prompt_tokens = excluded.prompt_tokens, completion_tokens = excluded.completion_tokens, "
-    "finish_reason = excluded.finish_reason, stderr_tail = excluded.stderr_tail, extra = excluded.extra"
+    "finish_reason = excluded.finish_reason, stderr_tail = excluded.stderr_tail, extra = excluded.extra" + _SAME_PEER
 )
 _MARK_INTERRUPTED = """
 UPDATE runs SET status = 'interrupted', error_message = :message, finished_at = :now
@@ -213,9 +234,14 @@ class SqliteRunStore:
     async def _commit(self, db: aiosqlite.Connection, writes: Sequence[_Write]) -> None:
         for write in writes:
             try:
-                await db.execute(write.sql, _params(write.record))
+                cursor = await db.execute(write.sql, _params(write.record))
             except Exception as exc:  # noqa: BLE001 - one bad row (or aiosqlite's "connection closed") must not stop the writer
                 _log.error("run_write_failed", node_id=self.node_id, run_id=write.record.run_id, error=str(exc))
+                continue
+            if write.sql is _END and not cursor.rowcount:  # only _SAME_PEER keeps an end from landing
+                _log.error(
+                    "run_write_refused", node_id=self.node_id, run_id=write.record.run_id, peer=write.record.peer
+                )
         try:
             await db.commit()
             self._commits += 1
@@ -244,16 +270,37 @@ class SqliteRunStore:
 
 
 async def _prepare(db: aiosqlite.Connection) -> None:
-    """Set WAL and the schema; a reader of a current file writes nothing."""
+    """Set WAL and the schema, migrating an older file; a reader of a current file writes nothing."""
     await db.execute("PRAGMA journal_mode=WAL")
     await db.execute("PRAGMA synchronous=NORMAL")
+    if await _version(db) == SCHEMA_VERSION:
+        return
+    # One transaction, taken before looking again: nodes sharing the file may open it together,
+    # and a failure midway leaves the file as it was.
+    await db.execute("BEGIN IMMEDIATE")
+    try:
+        version = await _version(db)
+        # A table below version 2 is version 1's (the only earlier one), even if its version was never written.
+        ((old,),) = await db.execute_fetchall("SELECT count(*) FROM sqlite_master WHERE name = 'runs'")
+        migrate = version < SCHEMA_VERSION and old
+        if version < SCHEMA_VERSION:
+            for statement in _MIGRATE_V1 if old else _CREATE:
+                await db.execute(statement)
+            await db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        await db.commit()
+    except BaseException:
+        await _rollback(db)
+        raise
+    if migrate:
+        _log.info("run_history_migrated", from_version=version, to_version=SCHEMA_VERSION)
+
+
+async def _version(db: aiosqlite.Connection) -> int:
+    """The file's schema version; RuntimeError if a newer node wrote it."""
     ((version,),) = await db.execute_fetchall("PRAGMA user_version")
     if version > SCHEMA_VERSION:
         raise RuntimeError(f"run history schema version {version} is newer than this node's {SCHEMA_VERSION}")
-    if version < SCHEMA_VERSION:
-        await db.executescript(_SCHEMA)
-        await db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-        await db.commit()
+    return int(version)
 
 
 async def _rollback(db: aiosqlite.Connection) -> None:

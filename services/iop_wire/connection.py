@@ -137,7 +137,7 @@ class Connection:
         self.peer = peer
         self.codec = codec
         self.config = config
-        self.id = secrets.token_hex(6)
+        self.id = secrets.token_hex(8)
         """Unique per connection (also across restarts): run ids are scoped to it."""
         self.closed = False
         self.close_error: IopError | None = None

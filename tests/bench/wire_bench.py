@@ -21,10 +21,11 @@ from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.certs import init_dir
 from iop_wire.codec import get_codec
-from iop_wire.connection import EventSink
+from iop_wire.connection import EventSink, Handler
 from iop_wire.endpoint import Listener, ListenerConfig, dial
 from iop_wire.framing import FrameDecoder, encode_frame
 from iop_wire.logs import configure
+from iop_wire.runs import relay
 from iop_wire.tls import TlsConfig
 
 TEXT = "hello"
@@ -87,38 +88,53 @@ def codec_rows() -> list[tuple[str, float]]:
     return rows
 
 
-class _Streamer:
-    """Streams ``max_tokens`` deltas per run as fast as the connection takes them."""
-
-    async def run(self, request: pb.RunRequest, sink: EventSink) -> None:
-        count = request.sampling.max_tokens
-        await sink.start(node_id="bench", model=request.model, adapter="bench")
-        for _ in range(count):
-            await sink.delta(TEXT)
-        await sink.complete(pb.FINISH_REASON_LENGTH)
-
-    async def capabilities(self) -> bp.CapabilityResponse:
-        return bp.CapabilityResponse(node_id="bench")
-
-    async def message(self, connection: object, envelope: pb.Envelope) -> None:
-        return None
+async def _stream_deltas(request: pb.RunRequest, sink: EventSink) -> None:
+    """Streams ``max_tokens`` deltas as fast as the connection takes them."""
+    await sink.start(node_id="bench", model=request.model, adapter="bench")
+    for _ in range(request.sampling.max_tokens):
+        await sink.delta(TEXT)
+    await sink.complete(pb.FINISH_REASON_LENGTH)
 
 
-async def _serve(certs: Path) -> None:
-    tls = TlsConfig(enabled=True, cert=certs / "node.crt", key=certs / "node.key", ca=certs / "ca.crt")
-    listener = await Listener(ListenerConfig(tls=tls), lambda peer: _Streamer()).start()
+def _tls(certs: Path, role: str) -> TlsConfig:
+    return TlsConfig(enabled=True, cert=certs / f"{role}.crt", key=certs / f"{role}.key", ca=certs / "ca.crt")
+
+
+async def _answer_cpu_queries(listener: Listener) -> None:
+    """Serve until stdin closes; each line read is answered with this process's CPU seconds."""
+    loop = asyncio.get_running_loop()
     print(listener.port, flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    while await loop.run_in_executor(None, sys.stdin.readline):
+        print(time.process_time(), flush=True)
     await listener.close()
 
 
+async def _serve(certs: Path) -> None:
+    listener = await Listener(ListenerConfig(tls=_tls(certs, "node")), Handler(run=_stream_deltas)).start()
+    await _answer_cpu_queries(listener)
+
+
+async def _serve_relay(certs: Path, upstream_port: int) -> None:
+    """A relay, as the control-plane will be: each run re-opened upstream and relayed back."""
+    upstream = await dial("127.0.0.1", upstream_port, tls=_tls(certs, "control-plane"), server_hostname="localhost")
+
+    async def forward(request: pb.RunRequest, sink: EventSink) -> None:
+        request.run_id = f"{sink.connection_id}.{request.run_id}"  # run ids are scoped per peer
+        terminal = await relay(await upstream.open_run(request), sink)
+        await sink.forward(*terminal)
+
+    config = ListenerConfig(tls=_tls(certs, "control-plane"))
+    listener = await Listener(config, Handler(run=forward)).start()
+    await _answer_cpu_queries(listener)
+    await upstream.close()
+
+
 async def _stream(port: int, certs: Path, codec: str, runs: int, tokens: int) -> float:
-    tls = TlsConfig(enabled=True, cert=certs / "edge.crt", key=certs / "edge.key", ca=certs / "ca.crt")
-    connection = await dial("127.0.0.1", port, tls=tls, codec=codec, server_hostname="localhost")
+    connection = await dial("127.0.0.1", port, tls=_tls(certs, "edge"), codec=codec, server_hostname="localhost")
 
     async def one(index: int) -> int:
         stream = await connection.open_run(
-            bp.RunRequest(run_id=f"r{index}", model="bench", sampling=bp.Sampling(max_tokens=tokens))
+            pb.RunRequest(run_id=f"r{index}", model="bench", sampling=pb.Sampling(max_tokens=tokens))
         )
         return len([event async for event in stream])
 
@@ -129,23 +145,49 @@ async def _stream(port: int, certs: Path, codec: str, runs: int, tokens: int) ->
     return sum(counts) / elapsed
 
 
-def stream_rows(total_events: int) -> list[tuple[str, float]]:
+class _Process:
+    """A benchmark server in its own process: its port, and its CPU time on request."""
+
+    def __init__(self, *args: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert self.process.stdout is not None and self.process.stdin is not None
+        self._in, self._out = self.process.stdin, self.process.stdout
+        self.port = int(self._out.readline())
+
+    def cpu(self) -> float:
+        self._in.write("cpu\n")
+        self._in.flush()
+        return float(self._out.readline())
+
+    def stop(self) -> None:
+        self.process.communicate("", timeout=10)
+
+
+def stream_rows(total_events: int) -> list[tuple[str, str]]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         certs = Path(tmp)
         init_dir(certs)
-        server = subprocess.Popen(
-            [sys.executable, __file__, "--serve", str(certs)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-        )
+        server = _Process("--serve", str(certs))
+        relayer = _Process("--relay", str(certs), "--upstream", str(server.port))
         try:
-            assert server.stdout is not None
-            port = int(server.stdout.readline())
             for codec in ("proto", "json"):
                 for runs in (1, 100):
-                    rate = asyncio.run(_stream(port, certs, codec, runs, total_events // runs))
-                    rows.append((f"events/s over one mTLS connection, {codec}, {runs} run(s)", rate))
+                    rate = asyncio.run(_stream(server.port, certs, codec, runs, total_events // runs))
+                    rows.append((f"events over one mTLS connection, {codec}, {runs} run(s)", f"{rate:,.0f}/s"))
+            for runs in (1, 100):
+                before = relayer.cpu()
+                start = time.perf_counter()
+                rate = asyncio.run(_stream(relayer.port, certs, "proto", runs, total_events // runs))
+                events = rate * (time.perf_counter() - start)
+                per_event = (relayer.cpu() - before) / events * 1e6
+                name = f"relayed events (client -> relay -> server, proto), {runs} run(s)"
+                rows.append((name, f"{rate:,.0f}/s, relay CPU {per_event:.2f} us/event"))
         finally:
-            server.communicate("", timeout=10)
+            relayer.stop()
+            server.stop()
     return rows
 
 
@@ -153,13 +195,18 @@ def main() -> None:
     configure("warning")
     parser = argparse.ArgumentParser()
     parser.add_argument("--serve", type=Path)
+    parser.add_argument("--relay", type=Path)
+    parser.add_argument("--upstream", type=int)
     parser.add_argument("--events", type=int, default=200_000)
     args = parser.parse_args()
     if args.serve:
         asyncio.run(_serve(args.serve))
         return
-    rows = codec_rows() + stream_rows(args.events)
-    print_table([(name, f"{rate:,.0f}") for name, rate in rows], unit="per second")
+    if args.relay:
+        asyncio.run(_serve_relay(args.relay, args.upstream))
+        return
+    rows = [(name, f"{rate:,.0f}/s") for name, rate in codec_rows()] + stream_rows(args.events)
+    print_table(rows, unit="result")
 
 
 if __name__ == "__main__":

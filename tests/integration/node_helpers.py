@@ -10,7 +10,6 @@ from typing import Any
 
 from conftest import Pki
 
-from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.bootstrap import NodeApp, build_node
 from iop_node.settings import Settings
@@ -59,12 +58,12 @@ async def client(app: NodeApp, pki: Pki, codec: str = "proto") -> Connection:
     )
 
 
-def chat(model: str = "mock-small", text: str = "hello there", **fields: Any) -> bp.RunRequest:
+def chat(model: str = "mock-small", text: str = "hello there", **fields: Any) -> pb.RunRequest:
     """A chat request with a fresh run id."""
-    return bp.RunRequest(
+    return pb.RunRequest(
         run_id=fields.pop("run_id", f"run-{next(_ids)}"),
         model=model,
-        messages=[bp.ChatMessage(role=bp.Role.USER, content=[bp.ContentPart(text=text)])],
+        messages=[pb.ChatMessage(role=pb.ROLE_USER, content=[pb.ContentPart(text=text)])],
         stream=True,
         **fields,
     )

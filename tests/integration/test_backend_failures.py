@@ -226,14 +226,11 @@ async def test_backend_not_running_then_coming_back(pki: Pki, tmp_path: Path) ->
 
 
 async def test_openai_fields_pass_through_and_tool_calls_logprobs_usage_come_back(node: NodeApp, pki: Pki) -> None:
-    from iop_gen.bp import iop as bp
-    from iop_gen.bp.google.protobuf import Struct
-
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
-    fields = Struct.from_dict(
+    request = chat(model="tools", sampling=pb.Sampling(temperature=0.2, seed=5, stop=["END"]))
+    request.openai_fields.update(
         {"tools": tools, "tool_choice": "auto", "logprobs": True, "top_logprobs": 1, "user": "u-1"}
     )
-    request = chat(model="tools", openai_fields=fields, sampling=bp.Sampling(temperature=0.2, seed=5, stop=["END"]))
     SEEN.clear()
     connection = await client(node, pki)
     events = await collect(await connection.open_run(request))
@@ -340,12 +337,12 @@ async def test_finished_streams_keep_their_backend_connection_alive(node: NodeAp
 
 async def test_a_closed_backend_fails_requests_without_starting_a_health_probe(scripted: int) -> None:
     from iop_node.adapters.http import Backend, HttpOptions
-    from iop_wire.errors import ErrorCode, IopError
+    from iop_wire.errors import IopError
 
     backend = Backend(HttpOptions(base_url=f"http://127.0.0.1:{scripted}"), health_path="/v1/models", name="vllm t")
     assert (await backend.get_json("/v1/models"))["data"][0]["id"] == "fine"
     await backend.aclose()
     with pytest.raises(IopError, match="the client is closed") as caught:
         await backend.get_json("/v1/models")
-    assert caught.value.code == ErrorCode.UNAVAILABLE
+    assert caught.value.code == pb.ERROR_CODE_UNAVAILABLE
     assert backend._probe is None  # nothing left running after shutdown

@@ -14,14 +14,13 @@ from typing import Any
 
 import pytest
 import structlog
-from conftest import Pki, assert_eventually
+from conftest import EchoHandler, Pki, assert_eventually
 
-from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.certs import Authority
 from iop_wire.codec import get_codec
 from iop_wire.endpoint import Listener, ListenerConfig, dial, open_stream, preface
-from iop_wire.errors import ConnectionClosed, ErrorCode, IopError
+from iop_wire.errors import ConnectionClosed, IopError
 from iop_wire.framing import HEADER_SIZE, encode_frame
 from iop_wire.tls import Role, TlsConfig
 
@@ -56,7 +55,7 @@ async def _assert_closed_by_server(reader: asyncio.StreamReader) -> None:
 async def _assert_healthy(server: Listener, tls: TlsConfig) -> None:
     """A second connection still gets a full run."""
     connection = await dial("127.0.0.1", server.port, tls=tls, server_hostname="localhost")
-    events = [e async for e in await connection.open_run(bp.RunRequest(run_id="ok", model="m"))]
+    events = [e async for e in await connection.open_run(pb.RunRequest(run_id="ok", model="m"))]
     assert events[-1].WhichOneof("event") == "complete"
     await connection.close()
 
@@ -156,12 +155,12 @@ async def test_unknown_message_type(server: Listener, edge_tls: TlsConfig, codec
     await _assert_healthy(server, edge_tls)
 
 
-async def test_codec_mismatch_names_both(pki: Pki, handler: object, edge_tls: TlsConfig) -> None:
+async def test_codec_mismatch_names_both(pki: Pki, handler: EchoHandler, edge_tls: TlsConfig) -> None:
     config = ListenerConfig(tls=pki.config("n", Role.NODE), codecs=("proto",))
-    listener = await Listener(config, lambda peer: handler).start()  # type: ignore[arg-type,return-value]
+    listener = await Listener(config, handler.wire()).start()
     with captured() as logs, pytest.raises(IopError) as caught:
         await dial("127.0.0.1", listener.port, tls=edge_tls, codec="json", server_hostname="localhost")
-    assert caught.value.code == ErrorCode.CODEC_MISMATCH
+    assert caught.value.code == pb.ERROR_CODE_CODEC_MISMATCH
     assert "client asked for json, server accepts proto" in caught.value.message
     assert "codec mismatch" in _reasons(logs)
     await _assert_healthy(listener, edge_tls)
@@ -225,7 +224,7 @@ async def test_rejected_client_certificates(
 async def test_role_not_allowed_on_listener(server: Listener, pki: Pki, edge_tls: TlsConfig) -> None:
     with captured() as logs, pytest.raises(IopError) as caught:
         await dial("127.0.0.1", server.port, tls=pki.config("w1", Role.WORKER), server_hostname="localhost")
-    assert caught.value.code == ErrorCode.PERMISSION_DENIED
+    assert caught.value.code == pb.ERROR_CODE_PERMISSION_DENIED
     assert "role worker of w1 may not connect here" in caught.value.message
     assert "may not connect" in _reasons(logs)
     await _assert_healthy(server, edge_tls)
@@ -236,5 +235,5 @@ async def test_client_refuses_server_of_unexpected_role(server: Listener, edge_t
         await dial(
             "127.0.0.1", server.port, tls=edge_tls, server_hostname="localhost", expect_roles={Role.CONTROL_PLANE}
         )
-    assert caught.value.code == ErrorCode.PERMISSION_DENIED
+    assert caught.value.code == pb.ERROR_CODE_PERMISSION_DENIED
     assert not isinstance(caught.value, ConnectionClosed)

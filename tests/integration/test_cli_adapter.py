@@ -17,11 +17,10 @@ import pydantic
 import pytest
 from conftest import assert_eventually
 
-from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.adapters.cli import CliAdapter, CliOptions
-from iop_node.domain import ExecutionSpec, SamplingSpec
-from iop_wire.errors import ErrorCode, IopError
+from iop_node.domain import ExecutionSpec
+from iop_wire.errors import IopError
 
 MiB = 1024 * 1024
 
@@ -34,15 +33,11 @@ class RecordingSink:
         self.completed: list[pb.FinishReason.ValueType] = []
         self.annotations: dict[str, str] = {}
 
-    async def delta(
-        self,
-        text: str = "",
-        *,
-        tool_calls: list[pb.ToolCallDelta] | None = None,
-        logprobs: list[pb.TokenLogprob] | None = None,
-        embeddings: list[pb.Embedding] | None = None,
-    ) -> None:
+    async def delta(self, text: str) -> None:
         self.deltas.append(text)
+
+    async def output(self, delta: pb.RunDelta) -> None:
+        raise AssertionError("the cli adapter writes text only")
 
     async def complete(
         self,
@@ -61,19 +56,15 @@ class RecordingSink:
 
 
 def _spec(text: str = "hi", deadline: datetime.datetime | None = None) -> ExecutionSpec:
-    message = bp.ChatMessage(role=bp.Role.USER, content=[bp.ContentPart(text=text)])
+    message = pb.ChatMessage(role=pb.ROLE_USER, content=[pb.ContentPart(text=text)])
+    request = pb.RunRequest(run_id="r1", model="m", messages=[message], stream=True)
     return ExecutionSpec(
-        run_id="r1",
-        model="m",
+        request=request,
         adapter="cli",
         target_model="m",
-        kind=bp.RunKind.CHAT,
-        messages=(message,),
-        prompt=(),
-        sampling=SamplingSpec(),
-        stream=True,
+        kind=pb.RUN_KIND_CHAT,
+        sampling=pb.Sampling(),
         openai_fields={},
-        metadata={},
         deadline=deadline,
     )
 
@@ -177,13 +168,13 @@ async def test_prompt_as_argument_with_stdin_empty() -> None:
 
 async def test_prompt_with_nul_cannot_be_an_argument() -> None:
     error, _ = await _failed(CliOptions(argv=_py("pass", "{prompt}"), prompt="arg"), _spec("a\0b"))
-    assert error.code == ErrorCode.INVALID_ARGUMENT
+    assert error.code == pb.ERROR_CODE_INVALID_ARGUMENT
 
 
 async def test_nonzero_exit_is_a_backend_error_quoting_stderr() -> None:
     code = "import sys; print('partial'); sys.stderr.write('first\\nboom: it broke\\n'); sys.exit(3)"
     error, sink = await _failed(CliOptions(argv=_py(code)))
-    assert error.code == ErrorCode.BACKEND_ERROR and not error.retryable
+    assert error.code == pb.ERROR_CODE_BACKEND_ERROR and not error.retryable
     assert "exit code 3" in error.message and error.message.endswith("first | boom: it broke")
     assert sink.annotations == {"stderr_tail": "first\nboom: it broke\n"}
     assert sink.text == "partial\n" and sink.completed == []
@@ -191,7 +182,7 @@ async def test_nonzero_exit_is_a_backend_error_quoting_stderr() -> None:
 
 async def test_death_by_signal_names_the_signal() -> None:
     error, _ = await _failed(CliOptions(argv=_py("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")))
-    assert error.code == ErrorCode.BACKEND_ERROR and "SIGKILL" in error.message
+    assert error.code == pb.ERROR_CODE_BACKEND_ERROR and "SIGKILL" in error.message
 
 
 async def test_missing_or_unexecutable_program(tmp_path: Path) -> None:
@@ -203,9 +194,9 @@ async def test_missing_or_unexecutable_program(tmp_path: Path) -> None:
     )
     infos = {info.name: info for info in await adapter.capabilities()}
     assert {name: info.available for name, info in infos.items()} == {"missing": False, "plain": False, "python": True}
-    assert infos["python"].kinds == [bp.RunKind.CHAT, bp.RunKind.COMPLETION]
+    assert list(infos["python"].kinds) == [pb.RUN_KIND_CHAT, pb.RUN_KIND_COMPLETION]
     error, _ = await _failed(missing)
-    assert error.code == ErrorCode.BACKEND_ERROR and not error.retryable
+    assert error.code == pb.ERROR_CODE_BACKEND_ERROR and not error.retryable
     assert error.message == "cli program not found: iop-no-such-program"
     error, _ = await _failed(CliOptions(argv=[str(plain_file)]))
     assert error.message == f"cli program not executable: {plain_file}"
@@ -218,7 +209,7 @@ async def test_invalid_utf8_is_a_protocol_error_and_stops_the_program(tmp_path: 
         "sys.stdout.buffer.write(b'ok\\xff\\xfe'); sys.stdout.flush(); time.sleep(60)"
     )
     error, _ = await _failed(CliOptions(argv=_py(code, str(pid_file))))
-    assert error.code == ErrorCode.BACKEND_PROTOCOL_ERROR
+    assert error.code == pb.ERROR_CODE_BACKEND_PROTOCOL_ERROR
     assert error.message.startswith("cli program wrote invalid UTF-8")
     pid = _read_pid(pid_file)
     assert pid is not None
@@ -241,7 +232,7 @@ async def test_timeout_stops_the_whole_group(tmp_path: Path) -> None:
     pid_file = tmp_path / "pid"
     argv = ["sh", "-c", 'sleep 60 & echo $$ > "$1"; sleep 60; wait', "sh", str(pid_file)]
     error, _ = await _failed(CliOptions(argv=argv, timeout=0.3))
-    assert error.code == ErrorCode.DEADLINE_EXCEEDED
+    assert error.code == pb.ERROR_CODE_DEADLINE_EXCEEDED
     pid = _read_pid(pid_file)
     assert pid is not None
     await _assert_gone(pid)

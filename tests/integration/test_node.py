@@ -10,10 +10,11 @@ import pytest
 from conftest import Pki, assert_eventually
 from node_helpers import chat, client, collect, kinds, node_settings, running_node, text
 
-from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.domain import RunStatus
 from iop_node.store import SqliteRunStore
+from iop_wire.endpoint import dial
+from iop_wire.tls import Role
 
 PY = sys.executable
 ROUTES = [
@@ -76,6 +77,30 @@ async def test_mock_streams_deterministic_text_and_records_it(settings, pki: Pki
         assert record.status is RunStatus.COMPLETED and record.completion_tokens == 8
         assert record.started_at and record.first_token_at and record.finished_at
         assert record.caller == "edge-t" and record.adapter == "mock" and record.finish_reason == "stop"
+        assert record.peer == "edge-t" and record.connection  # from the certificate, scoped to the connection
+        await connection.close()
+
+
+async def test_mock_embeds_each_prompt_entry_and_completion_prompts(settings, pki: Pki) -> None:  # type: ignore[no-untyped-def]
+    async with running_node(settings) as app:
+        connection = await client(app, pki)
+        embed = pb.RunRequest(run_id="e", model="mock-small", kind=pb.RUN_KIND_EMBEDDING, prompt=["one", "two words"])
+        events = await collect(await connection.open_run(embed))
+        assert kinds(events) == ["start", "delta", "complete"]
+        vectors = events[1].delta.embeddings
+        assert [v.index for v in vectors] == [0, 1] and len(vectors[0].values) == 8
+        assert events[-1].complete.usage.prompt_tokens == 3
+        assert (await _record(app, "e")).first_token_at is not None  # an output times the first token too
+        completion = pb.RunRequest(
+            run_id="c",
+            model="mock-small",
+            kind=pb.RUN_KIND_COMPLETION,
+            prompt=["once"],
+            sampling=pb.Sampling(max_tokens=2),
+        )
+        events = await collect(await connection.open_run(completion))
+        assert kinds(events) == ["start", "delta", "delta", "complete"]
+        assert events[-1].complete.finish_reason == pb.FINISH_REASON_LENGTH
         await connection.close()
 
 
@@ -108,10 +133,10 @@ async def test_cli_streams_program_output_and_counts_tokens(settings, pki: Pki) 
     [
         ({"model": "nope"}, pb.ERROR_CODE_MODEL_NOT_FOUND, "not served here"),
         ({"messages": []}, pb.ERROR_CODE_INVALID_ARGUMENT, "messages is empty"),
-        ({"sampling": bp.Sampling(max_tokens=-1)}, pb.ERROR_CODE_INVALID_ARGUMENT, "between 1 and 4096, got -1"),
-        ({"sampling": bp.Sampling(max_tokens=10**9)}, pb.ERROR_CODE_INVALID_ARGUMENT, "got 1000000000"),
+        ({"sampling": pb.Sampling(max_tokens=-1)}, pb.ERROR_CODE_INVALID_ARGUMENT, "between 1 and 4096, got -1"),
+        ({"sampling": pb.Sampling(max_tokens=10**9)}, pb.ERROR_CODE_INVALID_ARGUMENT, "got 1000000000"),
         (
-            {"messages": [bp.ChatMessage(role=bp.Role.USER, content=[bp.ContentPart(text="x" * 1001)])]},
+            {"messages": [pb.ChatMessage(role=pb.ROLE_USER, content=[pb.ContentPart(text="x" * 1001)])]},
             pb.ERROR_CODE_INVALID_ARGUMENT,
             "over this node's limit of 1000",
         ),
@@ -137,7 +162,8 @@ async def test_bad_requests_get_their_error_code_and_a_failed_row(  # type: igno
         connection = await client(app, pki)
         request = chat(**{k: v for k, v in request_fields.items() if k != "messages"})
         if "messages" in request_fields:
-            request.messages = request_fields["messages"]
+            del request.messages[:]
+            request.messages.extend(request_fields["messages"])
         events = await collect(await connection.open_run(request))
         assert events[-1].error.code == code, events[-1]
         assert message in events[-1].error.message
@@ -264,11 +290,11 @@ async def test_queue_overflow_and_priority_order(settings, pki: Pki) -> None:  #
         holder = await connection.open_run(chat(model="mock-slow", run_id="holder"))
         await anext(holder)
         low = await connection.open_run(
-            chat(model="mock-slow", run_id="low", priority=-1, sampling=bp.Sampling(max_tokens=1))
+            chat(model="mock-slow", run_id="low", priority=-1, sampling=pb.Sampling(max_tokens=1))
         )
         await assert_eventually(lambda: app.node.admissions["mock-slow"].queued == 1)
         high = await connection.open_run(
-            chat(model="mock-slow", run_id="high", priority=5, sampling=bp.Sampling(max_tokens=1))
+            chat(model="mock-slow", run_id="high", priority=5, sampling=pb.Sampling(max_tokens=1))
         )
         await assert_eventually(lambda: app.node.admissions["mock-slow"].queued == 2)
         overflow = await collect(await connection.open_run(chat(model="mock-slow", run_id="over")))
@@ -360,3 +386,26 @@ async def test_closing_a_connection_with_running_and_queued_runs_records_both_ca
             record = await _record(app, run_id)
             assert record.status is RunStatus.CANCELLED, (run_id, record.error_code, record.error_message)
         assert app.node.admissions["mock-slow"].queued == 0
+
+
+async def test_run_ids_are_scoped_to_the_connection_and_identity_comes_from_the_certificate(settings, pki: Pki) -> None:  # type: ignore[no-untyped-def]
+    async with running_node(settings) as app:
+        assert app.listener is not None
+        first, second = await client(app, pki), await client(app, pki)
+        admin = await dial(
+            "127.0.0.1", app.listener.port, tls=pki.config("admin-t", Role.ADMIN), server_hostname="localhost"
+        )
+        await collect(await first.open_run(chat(run_id="same", caller=pb.Caller(id="alice"))))
+        await collect(await second.open_run(chat(run_id="same", model="nope")))
+        await collect(await admin.open_run(chat(run_id="same", caller=pb.Caller(id="alice"))))
+        assert isinstance(app.store, SqliteRunStore)
+        rows = {row.connection: row for row in await app.store.list()}
+        assert len(rows) == 3  # one row per connection, none written over
+        by_outcome = sorted((row.peer, row.caller, row.status.value) for row in rows.values())
+        assert by_outcome == [
+            ("admin-t", "admin-t", "completed"),  # an admin acts for nobody: the named caller is ignored
+            ("edge-t", "alice", "completed"),  # an edge acts for its callers
+            ("edge-t", "edge-t", "failed"),
+        ]
+        for connection in (first, second, admin):
+            await connection.close()

@@ -8,11 +8,9 @@ import pytest
 from conftest import Pki, assert_eventually
 from node_helpers import chat, collect, kinds, node_settings, running_node
 
-from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_wire.connection import Connection, ConnectionConfig
+from iop_wire.connection import Connection, ConnectionConfig, Handler, Inbound
 from iop_wire.endpoint import Listener, ListenerConfig
-from iop_wire.errors import ErrorCode
 from iop_wire.tls import Role
 
 
@@ -24,23 +22,18 @@ class ControlPlanePeer:
         self.statuses: list[pb.NodeStatus] = []
         self.connections: list[Connection] = []
 
-    async def run(self, request: pb.RunRequest, sink: object) -> None:
-        raise AssertionError("the control-plane does not serve runs in this test")
+    async def on_register(self, inbound: Inbound) -> None:
+        register = inbound.envelope.node_register
+        self.registered.append(register)
+        self.connections.append(inbound.connection)
+        await inbound.reply(pb.Envelope(node_registered=pb.NodeRegistered(node_id=register.node_id)))
 
-    async def capabilities(self) -> bp.CapabilityResponse:
-        return bp.CapabilityResponse(node_id="cp")
+    async def on_status(self, inbound: Inbound) -> None:
+        self.statuses.append(inbound.envelope.node_status)
 
-    async def message(self, connection: Connection, envelope: pb.Envelope) -> None:
-        kind = envelope.WhichOneof("body")
-        if kind == "node_register":
-            self.registered.append(envelope.node_register)
-            self.connections.append(connection)
-            reply = pb.Envelope(
-                in_reply_to=envelope.id, node_registered=pb.NodeRegistered(node_id=envelope.node_register.node_id)
-            )
-            await connection.send(reply)
-        elif kind == "node_status":
-            self.statuses.append(envelope.node_status)
+    def wire(self) -> Handler:
+        """The handler table of the control-plane's listener: it serves no runs."""
+        return Handler(messages={"node_register": self.on_register, "node_status": self.on_status})
 
 
 async def _control_plane(pki: Pki, peer: ControlPlanePeer, port: int = 0) -> Listener:
@@ -50,7 +43,7 @@ async def _control_plane(pki: Pki, peer: ControlPlanePeer, port: int = 0) -> Lis
         allowed_roles=frozenset({Role.NODE}),
         connection=ConnectionConfig(heartbeat_interval=0.5),
     )
-    return await Listener(config, lambda identity: peer).start()  # type: ignore[arg-type,return-value]
+    return await Listener(config, peer.wire()).start()
 
 
 async def test_register_report_serve_and_reconnect(pki: Pki, tmp_path: Path) -> None:
@@ -150,7 +143,7 @@ async def test_drain_grace_ends_runs_retryably_and_clients_cannot_drain(pki: Pki
         edge = await dial("127.0.0.1", app.listener.port, tls=pki.config("e", Role.EDGE), server_hostname="localhost")
         with pytest.raises(IopError) as refused:  # a client may not drain the node
             await edge.request(pb.Envelope(node_drain=pb.NodeDrain(node_id="node-t")))
-        assert refused.value.code == ErrorCode.PERMISSION_DENIED
+        assert refused.value.code == pb.ERROR_CODE_PERMISSION_DENIED
         assert not app.node.draining
         stream = await edge.open_run(chat(model="mock-slow", run_id="long"))
         await anext(stream)

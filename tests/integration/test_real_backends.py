@@ -14,7 +14,6 @@ from backends.servers import BackendServer
 from conftest import Pki, assert_eventually
 from node_helpers import chat, client, collect, kinds, node_settings, running_node, text
 
-from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.bootstrap import NodeApp
 from iop_node.domain import RunStatus
@@ -60,7 +59,7 @@ async def ollama_node(pki: Pki, tmp_path: Path, ollama_backend: BackendServer) -
 
 async def test_vllm_streams_and_counts_usage_on_the_node(llama_node: NodeApp, pki: Pki) -> None:
     connection = await client(llama_node, pki)
-    events = await collect(await connection.open_run(chat(model="tiny-chat", sampling=bp.Sampling(max_tokens=12))))
+    events = await collect(await connection.open_run(chat(model="tiny-chat", sampling=pb.Sampling(max_tokens=12))))
     assert kinds(events)[0] == "start" and kinds(events)[-1] == "complete"
     assert events[0].start.model == "tiny" and events[0].start.adapter == "vllm"
     assert kinds(events).count("delta") >= 2 and text(events)
@@ -73,7 +72,7 @@ async def test_vllm_streams_and_counts_usage_on_the_node(llama_node: NodeApp, pk
 
 async def test_vllm_non_streaming_uses_the_backends_usage(llama_node: NodeApp, pki: Pki) -> None:
     connection = await client(llama_node, pki)
-    request = chat(model="tiny-chat", sampling=bp.Sampling(max_tokens=7))
+    request = chat(model="tiny-chat", sampling=pb.Sampling(max_tokens=7))
     request.stream = False
     events = await collect(await connection.open_run(request))
     assert kinds(events) == ["start", "delta", "complete"]
@@ -93,13 +92,13 @@ async def test_vllm_capabilities_come_from_v1_models(llama_node: NodeApp, pki: P
 async def test_vllm_stop_sequence_and_max_tokens(llama_node: NodeApp, pki: Pki) -> None:
     connection = await client(llama_node, pki)
     free = text(
-        await collect(await connection.open_run(chat(model="tiny-chat", sampling=bp.Sampling(max_tokens=16, seed=1))))
+        await collect(await connection.open_run(chat(model="tiny-chat", sampling=pb.Sampling(max_tokens=16, seed=1))))
     )
     words = free.split()
     assert len(words) >= 4
     stop = words[3]
     stopped = await collect(
-        await connection.open_run(chat(model="tiny-chat", sampling=bp.Sampling(max_tokens=16, seed=1, stop=[stop])))
+        await connection.open_run(chat(model="tiny-chat", sampling=pb.Sampling(max_tokens=16, seed=1, stop=[stop])))
     )
     assert stopped[-1].complete.finish_reason == pb.FINISH_REASON_STOP
     assert stop not in text(stopped) and free.startswith(text(stopped))
@@ -120,17 +119,17 @@ async def test_vllm_completion_and_embeddings(
     )
     async with running_node(node_settings(pki, tmp_path, routes)) as app:
         connection = await client(app, pki)
-        completion = bp.RunRequest(
+        completion = pb.RunRequest(
             run_id="c",
             model="tiny-chat",
-            kind=bp.RunKind.COMPLETION,
+            kind=pb.RUN_KIND_COMPLETION,
             prompt=["Once upon"],
             stream=True,
-            sampling=bp.Sampling(max_tokens=5),
+            sampling=pb.Sampling(max_tokens=5),
         )
         events = await collect(await connection.open_run(completion))
         assert kinds(events)[-1] == "complete" and text(events)
-        embed = bp.RunRequest(run_id="e", model="tiny-embed", kind=bp.RunKind.EMBEDDING, prompt=["one", "two words"])
+        embed = pb.RunRequest(run_id="e", model="tiny-embed", kind=pb.RUN_KIND_EMBEDDING, prompt=["one", "two words"])
         events = await collect(await connection.open_run(embed))
         vectors = events[1].delta.embeddings
         assert [v.index for v in vectors] == [0, 1] and len(vectors[0].values) == 64
@@ -141,7 +140,7 @@ async def test_vllm_cancel_closes_the_backend_connection(
     llama_node: NodeApp, pki: Pki, llama_backend: BackendServer
 ) -> None:
     connection = await client(llama_node, pki)
-    stream = await connection.open_run(chat(model="tiny-chat", run_id="long", sampling=bp.Sampling(max_tokens=4000)))
+    stream = await connection.open_run(chat(model="tiny-chat", run_id="long", sampling=pb.Sampling(max_tokens=4000)))
     assert kinds([await anext(stream), await anext(stream)]) == ["start", "delta"]
     streaming = _established(llama_backend.port)
     assert streaming >= 1
@@ -157,7 +156,7 @@ async def test_vllm_cancel_closes_the_backend_connection(
 async def test_vllm_backend_killed_mid_stream(pki: Pki, tmp_path: Path, llama_backend_fresh: BackendServer) -> None:
     async with running_node(node_settings(pki, tmp_path, _routes(llama=llama_backend_fresh))) as app:
         connection = await client(app, pki)
-        stream = await connection.open_run(chat(model="tiny-chat", sampling=bp.Sampling(max_tokens=4000)))
+        stream = await connection.open_run(chat(model="tiny-chat", sampling=pb.Sampling(max_tokens=4000)))
         assert kinds([await anext(stream), await anext(stream)]) == ["start", "delta"]
         llama_backend_fresh.kill()
         final = (await collect(stream))[-1]
@@ -175,7 +174,7 @@ async def test_ollama_streams_chat_with_usage_done_reason_and_timings(
 ) -> None:
     connection = await client(ollama_node, pki)
     before = _established(ollama_backend.port)
-    events = await collect(await connection.open_run(chat(model="tiny", sampling=bp.Sampling(max_tokens=10, seed=3))))
+    events = await collect(await connection.open_run(chat(model="tiny", sampling=pb.Sampling(max_tokens=10, seed=3))))
     assert kinds(events)[0] == "start" and kinds(events)[-1] == "complete"
     assert events[0].start.adapter == "ollama" and kinds(events).count("delta") >= 2
     complete = events[-1].complete
@@ -184,7 +183,7 @@ async def test_ollama_streams_chat_with_usage_done_reason_and_timings(
     assert complete.usage.completion_tokens == 10 and complete.usage.prompt_tokens > 0
     assert complete.timings.generation.ToNanoseconds() > 0 and complete.timings.HasField("time_to_first_token")
     for _ in range(2):  # the done line ends each stream; its connection is kept for the next one
-        again = await collect(await connection.open_run(chat(model="tiny", sampling=bp.Sampling(max_tokens=5))))
+        again = await collect(await connection.open_run(chat(model="tiny", sampling=pb.Sampling(max_tokens=5))))
         assert kinds(again)[-1] == "complete", again[-1]
     assert _established(ollama_backend.port) == before + 1
     await connection.close()
@@ -195,17 +194,17 @@ async def test_ollama_tags_generate_and_unknown_model(ollama_node: NodeApp, pki:
     capabilities = await connection.capabilities()
     ollama = {m.name: m.available for a in capabilities.adapters if a.name == "ollama" for m in a.models}
     assert ollama == {"tiny": True, "absent": False}
-    completion = bp.RunRequest(
+    completion = pb.RunRequest(
         run_id="g",
         model="tiny",
-        kind=bp.RunKind.COMPLETION,
+        kind=pb.RUN_KIND_COMPLETION,
         prompt=["Once"],
         stream=True,
-        sampling=bp.Sampling(max_tokens=4),
+        sampling=pb.Sampling(max_tokens=4),
     )
     events = await collect(await connection.open_run(completion))
     assert kinds(events)[-1] == "complete" and events[-1].complete.usage.completion_tokens == 4
-    embed = bp.RunRequest(run_id="oe", model="tiny", kind=bp.RunKind.EMBEDDING, prompt=["one", "two words"])
+    embed = pb.RunRequest(run_id="oe", model="tiny", kind=pb.RUN_KIND_EMBEDDING, prompt=["one", "two words"])
     vectors = (await collect(await connection.open_run(embed)))[1].delta.embeddings
     assert [v.index for v in vectors] == [0, 1] and len(vectors[0].values) == 64
     missing = await collect(await connection.open_run(chat(model="absent")))
@@ -215,14 +214,14 @@ async def test_ollama_tags_generate_and_unknown_model(ollama_node: NodeApp, pki:
 
 async def test_ollama_cancel_mid_stream(ollama_node: NodeApp, pki: Pki, ollama_backend: BackendServer) -> None:
     connection = await client(ollama_node, pki)
-    stream = await connection.open_run(chat(model="tiny", run_id="o-long", sampling=bp.Sampling(max_tokens=4000)))
+    stream = await connection.open_run(chat(model="tiny", run_id="o-long", sampling=pb.Sampling(max_tokens=4000)))
     assert kinds([await anext(stream), await anext(stream)]) == ["start", "delta"]
     streaming = _established(ollama_backend.port)
     await stream.cancel("stop generating")
     assert (await collect(stream))[-1].error.code == pb.ERROR_CODE_CANCELLED
     await assert_eventually(lambda: _established(ollama_backend.port) == streaming - 1)
     assert (
-        kinds(await collect(await connection.open_run(chat(model="tiny", sampling=bp.Sampling(max_tokens=3)))))[-1]
+        kinds(await collect(await connection.open_run(chat(model="tiny", sampling=pb.Sampling(max_tokens=3)))))[-1]
         == "complete"
     )
     await connection.close()

@@ -1,4 +1,5 @@
-"""The run history on real SQLite files: round trips, WAL, group commit, interrupted runs, filters, errors."""
+"""The run history on real SQLite files: round trips, WAL, group commit, interrupted runs, filters, errors,
+the version 1 migration, and who a run is recorded as sent by (the core's records, through a stand-in sink)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,17 @@ from pathlib import Path
 import pytest
 import structlog
 
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_node.adapters.mock import MockAdapter, MockOptions
+from iop_node.core import Node
 from iop_node.domain import RunRecord, RunStatus
 from iop_node.history import list_runs, show_run
+from iop_node.metrics import NodeMetrics
+from iop_node.router import Limits, Router
+from iop_node.settings import RouteSettings
 from iop_node.store import INTERRUPTED_MESSAGE, SqliteRunStore
+from iop_wire.errors import IopError
+from iop_wire.tls import PeerIdentity, Role
 
 T0 = datetime.datetime(2026, 5, 1, 12, 0, 0, 123456, tzinfo=datetime.UTC)
 
@@ -24,8 +33,19 @@ def _at(seconds: float) -> datetime.datetime:
     return T0 + datetime.timedelta(seconds=seconds)
 
 
-def _start(run_id: str, node_id: str = "node-a", model: str = "m", received: float = 0.0) -> RunRecord:
-    return RunRecord(run_id=run_id, node_id=node_id, model=model, status=RunStatus.RUNNING, received_at=_at(received))
+def _start(
+    run_id: str, node_id: str = "node-a", model: str = "m", received: float = 0.0, connection: str = "conn-1"
+) -> RunRecord:
+    return RunRecord(
+        run_id=run_id,
+        node_id=node_id,
+        model=model,
+        status=RunStatus.RUNNING,
+        peer="edge-1",
+        caller="edge-1",
+        connection=connection,
+        received_at=_at(received),
+    )
 
 
 def _end(start: RunRecord, status: RunStatus = RunStatus.COMPLETED) -> RunRecord:
@@ -60,7 +80,14 @@ async def _reopen(path: Path, node_id: str = "node-a", *, mark_interrupted: bool
 
 async def test_every_field_round_trips(store: SqliteRunStore) -> None:
     start = RunRecord(
-        run_id="r1", node_id="node-a", model="llama", status=RunStatus.RUNNING, caller="edge-1", received_at=_at(0)
+        run_id="r1",
+        node_id="node-a",
+        model="llama",
+        status=RunStatus.RUNNING,
+        caller="alice",
+        peer="edge-1",
+        connection="c0ffee",
+        received_at=_at(0),
     )
     await store.record_start(start)
     assert await store.get("r1") == start
@@ -90,7 +117,9 @@ async def test_every_field_round_trips(store: SqliteRunStore) -> None:
 
 async def test_wal_mode_and_schema_version(store: SqliteRunStore, path: Path) -> None:
     assert _rows(path, "PRAGMA journal_mode") == [("wal",)]
-    assert _rows(path, "PRAGMA user_version") == [(1,)]
+    assert _rows(path, "PRAGMA user_version") == [(2,)]
+    key = sorted((pk, name) for _, name, _, _, _, pk in _rows(path, "PRAGMA table_info(runs)") if pk)
+    assert [name for _, name in key] == ["node_id", "connection", "run_id"]
     assert store._db is not None
     assert list(await store._db.execute_fetchall("PRAGMA synchronous")) == [(1,)]  # NORMAL
 
@@ -186,14 +215,35 @@ async def test_a_repeated_start_does_not_clobber_a_finished_row(store: SqliteRun
     assert await store.get("r1") == _end(record)
 
 
-async def test_two_callers_may_use_the_same_run_id(store: SqliteRunStore) -> None:
-    alice = dataclasses.replace(_start("job-1"), caller="alice")
-    bob = dataclasses.replace(_start("job-1"), caller="bob", received_at=_at(50))
-    await store.record_start(alice)
-    await store.record_start(bob)
+async def test_two_connections_may_use_the_same_run_id(store: SqliteRunStore) -> None:
+    alice = dataclasses.replace(_start("job-1", connection="conn-a"), caller="alice")
+    bob = dataclasses.replace(_start("job-1", connection="conn-b", received=50), caller="bob")
+    again = dataclasses.replace(alice, connection="conn-c", received_at=_at(60))  # alice, a new connection
+    for record in (alice, bob, again):
+        await store.record_start(record)
     await store.record_end(_end(alice))
     rows = await store.list()
-    assert sorted((r.caller, r.status.value) for r in rows) == [("alice", "completed"), ("bob", "running")]
+    assert [(r.connection, r.caller, r.status.value) for r in rows] == [
+        ("conn-c", "alice", "running"),
+        ("conn-b", "bob", "running"),
+        ("conn-a", "alice", "completed"),
+    ]
+    assert await store.get("job-1") == again  # the newest
+
+
+async def test_a_peer_cannot_write_over_another_peers_row_even_on_a_reused_connection_id(
+    store: SqliteRunStore,
+) -> None:
+    edge = _start("r1")
+    await store.record_start(edge)
+    await store.record_end(_end(edge))
+    intruder = dataclasses.replace(edge, peer="worker-1", caller="edge-1", model="other", received_at=_at(9))
+    with structlog.testing.capture_logs() as logs:
+        await store.record_start(intruder)
+        await store.record_end(_end(intruder, RunStatus.FAILED))
+        await store.flush()
+    assert await store.list() == [_end(edge)]
+    assert [(log["event"], log["peer"]) for log in logs] == [("run_write_refused", "worker-1")]
 
 
 async def test_an_end_without_its_start_still_lands(store: SqliteRunStore) -> None:
@@ -268,3 +318,181 @@ async def test_a_row_that_cannot_be_written_is_logged_and_the_writer_goes_on(sto
     assert any(log["event"] == "run_write_failed" and log["run_id"] == "broken" for log in logs)
     await store.record_end(_end(_start("later")))  # the writer is still there
     assert (await store.get("later")).status is RunStatus.COMPLETED  # type: ignore[union-attr]
+
+
+# The schema and rows of a version 1 file, as version 1 of the node wrote them.
+_V1_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT NOT NULL, node_id TEXT NOT NULL, caller TEXT NOT NULL DEFAULT '', model TEXT NOT NULL,
+    adapter TEXT NOT NULL DEFAULT '', status TEXT NOT NULL,
+    error_code TEXT NOT NULL DEFAULT '', error_message TEXT NOT NULL DEFAULT '',
+    received_at REAL, started_at REAL, first_token_at REAL, finished_at REAL,
+    prompt_tokens INTEGER NOT NULL DEFAULT 0, completion_tokens INTEGER NOT NULL DEFAULT 0,
+    finish_reason TEXT NOT NULL DEFAULT '', stderr_tail TEXT NOT NULL DEFAULT '',
+    extra TEXT NOT NULL DEFAULT '{}',
+    PRIMARY KEY (node_id, caller, run_id)
+);
+CREATE INDEX IF NOT EXISTS runs_status ON runs (status);
+CREATE INDEX IF NOT EXISTS runs_model ON runs (model);
+CREATE INDEX IF NOT EXISTS runs_received_at ON runs (received_at);
+CREATE INDEX IF NOT EXISTS runs_run_id ON runs (run_id);
+PRAGMA user_version = 1;
+"""
+_V1_ROWS = [  # run_id, node_id, caller, status, received_at, extra
+    ("solo", "node-a", "edge-1", "completed", 10.0, '{"pid": "7"}'),
+    ("shared", "node-a", "alice", "completed", 20.0, "{}"),
+    ("shared", "node-a", "bob", "running", 30.0, "{}"),
+    ("shared", "node-b", "alice", "failed", 40.0, "{}"),
+]
+
+
+def _v1_file(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with sqlite3.connect(path) as connection:
+        connection.executescript(_V1_SCHEMA)
+        connection.executemany(
+            "INSERT INTO runs (run_id, node_id, caller, model, status, received_at, extra) "
+            "VALUES (?, ?, ?, 'm', ?, ?, ?)",
+            _V1_ROWS,
+        )
+    connection.close()
+
+
+async def test_a_version_1_file_is_migrated_on_open_keeping_every_row(path: Path) -> None:
+    _v1_file(path)
+    with structlog.testing.capture_logs() as logs:
+        store, marked = await _reopen(path)
+    assert marked == 1  # node-a's running row, now under the new key
+    assert any(log["event"] == "run_history_migrated" for log in logs)
+    assert _rows(path, "PRAGMA user_version") == [(2,)]
+    rows = _rows(path, "SELECT run_id, node_id, connection, peer, caller, status, extra FROM runs ORDER BY rowid")
+    assert rows == [
+        ("solo", "node-a", "", "edge-1", "edge-1", "completed", '{"pid": "7"}'),
+        ("shared", "node-a", "v1:alice", "alice", "alice", "completed", "{}"),  # two callers shared this id
+        ("shared", "node-a", "v1:bob", "bob", "bob", "interrupted", "{}"),
+        ("shared", "node-b", "", "alice", "alice", "failed", "{}"),
+    ]
+    indexes = {row[0] for row in _rows(path, "SELECT name FROM sqlite_master WHERE type = 'index'")}
+    assert {"runs_status", "runs_model", "runs_received_at", "runs_run_id"} <= indexes
+    assert not _rows(path, "SELECT name FROM sqlite_master WHERE name = 'runs_v2'")
+    got = await store.get("solo")
+    assert got is not None and (got.peer, got.connection, got.extra) == ("edge-1", "", {"pid": "7"})
+    await store.record_start(dataclasses.replace(_start("solo", connection="conn-new"), received_at=_at(99)))
+    assert [r.connection for r in await store.list() if r.run_id == "solo"] == ["conn-new", ""]
+    await store.close()
+    store, _ = await _reopen(path)  # a second open finds version 2 and changes nothing
+    assert len(await store.list()) == 5
+    await store.close()
+
+
+async def test_nodes_opening_a_version_1_file_together_migrate_it_once(path: Path) -> None:
+    _v1_file(path)
+    stores = [SqliteRunStore(path, node_id) for node_id in ("node-a", "node-b", "node-c")]
+    await asyncio.gather(*(store.open(mark_interrupted=False) for store in stores))
+    rows = _rows(path, "SELECT run_id, node_id, connection FROM runs ORDER BY rowid")
+    assert rows == [
+        ("solo", "node-a", ""),
+        ("shared", "node-a", "v1:alice"),
+        ("shared", "node-a", "v1:bob"),
+        ("shared", "node-b", ""),
+    ]
+    for store in stores:
+        await store.close()
+
+
+# -- identity: what the core records about who sent a run --------------------------------------
+
+
+class _Sink:
+    """The parts of the wire's EventSink the core uses, for one run on one connection."""
+
+    def __init__(self, peer: PeerIdentity, connection_id: str) -> None:
+        self.peer, self.connection_id = peer, connection_id
+        self.cancel_reason = ""
+        self.events: list[str] = []
+
+    async def start(self, *, node_id: str, model: str, adapter: str) -> None:
+        self.events.append("start")
+
+    async def delta(self, text: str) -> None:
+        self.events.append("delta")
+
+    async def output(self, delta: pb.RunDelta) -> None:
+        self.events.append("delta")
+
+    async def complete(
+        self, finish_reason: int, usage: pb.Usage | None = None, timings: pb.Timings | None = None
+    ) -> None:
+        self.events.append("complete")
+
+
+def _node(store: SqliteRunStore) -> Node:
+    routes = [RouteSettings(model="m", adapter="mock", options={"tokens": 2})]
+    return Node(
+        node_id="node-a",
+        router=Router(routes, Limits(max_prompt_chars=1000, max_tokens=100)),
+        adapters={"mock": MockAdapter({"m": MockOptions(tokens=2)})},
+        store=store,
+        metrics=NodeMetrics(),
+        version="test",
+    )
+
+
+def _request(run_id: str, caller: str = "", model: str = "m") -> pb.RunRequest:
+    message = pb.ChatMessage(role=pb.ROLE_USER, content=[pb.ContentPart(text="hi")])
+    return pb.RunRequest(run_id=run_id, model=model, messages=[message], caller=pb.Caller(id=caller))
+
+
+EDGE = PeerIdentity("edge-1", Role.EDGE)
+WORKER = PeerIdentity("worker-1", Role.WORKER)
+ADMIN = PeerIdentity("admin-1", Role.ADMIN)
+
+
+async def _run(node: Node, request: pb.RunRequest, peer: PeerIdentity, connection_id: str) -> _Sink:
+    sink = _Sink(peer, connection_id)
+    await node.run(request, sink)  # type: ignore[arg-type]  # a stand-in for the wire's sink
+    return sink
+
+
+async def test_a_peer_reusing_another_connections_run_id_gets_its_own_row(store: SqliteRunStore) -> None:
+    node = _node(store)
+    edge = await _run(node, _request("r1", caller="alice"), EDGE, "conn-e")
+    assert edge.events == ["start", "delta", "delta", "complete"]
+    before = await store.get("r1")
+    assert before is not None and (before.caller, before.peer, before.connection) == ("alice", "edge-1", "conn-e")
+    # The attack: a worker certificate names the edge as caller and reuses the edge's run id.
+    with pytest.raises(IopError):
+        await _run(node, _request("r1", caller="edge-1", model="nope"), WORKER, "conn-w")
+    rows = {r.connection: r for r in await store.list()}
+    assert rows["conn-e"] == before  # untouched
+    intruder = rows["conn-w"]
+    assert (intruder.peer, intruder.status, intruder.error_code) == ("worker-1", RunStatus.FAILED, "MODEL_NOT_FOUND")
+    # Workers act for their jobs' owners (tls.TRUSTED_ROLES): the name is kept, beside who vouched for it.
+    assert intruder.caller == "edge-1"
+    assert len(rows) == 2
+
+
+async def test_the_same_run_id_on_two_connections_of_one_peer_is_two_rows(store: SqliteRunStore) -> None:
+    node = _node(store)
+    await _run(node, _request("r1"), EDGE, "conn-1")
+    await _run(node, _request("r1"), EDGE, "conn-2")
+    rows = await store.list()
+    assert sorted((r.connection, r.status.value) for r in rows) == [("conn-1", "completed"), ("conn-2", "completed")]
+
+
+@pytest.mark.parametrize(
+    ("peer", "named", "caller"),
+    [
+        (EDGE, "alice", "alice"),  # an edge acts for its API keys' owners
+        (EDGE, "", "edge-1"),  # nobody named: the peer itself
+        (ADMIN, "edge-1", "admin-1"),  # an admin acts for nobody: the name in the request is ignored
+        (PeerIdentity("", None), "edge-1", ""),  # plaintext, no certificate: no identity to take a name from
+    ],
+    ids=["edge-names-a-caller", "edge-names-nobody", "admin-cannot-name-one", "anonymous-cannot-name-one"],
+)
+async def test_the_caller_is_named_only_by_roles_that_act_for_others(
+    store: SqliteRunStore, peer: PeerIdentity, named: str, caller: str
+) -> None:
+    await _run(_node(store), _request("r1", caller=named), peer, "conn-1")
+    record = await store.get("r1")
+    assert record is not None and (record.caller, record.peer) == (caller, peer.name)

@@ -15,7 +15,6 @@ from conftest import Pki
 from google.protobuf import json_format
 from node_helpers import chat, client, collect, node_settings, running_node, text
 
-from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.bootstrap import NodeApp
 from iop_wire.tls import Role
@@ -86,7 +85,7 @@ async def test_streamed_text_equals_the_python_clients(ts_client: Path, node: No
     assert events[-1]["json"]["complete"]["usage"]["completionTokens"] == 12
     connection = await client(node, pki)
     python_events = await collect(
-        await connection.open_run(chat(text="same prompt", sampling=bp.Sampling(max_tokens=12)))
+        await connection.open_run(chat(text="same prompt", sampling=pb.Sampling(max_tokens=12)))
     )
     assert summary["text"] == text(python_events) != ""
     await connection.close()

@@ -51,7 +51,9 @@ def _full() -> RunRecord:
         node_id="node-a",
         model="llama",
         status=RunStatus.FAILED,
-        caller="edge-1",
+        caller="alice",
+        peer="edge-1",
+        connection="c0ffee",
         adapter="cli",
         error_code="BACKEND_ERROR",
         error_message="exit status 3",
@@ -77,6 +79,7 @@ def test_format_table_lines_up_columns_with_a_header() -> None:
         "RUN",
         "ID",
         "MODEL",
+        "PEER",
         "ADAPTER",
         "STATUS",
         "ERROR",
@@ -88,6 +91,7 @@ def test_format_table_lines_up_columns_with_a_header() -> None:
     assert lines[1].split() == [
         "run-1",
         "llama",
+        "edge-1",
         "cli",
         "failed",
         "BACKEND_ERROR",
@@ -96,7 +100,7 @@ def test_format_table_lines_up_columns_with_a_header() -> None:
         "1500",
         "12/34",
     ]
-    assert lines[2].split() == ["run-2", "m", "-", "running", "-", "-", "-", "-", "0/0"]
+    assert lines[2].split() == ["run-2", "m", "-", "-", "running", "-", "-", "-", "-", "0/0"]
     assert [line.index("MODEL") for line in lines[:1]] == [lines[1].index("llama")] == [lines[2].index("m ")]
 
 
@@ -117,6 +121,9 @@ def test_format_record_shows_every_field_with_the_stderr_tail_last() -> None:
     assert lines[0] == "run_id: run-1"
     for line in [
         "status: failed",
+        "caller: alice",
+        "peer: edge-1",
+        "connection: c0ffee",
         "error_message: exit status 3",
         "received_at: 2026-05-01T12:00:00+00:00",
         "first_token_at: 2026-05-01T12:00:00.260000+00:00",
@@ -133,7 +140,8 @@ def test_format_record_shows_every_field_with_the_stderr_tail_last() -> None:
 
 def test_format_record_shows_unknowns_as_a_dash() -> None:
     lines = format_record(_bare()).splitlines()
-    for key in ["caller", "adapter", "error_code", "finished_at", "extra", "ttft_ms", "duration_ms"]:
+    keys = ["caller", "peer", "connection", "adapter", "error_code", "finished_at", "extra", "ttft_ms", "duration_ms"]
+    for key in keys:
         assert f"{key}: -" in lines
     assert "prompt_tokens: 0" in lines
     assert lines[-1] == "stderr_tail: -"

@@ -40,8 +40,11 @@ export declare type Envelope = Message<"iop.Envelope"> & {
 
   /**
    * The run this envelope belongs to, for multiplexing many runs over one
-   * connection. Empty for connection-level messages (heartbeat, capability,
-   * node.*). When both are set it equals the inner message's run_id.
+   * connection. Required on run.event. On run.request and cancel.request the
+   * inner run_id wins when both are set and differ; the envelope's is used
+   * when the inner one is empty. On an error answering a refused run.request
+   * it names that run. Empty for connection-level messages (heartbeat,
+   * capability, node.*).
    *
    * @generated from field: string run_id = 2;
    */
@@ -173,7 +176,8 @@ export declare const EnvelopeSchema: GenMessage<Envelope>;
  */
 export declare type RunRequest = Message<"iop.RunRequest"> & {
   /**
-   * Client-chosen id of the run, unique per caller; used by cancel.request
+   * Client-chosen id of the run, unique among the runs live on this
+   * connection (run ids are scoped to the connection); used by cancel.request
    * and by every run.event of this run.
    *
    * @generated from field: string run_id = 1;
@@ -249,7 +253,9 @@ export declare type RunRequest = Message<"iop.RunRequest"> & {
   deadline?: Timestamp | undefined;
 
   /**
-   * Who asked, for quotas, accounting and run history.
+   * Who asked, for quotas, accounting and run history. Honoured only from
+   * peers whose certificate role acts for others (edge, worker,
+   * control-plane); any other peer's runs are attributed to the peer itself.
    *
    * @generated from field: iop.Caller caller = 11;
    */
@@ -574,7 +580,8 @@ export declare const CallerSchema: GenMessage<Caller>;
 
 /**
  * run.event: one event of a run. The first is start, then any number of
- * deltas, then exactly one complete or error; nothing follows those.
+ * deltas, then exactly one complete or error; nothing follows those. A run
+ * refused before it started has exactly one event: an error at sequence 0.
  *
  * @generated from message iop.RunEvent
  */
@@ -960,8 +967,10 @@ export declare type Timings = Message<"iop.Timings"> & {
 export declare const TimingsSchema: GenMessage<Timings>;
 
 /**
- * heartbeat: sent by both peers every interval (30 s by default). A peer that
- * has heard nothing for 3 intervals is declared dead and the connection closed.
+ * heartbeat: sent by both peers every interval (30 s by default). A peer from
+ * which no whole frame arrived, or which read none of our bytes, for 3
+ * intervals (the longer of both sides', the peer's capped by the receiver) is
+ * declared dead and the connection closed.
  *
  * @generated from message iop.Heartbeat
  */

@@ -22,11 +22,10 @@ import pydantic
 import structlog
 from structlog.typing import FilteringBoundLogger
 
-from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.domain import ExecutionSpec
 from iop_node.ports import EventSink
-from iop_wire.errors import ErrorCode, IopError
+from iop_wire.errors import IopError
 
 __all__ = ["CliAdapter", "CliOptions"]
 
@@ -85,17 +84,17 @@ class CliAdapter:
         """Whether the program was found, as last looked (node.status asks often: no PATH search)."""
         return self._found[model]
 
-    async def capabilities(self) -> list[bp.ModelInfo]:
+    async def capabilities(self) -> list[pb.ModelInfo]:
         """Every configured model; available while its program can be found (looked up again now)."""
         self._found = {model: _resolvable(options) for model, options in self._models.items()}
-        kinds = [bp.RunKind.CHAT, bp.RunKind.COMPLETION]
-        return [bp.ModelInfo(name=model, kinds=kinds, available=found) for model, found in self._found.items()]
+        kinds = [pb.RUN_KIND_CHAT, pb.RUN_KIND_COMPLETION]
+        return [pb.ModelInfo(name=model, kinds=kinds, available=found) for model, found in self._found.items()]
 
     async def execute(self, spec: ExecutionSpec, sink: EventSink) -> None:
         """Run the model's program for ``spec``, streaming its stdout to ``sink`` as it arrives."""
-        options = self._models[spec.model]
+        options = self._models[spec.request.model]
         proc = await _spawn(options, spec.prompt_text())
-        log = _log.bind(run_id=spec.run_id, pid=proc.pid)
+        log = _log.bind(run_id=spec.request.run_id, pid=proc.pid)
         log.info("cli_started", program=options.argv[0])
         run = _Run(proc, options, sink, log)
         try:
@@ -132,7 +131,7 @@ class _Run:
                 raise
             self._log.info("cli_stopping", reason="timeout")
             raise IopError(
-                ErrorCode.DEADLINE_EXCEEDED, f"cli program did not finish within {seconds:.3g} s", retryable=False
+                pb.ERROR_CODE_DEADLINE_EXCEEDED, f"cli program did not finish within {seconds:.3g} s", retryable=False
             ) from None
         except asyncio.CancelledError:
             self._log.info("cli_stopping", reason="cancelled")
@@ -149,7 +148,7 @@ class _Run:
         except UnicodeDecodeError as exc:
             self._log.info("cli_stopping", reason="invalid_utf8")
             raise IopError(
-                ErrorCode.BACKEND_PROTOCOL_ERROR, f"cli program wrote invalid UTF-8 on stdout: {exc.reason}"
+                pb.ERROR_CODE_BACKEND_PROTOCOL_ERROR, f"cli program wrote invalid UTF-8 on stdout: {exc.reason}"
             ) from exc
 
     async def _read_stderr(self) -> None:
@@ -221,7 +220,7 @@ async def _spawn(options: CliOptions, prompt: str) -> asyncio.subprocess.Process
 def _spawn_error(options: CliOptions, exc: OSError | ValueError) -> IopError:
     program = options.argv[0]
     if isinstance(exc, ValueError):  # the only one exec raises: an argument holds a NUL character
-        return IopError(ErrorCode.INVALID_ARGUMENT, "cli program arguments cannot contain NUL characters")
+        return IopError(pb.ERROR_CODE_INVALID_ARGUMENT, "cli program arguments cannot contain NUL characters")
     if isinstance(exc, FileNotFoundError):
         missing = options.cwd is not None and exc.filename == options.cwd
         message = f"cli working directory not found: {options.cwd}" if missing else f"cli program not found: {program}"
@@ -229,7 +228,7 @@ def _spawn_error(options: CliOptions, exc: OSError | ValueError) -> IopError:
         message = f"cli program not executable: {program}"
     else:
         message = f"cli program could not start: {program}: {exc.strerror}"
-    return IopError(ErrorCode.BACKEND_ERROR, message, retryable=False)
+    return IopError(pb.ERROR_CODE_BACKEND_ERROR, message, retryable=False)
 
 
 def _child_env(options: CliOptions) -> dict[str, str]:
@@ -274,7 +273,7 @@ def _failure(code: int, stderr: str) -> IopError:
         what = f"cli program failed with exit code {code}"
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
     detail = " | ".join(lines[-_DETAIL_LINES:])[-_DETAIL_CHARS:]
-    return IopError(ErrorCode.BACKEND_ERROR, f"{what}: {detail}" if detail else what, retryable=False)
+    return IopError(pb.ERROR_CODE_BACKEND_ERROR, f"{what}: {detail}" if detail else what, retryable=False)
 
 
 def _signal_name(signum: int) -> str:

@@ -24,17 +24,18 @@ from typing import Any
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, FilePath
 
+from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.adapters.httpclient import BadResponse, ConnectionLost, HttpClient, ReadTimeout, Response
-from iop_wire.errors import ErrorCode, IopError
+from iop_wire.errors import IopError
 
 __all__ = ["Backend", "Backends", "HttpOptions", "Timeouts", "json_text", "protocol_error"]
 
 _log = structlog.get_logger("iop.node.http")
 _STATUS_CODES = {
-    404: ErrorCode.MODEL_NOT_FOUND,
-    400: ErrorCode.INVALID_ARGUMENT,
-    422: ErrorCode.INVALID_ARGUMENT,
-    429: ErrorCode.RESOURCE_EXHAUSTED,
+    404: pb.ERROR_CODE_MODEL_NOT_FOUND,
+    400: pb.ERROR_CODE_INVALID_ARGUMENT,
+    422: pb.ERROR_CODE_INVALID_ARGUMENT,
+    429: pb.ERROR_CODE_RESOURCE_EXHAUSTED,
 }
 _MESSAGE_LIMIT = 500
 _TAIL_WAIT = 0.2  # seconds to wait for a response's end after its final marker
@@ -98,7 +99,7 @@ def json_text(value: Any) -> str:
 
 def protocol_error(message: str) -> IopError:
     """The backend's response could not be understood."""
-    return IopError(ErrorCode.BACKEND_PROTOCOL_ERROR, message[:_MESSAGE_LIMIT])
+    return IopError(pb.ERROR_CODE_BACKEND_PROTOCOL_ERROR, message[:_MESSAGE_LIMIT])
 
 
 class Backend:
@@ -199,7 +200,7 @@ class Backend:
             raise protocol_error(f"{self.name}: response is not JSON: {exc}") from None
 
     def _unavailable(self, message: str) -> IopError:
-        return IopError(ErrorCode.UNAVAILABLE, f"{self.name}: {message}")
+        return IopError(pb.ERROR_CODE_UNAVAILABLE, f"{self.name}: {message}")
 
     def _unreachable(self, exc: BaseException) -> IopError:
         reason = str(exc) or type(exc).__name__
@@ -221,7 +222,7 @@ class Backend:
             document = json.loads(text)
             error = document.get("error", document)
             text = error.get("message", str(error)) if isinstance(error, dict) else str(error)
-        code = _STATUS_CODES.get(response.status, ErrorCode.BACKEND_ERROR)
+        code = _STATUS_CODES.get(response.status, pb.ERROR_CODE_BACKEND_ERROR)
         return IopError(code, f"{self.name} answered HTTP {response.status}: {text}")
 
     def mark_down(self, reason: str) -> None:

@@ -16,12 +16,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.domain import ExecutionSpec
 from iop_node.ports import EventSink
 from iop_node.settings import one_line
-from iop_wire.errors import ErrorCode, IopError
+from iop_wire.errors import IopError
 
 __all__ = ["MockAdapter", "MockOptions"]
 
@@ -122,20 +121,20 @@ class MockAdapter:
     def available(self, model: str) -> bool:
         return True
 
-    async def capabilities(self) -> list[bp.ModelInfo]:
-        kinds = [bp.RunKind.CHAT, bp.RunKind.COMPLETION, bp.RunKind.EMBEDDING]
-        return [bp.ModelInfo(name=name, kinds=kinds, available=True) for name in self._models]
+    async def capabilities(self) -> list[pb.ModelInfo]:
+        kinds = [pb.RUN_KIND_CHAT, pb.RUN_KIND_COMPLETION, pb.RUN_KIND_EMBEDDING]
+        return [pb.ModelInfo(name=name, kinds=kinds, available=True) for name in self._models]
 
     async def execute(self, spec: ExecutionSpec, sink: EventSink) -> None:
-        options = _options(self._models[spec.model], spec.metadata)
+        options = _options(self._models[spec.request.model], spec.request.metadata)
         prompt = spec.prompt_text()
         words = random.Random(_seed(spec, prompt))  # noqa: S311 - reproducible text, not secrets
         if options.ttft:
             await asyncio.sleep(options.ttft)
-        if spec.kind == bp.RunKind.EMBEDDING:
+        if spec.kind == pb.RUN_KIND_EMBEDDING:
             await _embed(spec, options, words, sink)
             return
-        limit = spec.sampling.max_tokens
+        limit = spec.sampling.max_tokens if spec.sampling.HasField("max_tokens") else None
         count = options.tokens if limit is None else min(limit, options.tokens)
         interval = 1.0 / options.tokens_per_second if options.tokens_per_second else 0.0
         faulty = (options.fail_after, options.stall_after, options.crash_after) != (None, None, None)
@@ -161,20 +160,20 @@ def _options(base: MockOptions, metadata: Mapping[str, str]) -> MockOptions:
     try:
         return base.model_validate({**base.model_dump(), **overrides})
     except ValidationError as exc:
-        raise IopError(ErrorCode.INVALID_ARGUMENT, f"metadata {one_line(exc, 'mock')}") from None
+        raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, f"metadata {one_line(exc, 'mock')}") from None
 
 
 def _seed(spec: ExecutionSpec, prompt: str) -> int:
-    if spec.sampling.seed is not None:
+    if spec.sampling.HasField("seed"):
         return spec.sampling.seed
-    digest = hashlib.blake2b(f"{spec.model}\0{prompt}".encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(f"{spec.request.model}\0{prompt}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")
 
 
 async def _inject(options: MockOptions, produced: int) -> None:
     """The configured failure, once ``produced`` tokens are out."""
     if options.fail_after == produced:
-        raise IopError(ErrorCode.BACKEND_ERROR, f"mock backend failed after {produced} tokens (fail_after)")
+        raise IopError(pb.ERROR_CODE_BACKEND_ERROR, f"mock backend failed after {produced} tokens (fail_after)")
     if options.crash_after == produced:
         raise RuntimeError(f"mock backend crashed after {produced} tokens (crash_after)")
     if options.stall_after == produced:
@@ -182,10 +181,11 @@ async def _inject(options: MockOptions, produced: int) -> None:
 
 
 async def _embed(spec: ExecutionSpec, options: MockOptions, numbers: random.Random, sink: EventSink) -> None:
+    prompt = spec.request.prompt
     vectors = [
         pb.Embedding(index=i, values=[numbers.uniform(-1, 1) for _ in range(options.dimensions)])
-        for i in range(len(spec.prompt))
+        for i in range(len(prompt))
     ]
-    await sink.delta(embeddings=vectors)
-    prompt_tokens = sum(len(text.split()) for text in spec.prompt)
+    await sink.output(pb.RunDelta(embeddings=vectors))
+    prompt_tokens = sum(len(text.split()) for text in prompt)
     await sink.complete(pb.FINISH_REASON_STOP, pb.Usage(prompt_tokens=prompt_tokens))

@@ -15,23 +15,23 @@ from typing import Any
 
 from pydantic import Field
 
-from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.adapters.http import Backend, Backends, HttpOptions, json_text, protocol_error
 from iop_node.domain import ROLE_NAMES, ExecutionSpec
 from iop_node.ports import EventSink
-from iop_wire.errors import ErrorCode, IopError
+from iop_wire.errors import IopError
 
 __all__ = ["OllamaAdapter", "OllamaOptions"]
 
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
-_OPTION_NAMES = {
+_OPTION_NAMES = {  # every field of Sampling
     "temperature": "temperature",
     "top_p": "top_p",
     "seed": "seed",
     "max_tokens": "num_predict",
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
+    "stop": "stop",
 }
 
 
@@ -55,16 +55,16 @@ class OllamaAdapter:
         self.available = self._backends.available
         self.aclose = self._backends.aclose
 
-    async def capabilities(self) -> list[bp.ModelInfo]:
+    async def capabilities(self) -> list[pb.ModelInfo]:
         tags: dict[str, set[str]] = {}
         for url, backend in self._backends.by_url.items():
             with contextlib.suppress(IopError):
                 document = await backend.get_json("/api/tags")
                 tags[url] = {str(m.get("name")) for m in document.get("models", [])}
-        kinds = [bp.RunKind.CHAT, bp.RunKind.COMPLETION, bp.RunKind.EMBEDDING]
+        kinds = [pb.RUN_KIND_CHAT, pb.RUN_KIND_COMPLETION, pb.RUN_KIND_EMBEDDING]
         listed = self._targets(tags)
         return [
-            bp.ModelInfo(name=model, kinds=kinds, available=self._backends[model].available and model in listed)
+            pb.ModelInfo(name=model, kinds=kinds, available=self._backends[model].available and model in listed)
             for model in self._options
         ]
 
@@ -79,11 +79,12 @@ class OllamaAdapter:
         return found
 
     async def execute(self, spec: ExecutionSpec, sink: EventSink) -> None:
-        backend = self._backends[spec.model]
-        if spec.kind == bp.RunKind.EMBEDDING:
+        model = spec.request.model
+        backend = self._backends[model]
+        if spec.kind == pb.RUN_KIND_EMBEDDING:
             await _embed(backend, spec, sink)
             return
-        path, body = _request_body(spec, self._options[spec.model])
+        path, body = _request_body(spec, self._options[model])
         final: dict[str, Any] | None = None
         # the final object says "done":true (Go's encoder writes no spaces; a "done" inside a
         # string would be escaped)
@@ -108,7 +109,8 @@ class OllamaAdapter:
 
 
 def _request_body(spec: ExecutionSpec, options: OllamaOptions) -> tuple[str, dict[str, Any]]:
-    body: dict[str, Any] = {"model": spec.target_model, "stream": spec.stream, "options": _sampling(spec)}
+    request = spec.request
+    body: dict[str, Any] = {"model": spec.target_model, "stream": request.stream, "options": _sampling(spec.sampling)}
     if options.keep_alive is not None:
         body["keep_alive"] = options.keep_alive
     response_format = spec.openai_fields.get("response_format")
@@ -118,22 +120,19 @@ def _request_body(spec: ExecutionSpec, options: OllamaOptions) -> tuple[str, dic
         body["format"] = (response_format.get("json_schema") or {}).get("schema", "json")
     if spec.openai_fields.get("tools"):
         body["tools"] = spec.openai_fields["tools"]
-    if spec.kind == bp.RunKind.COMPLETION:
-        body["prompt"] = "\n".join(spec.prompt)
+    if spec.kind == pb.RUN_KIND_COMPLETION:
+        body["prompt"] = "\n".join(request.prompt)
         return "/api/generate", body
-    body["messages"] = [_message(message) for message in spec.messages]
+    body["messages"] = [_message(message) for message in request.messages]
     return "/api/chat", body
 
 
-def _sampling(spec: ExecutionSpec) -> dict[str, Any]:
-    options = {
-        name: getattr(spec.sampling, field)
-        for field, name in _OPTION_NAMES.items()
-        if getattr(spec.sampling, field) is not None
+def _sampling(sampling: pb.Sampling) -> dict[str, Any]:
+    """The set sampling fields under Ollama's option names."""
+    return {
+        _OPTION_NAMES[field.name]: list(value) if field.name == "stop" else value
+        for field, value in sampling.ListFields()
     }
-    if spec.sampling.stop:
-        options["stop"] = list(spec.sampling.stop)
-    return options
 
 
 def _message(message: pb.ChatMessage) -> dict[str, Any]:
@@ -153,14 +152,14 @@ def _image(url: str) -> str:
     """Ollama takes base64 image data, not URLs: a data: URL is unwrapped, anything else refused."""
     if url.startswith("data:") and "," in url:
         return url.split(",", 1)[1]
-    raise IopError(ErrorCode.INVALID_ARGUMENT, "the ollama adapter needs images as data: URLs")
+    raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, "the ollama adapter needs images as data: URLs")
 
 
 def _arguments(text: str) -> Any:
     try:
         return json.loads(text) if text else {}
     except ValueError:
-        raise IopError(ErrorCode.INVALID_ARGUMENT, "tool call arguments must be a JSON text") from None
+        raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, "tool call arguments must be a JSON text") from None
 
 
 def _parse(line: bytes) -> dict[str, Any]:
@@ -171,17 +170,18 @@ def _parse(line: bytes) -> dict[str, Any]:
     if not isinstance(item, dict):
         raise protocol_error(f"the backend sent a JSON {type(item).__name__}, not an object")
     if "error" in item:
-        raise IopError(ErrorCode.BACKEND_ERROR, f"ollama reported an error mid-stream: {item['error']}")
+        raise IopError(pb.ERROR_CODE_BACKEND_ERROR, f"ollama reported an error mid-stream: {item['error']}")
     return item
 
 
 async def _embed(backend: Backend, spec: ExecutionSpec, sink: EventSink) -> None:
-    document = await backend.post_json("/api/embed", {"model": spec.target_model, "input": list(spec.prompt)})
+    body = {"model": spec.target_model, "input": list(spec.request.prompt)}
+    document = await backend.post_json("/api/embed", body)
     try:
         vectors = [pb.Embedding(index=i, values=values) for i, values in enumerate(document["embeddings"])]
     except (KeyError, TypeError) as exc:
         raise protocol_error(f"embed answer without embeddings: {exc}") from None
-    await sink.delta(embeddings=vectors)
+    await sink.output(pb.RunDelta(embeddings=vectors))
     await sink.complete(pb.FINISH_REASON_STOP, pb.Usage(prompt_tokens=document.get("prompt_eval_count") or 0))
 
 

@@ -18,12 +18,11 @@ from typing import Any
 
 from pydantic import Field
 
-from iop_gen.bp import iop as bp
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.adapters.http import Backend, Backends, HttpOptions, json_text, protocol_error
 from iop_node.domain import ROLE_NAMES, ExecutionSpec
 from iop_node.ports import EventSink
-from iop_wire.errors import ErrorCode, IopError
+from iop_wire.errors import IopError
 
 __all__ = ["VllmAdapter", "VllmOptions"]
 
@@ -56,13 +55,13 @@ class VllmAdapter:
         self._served: dict[str, set[str]] = {}
         self._refreshed: dict[str, float] = {}
 
-    async def capabilities(self) -> list[bp.ModelInfo]:
-        kinds = [bp.RunKind.CHAT, bp.RunKind.COMPLETION, bp.RunKind.EMBEDDING]
+    async def capabilities(self) -> list[pb.ModelInfo]:
+        kinds = [pb.RUN_KIND_CHAT, pb.RUN_KIND_COMPLETION, pb.RUN_KIND_EMBEDDING]
         infos = []
         for model, options in self._options.items():
             served = await self._served_models(model)
             up = self._backends[model].available and (served is None or (options.target or model) in served)
-            infos.append(bp.ModelInfo(name=model, kinds=kinds, available=up))
+            infos.append(pb.ModelInfo(name=model, kinds=kinds, available=up))
         return infos
 
     async def _served_models(self, model: str) -> set[str] | None:
@@ -77,13 +76,13 @@ class VllmAdapter:
         return self._served.get(url)
 
     async def execute(self, spec: ExecutionSpec, sink: EventSink) -> None:
-        backend = self._backends[spec.model]
+        backend = self._backends[spec.request.model]
         if int(spec.openai_fields.get("n") or 1) != 1:
-            raise IopError(ErrorCode.INVALID_ARGUMENT, "n > 1 is not supported: send one run per choice")
+            raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, "n > 1 is not supported: send one run per choice")
         try:
-            if spec.kind == bp.RunKind.EMBEDDING:
+            if spec.kind == pb.RUN_KIND_EMBEDDING:
                 await self._embed(backend, spec, sink)
-            elif spec.stream:
+            elif spec.request.stream:
                 await self._stream(backend, spec, sink)
             else:
                 await self._whole(backend, spec, sink)
@@ -105,11 +104,10 @@ class VllmAdapter:
                 chunk = _parse(data)
                 try:
                     usage = _usage(chunk.get("usage")) or usage
-                    text, calls, logprobs, finished = _output(chunk)
-                except (AttributeError, KeyError, TypeError, ValueError) as exc:
+                    output, finished = _output(chunk)
+                except (AttributeError, KeyError, TypeError, ValueError) as exc:  # ValueError: not UTF-8 either
                     raise protocol_error(f"unexpected chunk shape ({exc}): {data[:120]!r}") from None
-                if text or calls or logprobs:
-                    await sink.delta(text, tool_calls=calls, logprobs=logprobs)
+                await _send(sink, output)
                 finish = finished or finish
         if finish is None:
             raise protocol_error("the backend's stream ended without a finish_reason")
@@ -123,23 +121,22 @@ class VllmAdapter:
             message = choice.get("message") or {}
             text = json_text(message.get("content") if "message" in choice else choice.get("text"))
             calls = [_tool_call(i, call) for i, call in enumerate(message.get("tool_calls") or [])]
-            logprobs = _logprobs(choice.get("logprobs"))
+            output = _delta(text, calls, _logprobs(choice.get("logprobs")))
             finish = _FINISH.get(choice.get("finish_reason") or "stop", pb.FINISH_REASON_STOP)
             usage = _usage(document.get("usage"))
-        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:  # ValueError: not UTF-8 either
             raise protocol_error(f"unexpected answer shape ({exc}): {str(document)[:200]}") from None
-        if text or calls or logprobs:
-            await sink.delta(text, tool_calls=calls, logprobs=logprobs)
+        await _send(sink, output)
         await sink.complete(finish, usage)
 
     async def _embed(self, backend: Backend, spec: ExecutionSpec, sink: EventSink) -> None:
-        body = {**spec.openai_fields, "model": spec.target_model, "input": list(spec.prompt)}
+        body = {**spec.openai_fields, "model": spec.target_model, "input": list(spec.request.prompt)}
         document = await backend.post_json("/v1/embeddings", body)
         try:
             vectors = [pb.Embedding(index=item["index"], values=item["embedding"]) for item in document["data"]]
         except (KeyError, TypeError) as exc:
             raise protocol_error(f"embeddings answer without data[].embedding: {exc}") from None
-        await sink.delta(embeddings=vectors)
+        await sink.output(pb.RunDelta(embeddings=vectors))
         await sink.complete(pb.FINISH_REASON_STOP, _usage(document.get("usage")))
 
 
@@ -150,17 +147,13 @@ def _request_body(spec: ExecutionSpec, *, stream: bool) -> tuple[str, dict[str, 
     body["stream"] = stream
     if stream:
         body["stream_options"] = {**body.get("stream_options", {}), "include_usage": True}
-    sampling = spec.sampling
-    for key in ("temperature", "top_p", "max_tokens", "seed", "presence_penalty", "frequency_penalty"):
-        value = getattr(sampling, key)
-        if value is not None:
-            body[key] = value
-    if sampling.stop:
-        body["stop"] = list(sampling.stop)
-    if spec.kind == bp.RunKind.COMPLETION:
-        body["prompt"] = spec.prompt[0] if len(spec.prompt) == 1 else list(spec.prompt)
+    for field, value in spec.sampling.ListFields():  # set fields only; stop only when not empty
+        body[field.name] = list(value) if field.name == "stop" else value
+    request = spec.request
+    if spec.kind == pb.RUN_KIND_COMPLETION:
+        body["prompt"] = request.prompt[0] if len(request.prompt) == 1 else list(request.prompt)
         return "/v1/completions", body
-    body["messages"] = [_message(message) for message in spec.messages]
+    body["messages"] = [_message(message) for message in request.messages]
     return "/v1/chat/completions", body
 
 
@@ -216,23 +209,35 @@ def _parse(data: bytes) -> dict[str, Any]:
     if "error" in chunk:
         error = chunk["error"]
         detail = error.get("message", error) if isinstance(error, dict) else error
-        raise IopError(ErrorCode.BACKEND_ERROR, f"the backend reported an error mid-stream: {detail}")
+        raise IopError(pb.ERROR_CODE_BACKEND_ERROR, f"the backend reported an error mid-stream: {detail}")
     return chunk
 
 
-def _output(
-    chunk: dict[str, Any],
-) -> tuple[str, list[pb.ToolCallDelta] | None, list[pb.TokenLogprob] | None, str | None]:
-    """One SSE chunk's text, tool-call deltas, logprobs and finish_reason."""
+def _output(chunk: dict[str, Any]) -> tuple[str | pb.RunDelta, str | None]:
+    """One SSE chunk's output (text alone, or a delta with tool-call fragments or logprobs) and finish_reason."""
     choices = chunk.get("choices") or ()
     if not choices:
-        return "", None, None, None
+        return "", None
     choice = choices[0]
     delta = choice.get("delta")
     text = json_text(delta.get("content") if delta is not None else choice.get("text"))
     calls = [_tool_call(call.get("index", i), call) for i, call in enumerate((delta or {}).get("tool_calls") or ())]
-    logprobs = _logprobs(choice.get("logprobs")) if choice.get("logprobs") else None
-    return text, calls or None, logprobs or None, choice.get("finish_reason")
+    logprobs = _logprobs(choice.get("logprobs")) if choice.get("logprobs") else []
+    return _delta(text, calls, logprobs), choice.get("finish_reason")
+
+
+def _delta(text: str, calls: list[pb.ToolCallDelta], logprobs: list[pb.TokenLogprob]) -> str | pb.RunDelta:
+    """``text`` alone (the fast path), or a delta carrying the tool-call fragments and logprobs too."""
+    if not calls and not logprobs:
+        return text
+    return pb.RunDelta(text=text, tool_calls=calls, logprobs=logprobs)
+
+
+async def _send(sink: EventSink, output: str | pb.RunDelta) -> None:
+    if isinstance(output, pb.RunDelta):
+        await sink.output(output)
+    elif output:
+        await sink.delta(output)
 
 
 def _tool_call(index: int, call: dict[str, Any]) -> pb.ToolCallDelta:

@@ -570,8 +570,11 @@ class Envelope(betterproto2.Message):
     run_id: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
     """
     The run this envelope belongs to, for multiplexing many runs over one
-    connection. Empty for connection-level messages (heartbeat, capability,
-    node.*). When both are set it equals the inner message's run_id.
+    connection. Required on run.event. On run.request and cancel.request the
+    inner run_id wins when both are set and differ; the envelope's is used
+    when the inner one is empty. On an error answering a refused run.request
+    it names that run. Empty for connection-level messages (heartbeat,
+    capability, node.*).
     """
 
     sent_at: "datetime.datetime | None" = betterproto2.field(
@@ -712,8 +715,10 @@ default_message_pool.register_message("iop", "FunctionCall", FunctionCall)
 @dataclass(eq=False, repr=False)
 class Heartbeat(betterproto2.Message):
     """
-    heartbeat: sent by both peers every interval (30 s by default). A peer that
-    has heard nothing for 3 intervals is declared dead and the connection closed.
+    heartbeat: sent by both peers every interval (30 s by default). A peer from
+    which no whole frame arrived, or which read none of our bytes, for 3
+    intervals (the longer of both sides', the peer's capped by the receiver) is
+    declared dead and the connection closed.
     """
 
     sequence: "int" = betterproto2.field(1, betterproto2.TYPE_UINT64)
@@ -1018,7 +1023,8 @@ default_message_pool.register_message("iop", "RunDelta", RunDelta)
 class RunEvent(betterproto2.Message):
     """
     run.event: one event of a run. The first is start, then any number of
-    deltas, then exactly one complete or error; nothing follows those.
+    deltas, then exactly one complete or error; nothing follows those. A run
+    refused before it started has exactly one event: an error at sequence 0.
 
     Oneofs:
         - event: Exactly one is set.
@@ -1062,7 +1068,8 @@ class RunRequest(betterproto2.Message):
 
     run_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
     """
-    Client-chosen id of the run, unique per caller; used by cancel.request
+    Client-chosen id of the run, unique among the runs live on this
+    connection (run ids are scoped to the connection); used by cancel.request
     and by every run.event of this run.
     """
 
@@ -1120,7 +1127,9 @@ class RunRequest(betterproto2.Message):
 
     caller: "Caller | None" = betterproto2.field(11, betterproto2.TYPE_MESSAGE, optional=True)
     """
-    Who asked, for quotas, accounting and run history.
+    Who asked, for quotas, accounting and run history. Honoured only from
+    peers whose certificate role acts for others (edge, worker,
+    control-plane); any other peer's runs are attributed to the peer itself.
     """
 
     metadata: "dict[str, str]" = betterproto2.field(

@@ -246,8 +246,11 @@ class Envelope(_message.Message):
     """
     run_id: _builtins.str
     """The run this envelope belongs to, for multiplexing many runs over one
-    connection. Empty for connection-level messages (heartbeat, capability,
-    node.*). When both are set it equals the inner message's run_id.
+    connection. Required on run.event. On run.request and cancel.request the
+    inner run_id wins when both are set and differ; the envelope's is used
+    when the inner one is empty. On an error answering a refused run.request
+    it names that run. Empty for connection-level messages (heartbeat,
+    capability, node.*).
     """
     in_reply_to: _builtins.str
     """For a response: the id of the envelope it answers (capability.response
@@ -372,7 +375,8 @@ class RunRequest(_message.Message):
     CALLER_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
-    """Client-chosen id of the run, unique per caller; used by cancel.request
+    """Client-chosen id of the run, unique among the runs live on this
+    connection (run ids are scoped to the connection); used by cancel.request
     and by every run.event of this run.
     """
     model: _builtins.str
@@ -414,7 +418,10 @@ class RunRequest(_message.Message):
 
     @_builtins.property
     def caller(self) -> Global___Caller:
-        """Who asked, for quotas, accounting and run history."""
+        """Who asked, for quotas, accounting and run history. Honoured only from
+        peers whose certificate role acts for others (edge, worker,
+        control-plane); any other peer's runs are attributed to the peer itself.
+        """
 
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
@@ -736,7 +743,8 @@ Global___Caller: _TypeAlias = Caller  # noqa: Y015
 @_typing.final
 class RunEvent(_message.Message):
     """run.event: one event of a run. The first is start, then any number of
-    deltas, then exactly one complete or error; nothing follows those.
+    deltas, then exactly one complete or error; nothing follows those. A run
+    refused before it started has exactly one event: an error at sequence 0.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1087,8 +1095,10 @@ Global___Timings: _TypeAlias = Timings  # noqa: Y015
 
 @_typing.final
 class Heartbeat(_message.Message):
-    """heartbeat: sent by both peers every interval (30 s by default). A peer that
-    has heard nothing for 3 intervals is declared dead and the connection closed.
+    """heartbeat: sent by both peers every interval (30 s by default). A peer from
+    which no whole frame arrived, or which read none of our bytes, for 3
+    intervals (the longer of both sides', the peer's capped by the receiver) is
+    declared dead and the connection closed.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
