@@ -166,9 +166,7 @@ class _YieldingHandler(EchoHandler):
 async def test_slow_reader_bounds_the_writer(pki: Pki, edge_tls: TlsConfig, yields: bool) -> None:
     handler = _YieldingHandler() if yields else EchoHandler()
     small = ConnectionConfig(run_buffer=8, write_buffer=16 * 1024)
-    listener = await Listener(
-        ListenerConfig(tls=pki.config("n", Role.NODE), connection=small), handler.wire()
-    ).start()
+    listener = await Listener(ListenerConfig(tls=pki.config("n", Role.NODE), connection=small), handler.wire()).start()
     connection = await dial("127.0.0.1", listener.port, tls=edge_tls, server_hostname="localhost", config=small)
     # Small kernel buffers, so that what the kernel holds does not hide our own buffering.
     connection._writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)
