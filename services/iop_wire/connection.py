@@ -385,6 +385,7 @@ class Connection:
                 for body in frames:
                     await self._on_frame(body)
         except FrameError as exc:
+            LIMIT_HITS.labels("frame_size").inc()
             self._log.warning("bad frame", reason=exc.message)
             await self._shutdown(exc, notify_peer=True)
         except (ConnectionError, ssl.SSLError, OSError) as exc:

@@ -136,6 +136,8 @@ class Listener:
         try:
             accepted = await asyncio.wait_for(self._handshake(reader, writer, log), self.config.handshake_timeout)
         except (ssl.SSLError, ConnectionError, OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+            if isinstance(exc, TimeoutError):
+                LIMIT_HITS.labels("handshake_timeout").inc()
             log.warning("handshake failed", reason=_reason(exc))
             writer.transport.abort()
             return
