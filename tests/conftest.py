@@ -14,9 +14,10 @@ from hypothesis import settings
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.certs import Authority
-from iop_wire.connection import ConnectionConfig, EventSink, Handler, Inbound
+from iop_wire.connection import ConnectionConfig, Handler, Inbound
 from iop_wire.endpoint import Listener, ListenerConfig
 from iop_wire.errors import IopError
+from iop_wire.runs import EventSink
 from iop_wire.tls import Role, TlsConfig
 
 # Real inference servers (llama-cpp-python, Ollama) for the adapter tests: tests/backends.

@@ -42,6 +42,8 @@ from iop_wire.tls import ANONYMOUS, PeerIdentity
 __all__ = ["Connection", "ConnectionConfig", "Handler", "Inbound", "MessageHandler", "RunHandler"]
 
 _log = structlog.get_logger("iop.wire")
+_FAIR_SHARE = 16  # frames handled from one read before other tasks get a turn
+_LOG_EVERY = 1.0  # seconds between log lines for one limit on one connection
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +165,7 @@ class Connection:
         self._stall_since: float | None = None
         self._drained = 0
         self._reading_paused = False
+        self._limit_logs: dict[str, tuple[float, int]] = {}
         self._done = asyncio.Event()
         self._log = _log.bind(peer=peer.name, role=peer.role, conn=label or self.id)
 
@@ -382,8 +385,10 @@ class Connection:
                     self._frame_since = now if self._decoder.buffered else None
                 elif self._frame_since is None:
                     self._frame_since = now
-                for body in frames:
+                for index, body in enumerate(frames, 1):
                     await self._on_frame(body)
+                    if index % _FAIR_SHARE == 0:  # one read holds thousands of small frames: let others run
+                        await asyncio.sleep(0)
         except FrameError as exc:
             LIMIT_HITS.labels("frame_size").inc()
             self._log.warning("bad frame", reason=exc.message)
@@ -524,8 +529,7 @@ class Connection:
                 envelope, pb.ERROR_CODE_PROTOCOL_VIOLATION, f"run {run_id} is already running", run_id=run_id
             )
         elif len(self._served) >= self.config.max_runs:
-            LIMIT_HITS.labels("runs_per_connection").inc()
-            self._log.warning("run refused", run_id=run_id, reason="runs per connection", limit=self.config.max_runs)
+            self._limit_hit("runs_per_connection", "run refused", run_id=run_id, limit=self.config.max_runs)
             error = IopError(
                 pb.ERROR_CODE_RESOURCE_EXHAUSTED,
                 f"this connection already has {self.config.max_runs} runs in progress",
@@ -533,7 +537,7 @@ class Connection:
                 run_id=run_id,
             )
             refusal = pb.Envelope(run_id=run_id, run_event=pb.RunEvent(sequence=0, error=error_message(error)))
-            await self.send(refusal, urgent=True)
+            await self.send(refusal)  # gathered with the turn's other frames: a flood costs no write each
         else:
             request.run_id = run_id
             sink = EventSink(self, run_id)
@@ -564,8 +568,7 @@ class Connection:
 
     async def _on_message(self, handler: MessageHandler, envelope: pb.Envelope) -> None:
         if len(self._requests) >= self.config.max_requests:
-            LIMIT_HITS.labels("requests_per_connection").inc()
-            self._log.warning("request refused", reason="requests per connection", limit=self.config.max_requests)
+            self._limit_hit("requests_per_connection", "request refused", limit=self.config.max_requests)
             error = IopError(
                 pb.ERROR_CODE_RESOURCE_EXHAUSTED, f"{self.config.max_requests} requests are already being answered"
             )
@@ -588,6 +591,17 @@ class Connection:
             self._log.exception("message handler failed", message=envelope.WhichOneof("body"))
             if not self.closed:
                 await self._reject(envelope, pb.ERROR_CODE_INTERNAL, "internal error")
+
+    def _limit_hit(self, name: str, event: str, **fields: object) -> None:
+        """Count a limit that bit; log it at most once a second per connection, with what was not logged."""
+        LIMIT_HITS.labels(name).inc()
+        now = self._loop.time()
+        last, unlogged = self._limit_logs.get(name, (-_LOG_EVERY, 0))
+        if now - last < _LOG_EVERY:
+            self._limit_logs[name] = (last, unlogged + 1)
+            return
+        self._limit_logs[name] = (now, 0)
+        self._log.warning(event, reason=name.replace("_", " "), not_logged_since_last=unlogged, **fields)
 
     # -- liveness ----------------------------------------------------------------------------
 
