@@ -44,6 +44,7 @@ __all__ = ["Connection", "ConnectionConfig", "Handler", "Inbound", "MessageHandl
 _log = structlog.get_logger("iop.wire")
 _FAIR_SHARE = 16  # frames handled from one read before other tasks get a turn
 _LOG_EVERY = 1.0  # seconds between log lines for one limit on one connection
+_PAUSE_POLL = 0.01  # seconds between looks at a paused connection's unsent bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,7 +335,7 @@ class Connection:
             raise IopError(pb.ERROR_CODE_PROTOCOL_VIOLATION, f"run {request.run_id} is already open")
         if self.closed:
             raise ConnectionClosed("connection is closed")
-        stream = RunStream(request.run_id, self.config.run_buffer, self.cancel_run)
+        stream = RunStream(request.run_id, self.config.run_buffer, self.cancel_run, codec=self.codec.name)
         self._streams[request.run_id] = stream
         await self.send(pb.Envelope(run_id=request.run_id, run_request=request), urgent=True)
         return stream
@@ -412,11 +413,21 @@ class Connection:
             while self.unsent > self.config.read_pause_bytes // 2 and not self.closed:
                 self._flush()
                 await self._writer.drain()
-                await asyncio.sleep(0)  # drain returns at once when the transport is not paused
+                if self.unsent > self.config.read_pause_bytes // 2:
+                    # drain() returns at once while the transport is under its own high-water
+                    # mark, which may be above ours: look again later instead of spinning.
+                    await asyncio.sleep(_PAUSE_POLL)
         finally:
-            self._reading_paused = False
-            self._last_heard = self._loop.time()
+            self._reading_resumed()
         self._log.info("reading resumed", unsent=self.unsent)
+
+    def _reading_resumed(self) -> None:
+        """Reading goes on after this end held it: the peer's time starts again from now."""
+        self._reading_paused = False
+        now = self._loop.time()
+        self._last_heard = now
+        if self._frame_since is not None:  # a frame cut by the pause could not finish meanwhile
+            self._frame_since = now
 
     async def _on_eof(self) -> None:
         if self._decoder.buffered:
@@ -453,9 +464,11 @@ class Connection:
         else:
             await self._reject(envelope, pb.ERROR_CODE_UNKNOWN_MESSAGE_TYPE, f"unknown message type {kind or '(none)'}")
 
-    async def _reject(self, envelope: pb.Envelope, code: Code, message: str, *, run_id: str = "") -> None:
+    async def _reject(
+        self, envelope: pb.Envelope, code: Code, message: str, *, run_id: str = "", retryable: bool = False
+    ) -> None:
         self._log.warning("rejected envelope", reason=message, code=code_name(code))
-        error = IopError(code, message, retryable=False, run_id=run_id)
+        error = IopError(code, message, retryable=retryable, run_id=run_id)
         await self.send(error_envelope(error, in_reply_to=envelope.id))
 
     def _resolve(self, envelope: pb.Envelope) -> None:
@@ -483,15 +496,14 @@ class Connection:
             try:
                 await stream.put(event, body)
             finally:
-                self._reading_paused = False
-                self._last_heard = self._loop.time()
+                self._reading_resumed()
         else:
             await stream.put(event, body)
 
     def _on_error(self, envelope: pb.Envelope, body: bytes) -> None:
         stream = self._streams.pop(envelope.run_id, None)
         if stream is not None:  # a run.request refused before it became a run
-            stream.end(pb.RunEvent(error=envelope.error), body)
+            stream.end(pb.RunEvent(error=envelope.error), b"")  # not a run.event's bytes: none to forward
             return
         err = envelope.error
         level = self._log.info if err.code == pb.ERROR_CODE_SHUTTING_DOWN else self._log.warning
@@ -523,7 +535,7 @@ class Connection:
             )
         elif not run_id:
             await self._reject(envelope, pb.ERROR_CODE_INVALID_ARGUMENT, "run.request needs a run_id")
-        elif run_id in self._served:
+        elif run_id in self._served and not self._served[run_id].sink.finished:
             # Not a run event: the live run with this id goes on, and its stream must not end.
             await self._reject(
                 envelope, pb.ERROR_CODE_PROTOCOL_VIOLATION, f"run {run_id} is already running", run_id=run_id
@@ -557,7 +569,9 @@ class Connection:
             self._log.exception("run handler failed", run_id=sink.run_id)
             await sink.error(IopError(pb.ERROR_CODE_INTERNAL, "internal error"))
         finally:
-            self._served.pop(sink.run_id, None)
+            served = self._served.get(sink.run_id)
+            if served is not None and served.sink is sink:  # the id may already name a newer run
+                del self._served[sink.run_id]
 
     def _on_cancel_request(self, envelope: pb.Envelope) -> None:
         message = envelope.cancel_request
@@ -584,7 +598,7 @@ class Connection:
             await handler(Inbound(self, envelope))
         except IopError as exc:  # the handler refused it: say so, and go on
             if not self.closed:
-                await self._reject(envelope, exc.code, exc.message, run_id=exc.run_id)
+                await self._reject(envelope, exc.code, exc.message, run_id=exc.run_id, retryable=exc.retryable)
         except ConnectionClosed:
             return
         except Exception:  # noqa: BLE001 - answer with an error; the connection goes on
@@ -633,12 +647,14 @@ class Connection:
         """Why the peer is to be treated as dead now, if it is: (metric reason, log message)."""
         now = self._loop.time()
         window = max(self.config.heartbeat_interval, self._peer_interval) * self.config.missed_heartbeats
+        if self._reading_paused:
+            return None  # this end holds the peer back: neither its silence nor a cut frame is its fault
         if self._frame_since is not None and now - self._frame_since > self.config.frame_timeout:
             LIMIT_HITS.labels("frame_timeout").inc()
             return "frame_timeout", (
                 f"a frame took over {self.config.frame_timeout:g} s to arrive ({self._decoder.buffered} bytes so far)"
             )
-        if now - self._last_heard > window and not self._reading_paused:
+        if now - self._last_heard > window:
             return (
                 "silent",
                 f"peer missed {self.config.missed_heartbeats} heartbeats ({now - self._last_heard:.2f} s silent)",

@@ -49,8 +49,10 @@ class _Sender(Protocol):
 class RunStream:
     """The events of one run this end opened, in order; ends after complete or error."""
 
-    def __init__(self, run_id: str, capacity: int, cancel: Callable[[str, str], None]) -> None:
+    def __init__(self, run_id: str, capacity: int, cancel: Callable[[str, str], None], *, codec: str = "proto") -> None:
         self.run_id = run_id
+        self.codec = codec
+        """The codec the bodies of :meth:`next_frame` are in."""
         self._cancel = cancel
         self._capacity = capacity
         self._events: deque[tuple[pb.RunEvent, bytes]] = deque()
@@ -71,9 +73,10 @@ class RunStream:
         return (await self.next_frame())[0]
 
     async def next_frame(self) -> tuple[pb.RunEvent, bytes]:
-        """The next event with its frame body as received, for relays that forward it as is.
+        """The next event with its frame body as received (in :attr:`codec`), for relays.
 
-        The body is empty for an event made on this side (the connection closed).
+        The body is empty for an event made on this side (the connection closed, or a refusal
+        that came as an envelope-level error).
         """
         while not self._events:
             if self.finished:
@@ -233,7 +236,7 @@ class EventSink:
         self._connection.send_frame_nowait(self._framed(self._error_envelope(error)))
 
     async def forward(self, event: pb.RunEvent, body: bytes) -> None:
-        """Relay an event another connection delivered (``body`` as received, or b"").
+        """Relay an event another connection delivered (``body``: its envelope's protobuf bytes, or b"").
 
         The event is renumbered into this run's sequence; a second ``start`` (a retry on
         another server) is dropped. Where both connections use the proto codec the received
@@ -387,12 +390,15 @@ async def relay(stream: RunStream, sink: EventSink) -> tuple[pb.RunEvent, bytes]
     the run elsewhere when it failed before any output (``sink.outputs == 0``). If the task
     is cancelled (the requester cancelled or went away), the run is cancelled upstream too.
     """
+    as_received = stream.codec == "proto"  # only protobuf bytes can be forwarded as they are
     try:
         while True:
             try:
                 event, body = await stream.next_frame()
             except StopAsyncIteration:
                 raise IopError(pb.ERROR_CODE_INTERNAL, f"run {stream.run_id} was already read to its end") from None
+            if not as_received:
+                body = b""
             if event.WhichOneof("event") in TERMINAL_EVENTS:
                 return event, body
             await sink.forward(event, body)
