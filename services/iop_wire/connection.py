@@ -42,7 +42,7 @@ from iop_wire.tls import ANONYMOUS, PeerIdentity
 __all__ = ["Connection", "ConnectionConfig", "Handler", "Inbound", "MessageHandler", "RunHandler"]
 
 _log = structlog.get_logger("iop.wire")
-_FAIR_SHARE = 16  # frames handled from one read before other tasks get a turn
+_FAIR_SHARE = 64  # frames handled from one read before other tasks get a turn
 _LOG_EVERY = 1.0  # seconds between log lines for one limit on one connection
 _PAUSE_POLL = 0.01  # seconds between looks at a paused connection's unsent bytes
 
@@ -388,7 +388,10 @@ class Connection:
                     self._frame_since = now
                 for index, body in enumerate(frames, 1):
                     await self._on_frame(body)
-                    if index % _FAIR_SHARE == 0:  # one read holds thousands of small frames: let others run
+                    # One read may hold thousands of small frames, each of which may start work:
+                    # let other tasks run now and then (not after every frame, or the writes
+                    # of a turn stop coalescing).
+                    if index % _FAIR_SHARE == 0:
                         await asyncio.sleep(0)
         except FrameError as exc:
             LIMIT_HITS.labels("frame_size").inc()
