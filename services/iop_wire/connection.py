@@ -24,16 +24,17 @@ import itertools
 import secrets
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
-from types import MappingProxyType, TracebackType
+from dataclasses import dataclass
+from types import TracebackType
 
 import structlog
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.codec import Codec
 from iop_wire.errors import Code, ConnectionClosed, DecodeError, FrameError, IopError, code_name
-from iop_wire.framing import DEFAULT_MAX_FRAME_SIZE, FrameDecoder, encode_frame
+from iop_wire.framing import FrameDecoder, encode_frame
+from iop_wire.handler import ConnectionConfig, Handler, Inbound, MessageHandler, RunHandler
+from iop_wire.liveness import Liveness, Verdict
 from iop_wire.messages import error_envelope, error_message
 from iop_wire.metrics import CONNECTIONS, LIMIT_HITS, PEERS_LOST
 from iop_wire.runs import TERMINAL_EVENTS, EventSink, RunStream
@@ -45,75 +46,6 @@ _log = structlog.get_logger("iop.wire")
 _FAIR_SHARE = 64  # frames handled from one read before other tasks get a turn
 _LOG_EVERY = 1.0  # seconds between log lines for one limit on one connection
 _PAUSE_POLL = 0.01  # seconds between looks at a paused connection's unsent bytes
-
-
-@dataclass(frozen=True, slots=True)
-class ConnectionConfig:
-    """Limits and timers of one connection; each limit is counted in ``iop_wire_limit_hits_total``."""
-
-    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
-    """Largest frame body accepted or sent, in bytes."""
-    heartbeat_interval: float = 30.0
-    """Seconds between heartbeats sent."""
-    missed_heartbeats: int = 3
-    """Intervals of silence (or of our bytes left unread) after which the peer is dead."""
-    max_peer_interval: float = 120.0
-    """Largest heartbeat interval a peer may announce; a longer one is taken as this."""
-    frame_timeout: float = 30.0
-    """Seconds a frame may take to arrive whole once its first byte came."""
-    max_runs: int = 1024
-    """Runs the peer may have this end serve at once; more are refused RESOURCE_EXHAUSTED."""
-    max_requests: int = 64
-    """Message handlers (capability, node.*, ...) running at once for the peer."""
-    run_buffer: int = 256
-    """Events buffered per run on the receiving side before reading pauses."""
-    write_buffer: int = 256 * 1024
-    """Bytes gathered before they are written at once (otherwise at the end of the loop's turn)."""
-    read_pause_bytes: int = 4 * 1024 * 1024
-    """Reading pauses while more than this many bytes wait to be sent to the peer."""
-    read_size: int = 256 * 1024
-    """Bytes asked of the socket per read."""
-    close_timeout: float = 5.0
-    """Seconds a close waits for the peer before aborting the socket."""
-
-    @property
-    def watch_tick(self) -> float:
-        """How often the watchdog looks: often enough to act within a tenth of any window."""
-        return min(1.0, self.heartbeat_interval / 4, self.frame_timeout / 4)
-
-
-RunHandler = Callable[[pb.RunRequest, EventSink], Awaitable[None]]
-"""Executes one run.request, writing to the sink; cancelled when the run is."""
-MessageHandler = Callable[["Inbound"], Awaitable[None]]
-"""Handles one envelope of its type; an IopError it raises is sent back as the reply."""
-
-
-@dataclass(frozen=True, slots=True)
-class Handler:
-    """What this end serves on a connection: runs, and a function per other message type."""
-
-    run: RunHandler | None = None
-    """Serves run.request; None refuses runs with UNKNOWN_MESSAGE_TYPE."""
-    messages: Mapping[str, MessageHandler] = field(default_factory=lambda: MappingProxyType({}))
-    """``Envelope.body`` field name (``capability_request``, ``node_register``, ...) -> handler."""
-
-
-@dataclass(frozen=True, slots=True)
-class Inbound:
-    """An envelope handed to a message handler, with the means to answer it."""
-
-    connection: Connection
-    envelope: pb.Envelope
-
-    @property
-    def peer(self) -> PeerIdentity:
-        """Who sent it, from its certificate."""
-        return self.connection.peer
-
-    async def reply(self, envelope: pb.Envelope) -> None:
-        """Send ``envelope`` as the answer (its ``in_reply_to`` is set to this envelope's id)."""
-        envelope.in_reply_to = self.envelope.id
-        await self.connection.send(envelope, urgent=True)
 
 
 @dataclass(slots=True)
@@ -159,13 +91,8 @@ class Connection:
         self._pending: dict[str, asyncio.Future[pb.Envelope]] = {}
         self._requests: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
-        self._peer_interval = 0.0
         self._loop = asyncio.get_running_loop()
-        self._last_heard = self._loop.time()
-        self._frame_since: float | None = None
-        self._stall_since: float | None = None
-        self._drained = 0
-        self._reading_paused = False
+        self._liveness = Liveness(config, self._loop.time())
         self._limit_logs: dict[str, tuple[float, int]] = {}
         self._done = asyncio.Event()
         self._log = _log.bind(peer=peer.name, role=peer.role, conn=label or self.id)
@@ -380,12 +307,7 @@ class Connection:
                     await self._on_eof()
                     return
                 frames = self._decoder.feed(data)
-                now = self._loop.time()
-                if frames:  # only whole frames are signs of life: a trickle of bytes is not
-                    self._last_heard = now
-                    self._frame_since = now if self._decoder.buffered else None
-                elif self._frame_since is None:
-                    self._frame_since = now
+                self._liveness.received(self._loop.time(), frames=len(frames), partial=self._decoder.buffered > 0)
                 for index, body in enumerate(frames, 1):
                     await self._on_frame(body)
                     # One read may hold thousands of small frames, each of which may start work:
@@ -411,7 +333,7 @@ class Connection:
         """Read nothing more while the peer leaves our answers unread; TCP then holds it back."""
         LIMIT_HITS.labels("read_paused").inc()
         self._log.warning("reading paused", reason="peer is not reading", unsent=self.unsent)
-        self._reading_paused = True
+        self._liveness.held = True
         try:
             while self.unsent > self.config.read_pause_bytes // 2 and not self.closed:
                 self._flush()
@@ -421,16 +343,13 @@ class Connection:
                     # mark, which may be above ours: look again later instead of spinning.
                     await asyncio.sleep(_PAUSE_POLL)
         finally:
-            self._reading_resumed()
+            self._liveness.resumed(self._loop.time())
         self._log.info("reading resumed", unsent=self.unsent)
 
-    def _reading_resumed(self) -> None:
-        """Reading goes on after this end held it: the peer's time starts again from now."""
-        self._reading_paused = False
-        now = self._loop.time()
-        self._last_heard = now
-        if self._frame_since is not None:  # a frame cut by the pause could not finish meanwhile
-            self._frame_since = now
+    @property
+    def _reading_paused(self) -> bool:
+        """True while this end holds reading back (a full run stream, or the peer reads nothing)."""
+        return self._liveness.held
 
     async def _on_eof(self) -> None:
         if self._decoder.buffered:
@@ -495,11 +414,11 @@ class Connection:
         if stream.cancelled:
             return  # its reader asked to stop; only the terminal event still matters
         if stream.full:
-            self._reading_paused = True
+            self._liveness.held = True
             try:
                 await stream.put(event, body)
             finally:
-                self._reading_resumed()
+                self._liveness.resumed(self._loop.time())
         else:
             await stream.put(event, body)
 
@@ -517,14 +436,10 @@ class Connection:
         # Any whole frame counts as a sign of life (the read loop noted the time); the interval
         # tells how long this peer may stay silent, within our bound.
         interval = beat.interval.ToNanoseconds() / 1e9
-        if interval > self.config.max_peer_interval:
-            if self._peer_interval < self.config.max_peer_interval:  # log once per connection
-                LIMIT_HITS.labels("peer_heartbeat_interval").inc()
-                self._log.warning(
-                    "peer heartbeat interval clamped", announced=interval, used=self.config.max_peer_interval
-                )
-            interval = self.config.max_peer_interval
-        self._peer_interval = interval
+        capped_before = self._liveness.peer_interval == self.config.max_peer_interval
+        if not self._liveness.announce(interval) and not capped_before:  # log once per connection
+            LIMIT_HITS.labels("peer_heartbeat_interval").inc()
+            self._log.warning("peer heartbeat interval clamped", announced=interval, used=self.config.max_peer_interval)
 
     async def _on_run_request(self, envelope: pb.Envelope) -> None:
         request = envelope.run_request
@@ -637,35 +552,19 @@ class Connection:
             next_beat += interval
             while (now := self._loop.time()) < next_beat:
                 await asyncio.sleep(min(self.config.watch_tick, next_beat - now))
-                failure = self._check_peer()
-                if failure is not None:
-                    reason, message = failure
-                    PEERS_LOST.labels(reason).inc()
-                    self._log.warning("peer dead", reason=message)
-                    code = pb.ERROR_CODE_DEADLINE_EXCEEDED if reason == "frame_timeout" else pb.ERROR_CODE_UNAVAILABLE
-                    await self._shutdown(ConnectionClosed(message, code), notify_peer=True, abort=reason == "unread")
+                unsent = self._writer.transport.get_write_buffer_size()
+                verdict = self._liveness.check(self._loop.time(), written=self._written, unsent=unsent)
+                if verdict is not None:
+                    await self._peer_dead(verdict)
                     return
 
-    def _check_peer(self) -> tuple[str, str] | None:
-        """Why the peer is to be treated as dead now, if it is: (metric reason, log message)."""
-        now = self._loop.time()
-        window = max(self.config.heartbeat_interval, self._peer_interval) * self.config.missed_heartbeats
-        if self._reading_paused:
-            return None  # this end holds the peer back: neither its silence nor a cut frame is its fault
-        if self._frame_since is not None and now - self._frame_since > self.config.frame_timeout:
+    async def _peer_dead(self, verdict: Verdict) -> None:
+        PEERS_LOST.labels(verdict.reason).inc()
+        message = verdict.message
+        if verdict.reason == "frame_timeout":
             LIMIT_HITS.labels("frame_timeout").inc()
-            return "frame_timeout", (
-                f"a frame took over {self.config.frame_timeout:g} s to arrive ({self._decoder.buffered} bytes so far)"
-            )
-        if now - self._last_heard > window:
-            return (
-                "silent",
-                f"peer missed {self.config.missed_heartbeats} heartbeats ({now - self._last_heard:.2f} s silent)",
-            )
-        buffered = self._writer.transport.get_write_buffer_size()
-        drained = self._written - buffered
-        if buffered == 0 or drained > self._drained or self._stall_since is None:
-            self._drained, self._stall_since = drained, now  # the peer took our bytes, or has none to take
-        elif now - self._stall_since > window:
-            return "unread", f"peer read nothing of {buffered} bytes for {now - self._stall_since:.2f} s"
-        return None
+            message = f"{message} ({self._decoder.buffered} bytes so far)"
+        self._log.warning("peer dead", reason=message)
+        code = pb.ERROR_CODE_DEADLINE_EXCEEDED if verdict.reason == "frame_timeout" else pb.ERROR_CODE_UNAVAILABLE
+        # A peer that does not read gets nothing more: its socket is aborted, not closed politely.
+        await self._shutdown(ConnectionClosed(message, code), notify_peer=True, abort=verdict.reason == "unread")
