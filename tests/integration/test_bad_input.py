@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 import structlog
 from conftest import EchoHandler, Pki, assert_eventually
+from raw_peer import read_envelope
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.certs import Authority
-from iop_wire.codec import get_codec
 from iop_wire.endpoint import Listener, ListenerConfig, dial, open_stream, preface
 from iop_wire.errors import ConnectionClosed, IopError
-from iop_wire.framing import HEADER_SIZE, encode_frame
+from iop_wire.framing import encode_frame
 from iop_wire.tls import Role, TlsConfig
 
 Logs = list[dict[str, Any]]
@@ -35,15 +35,6 @@ def captured() -> Iterator[Logs]:
 
 def _reasons(logs: Logs) -> str:
     return " | ".join(f"{entry['event']}: {entry.get('reason', '')}" for entry in logs)
-
-
-async def _read_envelope(reader: asyncio.StreamReader, codec: str = "proto") -> pb.Envelope:
-    """The next non-heartbeat envelope."""
-    while True:
-        size = int.from_bytes(await asyncio.wait_for(reader.readexactly(HEADER_SIZE), 5), "big")
-        envelope = get_codec(codec).decode(await reader.readexactly(size))
-        if envelope.WhichOneof("body") != "heartbeat":
-            return envelope
 
 
 async def _assert_closed_by_server(reader: asyncio.StreamReader) -> None:
@@ -88,7 +79,7 @@ async def test_bad_length_prefix_gets_error_and_close(
     with captured() as logs:
         reader, writer = await _raw(server, edge_tls)
         writer.write(header.to_bytes(4, "big") + b"\x00" * 16)
-        error = (await _read_envelope(reader)).error
+        error = (await read_envelope(reader)).error
         assert error.code == pb.ERROR_CODE_FRAME_TOO_LARGE and expected in error.message
         await _assert_closed_by_server(reader)
         writer.close()
@@ -101,7 +92,7 @@ async def test_random_bytes(server: Listener, edge_tls: TlsConfig) -> None:
     with captured() as logs:
         reader, writer = await _raw(server, edge_tls)
         writer.write(noise)
-        error = (await _read_envelope(reader)).error
+        error = (await read_envelope(reader)).error
         assert error.code == pb.ERROR_CODE_FRAME_TOO_LARGE
         await _assert_closed_by_server(reader)
         writer.close()
@@ -113,11 +104,11 @@ async def test_body_not_protobuf_is_rejected_and_connection_goes_on(server: List
     with captured() as logs:
         connection_reader, writer = await _raw(server, edge_tls)
         writer.write(encode_frame(b"\xff\xff\xff\xff not protobuf"))
-        error = (await _read_envelope(connection_reader)).error
+        error = (await read_envelope(connection_reader)).error
         assert error.code == pb.ERROR_CODE_MALFORMED_FRAME and "not a protobuf Envelope" in error.message
         # framing is intact, so the same connection still answers
         writer.write(encode_frame(pb.Envelope(id="c1", capability_request=pb.CapabilityRequest()).SerializeToString()))
-        reply = await _read_envelope(connection_reader)
+        reply = await read_envelope(connection_reader)
         assert reply.in_reply_to == "c1" and reply.capability_response.node_id == "test-node"
         writer.close()
     assert "not a protobuf Envelope" in _reasons(logs)
@@ -133,7 +124,7 @@ async def test_json_that_is_not_an_envelope(server: Listener, edge_tls: TlsConfi
     with captured() as logs:
         reader, writer = await _raw(server, edge_tls, codec="json")
         writer.write(encode_frame(body))
-        error = (await _read_envelope(reader, "json")).error
+        error = (await read_envelope(reader, "json")).error
         assert error.code == pb.ERROR_CODE_MALFORMED_FRAME and "not a JSON Envelope" in error.message
         writer.close()
     assert "not a JSON Envelope" in _reasons(logs)
@@ -147,7 +138,7 @@ async def test_unknown_message_type(server: Listener, edge_tls: TlsConfig, codec
     with captured() as logs:
         reader, writer = await _raw(server, edge_tls, codec=codec)
         writer.write(encode_frame(body))
-        reply = await _read_envelope(reader, codec)
+        reply = await read_envelope(reader, codec)
         assert reply.in_reply_to == "u1"
         assert reply.error.code == pb.ERROR_CODE_UNKNOWN_MESSAGE_TYPE
         writer.close()

@@ -9,7 +9,6 @@ heartbeat interval, and dialers beyond the connection, per-peer and handshake ca
 from __future__ import annotations
 
 import asyncio
-import itertools
 import socket
 import ssl
 import time
@@ -21,13 +20,14 @@ from typing import Any
 import pytest
 import structlog
 from conftest import EchoHandler, Pki, assert_eventually
+from raw_peer import frame, heartbeat_frame, heartbeats, read_envelope
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.codec import get_codec
 from iop_wire.connection import Connection, ConnectionConfig
 from iop_wire.endpoint import Listener, ListenerConfig, dial, open_stream, preface
 from iop_wire.errors import IopError
-from iop_wire.framing import DEFAULT_MAX_FRAME_SIZE, HEADER_SIZE, encode_frame
+from iop_wire.framing import DEFAULT_MAX_FRAME_SIZE, HEADER_SIZE
 from iop_wire.metrics import REGISTRY
 from iop_wire.runs import EventSink
 from iop_wire.tls import Role, TlsConfig, client_context
@@ -66,37 +66,9 @@ def _request(run_id: str, model: str = "m", tokens: int = 3) -> pb.RunRequest:
     return pb.RunRequest(run_id=run_id, model=model, sampling=pb.Sampling(max_tokens=tokens))
 
 
-def _frame(envelope: pb.Envelope) -> bytes:
-    return bytes(encode_frame(PROTO.encode(envelope)))
-
-
 def _run_frame(run_id: str, *, envelope_id: str = "", model: str = "m", tokens: int = 3) -> bytes:
     request = _request(run_id, model, tokens)
-    return _frame(pb.Envelope(id=envelope_id or f"req-{run_id}", run_id=run_id, run_request=request))
-
-
-def _heartbeat_frame(sequence: int, interval_ns: int) -> bytes:
-    beat = pb.Heartbeat(sequence=sequence)
-    beat.interval.FromNanoseconds(interval_ns)
-    return _frame(pb.Envelope(id=f"hb-{sequence}", heartbeat=beat))
-
-
-async def _heartbeats(writer: asyncio.StreamWriter, interval: float) -> None:
-    """Send a heartbeat every ``interval`` (a peer that is alive but may read nothing)."""
-    for sequence in itertools.count():
-        if writer.is_closing():
-            return
-        writer.write(_heartbeat_frame(sequence, int(interval * 1e9)))
-        await asyncio.sleep(interval)  # the protocol's own timer, not a wait for a condition
-
-
-async def _read_envelope(reader: asyncio.StreamReader, codec: str = "proto") -> pb.Envelope:
-    """The next envelope that is not a heartbeat."""
-    while True:
-        size = int.from_bytes(await asyncio.wait_for(reader.readexactly(HEADER_SIZE), 5), "big")
-        envelope = get_codec(codec).decode(await reader.readexactly(size))
-        if envelope.WhichOneof("body") != "heartbeat":
-            return envelope
+    return frame(pb.Envelope(id=envelope_id or f"req-{run_id}", run_id=run_id, run_request=request))
 
 
 async def _read_until_closed(reader: asyncio.StreamReader) -> list[pb.Envelope]:
@@ -104,7 +76,7 @@ async def _read_until_closed(reader: asyncio.StreamReader) -> list[pb.Envelope]:
     envelopes = []
     try:
         while True:
-            envelopes.append(await _read_envelope(reader))
+            envelopes.append(await read_envelope(reader))
     except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
         return envelopes
 
@@ -180,7 +152,7 @@ async def test_client_that_stops_reading_is_dropped_and_its_runs_cancelled(
     with captured() as logs:
         reader, writer = await attackers(listener)
         _read_nothing(writer)
-        beats = asyncio.create_task(_heartbeats(writer, 0.05))  # alive: it is never silent
+        beats = asyncio.create_task(heartbeats(writer, 0.05))  # alive: it is never silent
         runs = 500
         writer.write(b"".join(_run_frame(f"flood-{i}", tokens=200_000) for i in range(runs)))
         started = time.monotonic()
@@ -261,7 +233,7 @@ async def test_reading_pauses_while_the_peer_reads_nothing(
     with captured() as logs:
         reader, writer = await attackers(listener)
         _read_nothing(writer)
-        beats = asyncio.create_task(_heartbeats(writer, 0.1))
+        beats = asyncio.create_task(heartbeats(writer, 0.1))
         await assert_eventually(lambda: len(listener.connections) == 1)
         served = _served(listener)
         unsent: list[int] = []
@@ -302,7 +274,7 @@ async def test_paused_reading_does_not_spin(
     await assert_eventually(lambda: len(listener.connections) == 1)
     served = _served(listener)
     served._writer.transport.set_write_buffer_limits(high=64 * 1024 * 1024)
-    beats = asyncio.create_task(_heartbeats(writer, 0.1))
+    beats = asyncio.create_task(heartbeats(writer, 0.1))
     writer.write(b"".join(_run_frame(f"r{i}", tokens=10_000) for i in range(10)))  # ~2.5 MB to send, then done
     await assert_eventually(lambda: served._reading_paused and not served._served, timeout=5)
     wall, cpu = time.monotonic(), time.process_time()
@@ -397,7 +369,7 @@ async def test_announced_heartbeat_interval_is_clamped(
     clamped_before, silent_before = _limit_hits("peer_heartbeat_interval"), _peers_lost("silent")
     with captured() as logs:
         reader, writer = await attackers(listener)
-        writer.write(_heartbeat_frame(0, 10**9 * 10**9))  # "my next heartbeat is in 31 years"
+        writer.write(heartbeat_frame(0, 10**9 * 10**9))  # "my next heartbeat is in 31 years"
         started = time.monotonic()
         envelopes = await asyncio.wait_for(_read_until_closed(reader), window + 3)  # then silence
         closed_after = time.monotonic() - started
@@ -503,7 +475,7 @@ async def test_duplicate_live_run_id_is_refused_and_the_live_run_goes_on(
     errors: list[pb.Envelope] = []
     events: list[pb.RunEvent] = []
     while not events or events[-1].WhichOneof("event") not in {"complete", "error"}:
-        envelope = await _read_envelope(reader)
+        envelope = await read_envelope(reader)
         if envelope.WhichOneof("body") == "error":
             errors.append(envelope)
         else:
@@ -545,7 +517,7 @@ async def test_preface_refusal_is_a_whole_envelope(listen: StartListener, pki: P
     reader, writer = await asyncio.open_connection("127.0.0.1", listener.port, ssl=context, server_hostname="localhost")
     writer.write(preface(case.asked))
     answer_codec = case.asked if case.asked in {"proto", "json"} else "proto"  # the codec asked for, if known
-    refusal = await _read_envelope(reader, answer_codec)
+    refusal = await read_envelope(reader, answer_codec)
     writer.close()
     assert refusal.WhichOneof("body") == "error" and refusal.error.code == case.code
     assert case.message in refusal.error.message

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.client
-import itertools
 import json
 import os
 import signal
@@ -32,6 +31,7 @@ import pytest
 from conftest import Pki, assert_eventually
 from node_helpers import chat, collect, kinds
 from prometheus_client.parser import text_string_to_metric_families
+from raw_peer import frame, heartbeat_frame, heartbeats
 from test_node_process import IOP, _client, _config
 
 from iop_gen.pb.iop import runtime_pb2 as pb
@@ -39,7 +39,7 @@ from iop_wire.codec import get_codec
 from iop_wire.connection import Connection
 from iop_wire.endpoint import dial, open_stream
 from iop_wire.errors import IopError
-from iop_wire.framing import DEFAULT_MAX_FRAME_SIZE, HEADER_SIZE, encode_frame
+from iop_wire.framing import DEFAULT_MAX_FRAME_SIZE, HEADER_SIZE
 from iop_wire.tls import Role, TlsConfig
 
 Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
@@ -172,10 +172,6 @@ def _node_config(pki: Pki, tmp_path: Path, **extra: Any) -> Path:
 # -- attackers ---------------------------------------------------------------------------------
 
 
-def _frame(envelope: pb.Envelope) -> bytes:
-    return bytes(encode_frame(PROTO.encode(envelope)))
-
-
 def _run_frame(run_id: str, model: str = "mock-small") -> bytes:
     request = pb.RunRequest(
         run_id=run_id,
@@ -184,22 +180,7 @@ def _run_frame(run_id: str, model: str = "mock-small") -> bytes:
         stream=True,
         metadata=FLOOD,
     )
-    return _frame(pb.Envelope(id=f"req-{run_id}", run_id=run_id, run_request=request))
-
-
-def _heartbeat_frame(sequence: int, interval_ns: int) -> bytes:
-    beat = pb.Heartbeat(sequence=sequence)
-    beat.interval.FromNanoseconds(interval_ns)
-    return _frame(pb.Envelope(id=f"hb-{sequence}", heartbeat=beat))
-
-
-async def _heartbeats(writer: asyncio.StreamWriter, interval: float) -> None:
-    """Send a heartbeat every ``interval`` until the connection is gone: alive, but reading nothing."""
-    for sequence in itertools.count():
-        if writer.is_closing():
-            return
-        writer.write(_heartbeat_frame(sequence, int(interval * 1e9)))
-        await asyncio.sleep(interval)  # the protocol's own timer, not a wait for a condition
+    return frame(pb.Envelope(id=f"req-{run_id}", run_id=run_id, run_request=request))
 
 
 async def _trickle(writer: asyncio.StreamWriter, size: int, every: float) -> None:
@@ -301,7 +282,7 @@ async def test_client_that_never_reads_is_dropped_and_the_model_serves_others_ag
             dial("127.0.0.1", node.port, tls=pki.config("polite", Role.EDGE), server_hostname="localhost") as polite,
         ):
             reader, writer = await attack(receive_buffer=16 * 1024)
-            beats = asyncio.create_task(_heartbeats(writer, 0.1))  # never silent: "unread" must bite
+            beats = asyncio.create_task(heartbeats(writer, 0.1))  # never silent: "unread" must bite
             writer.write(b"".join(_run_frame(f"hog-{i}") for i in range(2_000)))
             started = time.monotonic()
             # The hog holds all 4 slots and all 64 queue places: everyone else is refused ...
@@ -350,7 +331,7 @@ async def _flooded(pki: Pki, tmp_path: Path) -> AsyncIterator[tuple[NodeProcess,
         await _first_token_after(polite, "mock-other")  # warm: code paths loaded, history open
         baseline = node.rss()
         reader, writer = await attack(receive_buffer=16 * 1024)
-        beats = asyncio.create_task(_heartbeats(writer, 1.0))
+        beats = asyncio.create_task(heartbeats(writer, 1.0))
         writer.write(b"".join(_run_frame(f"flood-{i}") for i in range(50_000)))
         yield node, polite, baseline
         # the attack was on throughout: the node still holds both connections
@@ -495,7 +476,7 @@ async def test_endless_heartbeat_interval_is_clamped_then_silence_closes(pki: Pk
         silent_before = node.metric("iop_wire_peers_lost_total", reason="silent")
         async with _attackers(node.port, pki.config("sleeper", Role.EDGE)) as attack:
             reader, writer = await attack()
-            writer.write(_heartbeat_frame(0, 10**9 * 10**9))  # "my next heartbeat is in 31 years"
+            writer.write(heartbeat_frame(0, 10**9 * 10**9))  # "my next heartbeat is in 31 years"
             closed_after, envelopes = await asyncio.wait_for(_closed_after(reader, time.monotonic()), window + 3)
         await assert_eventually(lambda: bool(node.logged("peer dead", "missed 3 heartbeats")))
         assert node.metric("iop_wire_peers_lost_total", reason="silent") - silent_before == 1
