@@ -256,6 +256,7 @@ def llama_server(
     alias: str = "tiny",
     *,
     embedding: bool = False,
+    pooling: bool = True,
     interrupt_requests: bool = False,
     extra_args: Sequence[str] = (),
     extra_env: Mapping[str, str] | None = None,
@@ -271,7 +272,8 @@ def llama_server(
       at once with ``data: [DONE]`` and no finish_reason chunk.
     - ``embedding=True`` makes /v1/embeddings work (else HTTP 500 "Llama model must be created with
       embedding=True"), with mean pooling so each input gets one vector of 64 floats; chat and
-      completions keep working on that server.
+      completions keep working on that server. ``pooling=False`` leaves the model's own pooling
+      (none for the tiny model): each input then gets one vector per token, a list of lists.
     - server.log lives in ``workdir`` (kept) or else in a temporary directory removed at exit.
     """
     python = venv("llama") / "bin" / "python"
@@ -286,7 +288,8 @@ def llama_server(
             "--model", str(Path(model).resolve()), "--model_alias", alias,
             "--host", LOOPBACK, "--port", str(port),
             "--interrupt_requests", "true" if interrupt_requests else "false",
-            *(["--embedding", "true", "--kv_overrides", "llama.pooling_type=int:1"] if embedding else []),
+            *(["--embedding", "true"] if embedding else []),
+            *(["--kv_overrides", "llama.pooling_type=int:1"] if embedding and pooling else []),
             *extra_args,
         ]  # fmt: skip
         log = directory / "server.log"

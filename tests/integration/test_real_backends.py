@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from backends.servers import BackendServer
+from backends.servers import BackendServer, llama_server
 from conftest import Pki, assert_eventually
 from node_helpers import chat, client, collect, kinds, node_settings, running_node, text
 
@@ -65,8 +65,10 @@ async def test_vllm_streams_and_counts_usage_on_the_node(llama_node: NodeApp, pk
     assert kinds(events).count("delta") >= 2 and text(events)
     complete = events[-1].complete
     assert complete.finish_reason == pb.FINISH_REASON_LENGTH
-    # llama-cpp-python sends no usage chunk in streams: the node counts, and says so
-    assert complete.usage.estimated and complete.usage.completion_tokens > 0
+    # llama-cpp-python sends no usage chunk in streams: the node counts its chunks (one token
+    # each), and says the count is its own
+    assert complete.usage.estimated and complete.usage.completion_tokens == 12
+    assert complete.usage.prompt_tokens > 0
     await connection.close()
 
 
@@ -164,6 +166,58 @@ async def test_vllm_backend_killed_mid_stream(pki: Pki, tmp_path: Path, llama_ba
         assert not app.node.status().models[1].available  # marked down until a probe sees it back
         assert kinds(await collect(await connection.open_run(chat())))[-1] == "complete"
         await connection.close()
+
+
+async def test_vllm_model_list_reads_never_interrupt_a_stream(pki: Pki, tmp_path: Path, tiny_gguf: Path) -> None:
+    """llama-cpp-python as started by default (interrupt_requests true) ends a running stream when
+    any other request arrives, GET /v1/models included; the node reads the list only when idle."""
+    with llama_server(tiny_gguf, interrupt_requests=True, workdir=tmp_path / "llama") as llama:
+        options = {"base_url": llama.openai_url, "health_interval": 0.2}  # written the OpenAI way, with /v1
+        routes = [
+            {"model": "tiny-chat", "adapter": "vllm", "target": "tiny", "options": options},
+            {"model": "tiny-dev", "adapter": "vllm", "target": "tiny", "options": {**options, "developer_role": True}},
+        ]
+        async with running_node(node_settings(pki, tmp_path, routes)) as app:
+            connection = await client(app, pki)
+            assert [m.available for a in (await connection.capabilities()).adapters for m in a.models] == [True, True]
+            failed = await collect(await connection.open_run(_developer_chat("tiny-dev")))  # a failed run: list stale
+            assert failed[-1].error.code == pb.ERROR_CODE_BACKEND_ERROR
+            stream = await connection.open_run(chat(model="tiny-chat", sampling=pb.Sampling(max_tokens=300)))
+            assert kinds([await anext(stream), await anext(stream)]) == ["start", "delta"]
+            for _ in range(3):  # capability requests mid-stream are answered from the list as last read
+                models = [m for a in (await connection.capabilities()).adapters for m in a.models]
+                assert [m.available for m in models] == [True, True]
+            rest = await collect(stream)
+            complete = rest[-1].complete  # an interrupted stream would end without a finish_reason
+            assert complete.finish_reason == pb.FINISH_REASON_LENGTH
+            assert complete.usage.completion_tokens == 300 == 1 + kinds(rest).count("delta")
+            await connection.close()
+
+
+def _developer_chat(model: str) -> pb.RunRequest:
+    request = chat(model=model)
+    request.messages.insert(0, pb.ChatMessage(role=pb.ROLE_DEVELOPER, content=[pb.ContentPart(text="Be brief.")]))
+    request.sampling.max_tokens = 4
+    return request
+
+
+async def test_vllm_sends_the_developer_role_as_system_by_default(llama_node: NodeApp, pki: Pki) -> None:
+    connection = await client(llama_node, pki)
+    events = await collect(await connection.open_run(_developer_chat("tiny-chat")))
+    assert kinds(events)[-1] == "complete", events[-1]  # llama-cpp-python answers 500 to "developer"
+    await connection.close()
+
+
+async def test_vllm_one_vector_per_token_names_the_fix(pki: Pki, tmp_path: Path, tiny_gguf: Path) -> None:
+    with llama_server(tiny_gguf, embedding=True, pooling=False, workdir=tmp_path / "llama") as llama:
+        routes = [{"model": "tiny-embed", "adapter": "vllm", "target": "tiny", "options": {"base_url": llama.base_url}}]
+        async with running_node(node_settings(pki, tmp_path, routes)) as app:
+            connection = await client(app, pki)
+            embed = pb.RunRequest(run_id="e", model="tiny-embed", kind=pb.RUN_KIND_EMBEDDING, prompt=["two words"])
+            error = (await collect(await connection.open_run(embed)))[-1].error
+            assert error.code == pb.ERROR_CODE_BACKEND_PROTOCOL_ERROR
+            assert "one vector per token" in error.message and "pooling_type" in error.message
+            await connection.close()
 
 
 # -- ollama adapter against Ollama -----------------------------------------------------------------

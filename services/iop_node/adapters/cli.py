@@ -84,6 +84,9 @@ class CliAdapter:
         """Whether the program was found, as last looked (node.status asks often: no PATH search)."""
         return self._found[model]
 
+    async def aclose(self) -> None:
+        """Nothing to release: each run stops its own process group."""
+
     async def capabilities(self) -> list[pb.ModelInfo]:
         """Every configured model; available while its program can be found (looked up again now)."""
         self._found = {model: _resolvable(options) for model, options in self._models.items()}

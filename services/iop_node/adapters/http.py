@@ -1,15 +1,21 @@
-"""What the HTTP adapters (vllm, ollama) share: one pooled client per backend, timeouts,
-health, and the one place where backend failures become IOP errors.
+"""What the HTTP adapters (vllm, ollama) share: options, a route's way to its backend, the
+backend's health and model list, and the one place where failures become IOP errors.
 
-    connection refused, reset, closed mid-stream   -> UNAVAILABLE (retryable; backend marked down)
-    first-byte, idle or total timeout              -> UNAVAILABLE (retryable; a slow backend is up)
-    HTTP 404                                       -> MODEL_NOT_FOUND
-    HTTP 400, 422                                  -> INVALID_ARGUMENT
-    HTTP 429                                       -> RESOURCE_EXHAUSTED (retryable)
-    HTTP 5xx and anything else                     -> BACKEND_ERROR
-    not JSON, not HTTP, a stream with no end       -> BACKEND_PROTOCOL_ERROR
+    client error (httperrors)            IOP error                 the backend
+    ConnectError, ConnectTimeout         UNAVAILABLE (retryable)   marked down
+    ConnectionLost                       UNAVAILABLE (retryable)   marked down
+    ServerDisconnected                   UNAVAILABLE (retryable)   up (a reused connection's close race)
+    ReadTimeout, PoolTimeout             UNAVAILABLE (retryable)   up (slow or busy is not down)
+    ClientClosed                         UNAVAILABLE (retryable)   up
+    ProtocolError                        BACKEND_PROTOCOL_ERROR    up
+    HTTP 404 / 400, 422 / 429            MODEL_NOT_FOUND / INVALID_ARGUMENT / RESOURCE_EXHAUSTED (retryable)
+    HTTP 5xx and any other status        BACKEND_ERROR
+    not JSON, another shape, no end      BACKEND_PROTOCOL_ERROR (shapes.py)
 
-A backend marked down reports its models unavailable until a health probe sees it answer again.
+A backend marked down reports its models unavailable until a health probe reads a well-formed
+model list from it again. The model list is fetched only while none of this node's runs are in
+flight to that backend: llama-cpp-python ends a running stream when another request arrives,
+or serves the new one after it; either way a run must not pay for a look at the list.
 """
 
 from __future__ import annotations
@@ -18,17 +24,22 @@ import asyncio
 import contextlib
 import json
 import ssl
+import time
 from collections.abc import AsyncGenerator, Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import structlog
-from pydantic import BaseModel, ConfigDict, Field, FilePath
+from pydantic import BaseModel, ConfigDict, Field, FilePath, field_validator
 
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_node.adapters.httpclient import BadResponse, ConnectionLost, HttpClient, ReadTimeout, Response
+from iop_node.adapters import httperrors as errors
+from iop_node.adapters.http11 import DEFAULT_MAX_LINE, header_lines
+from iop_node.adapters.httpclient import HttpClient, Response
+from iop_node.adapters.shapes import capped, protocol_error
+from iop_node.domain import ExecutionSpec, RunKind
 from iop_wire.errors import IopError
 
-__all__ = ["Backend", "Backends", "HttpOptions", "Timeouts", "json_text", "protocol_error"]
+__all__ = ["KINDS", "Backend", "Backends", "Endpoint", "HttpOptions", "HttpStatusError", "Timeouts", "check_kind"]
 
 _log = structlog.get_logger("iop.node.http")
 _STATUS_CODES = {
@@ -37,10 +48,24 @@ _STATUS_CODES = {
     422: pb.ERROR_CODE_INVALID_ARGUMENT,
     429: pb.ERROR_CODE_RESOURCE_EXHAUSTED,
 }
-_MESSAGE_LIMIT = 500
+# client error class -> (IOP code, marks the backend down, words before the client's message)
+_CLIENT_ERRORS: dict[type[errors.HttpError], tuple[pb.ErrorCode.ValueType, bool, str]] = {
+    errors.HttpError: (pb.ERROR_CODE_UNAVAILABLE, False, ""),
+    errors.ConnectError: (pb.ERROR_CODE_UNAVAILABLE, True, "cannot reach {url}: "),
+    errors.ConnectTimeout: (pb.ERROR_CODE_UNAVAILABLE, True, "cannot reach {url}: "),
+    errors.ConnectionLost: (pb.ERROR_CODE_UNAVAILABLE, True, "connection lost: "),
+    errors.ServerDisconnected: (pb.ERROR_CODE_UNAVAILABLE, False, ""),
+    errors.ProtocolError: (pb.ERROR_CODE_BACKEND_PROTOCOL_ERROR, False, "unreadable HTTP response: "),
+}
+KINDS: dict[str, RunKind] = {
+    "chat": pb.RUN_KIND_CHAT,
+    "completion": pb.RUN_KIND_COMPLETION,
+    "embedding": pb.RUN_KIND_EMBEDDING,
+}
+_KIND_NAMES = {kind: name for name, kind in KINDS.items()}
 _TAIL_WAIT = 0.2  # seconds to wait for a response's end after its final marker
 _MAX_BODY = 256 * 1024 * 1024  # bytes of a JSON answer (embeddings of many inputs are large)
-_MAX_ERROR_BODY = 1024 * 1024  # bytes of an error answer read for its message
+_MAX_ERROR_BODY = 64 * 1024  # bytes of an error answer read for its message
 
 
 class Timeouts(BaseModel):
@@ -56,6 +81,8 @@ class Timeouts(BaseModel):
     """Between two chunks of a streamed response."""
     total: float = Field(1800.0, gt=0)
     """For the whole request."""
+    pool: float = Field(30.0, gt=0)
+    """Waiting for a free connection when all ``max_connections`` are busy."""
 
 
 class HttpOptions(BaseModel):
@@ -64,73 +91,181 @@ class HttpOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     base_url: str = Field(pattern=r"^https?://")
-    """The backend's address, e.g. http://10.0.0.5:8000; routes with the same one share a client,
-    set up from the first such route's connection options."""
+    """The backend's address, e.g. http://10.0.0.5:8000 (a trailing /v1 is accepted and dropped);
+    routes with the same one share its health and model list, and a connection pool per ``ca``."""
     target: str = ""
     """The backend's model name: set by the node from the route's ``target`` (or ``model``)."""
     api_key: str | None = None
-    """Sent as ``Authorization: Bearer``; never logged."""
+    """Sent as ``Authorization: Bearer``, this route's own; never logged."""
     ca: FilePath | None = None
     """A CA bundle (PEM) to verify an https backend's certificate with, instead of the system's."""
     timeouts: Timeouts = Timeouts()
-    """Connect, first byte, idle and total timeouts."""
+    """Connect, first byte, idle, total and pool timeouts, this route's own."""
     health_interval: float = Field(2.0, gt=0)
     """Seconds between health probes while the backend is down."""
     max_connections: int = Field(256, ge=1)
-    """Connections kept to the backend at most (kept alive between runs)."""
+    """Connections kept to the backend at most (routes sharing a pool: the largest of theirs)."""
+    max_line_bytes: int = Field(DEFAULT_MAX_LINE, ge=1024)
+    """Longest streamed line (one SSE event or NDJSON object) read from the backend."""
+    models_refresh: float = Field(60.0, gt=0)
+    """Seconds between looks at the backend's model list (only while none of its runs are in flight)."""
+    kinds: tuple[Literal["chat", "completion", "embedding"], ...] = Field(
+        ("chat", "completion", "embedding"), min_length=1
+    )
+    """The run kinds this route serves and advertises (an embedding-less server: [chat, completion])."""
+
+    @field_validator("base_url")
+    @classmethod
+    def _normalise_url(cls, url: str) -> str:
+        url = url.rstrip("/")
+        return url.removesuffix("/v1").rstrip("/")
+
+    @field_validator("api_key")
+    @classmethod
+    def _sendable_key(cls, key: str | None) -> str | None:
+        if key is not None:
+            try:
+                header_lines({"Authorization": f"Bearer {key}"})
+            except ValueError:
+                raise ValueError(
+                    "has a character an HTTP header cannot carry (CR, LF, another control character,"
+                    " or one outside latin-1)"
+                ) from None
+        return key
 
 
-async def _read_to_end(response: Response) -> None:
-    """Read what is left of a body that should be about to end; leave it unfinished if it is not."""
-    with contextlib.suppress(OSError, ReadTimeout, BadResponse, TimeoutError):
-        async with asyncio.timeout(_TAIL_WAIT):
-            async for _ in response.iter_bytes():
-                pass
+class HttpStatusError(IopError):
+    """The backend answered a request with an error status."""
+
+    def __init__(self, code: pb.ErrorCode.ValueType, message: str, *, status: int) -> None:
+        super().__init__(code, message)
+        self.status = status
 
 
-def json_text(value: Any) -> str:
-    """Text from a backend's JSON: a string, "" for null; TypeError for anything else."""
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        raise TypeError(f"content is a {type(value).__name__}, not a string")
-    return value
-
-
-def protocol_error(message: str) -> IopError:
-    """The backend's response could not be understood."""
-    return IopError(pb.ERROR_CODE_BACKEND_PROTOCOL_ERROR, message[:_MESSAGE_LIMIT])
+def check_kind(spec: ExecutionSpec, options: HttpOptions) -> None:
+    """INVALID_ARGUMENT for a run of a kind the route does not declare (``options.kinds``)."""
+    kind = _KIND_NAMES.get(spec.kind, "unknown")
+    if kind not in options.kinds:
+        raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, f"this model serves {', '.join(options.kinds)} runs, not {kind}")
 
 
 class Backend:
-    """One backend server: a keep-alive connection pool, its health, and error translation."""
+    """One backend server (a base URL): its health, its model list, this node's runs in flight to it."""
 
-    def __init__(self, options: HttpOptions, *, health_path: str, name: str) -> None:
-        self.options = options
+    def __init__(
+        self,
+        url: str,
+        *,
+        name: str,
+        list_path: str,
+        list_models: Callable[[Any], set[str]],
+        health_interval: float,
+        models_refresh: float,
+    ) -> None:
+        self.url = url
         self.name = name
         self.available = True
-        self._base = options.base_url.rstrip("/")
-        self._health_path = health_path
+        self.in_flight = 0
+        """Run requests of this node under way to the server."""
+        self.models: set[str] | None = None
+        """The model list as last read; None before the first read."""
+        self.lister: Endpoint | None = None
+        """The endpoint (a route's credentials and pool) the list and health probes go through."""
+        self._list_path = list_path
+        self._list_models = list_models
+        self._health_interval = health_interval
+        self._models_refresh = models_refresh
+        self._listed_at = -1e9
+        self._listing = False
+        self._closed = False
         self._probe: asyncio.Task[None] | None = None
-        headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
-        tls = ssl.create_default_context(cafile=options.ca) if self._base.startswith("https:") else None
-        self._client = HttpClient(self._base, max_connections=options.max_connections, headers=headers, tls=tls)
 
-    async def get_json(self, path: str) -> Any:
-        """GET ``path`` and return its JSON body."""
-        response = await self._open("GET", path, None)
+    def error(self, exc: errors.HttpError) -> IopError:
+        """The IOP error for a client error, marking the backend down where the table says so."""
+        code, down, words = next(_CLIENT_ERRORS[kind] for kind in type(exc).__mro__ if kind in _CLIENT_ERRORS)
+        reason = str(exc) or type(exc).__name__
+        if down:
+            self.mark_down(reason)
+        return IopError(code, f"{self.name}: {words.format(url=self.url)}{reason}")
+
+    def stale(self) -> None:
+        """Read the model list again at the next chance (after a failed run)."""
+        self._listed_at = -1e9
+
+    async def served(self) -> set[str] | None:
+        """The served model names: read again when due and idle, else as last read (None: unknown)."""
+        due = time.monotonic() - self._listed_at > self._models_refresh
+        if due and not self.in_flight and not self._listing and not self._closed:
+            with contextlib.suppress(IopError, errors.NotSent):
+                await self._read_list()
+        return self.models
+
+    async def _read_list(self) -> None:
+        """GET the model list, unless a run starts first; a list that cannot be read marks the backend down."""
+        assert self.lister is not None
+        self._listing = True
         try:
-            return await self._json(response)
+            document = await self.lister.get_json(self._list_path, only_if=lambda: not self.in_flight)
+            self.models = self._list_models(document)
+        except IopError as exc:
+            self.mark_down(exc.message)
+            raise
         finally:
-            response.release()
+            self._listing = False
+        self._listed_at = time.monotonic()
+        if not self.available:
+            _log.info("backend up", backend=self.name, url=self.url)
+        self.available = True
+
+    def mark_down(self, reason: str) -> None:
+        """Report the backend's models unavailable until a health probe reads its model list."""
+        if self._closed:
+            return  # shutting down: nothing to probe for
+        if self.available:
+            _log.warning("backend down", backend=self.name, url=self.url, reason=capped(reason))
+        self.available = False
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.get_running_loop().create_task(self._probe_until_up())
+
+    async def _probe_until_up(self) -> None:
+        while not self.available:
+            await asyncio.sleep(self._health_interval)
+            if self.in_flight:
+                continue  # runs are going: a probe could interrupt them
+            with contextlib.suppress(IopError, errors.NotSent):
+                await self._read_list()
+
+    async def aclose(self) -> None:
+        """Stop probing."""
+        self._closed = True
+        if self._probe is not None:
+            self._probe.cancel()
+
+
+class Endpoint:
+    """A route's way to its backend: a pool for its TLS settings, its own key, timeouts and line cap."""
+
+    def __init__(self, backend: Backend, client: HttpClient, options: HttpOptions) -> None:
+        self.backend = backend
+        self.client = client
+        self.timeouts = options.timeouts
+        self.max_line = options.max_line_bytes
+        self._auth = header_lines({"Authorization": f"Bearer {options.api_key}"}) if options.api_key else b""
+
+    async def get_json(self, path: str, *, only_if: Callable[[], bool] | None = None) -> Any:
+        """GET ``path`` and return its JSON body; with ``only_if`` (a model list, a probe) NotSent when
+        it says no, and the connect timeout for the head."""
+        async with await self._open("GET", path, None, only_if=only_if) as response:
+            return await self._json(response)
 
     async def post_json(self, path: str, body: dict[str, Any]) -> Any:
         """POST ``body`` to ``path`` and return the JSON answer."""
-        response = await self._open("POST", path, body)
+        self.backend.in_flight += 1
         try:
-            return await self._json(response)
+            async with await self._open("POST", path, body) as response:
+                return await self._json(response)
         finally:
-            response.release()
+            self.backend.in_flight -= 1
 
     async def post_lines(
         self, path: str, body: dict[str, Any], *, last: Callable[[bytes], bool]
@@ -142,141 +277,147 @@ class Backend:
         the pool when the caller stops there. Leaving the iteration anywhere else (a cancel, an
         error) closes the connection at once, so the backend sees it.
         """
-        response = await self._open("POST", path, body)
-        lines = response.lines()
+        backend = self.backend
+        backend.in_flight += 1
         try:
-            while True:
+            async with await self._open("POST", path, body) as response:
+                lines = response.lines(self.max_line)
                 try:
-                    line = await anext(lines)
-                except StopAsyncIteration:
-                    return
-                except (ReadTimeout, TimeoutError) as exc:  # before OSError, TimeoutError's base
-                    raise self._unavailable(str(exc)) from None
-                except OSError as exc:
-                    raise self._lost(exc) from None
-                except BadResponse as exc:
-                    raise protocol_error(f"{self.name}: unreadable HTTP response: {exc}") from None
-                if last(line):
-                    await _read_to_end(response)
-                yield line
+                    while True:
+                        try:
+                            line = await anext(lines)
+                        except StopAsyncIteration:
+                            return
+                        except errors.HttpError as exc:
+                            raise backend.error(exc) from None
+                        if last(line):
+                            await _read_to_end(response)
+                        yield line
+                finally:
+                    await lines.aclose()
         finally:
-            await lines.aclose()
-            response.release()  # back to the pool if read to the end; closed (the backend sees it) if not
+            backend.in_flight -= 1
 
-    async def _open(self, method: str, path: str, body: dict[str, Any] | None) -> Response:
+    async def _open(
+        self, method: str, path: str, body: dict[str, Any] | None, *, only_if: Callable[[], bool] | None = None
+    ) -> Response:
         """Send the request; the response once its head is in and its status is a success."""
-        timeouts = self.options.timeouts
+        timeouts = self.timeouts
         data = None if body is None else json.dumps(body, separators=(",", ":")).encode()
         since = asyncio.get_running_loop().time()
-        head_timeout = min(timeouts.first_byte, timeouts.total)
+        head_timeout = timeouts.connect if only_if is not None else min(timeouts.first_byte, timeouts.total)
         try:
-            response = await self._client.request(
-                method, path, data, connect_timeout=timeouts.connect, head_timeout=head_timeout
+            response = await self.client.request(
+                method,
+                path,
+                data,
+                connect_timeout=timeouts.connect,
+                head_timeout=head_timeout,
+                pool_timeout=timeouts.pool,
+                head=self._auth,
+                only_if=only_if,
             )
-        except TimeoutError:  # before OSError, its base class; the backend is up, just slow
-            raise self._unavailable(f"no response within {head_timeout:g} s") from None
-        except ConnectionLost as exc:
-            raise self._lost(exc) from None
-        except OSError as exc:
-            raise self._unreachable(exc) from None
-        except BadResponse as exc:
-            raise protocol_error(f"{self.name}: unreadable HTTP response: {exc}") from None
+        except errors.NotSent:
+            raise  # not a failure: the caller changed its mind
+        except errors.HttpError as exc:
+            raise self.backend.error(exc) from None
         response.set_timeouts(timeouts.idle, timeouts.total, since=since)
         if response.status >= 300:
-            try:
+            async with response:
                 raise await self._status_error(response)
-            finally:
-                response.release()
         return response
 
     async def _json(self, response: Response) -> Any:
         try:
-            return json.loads(await response.read(_MAX_BODY))
-        except (ReadTimeout, TimeoutError) as exc:  # before OSError, TimeoutError's base
-            raise self._unavailable(str(exc)) from None
-        except OSError as exc:
-            raise self._lost(exc) from None
-        except ValueError as exc:  # BadResponse too
-            raise protocol_error(f"{self.name}: response is not JSON: {exc}") from None
+            data = await response.read(_MAX_BODY)
+        except errors.HttpError as exc:
+            raise self.backend.error(exc) from None
+        try:
+            return json.loads(data)
+        except ValueError as exc:
+            raise protocol_error(f"{self.backend.name}: response is not JSON: {exc}") from None
 
-    def _unavailable(self, message: str) -> IopError:
-        return IopError(pb.ERROR_CODE_UNAVAILABLE, f"{self.name}: {message}")
-
-    def _unreachable(self, exc: BaseException) -> IopError:
-        reason = str(exc) or type(exc).__name__
-        self.mark_down(reason)
-        return self._unavailable(f"cannot reach {self._base}: {reason}")
-
-    def _lost(self, exc: BaseException) -> IopError:
-        reason = str(exc) or type(exc).__name__
-        self.mark_down(reason)
-        return self._unavailable(f"connection lost mid-response: {reason}")
-
-    async def _status_error(self, response: Response) -> IopError:
+    async def _status_error(self, response: Response) -> HttpStatusError:
         try:
             raw = await response.read(_MAX_ERROR_BODY)
-        except (OSError, ReadTimeout, ValueError):
+        except errors.HttpError:
             raw = b""
-        text = raw.decode(errors="replace")[:_MESSAGE_LIMIT]
+        text = raw.decode(errors="replace")
         with contextlib.suppress(ValueError, AttributeError, TypeError):
             document = json.loads(text)
             error = document.get("error", document)
             text = error.get("message", str(error)) if isinstance(error, dict) else str(error)
         code = _STATUS_CODES.get(response.status, pb.ERROR_CODE_BACKEND_ERROR)
-        return IopError(code, f"{self.name} answered HTTP {response.status}: {text}")
+        message = capped(f"{self.backend.name} answered HTTP {response.status}: {text}")
+        return HttpStatusError(code, message, status=response.status)
 
-    def mark_down(self, reason: str) -> None:
-        """Report the backend's models unavailable until a health probe succeeds."""
-        if self._client.closed:
-            return  # shutting down: nothing to probe for
-        if self.available:
-            _log.warning("backend down", backend=self.name, url=self._base, reason=reason)
-        self.available = False
-        if self._probe is None or self._probe.done():
-            self._probe = asyncio.get_running_loop().create_task(self._probe_until_up())
+    def failed(self, run_id: str, error: IopError) -> None:
+        """Log a run's backend failure (one line) and look at the model list again when idle."""
+        self.backend.stale()
+        _log.warning(
+            "backend request failed",
+            run_id=run_id,
+            backend=self.backend.name,
+            status=getattr(error, "status", None),
+            code=error.name,
+            error=error.message,
+        )
 
-    async def _probe_until_up(self) -> None:
-        connect = self.options.timeouts.connect
-        while not self.available:
-            await asyncio.sleep(self.options.health_interval)
-            try:
-                async with asyncio.timeout(connect + 1):
-                    response = await self._client.request(
-                        "GET", self._health_path, connect_timeout=connect, head_timeout=connect
-                    )
-                    response.abort()  # the probe wants the status only
-                    self.available = response.status < 500
-            except (OSError, ValueError):  # TimeoutError is an OSError
-                continue
-        _log.info("backend up", backend=self.name, url=self._base)
 
-    async def aclose(self) -> None:
-        """Stop probing and close the connection pool."""
-        if self._probe is not None:
-            self._probe.cancel()
-        await self._client.aclose()
+async def _read_to_end(response: Response) -> None:
+    """Read what is left of a body that should be about to end; leave it unfinished if it is not."""
+    with contextlib.suppress(errors.HttpError, TimeoutError):
+        async with asyncio.timeout(_TAIL_WAIT):
+            async for _ in response.iter_bytes():
+                pass
 
 
 class Backends:
-    """The backends of one adapter: one ``Backend`` per base URL, looked up by route model."""
+    """An adapter's backends: one ``Backend`` per base URL, one pool per (base URL, CA), one
+    ``Endpoint`` per route model."""
 
-    def __init__(self, models: Mapping[str, HttpOptions], *, health_path: str, kind: str) -> None:
+    def __init__(
+        self, models: Mapping[str, HttpOptions], *, kind: str, list_path: str, list_models: Callable[[Any], set[str]]
+    ) -> None:
         self.options = dict(models)
         self.by_url: dict[str, Backend] = {}
-        for options in self.options.values():
-            if options.base_url not in self.by_url:
-                self.by_url[options.base_url] = Backend(
-                    options, health_path=health_path, name=f"{kind} {options.base_url}"
+        self._clients: dict[tuple[str, str | None], HttpClient] = {}
+        self._endpoints: dict[str, Endpoint] = {}
+        for model, options in self.options.items():
+            backend = self.by_url.get(options.base_url)
+            if backend is None:
+                backend = self.by_url[options.base_url] = Backend(
+                    options.base_url,
+                    name=f"{kind} {options.base_url}",
+                    list_path=list_path,
+                    list_models=list_models,
+                    health_interval=options.health_interval,
+                    models_refresh=min(
+                        o.models_refresh for o in self.options.values() if o.base_url == options.base_url
+                    ),
                 )
+            endpoint = self._endpoints[model] = Endpoint(backend, self._client(options), options)
+            backend.lister = backend.lister or endpoint
 
-    def __getitem__(self, model: str) -> Backend:
-        return self.by_url[self.options[model].base_url]
+    def _client(self, options: HttpOptions) -> HttpClient:
+        key = (options.base_url, str(options.ca) if options.ca else None)
+        client = self._clients.get(key)
+        if client is None:
+            sharing = [o.max_connections for o in self.options.values() if (o.base_url, o.ca) == (key[0], options.ca)]
+            tls = ssl.create_default_context(cafile=options.ca) if options.base_url.startswith("https:") else None
+            client = self._clients[key] = HttpClient(options.base_url, max_connections=max(sharing), tls=tls)
+        return client
+
+    def __getitem__(self, model: str) -> Endpoint:
+        return self._endpoints[model]
 
     def available(self, model: str) -> bool:
         """Whether ``model``'s backend is up, as last seen."""
-        return self[model].available
+        return self._endpoints[model].backend.available
 
     async def aclose(self) -> None:
-        """Close every backend's connection pool."""
+        """Stop every backend's probe and close every connection pool."""
         for backend in self.by_url.values():
             await backend.aclose()
+        for client in self._clients.values():
+            await client.aclose()

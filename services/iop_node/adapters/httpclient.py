@@ -3,77 +3,107 @@
 The HTTP adapters ask little of HTTP: JSON requests, JSON answers, and streamed answers read
 line by line (SSE, NDJSON). This client does that and nothing more, on an ``asyncio.Protocol``:
 on a pooled connection a request goes out in one ``transport.write`` in the task that makes
-it, with no await before it, and a response's bytes are parsed where they land. Against aiohttp
-it takes about 0.1 ms off every request's time to first byte (README, "Design decisions").
+it, with no await before it, and a response's bytes are parsed by llhttp where they land
+(``http11.ResponseReader``, sans-IO). Against aiohttp it takes about 0.1 ms off every
+request's time to first byte (README, "Design decisions").
 
 What it speaks: HTTP/1.1 (and 1.0 answers), ``Content-Length``, chunked and close-delimited
 bodies, 1xx interim answers skipped, keep-alive unless either side says ``close``, TLS for
 ``https://``. What it leaves out on purpose: redirects, cookies, proxies, compression (it never
 sends ``Accept-Encoding``, so servers answer uncompressed).
+
+A request is written once. A pooled connection found closed (or holding unasked-for bytes)
+before the write is replaced by a new one; once written, a request is never sent again: a
+close without an answer is ``ServerDisconnected`` and the caller decides. Errors are the tree
+in ``httperrors`` (re-exported here).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import select
 import ssl
 import time
 import urllib.parse
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from types import TracebackType
 
-__all__ = ["BadResponse", "ConnectionLost", "HttpClient", "ReadTimeout", "Response"]
+from iop_node.adapters.http11 import DEFAULT_MAX_LINE, LineSplitter, ResponseReader, header_lines
+from iop_node.adapters.httperrors import (
+    ClientClosed,
+    ConnectError,
+    ConnectionLost,
+    ConnectTimeout,
+    HttpError,
+    NotSent,
+    PoolTimeout,
+    ProtocolError,
+    ReadTimeout,
+    ServerDisconnected,
+)
 
-_MAX_HEAD = 64 * 1024  # bytes of status line and headers
-_MAX_CHUNK_LINE = 4096  # bytes of one chunk-size line (with extensions) or trailer line
+__all__ = [
+    "DEFAULT_MAX_LINE",
+    "DEFAULT_POOL_TIMEOUT",
+    "ClientClosed",
+    "ConnectError",
+    "ConnectTimeout",
+    "ConnectionLost",
+    "HttpClient",
+    "HttpError",
+    "NotSent",
+    "PoolTimeout",
+    "ProtocolError",
+    "ReadTimeout",
+    "Response",
+    "ServerDisconnected",
+]
+
+DEFAULT_POOL_TIMEOUT = 30.0
+"""Seconds a request waits for a free connection slot by default."""
 _HIGH_WATER = 1024 * 1024  # unread body bytes at which the socket stops being read
 # Seconds an idle connection is kept for reuse: under the 5 s after which uvicorn (vLLM,
 # llama-cpp-python) and llama.cpp's server close one, so the pool rarely races their close.
 _KEEPALIVE = 4.0
-_RACE = 0.1  # seconds after sending within which a silent close of a reused connection is a keep-alive race
-
-
-class ConnectionLost(OSError):
-    """The connection closed or failed before the response was complete."""
-
-
-class BadResponse(ValueError):
-    """The server's bytes are not HTTP/1.x as this client reads it."""
-
-
-class ReadTimeout(Exception):
-    """No body bytes for the idle timeout while waiting for them, or the response's deadline passed."""
 
 
 class _Connection(asyncio.Protocol):
-    """One TCP (or TLS) connection: bytes received wait in a buffer for the response reading them."""
+    """One TCP (or TLS) connection: its response reader, and the one task waiting on it."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
-        self.buffer = bytearray()
+        self.reader = ResponseReader()
         self.closed = False
         self.error: BaseException | None = None
-        self.received = 0
-        """Bytes received since the current request was sent."""
-        self.sent_at = 0.0
+        """Why the connection closed, when it failed."""
+        self.reused = False
+        """The current request went out on a connection that had served another."""
         self.idle_since = 0.0
         self.in_use = False
         """True from a request's send until its connection goes back to the pool."""
         self.waiting_since = 0.0
         """When ``more()`` began waiting (loop time); 0 while it is not waiting."""
-        self.timed_out: Exception | None = None
+        self.timed_out: HttpError | None = None
+        self._fd = -1
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        sock = transport.get_extra_info("socket")
+        self._fd = sock.fileno() if sock is not None else -1
 
     def data_received(self, data: bytes) -> None:
         if not self.in_use:  # bytes nobody asked for (a late 408, a body past its length): unusable
             self.abort()
             return
-        self.buffer += data
-        self.received += len(data)
-        if len(self.buffer) > _HIGH_WATER and not self._paused and self.transport is not None:
+        reader = self.reader
+        reader.feed(data)
+        if reader.error is not None:
+            self.abort()
+        elif reader.unread > _HIGH_WATER and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
         self._wake()
@@ -94,14 +124,20 @@ class _Connection(asyncio.Protocol):
             waiter.set_result(None)
 
     async def more(self) -> None:
-        """Wait for more bytes; ConnectionLost if the connection ended, a timer's error if one fired."""
+        """Wait for more of the response; its error if it failed; returns at once if it ended."""
         if self._paused and self.transport is not None:
             self._paused = False
             self.transport.resume_reading()
-        if self.closed:
-            raise ConnectionLost(f"connection closed by the server{f': {self.error}' if self.error else ''}")
+        reader = self.reader
+        if reader.error is not None:
+            raise reader.error
         if self.timed_out is not None:
             raise self.timed_out
+        if self.closed:
+            reader.feed_eof()
+            if reader.complete:
+                return
+            raise self._lost()
         loop = asyncio.get_running_loop()
         waiter = self._waiter = loop.create_future()
         self.waiting_since = loop.time()
@@ -110,20 +146,54 @@ class _Connection(asyncio.Protocol):
         finally:
             self.waiting_since = 0.0
 
-    def time_out(self, error: Exception) -> None:
+    def _lost(self) -> ConnectionLost:
+        cause = f": {self.error}" if self.error else ""
+        if not self.reader.received and self.reused:
+            return ServerDisconnected(
+                "the server closed a reused connection without answering (it may have read the request,"
+                " so it was not sent again)"
+            )
+        if not self.reader.head_done:
+            return ConnectionLost(f"connection closed by the server before the response head{cause}")
+        return ConnectionLost(f"connection closed by the server mid-response{cause}")
+
+    def time_out(self, error: HttpError) -> None:
         """Fail the current wait for bytes, and every later one, with ``error``."""
         self.timed_out = error
         waiter, self._waiter = self._waiter, None
         if waiter is not None and not waiter.done():
             waiter.set_exception(error)
 
-    def send(self, data: bytes) -> None:
+    def usable(self, now: float) -> bool:
+        """Whether this idle connection can carry a request: open, young, and with nothing to read.
+
+        Readable means the server closed it (EOF waiting) or sent bytes nobody asked for; the
+        loop may not have seen either yet, so the socket is asked directly (~0.5 us).
+        """
+        if self.closed or now - self.idle_since >= _KEEPALIVE:
+            return False
+        if self._fd < 0:
+            return True
+        readable, _, _ = select.select([self._fd], [], [], 0)
+        return not readable
+
+    def send(self, data: bytes, *, reused: bool) -> None:
         assert self.transport is not None
-        self.received = 0
+        self.reader.reset()
+        self.reused = reused
         self.in_use = True
         self.timed_out = None
-        self.sent_at = time.monotonic()
         self.transport.write(data)
+
+    def recycle(self) -> None:
+        """Ready to wait in the pool: the last response's leftovers dropped, reading on."""
+        self.reader.chunks.clear()
+        self.reader.unread = 0
+        self.in_use = False
+        self.idle_since = time.monotonic()
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
 
     def abort(self) -> None:
         self.closed = True
@@ -167,35 +237,36 @@ class _ReadTimer:
 
 
 class Response:
-    """A response whose head has arrived; read its body once, then release it."""
+    """A response whose head has arrived. Read its body once; ``async with`` releases it."""
 
-    def __init__(
-        self, client: HttpClient, connection: _Connection, status: int, headers: dict[str, str], keep_alive: bool
-    ) -> None:
-        self.status = status
-        self.headers = headers
+    def __init__(self, client: HttpClient, connection: _Connection) -> None:
+        reader = connection.reader
+        self.status = reader.status
+        self.headers = reader.headers
         """Header names in lower case; repeated headers joined with ", "."""
         self._client = client
         self._connection: _Connection | None = connection
-        self._keep_alive = keep_alive
-        self._chunked = "chunked" in headers.get("transfer-encoding", "").lower()
-        self._remaining = -1  # body bytes still to come when Content-Length framed; -1: not so framed
-        self._chunk_left = 0  # bytes of the current chunk still to come (chunked)
-        self._state = "size"  # chunked: size, data, data-end, trailer
+        self._reader = reader
         self._timer: _ReadTimer | None = None
-        self.done = False
+
+    @property
+    def done(self) -> bool:
         """True once the whole body was read."""
-        if not self._chunked:
-            length = headers.get("content-length")
-            if length is not None:
-                if not (length.isascii() and length.isdigit()):
-                    raise BadResponse(f"bad Content-Length {length!r}")
-                self._remaining = int(length)
-            elif status in (204, 304):
-                self._remaining = 0
-            else:
-                self._keep_alive = False  # the body ends when the connection does
-            self.done = self._remaining == 0
+        return self._reader.complete and not self._reader.chunks
+
+    async def __aenter__(self) -> Response:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        # a response dropped unreleased must not keep its pool slot forever
+        if self._connection is not None:
+            with contextlib.suppress(Exception):
+                self.release()
 
     def set_timeouts(self, idle: float, total: float, *, since: float) -> None:
         """Fail reading with ReadTimeout after ``idle`` seconds waiting for bytes, or ``total``
@@ -204,108 +275,61 @@ class Response:
             self._timer = _ReadTimer(self._connection, idle, total, since)
 
     async def read(self, limit: int) -> bytes:
-        """The whole body; BadResponse if it is over ``limit`` bytes."""
+        """The whole body; ProtocolError if it is over ``limit`` bytes."""
         parts = []
         size = 0
         async for data in self.iter_bytes():
             size += len(data)
             if size > limit:
-                raise BadResponse(f"response body over {limit} bytes")
+                raise ProtocolError(f"response body over {limit} bytes")
             parts.append(data)
         return b"".join(parts)
 
     async def iter_bytes(self) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive (chunk framing removed)."""
         connection = self._reading()
-        while not self.done:
-            data = self._take(connection.buffer)
+        reader = self._reader
+        while True:
+            data = reader.take()
             if data:
                 yield data
-            elif not self.done:
-                await self._more(connection)
+            elif reader.complete:
+                return
+            else:
+                await connection.more()
 
-    async def lines(self) -> AsyncGenerator[bytes, None]:
-        """The body's non-empty lines, stripped, as they arrive (SSE, NDJSON)."""
+    async def lines(self, max_line: int = DEFAULT_MAX_LINE) -> AsyncGenerator[bytes, None]:
+        """The body's non-empty lines, stripped, as they arrive (SSE, NDJSON); ProtocolError for a
+        line over ``max_line`` bytes."""
         connection = self._reading()
-        pending = b""
-        while not self.done:
-            data = self._take(connection.buffer)
-            if not data:
-                if not self.done:
-                    await self._more(connection)
-                continue
-            *complete, pending = (pending + data).split(b"\n")
-            for raw in complete:
-                line = raw.strip()
-                if line:
+        reader = self._reader
+        splitter = LineSplitter(max_line)
+        while True:
+            data = reader.take()
+            if data:
+                for line in splitter.feed(data):
                     yield line
-        pending = pending.strip()
-        if pending:
-            yield pending
+            elif reader.complete:
+                break
+            else:
+                await connection.more()
+        last = splitter.finish()
+        if last:
+            yield last
 
     def _reading(self) -> _Connection:
         if self._connection is None:
             raise RuntimeError("the response was released")
         return self._connection
 
-    async def _more(self, connection: _Connection) -> None:
-        try:
-            await connection.more()
-        except ConnectionLost:
-            if self._remaining < 0 and not self._chunked and connection.error is None:
-                self.done = True  # a close-delimited body ends with the connection
-                return
-            raise
-
-    def _take(self, buffer: bytearray) -> bytes:
-        """Consume what ``buffer`` holds of the body; returns the body bytes found."""
-        if self._chunked:
-            return self._take_chunked(buffer)
-        if self._remaining < 0:
-            data = bytes(buffer)
-        else:
-            data = bytes(buffer[: self._remaining])
-            self._remaining -= len(data)
-            self.done = self._remaining == 0
-        del buffer[: len(data)]
-        return data
-
-    def _take_chunked(self, buffer: bytearray) -> bytes:
-        out = []
-        while buffer and not self.done:
-            if self._state == "data":
-                data = bytes(buffer[: self._chunk_left])
-                del buffer[: len(data)]
-                self._chunk_left -= len(data)
-                out.append(data)
-                if self._chunk_left == 0:
-                    self._state = "data-end"
-            elif self._state == "data-end":
-                if len(buffer) < 2:
-                    break
-                if buffer[:2] != b"\r\n":
-                    raise BadResponse("chunk not followed by CRLF")
-                del buffer[:2]
-                self._state = "size"
-            else:
-                line = _take_line(buffer)
-                if line is None:
-                    break
-                if self._state == "trailer":
-                    self.done = not line  # trailer fields are read past; an empty line ends the body
-                else:
-                    self._chunk_left = _chunk_size(line)
-                    self._state = "data" if self._chunk_left else "trailer"
-        return b"".join(out)
-
     def release(self) -> None:
-        """Give the connection back to the pool if its response was read to the end, else close it."""
+        """Give the connection back to the pool if its response ended cleanly, else close it."""
         connection, self._connection = self._connection, None
         if connection is None:
             return
         if self._timer is not None:
             self._timer.stop()
-        if self.done and self._keep_alive and not connection.closed and not connection.buffer:
+        if self._reader.reusable and not connection.closed:
             self._client.put_back(connection)
         else:
             connection.abort()
@@ -313,7 +337,9 @@ class Response:
 
     def abort(self) -> None:
         """Drop the connection at once (the server sees it close)."""
-        self.done = False
+        connection = self._connection
+        if connection is not None:
+            connection.abort()
         self.release()
 
 
@@ -328,7 +354,8 @@ class HttpClient:
         headers: Mapping[str, str] | None = None,
         tls: ssl.SSLContext | None = None,
     ) -> None:
-        """``tls`` verifies an https server (default: the system's CAs); headers go on every request."""
+        """``tls`` verifies an https server (default: the system's CAs); headers go on every request
+        (ValueError for one that cannot be sent, e.g. with CR or LF)."""
         url = urllib.parse.urlsplit(base_url)
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ValueError(f"not an http(s) URL: {base_url!r}")
@@ -340,52 +367,75 @@ class HttpClient:
         default_port = self.port == (443 if url.scheme == "https" else 80)
         fields = {"Host": host if default_port else f"{host}:{self.port}", "User-Agent": "iop-node", "Accept": "*/*"}
         fields.update(headers or {})
-        self._head = "".join(f"{name}: {value}\r\n" for name, value in fields.items()).encode("latin-1")
+        self._head = header_lines(fields)
         self._idle: list[_Connection] = []
         self._slots = asyncio.Semaphore(max_connections)
         self.closed = False
-        """True once ``aclose()`` was called: requests fail with ConnectionLost."""
+        """True once ``aclose()`` was called: requests fail with ClientClosed."""
 
     async def request(
-        self, method: str, path: str, body: bytes | None = None, *, connect_timeout: float, head_timeout: float
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        *,
+        connect_timeout: float,
+        head_timeout: float,
+        pool_timeout: float = DEFAULT_POOL_TIMEOUT,
+        head: bytes = b"",
+        only_if: Callable[[], bool] | None = None,
     ) -> Response:
-        """Send a request and return the response once its head is in.
+        """Send a request once; the response once its head is in (use it with ``async with``).
 
-        A reused connection that the server closes, without a byte of answer, within 0.1 s of
-        the request (the server dropped it while idle as the request went out) is replaced by a
-        new one, once. Any later close is the answer: the request may have been worked on.
+        ``head`` is more header lines for this request alone (``http11.header_lines``).
+        ``only_if`` is asked when the connection is ready, just before the write: false raises
+        NotSent and nothing is written.
         """
         if self.closed:
-            raise ConnectionLost("the client is closed")
-        request = self._encode(method, path, body)
-        await self._slots.acquire()
+            raise ClientClosed("the client is closed")
+        data = self._encode(method, path, body, head)
+        await self._acquire(pool_timeout)
         try:
             connection = self._reuse()
-            if connection is not None:
-                connection.send(request)
-                try:
-                    return await self._answer(connection, head_timeout)
-                except ConnectionLost:
-                    if connection.received or time.monotonic() - connection.sent_at > _RACE:
-                        raise
-            connection = await self._connect(connect_timeout)
-            connection.send(request)
+            reused = connection is not None
+            if connection is None:
+                connection = await self._connect(connect_timeout)
+            if only_if is not None and not only_if():
+                self.put_back(connection)
+                raise NotSent(f"{method} {path} was not sent: its condition no longer held")
+            connection.send(data, reused=reused)
             return await self._answer(connection, head_timeout)
         except BaseException:
             self.slot_free()
             raise
 
-    def _encode(self, method: str, path: str, body: bytes | None) -> bytes:
-        head = f"{method} {self._prefix}{path} HTTP/1.1\r\n".encode("latin-1") + self._head
+    def _encode(self, method: str, path: str, body: bytes | None, head: bytes) -> bytes:
+        start = f"{method} {self._prefix}{path} HTTP/1.1\r\n".encode("latin-1")
         if body is None:
-            return head + b"\r\n"
-        return b"%sContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (head, len(body), body)
+            return b"%s%s%s\r\n" % (start, self._head, head)
+        return b"%s%s%sContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+            start,
+            self._head,
+            head,
+            len(body),
+            body,
+        )
+
+    async def _acquire(self, timeout: float) -> None:
+        if not self._slots.locked():
+            await self._slots.acquire()  # returns without suspending
+            return
+        try:
+            async with asyncio.timeout(timeout):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise PoolTimeout(f"no free connection to {self.host}:{self.port} within {timeout:g} s") from None
 
     def _reuse(self) -> _Connection | None:
         now = time.monotonic()
         while self._idle:
             connection = self._idle.pop()
-            if not connection.closed and now - connection.idle_since < _KEEPALIVE:
+            if connection.usable(now):
                 return connection
             connection.abort()
         return None
@@ -398,19 +448,21 @@ class HttpClient:
                     _Connection, self.host, self.port, ssl=self._ssl, server_hostname=self.host if self._ssl else None
                 )
         except TimeoutError:
-            raise OSError(f"connect timed out after {timeout:g} s") from None
+            raise ConnectTimeout(f"connect timed out after {timeout:g} s") from None
+        except OSError as exc:  # refused, unreachable, unresolvable, TLS handshake or verification
+            raise ConnectError(str(exc) or type(exc).__name__) from exc
         return connection
 
     async def _answer(self, connection: _Connection, timeout: float) -> Response:
-        late = TimeoutError(f"no answer within {timeout:g} s")
+        late = ReadTimeout(f"no response within {timeout:g} s")
         timer = asyncio.get_running_loop().call_later(timeout, connection.time_out, late)
         try:
-            while True:
-                status, headers, keep_alive = await _read_head(connection)
-                if not 100 <= status < 200:
-                    if connection.timed_out is late:
-                        connection.timed_out = None  # it fired in the very pass the head came in
-                    return Response(self, connection, status, headers, keep_alive)
+            reader = connection.reader
+            while not reader.head_done:
+                await connection.more()
+            if connection.timed_out is late:
+                connection.timed_out = None  # it fired in the very pass the head came in
+            return Response(self, connection)
         except BaseException:
             connection.abort()
             raise
@@ -418,11 +470,11 @@ class HttpClient:
             timer.cancel()
 
     def put_back(self, connection: _Connection) -> None:
+        """Return a connection whose response ended cleanly to the pool."""
         if self.closed:
             connection.close()
             return
-        connection.idle_since = time.monotonic()
-        connection.in_use = False
+        connection.recycle()
         self._idle.append(connection)
 
     def slot_free(self) -> None:
@@ -433,50 +485,3 @@ class HttpClient:
         self.closed = True
         while self._idle:
             self._idle.pop().close()
-
-
-async def _read_head(connection: _Connection) -> tuple[int, dict[str, str], bool]:
-    """Status, headers and whether the connection stays open after this response."""
-    buffer = connection.buffer
-    while True:
-        end = buffer.find(b"\r\n\r\n")
-        if end >= 0:
-            break
-        if len(buffer) > _MAX_HEAD:
-            raise BadResponse(f"response head over {_MAX_HEAD} bytes")
-        await connection.more()
-    lines = bytes(buffer[:end]).decode("latin-1").split("\r\n")
-    del buffer[: end + 4]
-    version, _, rest = lines[0].partition(" ")
-    code = rest[:3]
-    if version not in ("HTTP/1.1", "HTTP/1.0") or not code.isdigit():
-        raise BadResponse(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        name, colon, value = line.partition(":")
-        if not colon or not name or name != name.strip():
-            raise BadResponse(f"bad header line {line[:80]!r}")
-        key = name.lower()
-        headers[key] = f"{headers[key]}, {value.strip()}" if key in headers else value.strip()
-    tokens = {token.strip().lower() for token in headers.get("connection", "").split(",")}
-    keep_alive = "keep-alive" in tokens if version == "HTTP/1.0" else "close" not in tokens
-    return int(code), headers, keep_alive
-
-
-def _take_line(buffer: bytearray) -> bytes | None:
-    """The line at the start of ``buffer`` without its CRLF (consumed), or None if it is not all in."""
-    end = buffer.find(b"\r\n")
-    if end < 0:
-        if len(buffer) > _MAX_CHUNK_LINE:
-            raise BadResponse(f"chunk-size or trailer line over {_MAX_CHUNK_LINE} bytes")
-        return None
-    line = bytes(buffer[:end])
-    del buffer[: end + 2]
-    return line
-
-
-def _chunk_size(line: bytes) -> int:
-    size = line.split(b";", 1)[0].strip()
-    if not size or size.strip(b"0123456789abcdefABCDEF"):
-        raise BadResponse(f"bad chunk size {size[:40]!r}")
-    return int(size, 16)

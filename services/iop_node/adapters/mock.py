@@ -121,6 +121,9 @@ class MockAdapter:
     def available(self, model: str) -> bool:
         return True
 
+    async def aclose(self) -> None:
+        """Nothing to release: runs end with their tasks."""
+
     async def capabilities(self) -> list[pb.ModelInfo]:
         kinds = [pb.RUN_KIND_CHAT, pb.RUN_KIND_COMPLETION, pb.RUN_KIND_EMBEDDING]
         return [pb.ModelInfo(name=name, kinds=kinds, available=True) for name in self._models]

@@ -3,7 +3,8 @@
 Chat runs stream NDJSON from /api/chat, completion runs from /api/generate, embedding runs use
 /api/embed; /api/tags lists the models. Sampling maps to Ollama options (temperature, top_p,
 seed, stop, num_predict, presence/frequency penalty), ``done_reason`` to the finish reason,
-``prompt_eval_count`` / ``eval_count`` to usage and the reported durations to timings.
+``prompt_eval_count`` / ``eval_count`` to usage (streamed lines counted where it is missing)
+and the reported durations to timings.
 """
 
 from __future__ import annotations
@@ -16,14 +17,22 @@ from typing import Any
 from pydantic import Field
 
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_node.adapters.http import Backend, Backends, HttpOptions, json_text, protocol_error
+from iop_node.adapters.http import KINDS, Backends, Endpoint, HttpOptions, check_kind
+from iop_node.adapters.shapes import (
+    embeddings,
+    estimated_usage,
+    finish_reason,
+    json_object,
+    json_text,
+    model_names,
+    protocol_error,
+)
 from iop_node.domain import ROLE_NAMES, ExecutionSpec
 from iop_node.ports import EventSink
 from iop_wire.errors import IopError
 
 __all__ = ["OllamaAdapter", "OllamaOptions"]
 
-_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 _OPTION_NAMES = {  # every field of Sampling
     "temperature": "temperature",
     "top_p": "top_p",
@@ -44,6 +53,15 @@ class OllamaOptions(HttpOptions):
     """How long Ollama keeps the model loaded after a run (Ollama's ``keep_alive``, e.g. "10m")."""
 
 
+def _tag_names(document: Any) -> set[str]:
+    return model_names(document, "models", "name")
+
+
+def _listed(target: str, names: set[str]) -> bool:
+    """Whether /api/tags lists ``target`` (as ``name`` or ``name:latest``)."""
+    return target in names or (":" not in target and f"{target}:latest" in names)
+
+
 class OllamaAdapter:
     """Relays runs to Ollama servers, one pooled client per base URL."""
 
@@ -51,61 +69,58 @@ class OllamaAdapter:
 
     def __init__(self, models: Mapping[str, OllamaOptions]) -> None:
         self._options = dict(models)
-        self._backends = Backends(self._options, health_path="/api/tags", kind="ollama")
+        self._backends = Backends(self._options, kind="ollama", list_path="/api/tags", list_models=_tag_names)
         self.available = self._backends.available
         self.aclose = self._backends.aclose
 
     async def capabilities(self) -> list[pb.ModelInfo]:
-        tags: dict[str, set[str]] = {}
-        for url, backend in self._backends.by_url.items():
-            with contextlib.suppress(IopError):
-                document = await backend.get_json("/api/tags")
-                tags[url] = {str(m.get("name")) for m in document.get("models", [])}
-        kinds = [pb.RUN_KIND_CHAT, pb.RUN_KIND_COMPLETION, pb.RUN_KIND_EMBEDDING]
-        listed = self._targets(tags)
-        return [
-            pb.ModelInfo(name=model, kinds=kinds, available=self._backends[model].available and model in listed)
-            for model in self._options
-        ]
-
-    def _targets(self, tags: dict[str, set[str]]) -> set[str]:
-        """Route models whose target the backend's /api/tags lists (``name`` or ``name:latest``)."""
-        found = set()
+        infos = []
         for model, options in self._options.items():
-            names = tags.get(options.base_url, set())
-            target = options.target or model
-            if target in names or (":" not in target and f"{target}:latest" in names):
-                found.add(model)
-        return found
+            backend = self._backends[model].backend
+            served = await backend.served()
+            up = backend.available and (served is None or _listed(options.target or model, served))
+            infos.append(pb.ModelInfo(name=model, kinds=[KINDS[kind] for kind in options.kinds], available=up))
+        return infos
 
     async def execute(self, spec: ExecutionSpec, sink: EventSink) -> None:
         model = spec.request.model
-        backend = self._backends[model]
-        if spec.kind == pb.RUN_KIND_EMBEDDING:
-            await _embed(backend, spec, sink)
-            return
-        path, body = _request_body(spec, self._options[model])
-        final: dict[str, Any] | None = None
-        # the final object says "done":true (Go's encoder writes no spaces; a "done" inside a
-        # string would be escaped)
-        async with contextlib.aclosing(backend.post_lines(path, body, last=_is_done)) as lines:
-            async for line in lines:
-                item = _parse(line)
-                try:
-                    message = item.get("message") or {}
-                    text = json_text(message.get("content") if "message" in item else item.get("response"))
-                except (AttributeError, TypeError) as exc:
-                    raise protocol_error(f"unexpected line shape ({exc}): {line[:120]!r}") from None
-                if text:
-                    await sink.delta(text)
-                if item.get("done"):
-                    final = item
-                    break
-        if final is None:
-            raise protocol_error("the backend's stream ended without a done line")
-        await sink.complete(
-            _FINISH.get(final.get("done_reason") or "stop", pb.FINISH_REASON_STOP), _usage(final), _timings(final)
-        )
+        options = self._options[model]
+        check_kind(spec, options)
+        endpoint = self._backends[model]
+        request = None if spec.kind == pb.RUN_KIND_EMBEDDING else _request_body(spec, options)
+        try:
+            if request is None:
+                await _embed(endpoint, spec, sink)
+            else:
+                await _generate(endpoint, spec, sink, *request)
+        except IopError as exc:
+            endpoint.failed(spec.request.run_id, exc)
+            raise
+
+
+async def _generate(endpoint: Endpoint, spec: ExecutionSpec, sink: EventSink, path: str, body: dict[str, Any]) -> None:
+    final: dict[str, Any] | None = None
+    lines_with_text = 0
+    # the final object says "done":true (Go's encoder writes no spaces; a "done" inside a
+    # string would be escaped)
+    async with contextlib.aclosing(endpoint.post_lines(path, body, last=_is_done)) as lines:
+        async for line in lines:
+            item = json_object(line)
+            try:
+                message = item.get("message") or {}
+                text = json_text(message.get("content") if "message" in item else item.get("response"))
+            except (AttributeError, TypeError) as exc:
+                raise protocol_error(f"unexpected line shape ({exc}): {line[:120]!r}") from None
+            if text:
+                lines_with_text += 1
+                await sink.delta(text)
+            if item.get("done"):
+                final = item
+                break
+    if final is None:
+        raise protocol_error("the backend's stream ended without a done line")
+    usage = _usage(final) or estimated_usage(spec, lines_with_text)
+    await sink.complete(finish_reason(final.get("done_reason")), usage, _timings(final))
 
 
 def _request_body(spec: ExecutionSpec, options: OllamaOptions) -> tuple[str, dict[str, Any]]:
@@ -162,26 +177,14 @@ def _arguments(text: str) -> Any:
         raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, "tool call arguments must be a JSON text") from None
 
 
-def _parse(line: bytes) -> dict[str, Any]:
-    try:
-        item = json.loads(line)
-    except ValueError:
-        raise protocol_error(f"the backend sent a line that is not JSON: {line[:120]!r}") from None
-    if not isinstance(item, dict):
-        raise protocol_error(f"the backend sent a JSON {type(item).__name__}, not an object")
-    if "error" in item:
-        raise IopError(pb.ERROR_CODE_BACKEND_ERROR, f"ollama reported an error mid-stream: {item['error']}")
-    return item
-
-
-async def _embed(backend: Backend, spec: ExecutionSpec, sink: EventSink) -> None:
+async def _embed(endpoint: Endpoint, spec: ExecutionSpec, sink: EventSink) -> None:
     body = {"model": spec.target_model, "input": list(spec.request.prompt)}
-    document = await backend.post_json("/api/embed", body)
+    document = await endpoint.post_json("/api/embed", body)
     try:
-        vectors = [pb.Embedding(index=i, values=values) for i, values in enumerate(document["embeddings"])]
+        vectors = list(document["embeddings"])
     except (KeyError, TypeError) as exc:
         raise protocol_error(f"embed answer without embeddings: {exc}") from None
-    await sink.output(pb.RunDelta(embeddings=vectors))
+    await sink.output(pb.RunDelta(embeddings=embeddings(vectors)))
     await sink.complete(pb.FINISH_REASON_STOP, pb.Usage(prompt_tokens=document.get("prompt_eval_count") or 0))
 
 

@@ -3,43 +3,46 @@
 Chat runs go to /v1/chat/completions, completion runs to /v1/completions, embedding runs to
 /v1/embeddings; streamed (SSE) or not as the client asked. OpenAI fields the client sent
 (tools, tool_choice, response_format, logprobs, ...) pass through untouched; tool-call deltas and
-logprobs come back as run events. Usage is asked for (``stream_options.include_usage``) and
-counted on the node when the server does not report it. The served models come from
-GET /v1/models, refreshed periodically and whenever a run fails.
+logprobs come back as run events. Usage is asked for (``stream_options.include_usage``); a
+server that sends none (llama.cpp's) has its streamed chunks counted, one token each. The
+``developer`` role goes out as ``system`` unless the route says the server knows it. The
+served models come from GET /v1/models, read while no run of this node is in flight there.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import time
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import Field
-
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_node.adapters.http import Backend, Backends, HttpOptions, json_text, protocol_error
+from iop_node.adapters.http import KINDS, Backends, Endpoint, HttpOptions, check_kind
+from iop_node.adapters.shapes import (
+    embeddings,
+    estimated_usage,
+    finish_reason,
+    json_object,
+    json_text,
+    model_names,
+    protocol_error,
+)
 from iop_node.domain import ROLE_NAMES, ExecutionSpec
 from iop_node.ports import EventSink
 from iop_wire.errors import IopError
 
 __all__ = ["VllmAdapter", "VllmOptions"]
 
-_FINISH = {
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "tool_calls": pb.FINISH_REASON_TOOL_CALLS,
-    "function_call": pb.FINISH_REASON_TOOL_CALLS,
-    "content_filter": pb.FINISH_REASON_CONTENT_FILTER,
-}
-
 
 class VllmOptions(HttpOptions):
     """A route served by an OpenAI-compatible server."""
 
-    models_refresh: float = Field(60.0, gt=0)
-    """Seconds between GET /v1/models refreshes."""
+    developer_role: bool = False
+    """Send the ``developer`` role as it is; false (the default) sends it as ``system``, which every
+    server knows (llama-cpp-python answers HTTP 500 to ``developer``)."""
+
+
+def _model_ids(document: Any) -> set[str]:
+    return model_names(document, "data", "id")
 
 
 class VllmAdapter:
@@ -49,98 +52,100 @@ class VllmAdapter:
 
     def __init__(self, models: Mapping[str, VllmOptions]) -> None:
         self._options = dict(models)
-        self._backends = Backends(self._options, health_path="/v1/models", kind="vllm")
+        self._backends = Backends(self._options, kind="vllm", list_path="/v1/models", list_models=_model_ids)
         self.available = self._backends.available
         self.aclose = self._backends.aclose
-        self._served: dict[str, set[str]] = {}
-        self._refreshed: dict[str, float] = {}
 
     async def capabilities(self) -> list[pb.ModelInfo]:
-        kinds = [pb.RUN_KIND_CHAT, pb.RUN_KIND_COMPLETION, pb.RUN_KIND_EMBEDDING]
         infos = []
         for model, options in self._options.items():
-            served = await self._served_models(model)
-            up = self._backends[model].available and (served is None or (options.target or model) in served)
+            backend = self._backends[model].backend
+            served = await backend.served()
+            up = backend.available and (served is None or (options.target or model) in served)
+            kinds = [KINDS[kind] for kind in options.kinds]
             infos.append(pb.ModelInfo(name=model, kinds=kinds, available=up))
         return infos
 
-    async def _served_models(self, model: str) -> set[str] | None:
-        """The backend's model ids (GET /v1/models), refreshed every ``models_refresh`` s."""
-        options = self._options[model]
-        url = options.base_url
-        if time.monotonic() - self._refreshed.get(url, -1e9) > options.models_refresh:
-            self._refreshed[url] = time.monotonic()
-            with contextlib.suppress(IopError):
-                document = await self._backends.by_url[url].get_json("/v1/models")
-                self._served[url] = {str(item.get("id")) for item in document.get("data", [])}
-        return self._served.get(url)
-
     async def execute(self, spec: ExecutionSpec, sink: EventSink) -> None:
-        backend = self._backends[spec.request.model]
-        if int(spec.openai_fields.get("n") or 1) != 1:
-            raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, "n > 1 is not supported: send one run per choice")
+        options = self._options[spec.request.model]
+        _check(spec, options)
+        endpoint = self._backends[spec.request.model]
         try:
             if spec.kind == pb.RUN_KIND_EMBEDDING:
-                await self._embed(backend, spec, sink)
+                await _embed(endpoint, spec, sink)
             elif spec.request.stream:
-                await self._stream(backend, spec, sink)
+                await _stream(endpoint, spec, sink, options)
             else:
-                await self._whole(backend, spec, sink)
-        except IopError:
-            self._refreshed.pop(backend.options.base_url, None)  # look at /v1/models again next time
+                await _whole(endpoint, spec, sink, options)
+        except IopError as exc:
+            endpoint.failed(spec.request.run_id, exc)
             raise
 
-    async def _stream(self, backend: Backend, spec: ExecutionSpec, sink: EventSink) -> None:
-        path, body = _request_body(spec, stream=True)
-        finish: str | None = None
-        usage: pb.Usage | None = None
-        async with contextlib.aclosing(backend.post_lines(path, body, last=_is_done)) as lines:
-            async for line in lines:
-                if not line.startswith(b"data:"):
-                    continue  # SSE comments and other fields
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = _parse(data)
-                try:
-                    usage = _usage(chunk.get("usage")) or usage
-                    output, finished = _output(chunk)
-                except (AttributeError, KeyError, TypeError, ValueError) as exc:  # ValueError: not UTF-8 either
-                    raise protocol_error(f"unexpected chunk shape ({exc}): {data[:120]!r}") from None
+
+def _check(spec: ExecutionSpec, options: VllmOptions) -> None:
+    if int(spec.openai_fields.get("n") or 1) != 1:
+        raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, "n > 1 is not supported: send one run per choice")
+    check_kind(spec, options)
+
+
+async def _stream(endpoint: Endpoint, spec: ExecutionSpec, sink: EventSink, options: VllmOptions) -> None:
+    path, body = _request_body(spec, options, stream=True)
+    finish: str | None = None
+    usage: pb.Usage | None = None
+    chunks = 0  # chunks with output: one token each where the server sends no usage
+    async with contextlib.aclosing(endpoint.post_lines(path, body, last=_is_done)) as lines:
+        async for line in lines:
+            if not line.startswith(b"data:"):
+                continue  # SSE comments and other fields
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            chunk = json_object(data)
+            try:
+                usage = _usage(chunk.get("usage")) or usage
+                output, finished = _output(chunk)
+            except (AttributeError, KeyError, TypeError, ValueError) as exc:  # ValueError: not UTF-8 either
+                raise protocol_error(f"unexpected chunk shape ({exc}): {data[:120]!r}") from None
+            if output:
+                chunks += 1
                 await _send(sink, output)
-                finish = finished or finish
-        if finish is None:
-            raise protocol_error("the backend's stream ended without a finish_reason")
-        await sink.complete(_FINISH.get(finish, pb.FINISH_REASON_STOP), usage)
-
-    async def _whole(self, backend: Backend, spec: ExecutionSpec, sink: EventSink) -> None:
-        path, body = _request_body(spec, stream=False)
-        document = await backend.post_json(path, body)
-        try:
-            choice = document["choices"][0]
-            message = choice.get("message") or {}
-            text = json_text(message.get("content") if "message" in choice else choice.get("text"))
-            calls = [_tool_call(i, call) for i, call in enumerate(message.get("tool_calls") or [])]
-            output = _delta(text, calls, _logprobs(choice.get("logprobs")))
-            finish = _FINISH.get(choice.get("finish_reason") or "stop", pb.FINISH_REASON_STOP)
-            usage = _usage(document.get("usage"))
-        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:  # ValueError: not UTF-8 either
-            raise protocol_error(f"unexpected answer shape ({exc}): {str(document)[:200]}") from None
-        await _send(sink, output)
-        await sink.complete(finish, usage)
-
-    async def _embed(self, backend: Backend, spec: ExecutionSpec, sink: EventSink) -> None:
-        body = {**spec.openai_fields, "model": spec.target_model, "input": list(spec.request.prompt)}
-        document = await backend.post_json("/v1/embeddings", body)
-        try:
-            vectors = [pb.Embedding(index=item["index"], values=item["embedding"]) for item in document["data"]]
-        except (KeyError, TypeError) as exc:
-            raise protocol_error(f"embeddings answer without data[].embedding: {exc}") from None
-        await sink.output(pb.RunDelta(embeddings=vectors))
-        await sink.complete(pb.FINISH_REASON_STOP, _usage(document.get("usage")))
+            finish = finished or finish
+    if finish is None:
+        raise protocol_error("the backend's stream ended without a finish_reason")
+    await sink.complete(finish_reason(finish), usage or estimated_usage(spec, chunks))
 
 
-def _request_body(spec: ExecutionSpec, *, stream: bool) -> tuple[str, dict[str, Any]]:
+async def _whole(endpoint: Endpoint, spec: ExecutionSpec, sink: EventSink, options: VllmOptions) -> None:
+    path, body = _request_body(spec, options, stream=False)
+    document = await endpoint.post_json(path, body)
+    try:
+        choice = document["choices"][0]
+        message = choice.get("message") or {}
+        text = json_text(message.get("content") if "message" in choice else choice.get("text"))
+        calls = [_tool_call(i, call) for i, call in enumerate(message.get("tool_calls") or [])]
+        output = _delta(text, calls, _logprobs(choice.get("logprobs")))
+        finish = finish_reason(choice.get("finish_reason"))
+        usage = _usage(document.get("usage"))
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:  # ValueError: not UTF-8 either
+        raise protocol_error(f"unexpected answer shape ({exc}): {str(document)[:200]}") from None
+    await _send(sink, output)
+    await sink.complete(finish, usage)
+
+
+async def _embed(endpoint: Endpoint, spec: ExecutionSpec, sink: EventSink) -> None:
+    body = {**spec.openai_fields, "model": spec.target_model, "input": list(spec.request.prompt)}
+    body["encoding_format"] = "float"  # the node carries floats; base64 would be decoded here for nothing
+    document = await endpoint.post_json("/v1/embeddings", body)
+    try:
+        items = sorted(document["data"], key=lambda item: item["index"])
+        vectors = [item["embedding"] for item in items]
+    except (KeyError, TypeError) as exc:
+        raise protocol_error(f"embeddings answer without data[].index and .embedding: {exc}") from None
+    await sink.output(pb.RunDelta(embeddings=embeddings(vectors)))
+    await sink.complete(pb.FINISH_REASON_STOP, _usage(document.get("usage")))
+
+
+def _request_body(spec: ExecutionSpec, options: VllmOptions, *, stream: bool) -> tuple[str, dict[str, Any]]:
     """The path and JSON body for a chat or completion run: the client's OpenAI fields, then ours."""
     body: dict[str, Any] = dict(spec.openai_fields)
     body["model"] = spec.target_model
@@ -153,13 +158,14 @@ def _request_body(spec: ExecutionSpec, *, stream: bool) -> tuple[str, dict[str, 
     if spec.kind == pb.RUN_KIND_COMPLETION:
         body["prompt"] = request.prompt[0] if len(request.prompt) == 1 else list(request.prompt)
         return "/v1/completions", body
-    body["messages"] = [_message(message) for message in request.messages]
+    body["messages"] = [_message(message, developer=options.developer_role) for message in request.messages]
     return "/v1/chat/completions", body
 
 
-def _message(message: pb.ChatMessage) -> dict[str, Any]:
-    """A ChatMessage in OpenAI's shape."""
-    result: dict[str, Any] = {"role": ROLE_NAMES[message.role]}
+def _message(message: pb.ChatMessage, *, developer: bool) -> dict[str, Any]:
+    """A ChatMessage in OpenAI's shape; ``developer`` false sends that role as ``system``."""
+    role = "system" if message.role == pb.ROLE_DEVELOPER and not developer else ROLE_NAMES[message.role]
+    result: dict[str, Any] = {"role": role}
     parts = [_part(part) for part in message.content]
     if len(parts) == 1 and parts[0]["type"] == "text":
         result["content"] = parts[0]["text"]
@@ -197,20 +203,6 @@ def _part(part: pb.ContentPart) -> dict[str, Any]:
 def _is_done(line: bytes) -> bool:
     """The SSE stream's final line."""
     return line.startswith(b"data:") and line[5:].strip() == b"[DONE]"
-
-
-def _parse(data: bytes) -> dict[str, Any]:
-    try:
-        chunk = json.loads(data)
-    except ValueError:
-        raise protocol_error(f"the backend sent a line that is not JSON: {data[:120]!r}") from None
-    if not isinstance(chunk, dict):
-        raise protocol_error(f"the backend sent a JSON {type(chunk).__name__}, not an object")
-    if "error" in chunk:
-        error = chunk["error"]
-        detail = error.get("message", error) if isinstance(error, dict) else error
-        raise IopError(pb.ERROR_CODE_BACKEND_ERROR, f"the backend reported an error mid-stream: {detail}")
-    return chunk
 
 
 def _output(chunk: dict[str, Any]) -> tuple[str | pb.RunDelta, str | None]:
