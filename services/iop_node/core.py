@@ -78,15 +78,29 @@ class MeteredSink:
         usage: pb.Usage | None = None,
         timings: pb.Timings | None = None,
     ) -> None:
-        usage = usage or pb.Usage(
+        usage = usage or self.estimated_usage()
+        self._record_usage(usage)
+        self._record.finish_reason = pb.FinishReason.Name(finish_reason).removeprefix("FINISH_REASON_").lower()
+        self.completed = True
+        await self._wire.complete(finish_reason, usage, self._timings(timings))
+
+    def estimated_usage(self) -> pb.Usage:
+        """Usage counted on the node: the prompt, and the text streamed so far, at ~4 characters a token."""
+        return pb.Usage(
             prompt_tokens=_estimate(len(self._spec.prompt_text())),
             completion_tokens=_estimate(self._chars),
             estimated=True,
         )
-        self._record.prompt_tokens, self._record.completion_tokens = usage.prompt_tokens, usage.completion_tokens
-        self._record.finish_reason = pb.FinishReason.Name(finish_reason).removeprefix("FINISH_REASON_").lower()
-        self.completed = True
-        await self._wire.complete(finish_reason, usage, self._timings(timings))
+
+    def record_unfinished(self) -> None:
+        """A run that ends without ``complete`` (failed, cancelled) still records what it streamed."""
+        if not self.completed:
+            self._record_usage(self.estimated_usage())
+
+    def _record_usage(self, usage: pb.Usage) -> None:
+        record = self._record
+        record.prompt_tokens, record.completion_tokens = usage.prompt_tokens, usage.completion_tokens
+        record.usage_estimated = usage.estimated
 
     def annotate(self, key: str, value: str) -> None:
         if key == "stderr_tail":
@@ -216,7 +230,10 @@ class Node:
             record.started_at = _now()
             await sink.start(node_id=self.node_id, model=spec.target_model, adapter=spec.adapter)
             metered = MeteredSink(sink, spec, record, self._metrics.model(spec.request.model))
-            await adapter.execute(spec, metered)
+            try:
+                await adapter.execute(spec, metered)
+            finally:
+                metered.record_unfinished()
             if not metered.completed:
                 raise IopError(pb.ERROR_CODE_INTERNAL, f"adapter {spec.adapter} ended without completing the run")
         finally:

@@ -87,6 +87,8 @@ class RunRecord:
     finished_at: datetime.datetime | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    usage_estimated: bool = False
+    """True when the node counted the tokens (~4 characters a token, or streamed chunks): the backend reported none."""
     finish_reason: str = ""
     stderr_tail: str = ""
     extra: dict[str, str] = field(default_factory=dict)

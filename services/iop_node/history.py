@@ -24,7 +24,7 @@ _UTC = datetime.UTC
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _DURATION = re.compile(r"(\d+)([smhd])")
 _SINCE_FORMS = "an ISO 8601 time (2026-05-01T12:00:00, naive means UTC) or a duration like 30s, 10m, 2h, 7d"
-_HEADERS = ("RUN ID", "MODEL", "PEER", "ADAPTER", "STATUS", "ERROR", "RECEIVED", "TTFT", "DURATION", "TOKENS")
+_HEADERS = ("RUN ID", "MODEL", "PEER", "ADAPTER", "STATUS", "ERROR", "RECEIVED", "TTFT (ms)", "DURATION (ms)", "TOKENS")
 _ERROR_WIDTH = 40
 _UNKNOWN = "-"
 
@@ -94,7 +94,7 @@ async def _reader(db: Path) -> AsyncIterator[SqliteRunStore]:
     try:
         yield store
     finally:
-        await store.close()
+        await store.aclose()
 
 
 def _status(text: str) -> RunStatus:
@@ -110,7 +110,7 @@ def _table_row(record: RunRecord) -> tuple[str, ...]:
     if len(error) > _ERROR_WIDTH:
         error = error[: _ERROR_WIDTH - 3] + "..."
     received = record.received_at.astimezone(_UTC).strftime("%Y-%m-%dT%H:%M:%SZ") if record.received_at else _UNKNOWN
-    tokens = f"{record.prompt_tokens}/{record.completion_tokens}"
+    tokens = f"{record.prompt_tokens}/{record.completion_tokens}" + ("~" if record.usage_estimated else "")
     return (
         record.run_id,
         record.model,

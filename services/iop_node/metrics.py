@@ -45,6 +45,22 @@ class NodeMetrics:
             ["adapter", "code"],
             registry=self.registry,
         )
+        self.history_backlog = Gauge(
+            "iop_node_history_backlog_writes",
+            "Run history writes not yet committed (they pile up while the file refuses commits).",
+            registry=self.registry,
+        )
+        self.history_commit_failures = Counter(
+            "iop_node_history_commit_failures_total",
+            "Run history commits the file refused (each is retried).",
+            registry=self.registry,
+        )
+        self.history_writes_dropped = Counter(
+            "iop_node_history_writes_dropped_total",
+            "Run history writes given up on: backlog_full, unwritable (the row itself), closed (at shutdown).",
+            ["reason"],
+            registry=self.registry,
+        )
 
     @cache  # noqa: B019 - one NodeMetrics per node, kept for its life; labels() costs ~3 us a call
     def model(self, model: str) -> ModelMetrics:

@@ -75,13 +75,31 @@ class Router:
                 raise _invalid("every message needs a role")
             for part in message.content:
                 size += len(part.text)
-        if request.sampling.HasField("max_tokens"):
-            max_tokens = request.sampling.max_tokens
-            if not 0 < max_tokens <= self._limits.max_tokens:
-                raise _invalid(f"max_tokens must be between 1 and {self._limits.max_tokens}, got {max_tokens}")
         if size > self._limits.max_prompt_chars:
             raise _invalid(f"prompt of {size} characters is over this node's limit of {self._limits.max_prompt_chars}")
+        self._check_sampling(request.sampling)
 
+    def _check_sampling(self, sampling: pb.Sampling) -> None:
+        """The ranges runtime.proto gives each field; NaN and infinities are outside every range."""
+        for name, (low, high) in _SAMPLING_RANGES.items():
+            if sampling.HasField(name):  # type: ignore[arg-type]  # a name from the table above
+                value = getattr(sampling, name)
+                if not low <= value <= high:  # False for NaN too
+                    raise _invalid(f"sampling.{name} must be between {low:g} and {high:g}, got {value}")
+        if sampling.HasField("max_tokens") and not 0 < sampling.max_tokens <= self._limits.max_tokens:
+            limit = self._limits.max_tokens
+            raise _invalid(f"sampling.max_tokens must be between 1 and {limit}, got {sampling.max_tokens}")
+        if len(sampling.stop) > _MAX_STOP:
+            raise _invalid(f"sampling.stop takes at most {_MAX_STOP} sequences, got {len(sampling.stop)}")
+
+
+_SAMPLING_RANGES = {  # runtime.proto's Sampling comments (OpenAI's ranges), bounds included
+    "temperature": (0.0, 2.0),
+    "top_p": (0.0, 1.0),
+    "presence_penalty": (-2.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0),
+}
+_MAX_STOP = 4  # "up to 4 sequences"
 
 _KINDS: dict[int, RunKind] = {kind: kind for kind in pb.RunKind.values()}
 _KINDS[pb.RUN_KIND_UNSPECIFIED] = pb.RUN_KIND_CHAT  # unset means chat

@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -87,20 +86,34 @@ def test_ollama_streams_chat_to_length(ollama_backend: BackendServer) -> None:
 
 def test_kill_ends_the_stream_and_leaves_no_process(ollama_backend_fresh: BackendServer) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "options": {"num_predict": 100_000}}
+    group = ollama_backend_fresh.process.pid
     received = []
     for line in http_lines(ollama_backend_fresh.base_url + "/api/chat", body):
         received.append(json.loads(line))
         if len(received) == 3:
+            assert len(_members(group)) >= 2  # the server and the runner it started for the model
             ollama_backend_fresh.kill()
     assert not received[-1]["done"]
     assert not ollama_backend_fresh.alive()
+    _assert_group_gone(group)
+
+
+def test_stop_leaves_no_process(ollama_backend_fresh: BackendServer) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "options": {"num_predict": 2}}
+    list(http_lines(ollama_backend_fresh.base_url + "/api/chat", body))  # the model is loaded: a runner runs
     group = ollama_backend_fresh.process.pid
-    try:
-        os.killpg(group, signal.SIGKILL)
-    except ProcessLookupError:
-        return
-    # A zombie child not yet reaped by init still counts as a group member: it is dead. SIGKILL
-    # takes a moment to land, so poll with a deadline.
+    assert len(_members(group)) >= 2
+    ollama_backend_fresh.stop()
+    assert not ollama_backend_fresh.alive()
+    _assert_group_gone(group)
+
+
+def _assert_group_gone(group: int) -> None:
+    """Every process of the group is dead, by the helper's own doing: this sends no signal.
+
+    A zombie child not yet reaped by init still counts as a group member: it is dead. A signal
+    takes a moment to land, so poll with a deadline.
+    """
     deadline = time.monotonic() + 5
     while not all(_state(pid) == "Z" for pid in _members(group)):
         assert time.monotonic() < deadline, [(pid, _state(pid)) for pid in _members(group)]

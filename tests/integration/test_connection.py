@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
+from collections.abc import Callable
 
 import pytest
 from conftest import EchoHandler, Pki, assert_eventually
@@ -143,7 +145,9 @@ async def test_silent_peer_is_declared_dead_after_three_missed_heartbeats(
 async def test_heartbeats_keep_an_idle_connection_alive(server: Listener, edge_tls: TlsConfig) -> None:
     config = ConnectionConfig(heartbeat_interval=0.1)
     connection = await dial("127.0.0.1", server.port, tls=edge_tls, server_hostname="localhost", config=config)
-    await asyncio.sleep(1.0)  # five server heartbeat periods with no application traffic
+    # The protocol's own timer under test, not a wait for something to happen: five of the server's
+    # heartbeat periods (0.2 s; a silent peer is cut off after 3) pass with no application traffic.
+    await asyncio.sleep(1.0)
     assert not connection.closed
     assert (await connection.capabilities()).node_id == "test-node"
     await connection.close()
@@ -162,6 +166,18 @@ class _YieldingHandler(EchoHandler):
         await sink.complete(pb.FINISH_REASON_STOP)
 
 
+async def _until_steady(count: Callable[[], int], quiet: float = 0.2, timeout: float = 5.0) -> int:
+    """``count()`` once it has not changed for ``quiet`` seconds (the writer has stalled); fails after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last, since = count(), time.monotonic()
+    while time.monotonic() - since < quiet:
+        assert time.monotonic() < deadline, f"still changing after {timeout} s: {last}"
+        await asyncio.sleep(0.01)
+        if count() != last:
+            last, since = count(), time.monotonic()
+    return last
+
+
 @pytest.mark.parametrize("yields", [False, True], ids=["busy-writer", "yielding-writer"])
 async def test_slow_reader_bounds_the_writer(pki: Pki, edge_tls: TlsConfig, yields: bool) -> None:
     handler = _YieldingHandler() if yields else EchoHandler()
@@ -175,8 +191,8 @@ async def test_slow_reader_bounds_the_writer(pki: Pki, edge_tls: TlsConfig, yiel
     served._writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 * 1024)
     stream = await connection.open_run(_request("firehose", tokens=1_000_000))
     await anext(stream)
-    await asyncio.sleep(0.5)
-    stalled_at = handler.sent
+    stalled_at = await _until_steady(lambda: handler.sent)
+    # The claim under test is that nothing happens, so it takes a while to see: not a synchronisation.
     await asyncio.sleep(0.5)
     # The writer waits instead of producing a million deltas: what is in flight is bounded by
     # fixed-size buffers (our write buffer, one read chunk, TLS records, the kernel's), ~1 MiB.
@@ -230,7 +246,7 @@ class _BrokenCapabilities(EchoHandler):
 
 class _SlowCapabilities(EchoHandler):
     async def capabilities(self) -> pb.CapabilityResponse:
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(1.0)  # the slowness under test (5 heartbeat periods), not a synchronisation
         return await super().capabilities()
 
 

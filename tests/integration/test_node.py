@@ -75,6 +75,7 @@ async def test_mock_streams_deterministic_text_and_records_it(settings, pki: Pki
         assert first[-1].complete.timings.HasField("generation")
         record = await _record(app, "a")
         assert record.status is RunStatus.COMPLETED and record.completion_tokens == 8
+        assert not record.usage_estimated  # the mock backend reports its usage
         assert record.started_at and record.first_token_at and record.finished_at
         assert record.caller == "edge-t" and record.adapter == "mock" and record.finish_reason == "stop"
         assert record.peer == "edge-t" and record.connection  # from the certificate, scoped to the connection
@@ -120,11 +121,13 @@ async def test_capabilities_list_both_adapters_and_their_models(settings, pki: P
 async def test_cli_streams_program_output_and_counts_tokens(settings, pki: Pki) -> None:  # type: ignore[no-untyped-def]
     async with running_node(settings) as app:
         connection = await client(app, pki)
-        events = await collect(await connection.open_run(chat(model="echo", text="shout this")))
+        events = await collect(await connection.open_run(chat(model="echo", text="shout this", run_id="shout")))
         assert kinds(events)[0] == "start" and kinds(events)[-1] == "complete"
         assert text(events) == "USER: SHOUT THIS"
         usage = events[-1].complete.usage
         assert usage.estimated and usage.completion_tokens == 4 and usage.prompt_tokens == 4
+        record = await _record(app, "shout")
+        assert (record.prompt_tokens, record.completion_tokens, record.usage_estimated) == (4, 4, True)
         await connection.close()
 
 
@@ -135,6 +138,11 @@ async def test_cli_streams_program_output_and_counts_tokens(settings, pki: Pki) 
         ({"messages": []}, pb.ERROR_CODE_INVALID_ARGUMENT, "messages is empty"),
         ({"sampling": pb.Sampling(max_tokens=-1)}, pb.ERROR_CODE_INVALID_ARGUMENT, "between 1 and 4096, got -1"),
         ({"sampling": pb.Sampling(max_tokens=10**9)}, pb.ERROR_CODE_INVALID_ARGUMENT, "got 1000000000"),
+        (
+            {"sampling": pb.Sampling(temperature=float("nan"))},
+            pb.ERROR_CODE_INVALID_ARGUMENT,
+            "sampling.temperature must be between 0 and 2, got nan",
+        ),
         (
             {"messages": [pb.ChatMessage(role=pb.ROLE_USER, content=[pb.ContentPart(text="x" * 1001)])]},
             pb.ERROR_CODE_INVALID_ARGUMENT,
@@ -149,6 +157,7 @@ async def test_cli_streams_program_output_and_counts_tokens(settings, pki: Pki) 
         "no-messages",
         "negative-max-tokens",
         "huge-max-tokens",
+        "nan-temperature",
         "prompt-too-big",
         "cli-missing",
         "cli-exit-1",
@@ -351,6 +360,24 @@ async def test_mock_failure_injection(settings, pki: Pki) -> None:  # type: igno
         assert crashed[-1].error.code == pb.ERROR_CODE_INTERNAL
         bad = await collect(await connection.open_run(chat(metadata={"mock.tokens": "many"})))
         assert bad[-1].error.code == pb.ERROR_CODE_INVALID_ARGUMENT and "mock.tokens" in bad[-1].error.message
+        await connection.close()
+
+
+async def test_failed_and_cancelled_runs_record_the_tokens_they_streamed(settings, pki: Pki) -> None:  # type: ignore[no-untyped-def]
+    async with running_node(settings) as app:
+        connection = await client(app, pki)
+        failed = await collect(await connection.open_run(chat(run_id="f", metadata={"mock.fail_after": "3"})))
+        streaming = await connection.open_run(chat(model="mock-slow", run_id="c"))
+        seen = [await anext(streaming) for _ in range(5)]
+        await streaming.cancel("enough")
+        cancelled = seen + await collect(streaming)
+        prompt_tokens = (len("user: hello there") + 3) // 4  # estimated: ~4 characters a token
+        for run_id, events, status in (("f", failed, RunStatus.FAILED), ("c", cancelled, RunStatus.CANCELLED)):
+            streamed = sum(len(event.delta.text) for event in events if event.WhichOneof("event") == "delta")
+            record = await _record(app, run_id)
+            assert record.status is status
+            assert (record.prompt_tokens, record.completion_tokens) == (prompt_tokens, (streamed + 3) // 4)
+            assert record.completion_tokens >= 3 and record.usage_estimated
         await connection.close()
 
 

@@ -1,5 +1,6 @@
 """The run history on real SQLite files: round trips, WAL, group commit, interrupted runs, filters, errors,
-the version 1 migration, and who a run is recorded as sent by (the core's records, through a stand-in sink)."""
+commits refused by a locked file (kept, retried, bounded), the version 1 and 2 migrations, and who a run
+is recorded as sent by (the core's records, through a stand-in sink)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import structlog
+from conftest import assert_eventually
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.adapters.mock import MockAdapter, MockOptions
@@ -102,6 +104,7 @@ async def test_every_field_round_trips(store: SqliteRunStore) -> None:
         finished_at=_at(1.5),
         prompt_tokens=12,
         completion_tokens=34,
+        usage_estimated=True,
         finish_reason="error",
         stderr_tail="line 1\nline 2 é",
         extra={"k": "v", "pid": "42"},
@@ -117,7 +120,7 @@ async def test_every_field_round_trips(store: SqliteRunStore) -> None:
 
 async def test_wal_mode_and_schema_version(store: SqliteRunStore, path: Path) -> None:
     assert _rows(path, "PRAGMA journal_mode") == [("wal",)]
-    assert _rows(path, "PRAGMA user_version") == [(2,)]
+    assert _rows(path, "PRAGMA user_version") == [(3,)]
     key = sorted((pk, name) for _, name, _, _, _, pk in _rows(path, "PRAGMA table_info(runs)") if pk)
     assert [name for _, name in key] == ["node_id", "connection", "run_id"]
     assert store._db is not None
@@ -320,6 +323,114 @@ async def test_a_row_that_cannot_be_written_is_logged_and_the_writer_goes_on(sto
     assert (await store.get("later")).status is RunStatus.COMPLETED  # type: ignore[union-attr]
 
 
+# -- a file that refuses commits: kept, retried with backoff, bounded, said --------------------
+
+
+def _lock(path: Path) -> sqlite3.Connection:
+    """Another connection holding the write lock: every statement of the store fails with "database is locked".
+
+    (Tests run as root, whom a read-only file or folder does not stop: a held lock is the reliable refusal.)
+    """
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    return holder
+
+
+def _unlock(holder: sqlite3.Connection) -> None:
+    holder.execute("ROLLBACK")
+    holder.close()
+
+
+def _sample(metrics: NodeMetrics, name: str, **labels: str) -> float:
+    return metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def _refusing_store(
+    path: Path, metrics: NodeMetrics, *, max_backlog: int = 100_000, close_timeout: float = 10.0
+) -> SqliteRunStore:
+    """A store that finds out fast that the file refuses (10 ms busy timeout) and retries every 50 ms at most."""
+    return SqliteRunStore(
+        path,
+        "node-a",
+        metrics=metrics,
+        busy_timeout=0.01,
+        retry_max=0.05,
+        max_backlog=max_backlog,
+        close_timeout=close_timeout,
+    )
+
+
+async def _record_run(store: SqliteRunStore, index: int) -> None:
+    record = _start(f"r{index}", received=index)
+    await store.record_start(record)
+    await asyncio.sleep(0.01)  # the run's own time: the writer tries to commit its start meanwhile
+    await store.record_end(_end(record))
+
+
+async def test_runs_recorded_while_the_file_refuses_commits_land_once_it_takes_them_again(path: Path) -> None:
+    metrics = NodeMetrics()
+    store = _refusing_store(path, metrics)
+    await store.open()
+    for index in range(3):
+        await _record_run(store, index)
+    await store.flush()
+    holder = _lock(path)
+    with structlog.testing.capture_logs() as logs:
+        for index in range(3, 13):  # 10 runs while every commit is refused
+            await _record_run(store, index)
+        await assert_eventually(lambda: _sample(metrics, "iop_node_history_commit_failures_total") >= 3)
+        assert _sample(metrics, "iop_node_history_backlog_writes") == 20  # a start and an end per run
+        assert _rows(path) == [(3,)]
+        _unlock(holder)
+        for index in range(13, 16):
+            await _record_run(store, index)
+        await store.flush()
+    assert _rows(path, "SELECT status, count(*) FROM runs GROUP BY status") == [("completed", 16)]
+    failed = [log for log in logs if log["event"] == "run_commit_failed"]
+    assert failed and all(log["log_level"] == "error" and "database is locked" in log["error"] for log in failed)
+    assert [log["event"] for log in logs if log["event"] != "run_commit_failed"] == ["run_history_recovered"]
+    assert _sample(metrics, "iop_node_history_backlog_writes") == 0
+    assert _sample(metrics, "iop_node_history_writes_dropped_total", reason="backlog_full") == 0
+    await store.aclose()
+
+
+async def test_a_full_backlog_drops_the_oldest_writes_counts_and_logs_them(path: Path) -> None:
+    metrics = NodeMetrics()
+    store = _refusing_store(path, metrics, max_backlog=5)
+    await store.open()
+    holder = _lock(path)
+    with structlog.testing.capture_logs() as logs:
+        for index in range(8):  # no await yields here: all 8 are queued before the writer runs
+            await store.record_start(_start(f"r{index}", received=index))
+        assert _sample(metrics, "iop_node_history_writes_dropped_total", reason="backlog_full") == 3
+        assert _sample(metrics, "iop_node_history_backlog_writes") == 5
+        await assert_eventually(lambda: _sample(metrics, "iop_node_history_commit_failures_total") >= 1)
+        _unlock(holder)
+        await store.flush()
+    dropped = [(log["log_level"], log["dropped"]) for log in logs if log["event"] == "run_history_writes_dropped"]
+    assert dropped[0] == ("error", 1) and sum(count for _, count in dropped) == 3  # once a second, then the rest
+    assert [row[0] for row in _rows(path, "SELECT run_id FROM runs ORDER BY run_id")] == ["r3", "r4", "r5", "r6", "r7"]
+    await store.aclose()
+
+
+async def test_aclose_retries_for_close_timeout_then_says_what_it_could_not_write(path: Path) -> None:
+    metrics = NodeMetrics()
+    store = _refusing_store(path, metrics, close_timeout=0.3)
+    await store.open()
+    holder = _lock(path)
+    await store.record_start(_start("r1"))
+    await store.record_end(_end(_start("r1")))
+    began = time.monotonic()
+    with structlog.testing.capture_logs() as logs:
+        await store.close()  # the old name of aclose
+    assert 0.3 <= time.monotonic() - began < 3
+    lost = [log for log in logs if log["event"] == "run_history_lost"]
+    assert [(log["log_level"], log["writes"]) for log in lost] == [("error", 2)]
+    assert _sample(metrics, "iop_node_history_writes_dropped_total", reason="closed") == 2
+    _unlock(holder)
+    assert _rows(path) == [(0,)]
+
+
 # The schema and rows of a version 1 file, as version 1 of the node wrote them.
 _V1_SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -363,14 +474,15 @@ async def test_a_version_1_file_is_migrated_on_open_keeping_every_row(path: Path
     with structlog.testing.capture_logs() as logs:
         store, marked = await _reopen(path)
     assert marked == 1  # node-a's running row, now under the new key
-    assert any(log["event"] == "run_history_migrated" for log in logs)
-    assert _rows(path, "PRAGMA user_version") == [(2,)]
-    rows = _rows(path, "SELECT run_id, node_id, connection, peer, caller, status, extra FROM runs ORDER BY rowid")
+    assert [log["from_version"] for log in logs if log["event"] == "run_history_migrated"] == [1]
+    assert _rows(path, "PRAGMA user_version") == [(3,)]
+    columns = "run_id, node_id, connection, peer, caller, status, extra, usage_estimated"
+    rows = _rows(path, f"SELECT {columns} FROM runs ORDER BY rowid")  # noqa: S608 - constant text
     assert rows == [
-        ("solo", "node-a", "", "edge-1", "edge-1", "completed", '{"pid": "7"}'),
-        ("shared", "node-a", "v1:alice", "alice", "alice", "completed", "{}"),  # two callers shared this id
-        ("shared", "node-a", "v1:bob", "bob", "bob", "interrupted", "{}"),
-        ("shared", "node-b", "", "alice", "alice", "failed", "{}"),
+        ("solo", "node-a", "", "edge-1", "edge-1", "completed", '{"pid": "7"}', 0),
+        ("shared", "node-a", "v1:alice", "alice", "alice", "completed", "{}", 0),  # two callers shared this id
+        ("shared", "node-a", "v1:bob", "bob", "bob", "interrupted", "{}", 0),
+        ("shared", "node-b", "", "alice", "alice", "failed", "{}", 0),
     ]
     indexes = {row[0] for row in _rows(path, "SELECT name FROM sqlite_master WHERE type = 'index'")}
     assert {"runs_status", "runs_model", "runs_received_at", "runs_run_id"} <= indexes
@@ -380,9 +492,26 @@ async def test_a_version_1_file_is_migrated_on_open_keeping_every_row(path: Path
     await store.record_start(dataclasses.replace(_start("solo", connection="conn-new"), received_at=_at(99)))
     assert [r.connection for r in await store.list() if r.run_id == "solo"] == ["conn-new", ""]
     await store.close()
-    store, _ = await _reopen(path)  # a second open finds version 2 and changes nothing
+    store, _ = await _reopen(path)  # a second open finds version 3 and changes nothing
     assert len(await store.list()) == 5
     await store.close()
+
+
+async def test_a_version_2_file_gains_the_usage_estimated_column_keeping_every_row(path: Path) -> None:
+    store, _ = await _reopen(path)
+    await store.record_end(_end(_start("r1")))
+    await store.aclose()
+    _rows(path, "ALTER TABLE runs DROP COLUMN usage_estimated")  # what version 2 of the node wrote
+    _rows(path, "PRAGMA user_version = 2")
+    with structlog.testing.capture_logs() as logs:
+        store, _ = await _reopen(path)
+    assert [log["from_version"] for log in logs if log["event"] == "run_history_migrated"] == [2]
+    assert _rows(path, "PRAGMA user_version") == [(3,)]
+    assert await store.get("r1") == _end(_start("r1"))  # usage_estimated: False
+    estimated = dataclasses.replace(_end(_start("r2")), usage_estimated=True)
+    await store.record_end(estimated)
+    assert await store.get("r2") == estimated
+    await store.aclose()
 
 
 async def test_nodes_opening_a_version_1_file_together_migrate_it_once(path: Path) -> None:

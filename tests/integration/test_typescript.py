@@ -91,11 +91,28 @@ async def test_streamed_text_equals_the_python_clients(ts_client: Path, node: No
     await connection.close()
 
 
-async def test_heartbeats_flow_both_ways_during_a_slow_run(ts_client: Path, node: NodeApp, pki: Pki) -> None:
-    # the node beats every 0.5 s; this run takes ~0.8 s; the client beats every 100 ms
-    lines = await _to_thread(_ts, ts_client, node, pki, "run", "--model", "mock-slow", "--heartbeat-ms", "100")
-    assert lines[-1]["heartbeatsReceived"] >= 1
-    assert lines[-2]["event"] == "complete"
+# The node beats every 0.5 s (node_settings) and cuts off a peer silent for 3 intervals (1.5 s here):
+# holding an idle connection for 2.5 s shows both directions. These waits are the protocol's own timers.
+HOLD_MS = "2500"
+
+
+async def test_heartbeats_keep_an_idle_typescript_connection_alive_both_ways(
+    ts_client: Path, node: NodeApp, pki: Pki
+) -> None:
+    (line,) = await _to_thread(_ts, ts_client, node, pki, "hold", "--heartbeat-ms", "100", "--hold-ms", HOLD_MS)
+    # Only the client's heartbeats told the node it was alive: without them it is cut off (the next test).
+    assert line["error"] is None and line["answered"]
+    assert line["heartbeatsSent"] >= 20
+    # And the node kept beating the whole time, not only once at the start (~5 in 2.5 s).
+    assert line["heartbeatsReceived"] >= 4
+
+
+async def test_a_typescript_client_that_sends_no_heartbeats_is_cut_off(
+    ts_client: Path, node: NodeApp, pki: Pki
+) -> None:
+    (line,) = await _to_thread(_ts, ts_client, node, pki, "hold", "--heartbeat-ms", "0", "--hold-ms", HOLD_MS)
+    assert line["heartbeatsSent"] == 0 and not line["answered"]
+    assert line["error"]["error"]["code"] == "ERROR_CODE_UNAVAILABLE"
 
 
 @pytest.mark.parametrize("codec", ["proto", "json"])

@@ -63,6 +63,7 @@ def _full() -> RunRecord:
         finished_at=NOW + datetime.timedelta(milliseconds=1500),
         prompt_tokens=12,
         completion_tokens=34,
+        usage_estimated=True,
         finish_reason="error",
         stderr_tail="first line\nsecond line",
         extra={"pid": "42"},
@@ -85,7 +86,9 @@ def test_format_table_lines_up_columns_with_a_header() -> None:
         "ERROR",
         "RECEIVED",
         "TTFT",
+        "(ms)",
         "DURATION",
+        "(ms)",
         "TOKENS",
     ]
     assert lines[1].split() == [
@@ -98,7 +101,7 @@ def test_format_table_lines_up_columns_with_a_header() -> None:
         "2026-05-01T12:00:00Z",
         "250",
         "1500",
-        "12/34",
+        "12/34~",  # _full's counts are estimated: marked
     ]
     assert lines[2].split() == ["run-2", "m", "-", "-", "running", "-", "-", "-", "-", "0/0"]
     assert [line.index("MODEL") for line in lines[:1]] == [lines[1].index("llama")] == [lines[2].index("m ")]
@@ -128,6 +131,7 @@ def test_format_record_shows_every_field_with_the_stderr_tail_last() -> None:
         "received_at: 2026-05-01T12:00:00+00:00",
         "first_token_at: 2026-05-01T12:00:00.260000+00:00",
         "completion_tokens: 34",
+        "usage_estimated: True",
         'extra: {"pid": "42"}',
         "ttft_ms: 250",
         "duration_ms: 1500",
@@ -143,5 +147,11 @@ def test_format_record_shows_unknowns_as_a_dash() -> None:
     keys = ["caller", "peer", "connection", "adapter", "error_code", "finished_at", "extra", "ttft_ms", "duration_ms"]
     for key in keys:
         assert f"{key}: -" in lines
-    assert "prompt_tokens: 0" in lines
+    assert "prompt_tokens: 0" in lines and "usage_estimated: False" in lines
     assert lines[-1] == "stderr_tail: -"
+
+
+def test_only_estimated_token_counts_are_marked() -> None:
+    reported = _full()
+    reported.usage_estimated = False
+    assert format_table([reported]).splitlines()[1].split()[-1] == "12/34"

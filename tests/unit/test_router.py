@@ -88,3 +88,52 @@ def test_every_message_needs_a_role_and_the_prompt_limit_counts_all_text() -> No
     request.messages.add(role=pb.ROLE_USER, content=[pb.ContentPart(text="x" * 99)])  # 2 + 99 characters
     with pytest.raises(IopError, match="prompt of 101 characters is over this node's limit of 100"):
         router.resolve(request)
+
+
+_NAN, _INF = float("nan"), float("inf")
+
+
+_OUT_OF_RANGE: list[tuple[dict[str, object], str]] = [
+    ({"temperature": _NAN}, "sampling.temperature must be between 0 and 2, got nan"),
+    ({"temperature": _INF}, "sampling.temperature must be between 0 and 2, got inf"),
+    ({"temperature": -0.1}, "sampling.temperature must be between 0 and 2, got -0.1"),
+    ({"temperature": 2.01}, "sampling.temperature must be between 0 and 2, got 2.01"),
+    ({"top_p": _NAN}, "sampling.top_p must be between 0 and 1, got nan"),
+    ({"top_p": -_INF}, "sampling.top_p must be between 0 and 1, got -inf"),
+    ({"top_p": 1.5}, "sampling.top_p must be between 0 and 1, got 1.5"),
+    ({"presence_penalty": _NAN}, "sampling.presence_penalty must be between -2 and 2, got nan"),
+    ({"presence_penalty": -2.5}, "sampling.presence_penalty must be between -2 and 2, got -2.5"),
+    ({"frequency_penalty": _INF}, "sampling.frequency_penalty must be between -2 and 2, got inf"),
+    ({"frequency_penalty": 3.0}, "sampling.frequency_penalty must be between -2 and 2, got 3.0"),
+    ({"max_tokens": 0}, "sampling.max_tokens must be between 1 and 1000, got 0"),
+    ({"max_tokens": -5}, "sampling.max_tokens must be between 1 and 1000, got -5"),
+    ({"max_tokens": 1001}, "sampling.max_tokens must be between 1 and 1000, got 1001"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "sampling.stop takes at most 4 sequences, got 5"),
+]
+
+
+@pytest.mark.parametrize(
+    ("sampling", "message"),
+    _OUT_OF_RANGE,
+    ids=[f"{name}={value}" for case, _ in _OUT_OF_RANGE for name, value in case.items()],
+)
+def test_sampling_out_of_its_range_is_refused_naming_the_field(sampling: dict[str, object], message: str) -> None:
+    with pytest.raises(IopError) as caught:
+        _router().resolve(_request("plain", **sampling))
+    assert caught.value.code == pb.ERROR_CODE_INVALID_ARGUMENT
+    assert caught.value.message == message
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": 0.0, "top_p": 0.0, "presence_penalty": -2.0, "frequency_penalty": -2.0, "max_tokens": 1},
+        {"temperature": 2.0, "top_p": 1.0, "presence_penalty": 2.0, "frequency_penalty": 2.0, "max_tokens": 1000},
+        {"seed": -(2**63), "stop": ["a", "b", "c", "d"]},
+        {"seed": 2**63 - 1},
+    ],
+    ids=["lowest", "highest", "seed-min-and-four-stops", "seed-max"],
+)
+def test_sampling_at_the_ends_of_its_ranges_runs(sampling: dict[str, object]) -> None:
+    resolved = _router().resolve(_request("plain", **sampling)).sampling
+    assert resolved == pb.Sampling(**sampling)  # type: ignore[arg-type]

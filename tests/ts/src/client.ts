@@ -2,7 +2,7 @@
 //
 //   node build/client.js COMMAND --host H --port P --cert C --key K --ca CA [--codec proto|json]
 //
-// Commands: run, cancel, capabilities, golden (reads examples on stdin), oversized, garbage.
+// Commands: run, cancel, capabilities, hold, golden (reads examples on stdin), oversized, garbage.
 // Each prints JSON lines on stdout for the Python side to check.
 
 import { readFileSync } from "node:fs";
@@ -38,6 +38,7 @@ const { positionals, values } = parseArgs({
     text: { type: "string", default: "hello from typescript" },
     "max-tokens": { type: "string", default: "12" },
     "heartbeat-ms": { type: "string", default: "30000" },
+    "hold-ms": { type: "string", default: "2000" },
   },
 });
 
@@ -138,6 +139,31 @@ async function capabilities(): Promise<void> {
   connection.close();
 }
 
+/** Stay connected with no application traffic for --hold-ms, reading all along, then ask for capabilities.
+ *  Prints the heartbeats each side sent, any error envelope the node sent, and whether it still answered. */
+async function hold(): Promise<void> {
+  const connection = await connect();
+  let error: JsonValue | null = null;
+  let answered = false;
+  const reading = (async () => {
+    for (;;) {
+      const envelope = await connection.next(); // counts the node's heartbeats as it skips them
+      if (envelope === null) return;
+      if (envelope.body.case === "error") error = toJson(EnvelopeSchema, envelope);
+      if (envelope.inReplyTo === "caps-1" && envelope.body.case === "capabilityResponse") {
+        answered = true;
+        return;
+      }
+    }
+  })();
+  await new Promise((resolve) => setTimeout(resolve, Number(values["hold-ms"])));
+  const heartbeatsReceived = connection.heartbeatsReceived; // during the hold only
+  connection.send(create(EnvelopeSchema, { id: "caps-1", body: { case: "capabilityRequest", value: create(CapabilityRequestSchema) } }));
+  await Promise.race([reading, new Promise((resolve) => setTimeout(resolve, 5000))]);
+  print({ heartbeatsReceived, heartbeatsSent: connection.heartbeatsSent, error, answered });
+  connection.close();
+}
+
 interface GoldenInput {
   file: string;
   message: string;
@@ -180,6 +206,7 @@ const commands: Record<string, () => Promise<void> | void> = {
   run,
   cancel,
   capabilities,
+  hold,
   golden,
   oversized: () => bad("oversized"),
   garbage: () => bad("garbage"),

@@ -41,6 +41,7 @@ export class IopConnection {
   private nextId = 0;
   private heartbeat?: NodeJS.Timeout;
   heartbeatsReceived = 0;
+  heartbeatsSent = 0;
 
   private constructor(
     private readonly socket: tls.TLSSocket,
@@ -51,7 +52,7 @@ export class IopConnection {
     socket.on("error", () => this.onEnd());
   }
 
-  /** Connect with a client certificate, agree on the codec, start heartbeats. */
+  /** Connect with a client certificate, agree on the codec, start heartbeats (unless heartbeatMs is 0). */
   static async open(options: ConnectOptions): Promise<IopConnection> {
     const socket = tls.connect({
       host: options.host,
@@ -121,17 +122,20 @@ export class IopConnection {
   }
 
   private startHeartbeats(intervalMs: number): void {
+    if (intervalMs <= 0) return; // tests only: a client that never beats, which the node must cut off
     let sequence = 0n;
     const interval = create(DurationSchema, {
       seconds: BigInt(Math.floor(intervalMs / 1000)),
       nanos: (intervalMs % 1000) * 1_000_000,
     });
-    const beat = () =>
+    const beat = () => {
       this.send(
         create(EnvelopeSchema, {
           body: { case: "heartbeat", value: create(HeartbeatSchema, { sequence: sequence++, interval }) },
         }),
       );
+      this.heartbeatsSent++;
+    };
     beat();
     this.heartbeat = setInterval(beat, intervalMs);
     this.heartbeat.unref();
