@@ -12,9 +12,9 @@ default:
 install:
     python3 -m uv sync --frozen
 
-# Start the platform in the background (today: one node with mock models, mTLS on 127.0.0.1:7401).
-up:
-    iop up
+# Start the platform in the background (one node, mock models, mTLS on 127.0.0.1:7401); args go to `iop up`.
+up *args:
+    iop up {{args}}
 
 # Stop what `just up` started.
 down:

@@ -2,25 +2,29 @@
 
     iop certs init DIR [--san NAME ...]   a CA and a certificate per role, files 0600
     iop up [--dir DIR] [--port N]         start the platform in the background; iop down stops it
-    iop node --config node.yaml           run a node
-    iop runs ls [--status S] [--model M] [--since 1h]   the run history
-    iop runs show RUN_ID
-    iop version
+    iop node --config node.yaml [--ready-file PATH]   run a node (iop node --dev: without a config)
+    iop runs ls [--status S] [--model M] [--since 1h] [--limit N] [--json]   the run history
+    iop runs show RUN_ID [--json]
+    iop version, iop --version
 
-Subcommands import their service lazily, so ``iop certs`` does not load a web server.
+``--log-level`` goes before or after the command; for ``iop node`` (and the node ``iop up``
+starts) it overrides the config's ``log_level``. Subcommands import their service lazily, so
+``iop certs`` does not load a web server.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Sequence
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
 
 __all__ = ["console", "main"]
+
+_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _certs_init(args: argparse.Namespace) -> int:
@@ -38,7 +42,7 @@ def _certs_init(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace) -> int:
     from iop_cli.up import up
 
-    return up(args.dir, args.port)
+    return up(args.dir, args.port, log_level=args.log_level)
 
 
 def _down(args: argparse.Namespace) -> int:
@@ -50,87 +54,75 @@ def _down(args: argparse.Namespace) -> int:
 def _node(args: argparse.Namespace) -> int:
     from iop_node.main import run
 
-    return run(args.config)
-
-
-def _history_db(args: argparse.Namespace) -> Path:
-    if args.db is not None:
-        return Path(args.db)
-    from iop_node.settings import load_settings
-
-    return load_settings(args.config).store_path
+    return run(args.config, dev=args.dev, ready_file=args.ready_file, log_level=args.log_level)
 
 
 def _runs_ls(args: argparse.Namespace) -> int:
-    from iop_node.history import list_runs
+    from iop_cli.runs import ls
 
-    return _print_history(
-        lambda db: list_runs(db, status=args.status, model=args.model, since=args.since, limit=args.limit), args
-    )
+    return asyncio.run(ls(args))
 
 
 def _runs_show(args: argparse.Namespace) -> int:
-    from iop_node.history import show_run
+    from iop_cli.runs import show
 
-    return _print_history(lambda db: show_run(db, args.run_id), args, missing=f"no run {args.run_id!r}")
-
-
-def _print_history(
-    query: Callable[[Path], Coroutine[Any, Any, str | None]], args: argparse.Namespace, missing: str = ""
-) -> int:
-    from iop_node.settings import ConfigError
-
-    try:
-        text = asyncio.run(query(_history_db(args)))
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
-        print(f"iop runs: {exc}", file=sys.stderr)
-        return 2
-    if text is None:
-        print(f"iop runs: {missing}", file=sys.stderr)
-        return 1
-    print(text)
-    return 0
+    return asyncio.run(show(args))
 
 
 def _version(args: argparse.Namespace) -> int:
-    print(version("iop"))
+    print(f"iop {version('iop')}")
     return 0
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="iop", description="IOP, the Inference Operations Platform.")
-    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--version", action="version", version=f"iop {version('iop')}")
+    parser.add_argument(
+        "--log-level", choices=_LEVELS, help="lowest level logged (default warning; iop node: the config's log_level)"
+    )
+    # The same option after the command: `iop node --config x --log-level debug`.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", choices=_LEVELS, default=argparse.SUPPRESS, help="as before the command")
+    state_dir = Path(os.environ.get("IOP_STATE_DIR", ".iop"))
+    state_help = "state folder of 'iop up' (default: $IOP_STATE_DIR, else .iop)"
     commands = parser.add_subparsers(dest="command", required=True)
 
     certs = commands.add_parser("certs", help="mTLS certificates").add_subparsers(dest="certs_command", required=True)
-    init = certs.add_parser("init", help="write a CA and a certificate + key per role into DIR")
+    init = certs.add_parser("init", parents=[common], help="write a CA and a certificate + key per role into DIR")
     init.add_argument("dir", type=Path)
     init.add_argument("--san", action="append", default=[], metavar="NAME", help="extra DNS name or IP (repeatable)")
     init.add_argument("--force", action="store_true", help="replace an existing CA")
     init.set_defaults(run=_certs_init)
 
-    up = commands.add_parser("up", help="start the platform on this machine, in the background")
-    up.add_argument("--dir", type=Path, default=Path(".iop"), help="state directory (certificates, config, history)")
-    up.add_argument("--port", type=int, default=7401, help="node port written to a new DIR/node.yaml (0: any free)")
+    up = commands.add_parser("up", parents=[common], help="start the platform on this machine, in the background")
+    up.add_argument("--dir", type=Path, default=state_dir, help=state_help)
+    up.add_argument("--port", type=int, help="node port, set in DIR/node.yaml (new: 7401 unless given; 0: any free)")
     up.set_defaults(run=_up)
-    down = commands.add_parser("down", help="stop what 'iop up' started")
-    down.add_argument("--dir", type=Path, default=Path(".iop"), help="state directory")
+    down = commands.add_parser("down", parents=[common], help="stop what 'iop up' started")
+    down.add_argument("--dir", type=Path, default=state_dir, help=state_help)
     down.set_defaults(run=_down)
 
-    node = commands.add_parser("node", help="run a node")
-    node.add_argument("--config", type=Path, help="YAML settings (IOP_ environment variables override)")
+    node = commands.add_parser("node", parents=[common], help="run a node")
+    config = node.add_mutually_exclusive_group()
+    config.add_argument("--config", type=Path, help="YAML settings (IOP_ environment variables override)")
+    config.add_argument("--dev", action="store_true", help="no config file: TLS off, a mock model; not for production")
+    node.add_argument(
+        "--ready-file", type=Path, metavar="PATH", help="written (pid, ports as JSON) once the node serves"
+    )
     node.set_defaults(run=_node)
 
     runs = commands.add_parser("runs", help="the run history").add_subparsers(dest="runs_command", required=True)
     for name, helptext in (("ls", "list runs, newest first"), ("show", "every field of one run")):
-        sub = runs.add_parser(name, help=helptext)
-        sub.add_argument("--db", type=Path, help="history file (default: the config's store_path)")
+        sub = runs.add_parser(name, parents=[common], help=helptext)
+        sub.add_argument("--db", type=Path, help="history file (default: store_path of the config)")
         sub.add_argument("--config", type=Path, help="node settings to take store_path from")
+        sub.add_argument("--dir", type=Path, default=state_dir, help=f"{state_help}: its node.yaml's store_path")
+        sub.add_argument("--json", action="store_true", help="print JSON instead of text")
     ls, show = runs.choices["ls"], runs.choices["show"]
     ls.add_argument("--status", help="running, completed, failed, cancelled or interrupted")
     ls.add_argument("--model")
     ls.add_argument("--since", help="ISO time, or a duration back from now: 30s, 10m, 2h, 7d")
-    ls.add_argument("--limit", type=int, default=50)
+    ls.add_argument("--limit", type=int, default=50, help="at most this many runs, newest first (default 50)")
     ls.set_defaults(run=_runs_ls)
     show.add_argument("run_id")
     show.set_defaults(run=_runs_show)
@@ -141,10 +133,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``iop`` command; returns the exit code."""
-    from iop_wire.logs import configure
-
     args = _parser().parse_args(argv)
-    configure(args.log_level)
+    if args.command != "node":  # the node configures its own logging, from its settings
+        from iop_wire.logs import configure
+
+        configure(args.log_level or "warning")
     code: int = args.run(args)
     return code
 

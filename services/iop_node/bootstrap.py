@@ -1,12 +1,24 @@
-"""The node's composition root: settings in, a running node out. Nothing is built at import time."""
+"""The node's composition root: settings in, a running node out. Nothing is built at import time.
+
+:class:`NodeApp` owns the lifecycle. ``start`` puts every part onto one ``AsyncExitStack`` in
+order (adapters, run history, the task group of background loops, listener, registration,
+metrics); ``stop`` drains the node, then unwinds the stack in reverse: metrics and registration
+stop, the listener closes (ending its runs), the task group waits for its loops, the history
+commits and closes, the adapters close; whatever fails, the rest still closes. A part that
+cannot start raises :class:`StartError` naming its setting, after the parts before it closed.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import sqlite3
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -18,12 +30,13 @@ from iop_node.core import Node
 from iop_node.metrics import NodeMetrics
 from iop_node.ports import Adapter, RunStore
 from iop_node.router import Limits, Router
-from iop_node.settings import ConfigError, Settings, one_line
+from iop_node.settings import ConfigError, Problem, Settings, StartError
 from iop_node.store import SqliteRunStore
 from iop_node.transport import Registration, node_handler
 from iop_wire.connection import ConnectionConfig
 from iop_wire.endpoint import Listener
 from iop_wire.metrics import expose
+from iop_wire.settings import bind_error, problems, resolve_paths
 from iop_wire.tls import Role
 
 __all__ = ["NodeApp", "build_adapters", "build_node"]
@@ -32,28 +45,35 @@ _log = structlog.get_logger("iop.node")
 _CLIENT_ROLES = frozenset({Role.EDGE, Role.CONTROL_PLANE, Role.WORKER, Role.ADMIN})
 
 
-def build_adapters(settings: Settings) -> dict[str, Adapter]:
-    """One adapter per adapter name in the route table, each given its routes' checked options."""
+def build_adapters(settings: Settings, *, base: Path | None = None) -> dict[str, Adapter]:
+    """One adapter per adapter name in the route table, each given its routes' checked options.
+
+    Relative paths in the options are taken from ``base`` (the config file's folder) when given.
+    ConfigError lists every bad route at once.
+    """
     per_adapter: dict[str, dict[str, Any]] = {}
+    found: list[Problem] = []
     for index, route in enumerate(settings.routes):
         if route.adapter not in REGISTRY:
             known = ", ".join(sorted(REGISTRY))
-            raise ConfigError(f"routes.{index}.adapter: unknown adapter {route.adapter!r} (known: {known})")
+            found.append(Problem(f"routes.{index}.adapter", f"unknown adapter {route.adapter!r} (known: {known})"))
+            continue
         options_model, _ = REGISTRY[route.adapter]
-        data = dict(route.options)
+        data = dict(route.options) if base is None else resolve_paths(options_model, route.options, base)
         if "target" in options_model.model_fields:  # adapters that check their backend's model list
             data["target"] = route.target or route.model
         try:
-            options = options_model.model_validate(data)
+            per_adapter.setdefault(route.adapter, {})[route.model] = options_model.model_validate(data)
         except ValidationError as exc:
-            raise ConfigError(one_line(exc, f"routes.{index}.options")) from None
-        per_adapter.setdefault(route.adapter, {})[route.model] = options
+            found += problems(exc, f"routes.{index}.options")
+    if found:
+        raise ConfigError(found)
     return {name: REGISTRY[name][1](models) for name, models in per_adapter.items()}
 
 
 @dataclass
 class NodeApp:
-    """A built node and the parts around it, started and stopped together."""
+    """A built node and the parts around it, started and stopped together (also ``async with``)."""
 
     settings: Settings
     node: Node
@@ -63,34 +83,36 @@ class NodeApp:
     listener: Listener | None = None
     registration: Registration | None = None
     metrics_port: int | None = None
-    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    _metrics_server: Any = None
+    _stack: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
+
+    async def __aenter__(self) -> NodeApp:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
 
     async def start(self) -> NodeApp:
-        """Open the store, start listening, registering and serving metrics."""
-        if isinstance(self.store, SqliteRunStore):
-            interrupted = await self.store.open()
-            if interrupted:
-                _log.warning("runs interrupted by an earlier stop", node_id=self.node.node_id, count=interrupted)
-        settings = self.settings
-        if settings.listen.enabled:
-            config = settings.listen.config(settings.tls, self.connection_config, _CLIENT_ROLES)
-            self.listener = await Listener(config, node_handler(self.node)).start()
-        if settings.control_plane.address:
-            self.registration = Registration(
-                self.node, settings.control_plane, settings.tls.config(), self.connection_config
-            )
-            self._tasks.append(asyncio.create_task(self.registration.run_forever(), name="iop-register"))
-        if settings.metrics.port is not None:
-            self._metrics_server, _ = start_http_server(
-                settings.metrics.port, settings.metrics.host, self.metrics.registry
-            )
-            self.metrics_port = self._metrics_server.server_port
-        _log.info("node started", node_id=self.node.node_id, port=self.listener.port if self.listener else None)
+        """Open the history, then listen, register and serve metrics; StartError names what could not start."""
+        try:
+            for adapter in self.node.adapters.values():  # built already: closed even if nothing else starts
+                self._stack.push_async_callback(adapter.aclose)
+            await self._open_store()
+            tasks = await self._stack.enter_async_context(asyncio.TaskGroup())
+            if self.settings.listen.enabled:
+                await self._listen()
+            if self.settings.control_plane.address:
+                self._register(tasks)
+            if self.settings.metrics.port is not None:
+                self._serve_metrics(self.settings.metrics.host, self.settings.metrics.port)
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        port = self.listener.port if self.listener else None
+        _log.info("node started", node_id=self.node.node_id, port=port, metrics_port=self.metrics_port)
         return self
 
     async def stop(self, grace: float | None = None) -> None:
-        """Graceful stop: refuse new runs, let in-flight ones finish for ``grace`` s, cancel the rest."""
+        """Graceful stop: refuse new runs, let in-flight ones finish for ``grace`` s, then close every part."""
         grace = self.settings.shutdown_grace if grace is None else grace
         try:
             self.node.drain()  # refuse new runs, and say so to the control-plane
@@ -98,25 +120,69 @@ class NodeApp:
                 self.listener.stop_accepting()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.node.wait_idle(), grace)
-            if self.registration is not None:
-                await self.registration.stop()
-            for task in self._tasks:
-                task.cancel()
-            if self._tasks:
-                await asyncio.wait(self._tasks, timeout=self.connection_config.close_timeout)
-            if self.listener is not None:
-                await self.listener.close("node shutting down")
-            if self._metrics_server is not None:
-                self._metrics_server.shutdown()
-                self._metrics_server.server_close()
-            for adapter in self.node.adapters.values():
-                closer = getattr(adapter, "aclose", None)
-                if closer is not None:
-                    await closer()
-        finally:  # whatever failed above, the history is committed and closed
-            if isinstance(self.store, SqliteRunStore):
-                await self.store.close()
+        finally:  # whatever failed above, every part is closed and the history committed
+            await self._stack.aclose()
         _log.info("node stopped", node_id=self.node.node_id)
+
+    async def _open_store(self) -> None:
+        path = self.settings.store_path
+        if problem := await asyncio.to_thread(_unusable_file, path):
+            raise StartError([Problem("store_path", f"cannot open the run history {path}: {problem}")])
+        try:
+            interrupted = await self.store.open()
+        except (OSError, sqlite3.Error, RuntimeError) as exc:  # the SQLite store's ways to refuse a file
+            cause = f"{exc.strerror} ({exc.filename})" if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise StartError([Problem("store_path", f"cannot open the run history {path}: {cause}")]) from None
+        self._stack.push_async_callback(self.store.aclose)
+        if interrupted:
+            _log.warning("runs interrupted by an earlier stop", node_id=self.node.node_id, count=interrupted)
+
+    async def _listen(self) -> None:
+        config = self.settings.listen.config(self.settings.tls, self.connection_config, _CLIENT_ROLES)
+        try:
+            self.listener = await Listener(config, node_handler(self.node)).start()
+        except ssl.SSLError as exc:  # the files were checked at load; changed since?
+            raise StartError([Problem("tls", f"OpenSSL cannot use these files: {exc.reason or exc}")]) from None
+        except OSError as exc:
+            raise bind_error("listen", config.host, config.port, exc) from None
+        self._stack.push_async_callback(self.listener.close, "node shutting down")
+
+    def _register(self, tasks: asyncio.TaskGroup) -> None:
+        settings = self.settings
+        registration = Registration(self.node, settings.control_plane, settings.tls.config(), self.connection_config)
+        task = tasks.create_task(registration.run_forever(), name="iop-register")
+        self._stack.push_async_callback(_stop_registration, registration, task)
+        self.registration = registration
+
+    def _serve_metrics(self, host: str, port: int) -> None:
+        try:
+            server, _ = start_http_server(port, host, self.metrics.registry)
+        except OSError as exc:
+            raise bind_error("metrics", host, port, exc) from None
+        self._stack.callback(server.server_close)
+        self._stack.callback(server.shutdown)  # unwound first: stop serving, then close the socket
+        self.metrics_port = server.server_port
+
+
+def _unusable_file(path: Path) -> str | None:
+    """Why ``path`` cannot be a file this process creates or writes, as far as the file system says beforehand.
+
+    SQLite would say it too, less clearly ("unable to open database file").
+    """
+    if path.is_dir():
+        return "it is a folder; name a file in it"
+    if path.exists():
+        return None if os.access(path, os.R_OK | os.W_OK) else "permission denied"
+    folder = next(parent for parent in path.parents if parent.exists())  # the root always exists
+    if not folder.is_dir():
+        return f"{folder} is a file, not a folder"
+    return None if os.access(folder, os.W_OK | os.X_OK) else f"cannot create files in {folder} (permission denied)"
+
+
+async def _stop_registration(registration: Registration, task: asyncio.Task[None]) -> None:
+    """Close the control-plane connection gracefully, then end its loop (the task group waits for it)."""
+    await registration.stop()
+    task.cancel()
 
 
 def build_node(
@@ -125,17 +191,21 @@ def build_node(
     store: RunStore | None = None,
     adapters: Mapping[str, Adapter] | None = None,
     metrics: NodeMetrics | None = None,
+    config_dir: Path | None = None,
 ) -> NodeApp:
-    """Wire a node from ``settings``; tests pass real or other parts through the same function."""
+    """Wire a node from ``settings``; tests pass real or other parts through the same function.
+
+    ``config_dir``: the folder of the config file, which relative paths in route options are taken from.
+    """
     if metrics is None:
         metrics = NodeMetrics()
         expose(metrics.registry)  # the wire's limits and connections, served with the node's metrics
-    store = store or SqliteRunStore(settings.store_path, settings.node_id)
+    store = store or SqliteRunStore(settings.store_path, settings.node_id, metrics=metrics)
     router = Router(settings.routes, Limits(settings.max_prompt_chars, settings.max_tokens_limit))
     node = Node(
         node_id=settings.node_id,
         router=router,
-        adapters=adapters or build_adapters(settings),
+        adapters=adapters or build_adapters(settings, base=config_dir),
         store=store,
         metrics=metrics,
         version=version("iop"),

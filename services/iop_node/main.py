@@ -1,42 +1,116 @@
-"""``iop node --config node.yaml``: run a node until SIGTERM or SIGINT, then stop gracefully."""
+"""``iop node --config node.yaml``: run a node until SIGTERM or SIGINT, then stop gracefully.
+
+Start-up problems end the process with exit code 2 and one line on stderr naming the setting:
+a bad value (``iop node: bad config: listen.port (line 3): ...``, every bad key at once) or a
+good one that cannot be used (``iop node: listen.port (line 3): 127.0.0.1:7401 is in use``).
+
+``--ready-file PATH`` is written once the node serves (JSON: pid, node_id, port, metrics_port)
+and removed when it stops: how ``iop up`` (or a supervisor) learns that it is ready and where.
+``--dev`` runs without a config file: loopback, TLS off, one mock model, and a warning saying so.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import json
+import os
 import signal
 import sys
 from pathlib import Path
 
+import structlog
+
 from iop_node.bootstrap import NodeApp, build_node
-from iop_node.settings import ConfigError, load_settings
+from iop_node.settings import ConfigError, Problem, RouteSettings, Settings, StartError, load_settings
 from iop_wire.logs import configure
 
 __all__ = ["run"]
 
+_log = structlog.get_logger("iop.node")
+_DEV_ROUTE = RouteSettings(model="mock-small", adapter="mock")
 
-def run(config: Path | None) -> int:
-    """Start the node described by ``config``; returns the exit code (2 for a bad config)."""
+
+def run(config: Path | None, *, dev: bool = False, ready_file: Path | None = None, log_level: str | None = None) -> int:
+    """Start the node described by ``config``; returns the exit code (2 when it cannot start).
+
+    ``log_level`` overrides the settings' ``log_level``; ``dev`` allows running without ``config``.
+    """
+    if config is None and not dev:
+        return _fail(
+            "no --config given: pass --config node.yaml, or --dev for a development node "
+            "(TLS off, a mock model, logged as such)"
+        )
     try:
-        settings = load_settings(config)
-        app = build_node(settings)
+        settings = _development(load_settings(None)) if config is None else load_settings(config)
+        app = build_node(settings, config_dir=None if config is None else config.absolute().parent)
     except ConfigError as exc:
-        print(f"iop node: bad config: {exc}", file=sys.stderr)
-        return 2
-    configure(settings.log_level)
-    return asyncio.run(_serve(app))
+        return _fail(f"bad config: {_located(exc, config)}")
+    configure(log_level or settings.log_level)
+    if config is None:
+        _warn_development(settings)
+    try:
+        return asyncio.run(_serve(app, ready_file))
+    except StartError as exc:
+        return _fail(str(_located(exc, config)))
 
 
-async def _serve(app: NodeApp) -> int:
+def _fail(message: str) -> int:
+    print(f"iop node: {message}", file=sys.stderr)
+    return 2
+
+
+def _located(error: ConfigError, config: Path | None) -> ConfigError:
+    return error if config is None else error.located(config)
+
+
+def _development(settings: Settings) -> Settings:
+    """The settings of ``--dev``: defaults and ``IOP_`` variables, with a mock model if none is routed."""
+    return settings if settings.routes else settings.model_copy(update={"routes": [_DEV_ROUTE]})
+
+
+def _warn_development(settings: Settings) -> None:
+    _log.warning(
+        "development node (--dev): no config file; not for production",
+        node_id=settings.node_id,
+        tls="on" if settings.tls.enabled else "OFF: any process that reaches the port is served, unauthenticated",
+        listen=f"{settings.listen.host}:{settings.listen.port}",
+        models=[route.model for route in settings.routes],
+        store_path=str(settings.store_path),
+    )
+
+
+async def _serve(app: NodeApp, ready_file: Path | None) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    await app.start()
-    # Everything made so far (modules, settings, the app) lives as long as the process: frozen,
-    # the collector no longer walks it. Node CPU per one-token run fell by ~10 us (README).
-    gc.collect()
-    gc.freeze()
-    await stop.wait()
-    await app.stop()
+    async with app:
+        if ready_file is not None:
+            _write_ready(ready_file, app)
+        # Everything made so far (modules, settings, the app) lives as long as the process: frozen,
+        # the collector no longer walks it. Node CPU per one-token run fell by ~10 us (README).
+        gc.collect()
+        gc.freeze()
+        try:
+            await stop.wait()
+        finally:  # the node no longer takes runs once it stops: not ready
+            if ready_file is not None:
+                ready_file.unlink(missing_ok=True)  # noqa: ASYNC240 - one unlink while stopping; nothing waits on it
     return 0
+
+
+def _write_ready(path: Path, app: NodeApp) -> None:
+    """Write the ready file in one step (a reader never sees half of it)."""
+    ready = {
+        "pid": os.getpid(),
+        "node_id": app.node.node_id,
+        "port": app.listener.port if app.listener else None,
+        "metrics_port": app.metrics_port,
+    }
+    partial = path.with_name(path.name + ".partial")
+    try:
+        partial.write_text(json.dumps(ready) + "\n")
+        partial.replace(path)
+    except OSError as exc:
+        raise StartError([Problem("--ready-file", f"cannot write {path}: {exc.strerror}")]) from None

@@ -1,4 +1,8 @@
-"""The node's ports: small Protocols its core depends on. Adapters and stores conform; none inherit."""
+"""The node's ports: small Protocols its core depends on. Adapters and stores conform; none inherit.
+
+Lifecycle is part of each port: the composition root (``bootstrap.NodeApp``) opens a store and
+closes stores and adapters (``aclose``) once, in reverse order of opening.
+"""
 
 from __future__ import annotations
 
@@ -60,9 +64,21 @@ class Adapter(Protocol):
         """Run ``spec``, writing output to ``sink``; cancelled (CancelledError) when the run is."""
         ...
 
+    async def aclose(self) -> None:
+        """Release what the adapter holds (connection pools, probes); called once, after the last run."""
+        ...
+
 
 class RunStore(Protocol):
     """The run history."""
+
+    async def open(self) -> int:
+        """Make it ready for writes; returns how many runs an earlier stop left running (now interrupted)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Write everything recorded so far and release the store; called once, at stop."""
+        ...
 
     async def record_start(self, record: RunRecord) -> None:
         """Write the row of a run that was received (status running)."""

@@ -1,7 +1,8 @@
 """``iop node`` settings: a YAML file, overridden by ``IOP_`` environment variables.
 
 Nested keys use ``__`` in the environment: ``IOP_LISTEN__PORT=7500`` overrides ``listen.port``.
-A bad value raises :class:`ConfigError` whose message is one line naming the key.
+A bad value raises :class:`ConfigError` whose message is one line naming every bad key.
+Relative paths in the file (``tls.*``, ``store_path``) are taken from the file's folder.
 """
 
 from __future__ import annotations
@@ -9,15 +10,24 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from iop_wire.framing import DEFAULT_MAX_FRAME_SIZE
-from iop_wire.settings import ConfigError, ConnectionSettings, ListenSettings, TlsSettings, one_line
+from iop_wire.settings import (
+    ConfigError,
+    ConnectionSettings,
+    ListenSettings,
+    Problem,
+    SettingError,
+    StartError,
+    TlsSettings,
+    one_line,
+)
 from iop_wire.settings import Section as _Section
 from iop_wire.settings import load_settings as _load
 
-__all__ = ["ConfigError", "RouteSettings", "Settings", "load_settings", "one_line"]
+__all__ = ["ConfigError", "Problem", "RouteSettings", "Settings", "StartError", "load_settings", "one_line"]
 
 
 class NodeListenSettings(ListenSettings):
@@ -72,6 +82,21 @@ class ControlPlaneSettings(_Section):
     reconnect_max: float = Field(30.0, gt=0)
     """Largest reconnect delay, seconds."""
 
+    @field_validator("address")
+    @classmethod
+    def _host_and_port(cls, address: str | None) -> str | None:
+        if address is not None:
+            _, colon, port = address.rpartition(":")
+            if not colon or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{address!r} has no port: write host:port, for example cp.internal:7400")
+        return address
+
+    def endpoint(self) -> tuple[str, int]:
+        """``address`` as (host, port); the host defaults to 127.0.0.1 and loses IPv6 brackets."""
+        assert self.address is not None
+        host, _, port = self.address.rpartition(":")
+        return host.removeprefix("[").removesuffix("]") or "127.0.0.1", int(port)
+
 
 class MetricsSettings(_Section):
     """Prometheus exposition."""
@@ -117,7 +142,7 @@ class Settings(BaseSettings):
         seen: set[str] = set()
         for index, route in enumerate(self.routes):
             if route.model in seen:
-                raise ValueError(f"routes.{index}.model: {route.model!r} is routed twice")
+                raise SettingError((f"routes.{index}.model", f"{route.model!r} is routed twice"))
             seen.add(route.model)
         return self
 

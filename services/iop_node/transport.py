@@ -45,12 +45,10 @@ class Registration:
     """Keeps the node registered with its control-plane: dial, register, report, reconnect."""
 
     def __init__(self, node: Node, settings: ControlPlaneSettings, tls: TlsConfig, config: ConnectionConfig) -> None:
-        assert settings.address is not None
-        host, _, port = settings.address.rpartition(":")
-        host = host or "127.0.0.1"
+        host, port = settings.endpoint()
         target = Target(
             host,
-            int(port),
+            port,
             tls=tls,
             server_hostname=settings.server_name or host,
             expect_roles={Role.CONTROL_PLANE} if tls.enabled else None,

@@ -27,14 +27,13 @@ import time
 from dataclasses import dataclass
 from types import TracebackType
 
-import structlog
-
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.codec import Codec
 from iop_wire.errors import Code, ConnectionClosed, DecodeError, FrameError, IopError, code_name
 from iop_wire.framing import FrameDecoder, encode_frame
 from iop_wire.handler import ConnectionConfig, Handler, Inbound, MessageHandler, RunHandler
 from iop_wire.liveness import Liveness, Verdict
+from iop_wire.logs import library_logger
 from iop_wire.messages import error_envelope, error_message
 from iop_wire.metrics import CONNECTIONS, LIMIT_HITS, PEERS_LOST
 from iop_wire.runs import TERMINAL_EVENTS, EventSink, RunStream
@@ -42,7 +41,7 @@ from iop_wire.tls import ANONYMOUS, PeerIdentity
 
 __all__ = ["Connection", "ConnectionConfig", "Handler", "Inbound", "MessageHandler", "RunHandler"]
 
-_log = structlog.get_logger("iop.wire")
+_log = library_logger("iop.wire")  # silent below WARNING until the application configures logging
 _FAIR_SHARE = 64  # frames handled from one read before other tasks get a turn
 _LOG_EVERY = 1.0  # seconds between log lines for one limit on one connection
 _PAUSE_POLL = 0.01  # seconds between looks at a paused connection's unsent bytes
@@ -237,7 +236,10 @@ class Connection:
             self._flush()
         elif not self._flush_scheduled:
             self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
+            if self.config.flush_delay:
+                self._loop.call_later(self.config.flush_delay, self._flush)
+            else:
+                self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_scheduled = False

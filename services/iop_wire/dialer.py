@@ -18,16 +18,15 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from types import TracebackType
 
-import structlog
-
 from iop_wire.connection import Connection, ConnectionConfig, Handler
 from iop_wire.endpoint import dial
 from iop_wire.errors import IopError
+from iop_wire.logs import library_logger
 from iop_wire.tls import Role, TlsConfig
 
 __all__ = ["Backoff", "KeepConnected", "Session", "Target"]
 
-_log = structlog.get_logger("iop.wire")
+_log = library_logger("iop.wire")  # silent below WARNING until the application configures logging
 
 Session = Callable[[Connection], Awaitable[None]]
 """Runs on each new connection; when it returns, the dialer waits for the connection to close."""

@@ -24,13 +24,14 @@ from iop_wire.codec import CODECS, Codec, get_codec
 from iop_wire.connection import Connection, ConnectionConfig, Handler
 from iop_wire.errors import ConnectionClosed, FrameError, HandshakeError, IopError
 from iop_wire.framing import HEADER_SIZE, encode_frame
+from iop_wire.logs import library_logger
 from iop_wire.messages import error_envelope
 from iop_wire.metrics import HANDSHAKES, LIMIT_HITS
 from iop_wire.tls import PeerIdentity, Role, TlsConfig, client_context, peer_identity, server_context
 
 __all__ = ["HandlerFactory", "Listener", "ListenerConfig", "dial", "open_stream", "preface"]
 
-_log = structlog.get_logger("iop.wire")
+_log = library_logger("iop.wire")  # silent below WARNING until the application configures logging
 _PREFACE_PREFIX = b"IOP/1 "
 _MAX_PREFACE = 64
 

@@ -48,6 +48,8 @@ class ConnectionConfig:
     """Bytes gathered before they are written at once (otherwise at the end of the loop's turn)."""
     read_pause_bytes: int = 4 * 1024 * 1024
     """Reading pauses while more than this many bytes wait to be sent to the peer."""
+    flush_delay: float = 0.0
+    """Seconds gathered frames may wait to be written with later ones (0: the end of the loop's turn)."""
     read_size: int = 256 * 1024
     """Bytes asked of the socket per read."""
     close_timeout: float = 5.0

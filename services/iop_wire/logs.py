@@ -1,4 +1,10 @@
-"""Logging setup shared by every IOP process: structlog, one JSON object per line on stderr."""
+"""Logging: libraries log through the standard library, applications decide where it goes.
+
+The wire is a library: its loggers (:func:`library_logger`) hand events to ``logging`` loggers
+under ``iop.wire``. Until an application configures logging, Python prints only warnings and
+errors, to stderr, and a client's stdout stays its own. IOP's processes call :func:`configure`:
+every event, theirs and the libraries', becomes one JSON object per line on stderr.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +12,44 @@ import logging
 import sys
 
 import structlog
+from structlog.typing import FilteringBoundLogger, Processor
+
+__all__ = ["configure", "library_logger"]
+
+
+def library_logger(name: str) -> FilteringBoundLogger:
+    """A structlog logger over ``logging.getLogger(name)``: silent below WARNING until logging is configured."""
+    logger: FilteringBoundLogger = structlog.wrap_logger(logging.getLogger(name))
+    return logger
 
 
 def configure(level: str = "info") -> None:
-    """Send structlog events at ``level`` and above to stderr as JSON lines."""
+    """Send IOP's log events at ``level`` and up, and other libraries' warnings, to stderr as JSON lines."""
+    threshold = logging.getLevelNamesMapping()[level.upper()]
+    shared: list[Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        wrapper_class=structlog.make_filtering_bound_logger(threshold),
+        logger_factory=structlog.stdlib.LoggerFactory(),
         cache_logger_on_first_use=True,
     )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=shared,  # records of other libraries (asyncio, ...) become JSON lines too
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                structlog.processors.format_exc_info,
+                structlog.processors.JSONRenderer(),
+            ],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers = [handler]
+    # Other libraries' debug and info lines (asyncio's, aiosqlite's every statement) are not ours to show.
+    root.setLevel(max(threshold, logging.WARNING))
+    logging.getLogger("iop").setLevel(threshold)

@@ -2,39 +2,109 @@
 
 A service's settings are one pydantic-settings class read from a YAML file and overridden by
 ``IOP_`` environment variables (nested keys joined by ``__``: ``IOP_LISTEN__PORT=7500``).
-:func:`load_settings` reads them; any bad value raises :class:`ConfigError`, whose message is
-one line naming every bad key.
+:func:`load_settings` reads them; relative paths in the file are taken from the file's folder.
+Any bad value raises :class:`ConfigError`, whose message is one line naming every bad key and
+its line in the file; a value that passed but could not be used at start-up (a port in use) is
+a :class:`StartError` built by :func:`bind_error`.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, TypeVar
+import errno
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path, PurePath
+from typing import Any, Self, TypeVar, get_args, get_origin
 
 import yaml
+from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource
 
 from iop_wire.connection import ConnectionConfig
 from iop_wire.endpoint import ListenerConfig
 from iop_wire.framing import DEFAULT_MAX_FRAME_SIZE
-from iop_wire.tls import Role, TlsConfig
+from iop_wire.tls import Role, TlsConfig, server_context
 
 __all__ = [
     "ConfigError",
     "ConnectionSettings",
     "ListenSettings",
+    "Problem",
     "Section",
+    "SettingError",
+    "StartError",
     "TlsSettings",
+    "bind_error",
     "load_settings",
     "one_line",
+    "problems",
+    "resolve_paths",
 ]
 
 _Settings = TypeVar("_Settings", bound=BaseSettings)
 
 
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One bad setting."""
+
+    key: str
+    """Dotted path of the setting (``routes.0.options.argv``); empty for the file as a whole."""
+    message: str
+    """What is wrong with it."""
+    line: int | None = None
+    """Line of the key in the YAML file, when known."""
+
+    def __str__(self) -> str:
+        where = " ".join(part for part in (self.key, f"(line {self.line})" if self.line else "") if part)
+        return f"{where}: {self.message}" if where else self.message
+
+
 class ConfigError(Exception):
-    """A configuration problem, as one line naming the key."""
+    """Configuration problems, as one line naming every bad key (with its line in the file when known)."""
+
+    def __init__(self, problems: str | Sequence[Problem]) -> None:
+        self.problems = (Problem("", problems),) if isinstance(problems, str) else tuple(problems)
+        super().__init__("; ".join(str(problem) for problem in self.problems))
+
+    def located(self, source: Path, env_prefix: str = "IOP_") -> Self:
+        """The same problems with the line of each key in the YAML file ``source``.
+
+        A key the environment sets (``IOP_LISTEN__PORT`` for ``listen.port``) gets no line: its
+        value did not come from the file.
+        """
+        tree = _compose(source)
+        if tree is None:
+            return self
+        return type(self)(
+            [
+                problem
+                if problem.line or not problem.key
+                else replace(problem, line=_line(tree, problem.key, env_prefix))
+                for problem in self.problems
+            ]
+        )
+
+
+class StartError(ConfigError):
+    """A setting that passed validation but could not be used at start-up: a port in use, a locked file."""
+
+
+class SettingError(ValueError):
+    """Raised by a validator for problems with keys below the model it checks.
+
+    ``SettingError(("cert", "no such file x"))`` inside ``tls`` reads ``tls.cert: no such file x``;
+    :func:`problems` takes the keys from here instead of the validator's own location.
+    """
+
+    def __init__(self, *found: tuple[str, str]) -> None:
+        super().__init__("; ".join(f"{key}: {message}" if key else message for key, message in found))
+        self.found = found
 
 
 class Section(BaseModel):
@@ -57,13 +127,15 @@ class TlsSettings(Section):
 
     @model_validator(mode="after")
     def _files_when_enabled(self) -> TlsSettings:
-        if self.enabled:
-            for name in ("cert", "key", "ca"):
-                path = getattr(self, name)
-                if path is None:
-                    raise ValueError(f"tls.{name} is required when tls.enabled is true")
-                if not path.is_file():
-                    raise ValueError(f"tls.{name}: no such file {path}")
+        if not self.enabled:
+            return self
+        if found := _tls_problems(self.cert, self.key, self.ca):
+            raise SettingError(*found)
+        try:  # what the listener and dialers will do with them
+            server_context(self.config())
+        except OSError as exc:  # ssl.SSLError included
+            reason = getattr(exc, "reason", None) or exc.strerror or exc
+            raise SettingError(("", f"OpenSSL cannot use these files: {reason}")) from None
         return self
 
     def config(self) -> TlsConfig:
@@ -84,6 +156,8 @@ class ConnectionSettings(Section):
     """Other requests (capabilities, node.*) answered at once per connection."""
     read_pause_bytes: int = Field(4 * 1024 * 1024, ge=64 * 1024)
     """Reading from a peer pauses while this many bytes wait to be sent to it."""
+    flush_delay: float = Field(0.0, ge=0, le=0.05)
+    """Seconds a run's later events may wait to be written together with others (first token and end never wait)."""
 
     def config(self, *, heartbeat_interval: float, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> ConnectionConfig:
         """The wire's frozen form, with the service's heartbeat interval and frame limit."""
@@ -129,14 +203,36 @@ class ListenSettings(Section):
         )
 
 
-def one_line(error: ValidationError, prefix: str = "") -> str:
-    """Every error as ``key: message``, joined by ``; `` (keys under ``prefix``, e.g. "routes.0.options")."""
-    problems = []
+def problems(error: ValidationError, prefix: str = "") -> list[Problem]:
+    """Every error of ``error`` as a :class:`Problem`, keys under ``prefix`` (e.g. "routes.0.options")."""
+    found = []
     for item in error.errors():
-        key = ".".join(str(part) for part in (*([prefix] if prefix else []), *item["loc"]))
-        message = item["msg"].removeprefix("Value error, ")
-        problems.append(f"{key}: {message}" if key else message)
-    return "; ".join(problems)
+        where = [*([prefix] if prefix else []), *(str(part) for part in item["loc"])]
+        cause = item.get("ctx", {}).get("error")
+        if isinstance(cause, SettingError):
+            found += [Problem(".".join([*where, key] if key else where), message) for key, message in cause.found]
+        else:
+            found.append(Problem(".".join(where), item["msg"].removeprefix("Value error, ")))
+    return found
+
+
+def one_line(error: ValidationError, prefix: str = "") -> str:
+    """Every error as ``key: message``, all of them joined by ``; `` (keys under ``prefix``)."""
+    return "; ".join(str(problem) for problem in problems(error, prefix))
+
+
+def bind_error(key: str, host: str, port: int, exc: OSError) -> StartError:
+    """What failed when binding ``host:port`` for the setting ``key`` (``listen``, ``metrics``), in one line."""
+    address = f"{host}:{port}"
+    if isinstance(exc, socket.gaierror):
+        return StartError([Problem(f"{key}.host", f"cannot resolve {host!r} ({exc.strerror})")])
+    if exc.errno == errno.EADDRINUSE:
+        return StartError([Problem(f"{key}.port", f"{address} is in use")])
+    if exc.errno == errno.EACCES:
+        return StartError([Problem(f"{key}.port", f"{address}: permission denied (ports below 1024 need privileges)")])
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return StartError([Problem(f"{key}.host", f"{host} is not an address of this machine")])
+    return StartError([Problem(key, f"cannot listen on {address}: {exc.strerror or exc}")])
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -146,15 +242,32 @@ def read_yaml(path: Path) -> dict[str, Any]:
     except OSError as exc:
         raise ConfigError(f"config file {path}: {exc.strerror}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"config file {path}: not valid YAML{where} ({str(exc).splitlines()[0]})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: the top level must be a mapping of keys")
     return data
 
 
+def resolve_paths(model: type[BaseModel], data: Mapping[str, Any], base: Path) -> dict[str, Any]:
+    """``data`` (a mapping for ``model``) with each relative path of a Path field taken from ``base``.
+
+    A config file names certificates, keys and databases relative to its own folder, wherever
+    the service was started from. Values of the environment are not passed here: they stay
+    relative to the working folder.
+    """
+    resolved = dict(data)
+    for name, value in data.items():
+        field = model.model_fields.get(name)
+        if field is not None:
+            resolved[name] = _resolve(_kinds(field.annotation), value, base)
+    return resolved
+
+
 def load_settings(cls: type[_Settings], path: Path | None) -> _Settings:
     """``cls`` read from ``path`` (YAML) with ``IOP_`` overrides; ConfigError on any bad value."""
-    data = read_yaml(path) if path is not None else {}
+    data = resolve_paths(cls, read_yaml(path), path.absolute().parent) if path is not None else {}
 
     class _FromFile(cls):  # type: ignore[valid-type,misc]  # a subclass that knows the file
         @classmethod
@@ -171,5 +284,104 @@ def load_settings(cls: type[_Settings], path: Path | None) -> _Settings:
     try:
         settings: _Settings = _FromFile()
     except ValidationError as exc:
-        raise ConfigError(one_line(exc)) from None
+        error = ConfigError(problems(exc))
+        raise (error if path is None else error.located(path)) from None
     return settings
+
+
+def _tls_problems(cert: Path | None, key: Path | None, ca: Path | None) -> list[tuple[str, str]]:
+    """What is wrong with the three TLS files, each named by its key; empty when they can be used."""
+    missing = [
+        (name, "required when tls.enabled is true")
+        for name, path in zip(("cert", "key", "ca"), (cert, key, ca), strict=True)
+        if path is None
+    ]
+    if missing or cert is None or key is None or ca is None:
+        return missing
+    found: list[tuple[str, str]] = []
+    certs = _pem(found, "cert", cert, x509.load_pem_x509_certificates, "holds no PEM certificate")
+    private = _pem(found, "key", key, _private_key, "is not a PEM private key")
+    _pem(found, "ca", ca, x509.load_pem_x509_certificates, "holds no PEM certificate")
+    if certs and private is not None and _public(certs[0].public_key()) != _public(private.public_key()):
+        found.append(("key", f"{key} does not belong to the certificate in tls.cert ({cert})"))
+    return found
+
+
+def _pem(found: list[tuple[str, str]], name: str, path: Path, parse: Any, wrong: str) -> Any:
+    """``parse`` of the file at ``path``; None (and a problem for ``name`` in ``found``) when it cannot be."""
+    try:
+        return parse(path.read_bytes())
+    except FileNotFoundError:
+        found.append((name, f"no such file {path}"))
+    except OSError as exc:
+        found.append((name, f"cannot read {path}: {exc.strerror}"))
+    except TypeError:  # cryptography's word for a key that needs a password
+        found.append((name, f"{path} is encrypted; IOP needs an unencrypted key (keep it mode 0600)"))
+    except (ValueError, UnsupportedAlgorithm):
+        found.append((name, f"{path} {wrong}"))
+    return None
+
+
+def _private_key(data: bytes) -> Any:
+    return serialization.load_pem_private_key(data, password=None)
+
+
+def _public(key: Any) -> bytes:
+    der: bytes = key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return der
+
+
+def _kinds(annotation: Any) -> list[Any]:
+    """The classes an annotation is made of: ``list[Route] | None`` gives list, Route, NoneType."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if not args:
+        return [annotation] if isinstance(annotation, type) else []
+    return [*([origin] if isinstance(origin, type) else []), *(kind for arg in args for kind in _kinds(arg))]
+
+
+def _resolve(kinds: list[Any], value: Any, base: Path) -> Any:
+    if isinstance(value, str) and value and any(issubclass(kind, PurePath) for kind in kinds):
+        path = Path(value).expanduser()
+        return str(path if path.is_absolute() else base / path)
+    if isinstance(value, list):
+        return [_resolve(kinds, item, base) for item in value]
+    if isinstance(value, dict):
+        models = [kind for kind in kinds if issubclass(kind, BaseModel)]
+        return resolve_paths(models[0], value, base) if models else value
+    return value
+
+
+def _compose(source: Path) -> yaml.Node | None:
+    """The YAML node tree of ``source`` (positions included); None when it cannot be read."""
+    try:
+        return yaml.compose(source.read_text(), Loader=yaml.SafeLoader)
+    except (OSError, yaml.YAMLError):
+        return None
+
+
+def _line(tree: yaml.Node, key: str, env_prefix: str) -> int | None:
+    """The line of ``key`` (dotted) in ``tree``, or of its nearest ancestor there; None if the environment set it."""
+    parts = key.split(".")
+    environment = {name.upper() for name in os.environ}
+    for end in range(1, len(parts) + 1):
+        if parts[end - 1].isdigit():
+            break  # list items cannot be set one by one from the environment
+        if (env_prefix + "__".join(parts[:end])).upper() in environment:
+            return None
+    line, node = None, tree
+    for part in parts:
+        child = _child(node, part)
+        if child is None:
+            break
+        line, node = child[0].start_mark.line + 1, child[1]
+    return line
+
+
+def _child(node: yaml.Node, part: str) -> tuple[yaml.Node, yaml.Node] | None:
+    """(the node that names ``part``, its value) below ``node``: a mapping's key or a sequence's item."""
+    if isinstance(node, yaml.MappingNode):
+        return next(((name, value) for name, value in node.value if name.value == part), None)
+    if isinstance(node, yaml.SequenceNode) and part.isdigit() and int(part) < len(node.value):
+        item: yaml.Node = node.value[int(part)]
+        return item, item
+    return None

@@ -1,9 +1,11 @@
 """A fast OpenAI-compatible streaming server for relay benchmarks: canned chunks, no model.
 
-    python fast_openai.py PORT
+    python fast_openai.py PORT [TOKENS_PER_SECOND]
 
-POST /v1/chat/completions answers ``max_tokens`` SSE chunks as fast as the socket takes them,
-then a usage chunk and ``data: [DONE]``; GET /v1/models lists one model. HTTP/1.1 keep-alive.
+POST /v1/chat/completions answers ``max_tokens`` SSE chunks, as fast as the socket takes them
+or, given TOKENS_PER_SECOND, one chunk at a time at that pace per stream (as real backends emit
+tokens), then a usage chunk and ``data: [DONE]``; GET /v1/models lists one model. HTTP/1.1
+keep-alive.
 """
 
 from __future__ import annotations
@@ -28,12 +30,18 @@ def _chunked(writer: asyncio.StreamWriter, data: bytes) -> None:
     writer.write(b"%x\r\n%s\r\n" % (len(data), data))
 
 
-async def _answer(writer: asyncio.StreamWriter, body: dict[str, object]) -> None:
+async def _answer(writer: asyncio.StreamWriter, body: dict[str, object], pace: float) -> None:
     count = int(body.get("max_tokens") or 16)  # type: ignore[call-overload]
     writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+    loop = asyncio.get_running_loop()
+    due = loop.time()
     for index in range(count):
         _chunked(writer, b"data: " + _CHUNK + b"\n\n")
-        if index % 64 == 0:
+        if pace:  # one token every 1/pace s, on a schedule (not drifting with the send's cost)
+            await writer.drain()
+            due += 1 / pace
+            await asyncio.sleep(max(0.0, due - loop.time()))
+        elif index % 64 == 0:
             await writer.drain()
     final = {
         "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
@@ -44,7 +52,7 @@ async def _answer(writer: asyncio.StreamWriter, body: dict[str, object]) -> None
     await writer.drain()
 
 
-async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pace: float) -> None:
     try:
         while True:
             head = await reader.readuntil(b"\r\n\r\n")
@@ -59,16 +67,16 @@ async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
                     % (len(_MODELS), _MODELS)
                 )
             else:
-                await _answer(writer, body)
+                await _answer(writer, body, pace)
     except (asyncio.IncompleteReadError, ConnectionError):
         writer.close()
 
 
-async def main(port: int) -> None:
-    server = await asyncio.start_server(_handle, "127.0.0.1", port)
+async def main(port: int, pace: float) -> None:
+    server = await asyncio.start_server(lambda r, w: _handle(r, w, pace), "127.0.0.1", port)
     print(server.sockets[0].getsockname()[1], flush=True)
     await server.serve_forever()
 
 
 if __name__ == "__main__":
-    asyncio.run(main(int(sys.argv[1]) if len(sys.argv) > 1 else 0))
+    asyncio.run(main(int(sys.argv[1]) if len(sys.argv) > 1 else 0, float(sys.argv[2]) if len(sys.argv) > 2 else 0.0))

@@ -143,11 +143,13 @@ async def _bench(port: int, pid: int, certs: Path) -> list[tuple[str, str]]:
     tls = TlsConfig(enabled=True, cert=certs / "edge.crt", key=certs / "edge.key", ca=certs / "ca.crt")
     connection = await dial("127.0.0.1", port, tls=tls, server_hostname="localhost")
     tokens = await _throughput(connection, 100, 2000)
-    cpu = await _cpu_per_run(connection, pid, 2000, 16)
+    alone = await _cpu_per_run(connection, pid, 1000, 1)
+    together = await _cpu_per_run(connection, pid, 2000, 16)
     cancels = await _cancel_latency(connection, 40)
     rows = [
         ("mock tokens/s to one connection, 100 concurrent runs (node on one core)", f"{tokens:,.0f}"),
-        ("node CPU per one-token run (request in, start/delta/complete out, row written)", f"{cpu:,.0f} us"),
+        ("node CPU per one-token run, one at a time (request in, events out, row written)", f"{alone:,.0f} us"),
+        ("node CPU per one-token run, 16 in flight", f"{together:,.0f} us"),
         (
             "cancel round trip while streaming, median / max (client -> node -> client)",
             f"{statistics.median(cancels):.1f} / {max(cancels):.1f} ms",

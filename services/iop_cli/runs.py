@@ -1,0 +1,132 @@
+"""``iop runs ls`` / ``iop runs show``: the node's run history, as a table or as JSON.
+
+The history file is ``--db FILE``, else ``store_path`` of ``--config node.yaml``, else that of
+``DIR/node.yaml`` for ``--dir DIR`` (default ``$IOP_STATE_DIR`` or ``.iop``, where ``iop up``
+keeps it). Reading never changes a row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import enum
+import json
+import sqlite3
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from iop_node.domain import RunRecord, RunStatus
+from iop_node.history import format_record, format_table, parse_since
+from iop_node.settings import ConfigError, load_settings
+from iop_node.store import SqliteRunStore
+
+__all__ = ["ls", "show"]
+
+
+class _Refused(Exception):
+    """A problem with what was asked, as one line."""
+
+
+async def ls(args: argparse.Namespace) -> int:
+    """List runs, newest first; says so when ``--limit`` cut the list short."""
+    try:
+        status = _status(args.status) if args.status else None
+        since = parse_since(args.since) if args.since else None
+        if args.limit < 1:
+            raise _Refused(f"--limit must be at least 1, not {args.limit}")
+        async with _history(args) as store:
+            records = await store.list(status=status, model=args.model, since=since, limit=args.limit + 1)
+    except (_Refused, ValueError) as exc:
+        return _fail(str(exc))
+    shown = records[: args.limit]
+    print(json.dumps([_plain(record) for record in shown], indent=2) if args.json else format_table(shown))
+    if len(records) > args.limit:
+        print(f"iop runs: showing the newest {args.limit} runs; more match (--limit N shows more)", file=sys.stderr)
+    return 0
+
+
+async def show(args: argparse.Namespace) -> int:
+    """Every field of one run."""
+    try:
+        async with _history(args) as store:
+            record = await store.get(args.run_id)
+    except (_Refused, ValueError) as exc:
+        return _fail(str(exc))
+    if record is None:
+        print(f"iop runs: no run {args.run_id!r}", file=sys.stderr)
+        return 1
+    print(json.dumps(_plain(record), indent=2) if args.json else format_record(record))
+    return 0
+
+
+def _fail(message: str) -> int:
+    print(f"iop runs: {message}", file=sys.stderr)
+    return 2
+
+
+def _history_file(args: argparse.Namespace) -> tuple[Path, str]:
+    """The history file to read, and where that choice came from (for the message when it is missing)."""
+    if args.db is not None:
+        return Path(args.db), "--db"
+    config: Path | None = args.config
+    if config is None and (args.dir / "node.yaml").is_file():
+        config = args.dir / "node.yaml"
+    if config is None:
+        return args.dir / "node-runs.db", f"state folder {args.dir}"
+    try:
+        return load_settings(config).store_path, f"store_path of {config}"
+    except ConfigError as exc:
+        raise _Refused(f"bad config: {exc}") from None
+
+
+@asynccontextmanager
+async def _history(args: argparse.Namespace) -> AsyncIterator[SqliteRunStore]:
+    path, source = _history_file(args)
+    if not path.is_file():
+        raise _Refused(
+            f"no run history at {path} ({source}); point at it with --db FILE, --config node.yaml "
+            "or --dir DIR (the folder 'iop up' ran with; or set IOP_STATE_DIR)"
+        )
+    store = SqliteRunStore(path, node_id="")
+    try:
+        await store.open(mark_interrupted=False)
+    except (sqlite3.Error, OSError, RuntimeError) as exc:
+        raise _Refused(f"cannot read the run history {path}: {exc}") from None
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
+def _status(text: str) -> RunStatus:
+    try:
+        return RunStatus(text)
+    except ValueError:
+        valid = ", ".join(status.value for status in RunStatus)
+        raise _Refused(f"unknown status {text!r}; valid: {valid}") from None
+
+
+def _plain(record: RunRecord) -> dict[str, Any]:
+    """A run as JSON-ready values: times in ISO 8601 (UTC), time to first token and duration in ms."""
+    fields = {field.name: _json_value(getattr(record, field.name)) for field in dataclasses.fields(record)}
+    return {
+        **fields,
+        "ttft_ms": _milliseconds(record.started_at, record.first_token_at),
+        "duration_ms": _milliseconds(record.received_at, record.finished_at),
+    }
+
+
+def _json_value(value: object) -> object:
+    if isinstance(value, datetime.datetime):
+        return value.astimezone(datetime.UTC).isoformat()
+    if isinstance(value, enum.Enum):
+        return value.value
+    return value
+
+
+def _milliseconds(start: datetime.datetime | None, end: datetime.datetime | None) -> float | None:
+    return None if start is None or end is None else round((end - start).total_seconds() * 1000, 3)
