@@ -89,3 +89,4 @@ bench:
     python tests/bench/wire_bench.py
     python tests/bench/node_bench.py
     python tests/bench/relay_bench.py
+    python tests/bench/pacing_bench.py

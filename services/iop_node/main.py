@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -50,9 +51,19 @@ def run(config: Path | None, *, dev: bool = False, ready_file: Path | None = Non
     if config is None:
         _warn_development(settings)
     try:
-        return asyncio.run(_serve(app, ready_file))
+        with asyncio.Runner(loop_factory=_loop_factory(settings.event_loop)) as runner:
+            return runner.run(_serve(app, ready_file))
     except StartError as exc:
         return _fail(str(_located(exc, config)))
+
+
+def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop (libuv, C) where asked for: ~10-20% less node CPU per relayed token (README)."""
+    if name == "uvloop":
+        import uvloop  # noqa: PLC0415 - imported only by the process that runs on it
+
+        return uvloop.new_event_loop
+    return None
 
 
 def _fail(message: str) -> int:

@@ -30,6 +30,13 @@ from iop_wire.settings import load_settings as _load
 __all__ = ["ConfigError", "Problem", "RouteSettings", "Settings", "StartError", "load_settings", "one_line"]
 
 
+class NodeConnectionSettings(ConnectionSettings):
+    """The node's connections: later tokens of a run may wait 2 ms to share a write (README, design)."""
+
+    flush_delay: float = Field(0.002, ge=0, le=0.05)
+    """Seconds a run's later events may wait to be written with others (first token and end never wait)."""
+
+
 class NodeListenSettings(ListenSettings):
     """Where the node serves clients directly (standalone mode); false ``enabled`` for registered-only."""
 
@@ -116,7 +123,7 @@ class Settings(BaseSettings):
     """This node's id, unique in the cluster."""
     listen: NodeListenSettings = NodeListenSettings()
     tls: TlsSettings = TlsSettings()
-    connection: ConnectionSettings = ConnectionSettings()
+    connection: NodeConnectionSettings = NodeConnectionSettings()
     """Limits every connection gets (runs, requests, frame time, unread bytes, heartbeat clamp)."""
     control_plane: ControlPlaneSettings = ControlPlaneSettings()
     metrics: MetricsSettings = MetricsSettings()
@@ -134,6 +141,8 @@ class Settings(BaseSettings):
     """On SIGTERM, seconds in-flight runs get to finish before they are cancelled."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Lowest level logged."""
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
+    """The event loop ``iop node`` runs on: uvloop (libuv) or the standard library's."""
     routes: list[RouteSettings] = Field(default_factory=list)
     """The route table."""
 

@@ -10,7 +10,9 @@ when it knows it (protobuf binary if not), and closes the connection.
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
+import struct
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Generator
@@ -82,26 +84,39 @@ class Listener:
         self.connections: set[Connection] = set()
         self._make_handler: HandlerFactory = (lambda _: handler) if isinstance(handler, Handler | None) else handler
         self._ssl = server_context(config.tls) if config.tls.enabled else None
-        self._server: asyncio.Server | None = None
-        self._handshaking: set[asyncio.StreamWriter] = set()
+        self._socket: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        """One per accepted socket: its handshake, then its connection's life."""
+        self._handshaking: set[asyncio.Task[None]] = set()
+        """The tasks among those still in their TLS handshake or preface."""
         self._per_peer: Counter[str] = Counter()
 
     @property
     def port(self) -> int:
         """The bound port."""
-        assert self._server is not None, "listener not started"
-        port: int = self._server.sockets[0].getsockname()[1]
+        assert self._socket is not None, "listener not started"
+        port: int = self._socket.getsockname()[1]
         return port
 
     async def start(self) -> Listener:
-        """Bind and start accepting; returns self."""
+        """Bind and start accepting; returns self. OSError (port in use, unknown host) if it cannot bind."""
         loop = asyncio.get_running_loop()
-        pause = self._ssl is not None
-
-        def protocol() -> asyncio.StreamReaderProtocol:
-            return _AcceptProtocol(asyncio.StreamReader(), self._accept, pause=pause)
-
-        self._server = await loop.create_server(protocol, self.config.host, self.config.port)
+        infos = await loop.getaddrinfo(
+            self.config.host, self.config.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        family, kind, proto, _, address = infos[0]
+        listening = socket.socket(family, kind, proto)
+        try:
+            listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listening.bind(address)
+            listening.listen(min(socket.SOMAXCONN, 4096))
+            listening.setblocking(False)  # noqa: FBT003 - the socket API takes it positionally
+        except BaseException:
+            listening.close()
+            raise
+        self._socket = listening
+        self._accepting = asyncio.create_task(self._accept_loop(listening), name="iop-accept")
         return self
 
     async def __aenter__(self) -> Listener:
@@ -114,37 +129,68 @@ class Listener:
 
     def stop_accepting(self) -> None:
         """Stop taking new connections; the open ones go on."""
-        if self._server is not None:
-            self._server.close()
+        if self._accepting is not None:
+            self._accepting.cancel()
+        if self._socket is not None:
+            self._socket.close()
 
     async def close(self, reason: str = "server shutting down") -> None:
         """Stop accepting and close every connection gracefully."""
         self.stop_accepting()
-        for writer in list(self._handshaking):
-            writer.transport.abort()
+        for task in list(self._handshaking):  # cut off: nothing there to close gracefully
+            task.cancel()
         await asyncio.gather(*(c.close(reason) for c in list(self.connections)), return_exceptions=True)
-        if self._server is not None:
-            await self._server.wait_closed()
+        pending = [task for task in (self._accepting, *self._tasks) if task is not None]
+        await asyncio.gather(*pending, return_exceptions=True)
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        address = writer.get_extra_info("peername")
-        remote = f"{address[0]}:{address[1]}" if address else "?"
-        log = _log.bind(remote=remote)
-        if not self._admit(writer, log):
-            return
-        self._handshaking.add(writer)
+    async def _accept_loop(self, listening: socket.socket) -> None:
+        """Accept sockets; each gets its TLS handshake and preface in a task of its own."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, address = await loop.sock_accept(listening)
+            except OSError as exc:  # out of descriptors, or the socket closed under us
+                if listening.fileno() == -1:
+                    return
+                _log.warning("accept failed", reason=str(exc))
+                await asyncio.sleep(0.1)
+                continue
+            log = _log.bind(remote=f"{address[0]}:{address[1]}" if address else "?")
+            if not self._admit(log):
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # reset, not FIN
+                conn.close()
+                continue
+            task = loop.create_task(self._accept(conn, log))
+            self._tasks.add(task)
+            self._handshaking.add(task)  # counted from now: the next accept sees it
+            task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(self._handshaking.discard)
+
+    async def _accept(self, conn: socket.socket, log: structlog.typing.FilteringBoundLogger) -> None:
         HANDSHAKES.inc()
+        writer = None
         try:
-            accepted = await asyncio.wait_for(self._handshake(reader, writer, log), self.config.handshake_timeout)
+            async with asyncio.timeout(self.config.handshake_timeout):
+                reader, writer = await self._open(conn)
+                accepted = await self._handshake(reader, writer, log)
         except (ssl.SSLError, ConnectionError, OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
             if isinstance(exc, TimeoutError):
                 LIMIT_HITS.labels("handshake_timeout").inc()
             log.warning("handshake failed", reason=_reason(exc))
-            writer.transport.abort()
+            if writer is not None:
+                writer.transport.abort()
+            else:
+                conn.close()
             return
+        except asyncio.CancelledError:
+            if writer is not None:
+                writer.transport.abort()
+            else:
+                conn.close()
+            raise
         finally:
-            self._handshaking.discard(writer)
             HANDSHAKES.dec()
+            self._handshaking.discard(asyncio.current_task())
         if accepted is None:
             return
         connection, key = accepted
@@ -157,8 +203,19 @@ class Listener:
             if self._per_peer[key] <= 0:
                 del self._per_peer[key]
 
-    def _admit(self, writer: asyncio.StreamWriter, log: structlog.typing.FilteringBoundLogger) -> bool:
-        """Close a new connection at once when the listener is full or too many handshakes run."""
+    async def _open(self, conn: socket.socket) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """The accepted socket as a stream pair, TLS done: a failed handshake raises here, to be logged."""
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        protocol = asyncio.StreamReaderProtocol(reader)
+        timeout = self.config.handshake_timeout if self._ssl is not None else None
+        transport, _ = await loop.connect_accepted_socket(
+            lambda: protocol, conn, ssl=self._ssl, ssl_handshake_timeout=timeout
+        )
+        return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
+
+    def _admit(self, log: structlog.typing.FilteringBoundLogger) -> bool:
+        """Refuse a new connection at once when the listener is full or too many handshakes run."""
         limit = None
         if len(self.connections) + len(self._handshaking) >= self.config.max_connections:
             limit, value = "connections", self.config.max_connections
@@ -168,14 +225,11 @@ class Listener:
             return True
         LIMIT_HITS.labels(limit).inc()
         log.warning("connection refused", reason=f"{limit} limit reached", limit=value)
-        writer.transport.abort()
         return False
 
     async def _handshake(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, log: structlog.typing.FilteringBoundLogger
     ) -> tuple[Connection, str] | None:
-        if self._ssl is not None:
-            await writer.start_tls(self._ssl)
         peer = peer_identity(writer.get_extra_info("ssl_object"))
         asked = await _read_preface(reader)
         codec = CODECS.get(asked or "")
@@ -222,24 +276,6 @@ class Listener:
             side="accepted",
         )
         return connection.start(), key
-
-
-class _AcceptProtocol(asyncio.StreamReaderProtocol):
-    """A stream protocol that reads nothing until TLS starts.
-
-    The TLS handshake runs in the accept callback (``StreamWriter.start_tls``) so that its
-    failures reach our log with their reason; reading is paused until then, or the client's
-    first TLS record would land in the plaintext stream buffer.
-    """
-
-    def __init__(self, reader: asyncio.StreamReader, accept: Callable[..., object], *, pause: bool) -> None:
-        super().__init__(reader, accept)  # type: ignore[arg-type]
-        self._pause = pause
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if self._pause:
-            transport.pause_reading()  # type: ignore[attr-defined]
-        super().connection_made(transport)
 
 
 async def _read_preface(reader: asyncio.StreamReader) -> str | None:

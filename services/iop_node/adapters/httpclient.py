@@ -28,6 +28,7 @@ import time
 import urllib.parse
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from types import TracebackType
+from typing import cast
 
 from iop_node.adapters.http11 import DEFAULT_MAX_LINE, LineSplitter, ResponseReader, header_lines
 from iop_node.adapters.httperrors import (
@@ -90,8 +91,8 @@ class _Connection(asyncio.Protocol):
         self._paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports have the Transport methods without subclassing asyncio.Transport.
+        self.transport = cast("asyncio.Transport", transport)
         sock = transport.get_extra_info("socket")
         self._fd = sock.fileno() if sock is not None else -1
 
