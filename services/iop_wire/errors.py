@@ -13,6 +13,7 @@ Errors become wire ``Error`` messages in one place: :func:`iop_wire.messages.err
 
 from __future__ import annotations
 
+import datetime
 from typing import TypeAlias
 
 from iop_gen.pb.iop import runtime_pb2 as pb
@@ -30,7 +31,14 @@ __all__ = [
 Code: TypeAlias = pb.ErrorCode.ValueType
 """An ``ErrorCode`` value (``pb.ERROR_CODE_*``)."""
 
-_RETRYABLE = frozenset({pb.ERROR_CODE_UNAVAILABLE, pb.ERROR_CODE_RESOURCE_EXHAUSTED, pb.ERROR_CODE_SHUTTING_DOWN})
+_RETRYABLE = frozenset(
+    {
+        pb.ERROR_CODE_UNAVAILABLE,
+        pb.ERROR_CODE_RESOURCE_EXHAUSTED,
+        pb.ERROR_CODE_SHUTTING_DOWN,
+        pb.ERROR_CODE_NODE_LOST,
+    }
+)
 
 
 def code_name(code: int) -> str:
@@ -51,12 +59,15 @@ class IopError(Exception):
         *,
         retryable: bool | None = None,
         run_id: str = "",
+        retry_after: datetime.timedelta | None = None,
     ) -> None:
         super().__init__(message)
         self.code: Code = code
         self.message = message
         self.retryable = code in _RETRYABLE if retryable is None else retryable
         self.run_id = run_id
+        self.retry_after = retry_after
+        """How long to wait before retrying, when the sender can tell (RESOURCE_EXHAUSTED)."""
 
     @property
     def name(self) -> str:
@@ -69,7 +80,8 @@ class IopError(Exception):
     @classmethod
     def from_message(cls, error: pb.Error) -> IopError:
         """The error a peer sent."""
-        return cls(error.code, error.message, retryable=error.retryable, run_id=error.run_id)
+        retry_after = error.retry_after.ToTimedelta() if error.HasField("retry_after") else None
+        return cls(error.code, error.message, retryable=error.retryable, run_id=error.run_id, retry_after=retry_after)
 
 
 class FrameError(IopError):

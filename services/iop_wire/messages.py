@@ -28,7 +28,10 @@ def message_type(envelope: pb.Envelope) -> str | None:
 
 def error_message(error: IopError) -> pb.Error:
     """The wire form of ``error``: the one place errors become ``Error`` messages."""
-    return pb.Error(code=error.code, message=error.message, retryable=error.retryable, run_id=error.run_id)
+    message = pb.Error(code=error.code, message=error.message, retryable=error.retryable, run_id=error.run_id)
+    if error.retry_after is not None:
+        message.retry_after.FromTimedelta(error.retry_after)
+    return message
 
 
 def error_envelope(error: IopError, *, in_reply_to: str = "") -> pb.Envelope:

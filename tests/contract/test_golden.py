@@ -157,4 +157,7 @@ def test_message_type_names_cover_the_seed() -> None:
     }
     assert seed <= set(MESSAGE_TYPES.values())
     assert {"node.register", "node.registered", "node.status", "node.drain"} <= set(MESSAGE_TYPES.values())
+    admin = {"nodes.list", "nodes.listed", "nodes.drain", "nodes.undrain", "operation.done"}
+    admin |= {"policy.apply", "policy.applied", "policy.show", "policy.shown"}
+    assert admin <= set(MESSAGE_TYPES.values())
     assert len(MESSAGE_TYPES) == len(_descriptor("Envelope").oneofs_by_name["body"].fields)

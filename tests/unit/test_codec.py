@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+
 import pytest
 
 from iop_gen.pb.iop import runtime_pb2 as pb
@@ -52,3 +54,12 @@ def test_error_codes_are_the_generated_enum_with_short_names() -> None:
     error = IopError(pb.ERROR_CODE_MODEL_NOT_FOUND, "gone")
     assert (error.name, str(error)) == ("MODEL_NOT_FOUND", "MODEL_NOT_FOUND: gone")
     assert IopError.from_message(pb.Error(code=999, message="new", retryable=True)).retryable
+
+
+def test_retry_after_travels_both_ways_and_node_lost_is_retryable() -> None:
+    error = IopError(pb.ERROR_CODE_RESOURCE_EXHAUSTED, "queue full", retry_after=datetime.timedelta(seconds=1.5))
+    wire = error_envelope(error).error
+    assert wire.retry_after.ToTimedelta() == datetime.timedelta(seconds=1.5)
+    assert IopError.from_message(wire).retry_after == datetime.timedelta(seconds=1.5)
+    assert IopError.from_message(pb.Error(code=pb.ERROR_CODE_UNAVAILABLE)).retry_after is None  # unset: no hint
+    assert IopError(pb.ERROR_CODE_NODE_LOST, "node gone").retryable

@@ -23,7 +23,8 @@ export declare const file_iop_runtime: GenFile;
 /**
  * The unit of exchange. The message type is the name of the `body` oneof
  * field that is set, with "_" read as ".": run_request is "run.request",
- * capability_response is "capability.response", node_drain is "node.drain".
+ * capability_response is "capability.response", node_drain is "node.drain",
+ * nodes_list is "nodes.list".
  * A receiver that finds no body set (for example a field number it does not
  * know) answers with an Error of code ERROR_CODE_UNKNOWN_MESSAGE_TYPE.
  *
@@ -44,7 +45,8 @@ export declare type Envelope = Message<"iop.Envelope"> & {
    * inner run_id wins when both are set and differ; the envelope's is used
    * when the inner one is empty. On an error answering a refused run.request
    * it names that run. Empty for connection-level messages (heartbeat,
-   * capability, node.*).
+   * capability, node.*) and for the admin messages (nodes.*, policy.*,
+   * operation.done).
    *
    * @generated from field: string run_id = 2;
    */
@@ -59,8 +61,10 @@ export declare type Envelope = Message<"iop.Envelope"> & {
 
   /**
    * For a response: the id of the envelope it answers (capability.response
-   * answers capability.request; node.registered answers node.register; an
-   * error may answer any request).
+   * answers capability.request; node.registered answers node.register;
+   * nodes.listed answers nodes.list; operation.done answers nodes.drain and
+   * nodes.undrain; policy.applied answers policy.apply; policy.shown answers
+   * policy.show; an error may answer any request).
    *
    * @generated from field: string in_reply_to = 4;
    */
@@ -159,6 +163,79 @@ export declare type Envelope = Message<"iop.Envelope"> & {
      */
     value: NodeDrain;
     case: "nodeDrain";
+  } | {
+    /**
+     * nodes.list: an admin asks the control-plane for its nodes.
+     *
+     * @generated from field: iop.NodesList nodes_list = 21;
+     */
+    value: NodesList;
+    case: "nodesList";
+  } | {
+    /**
+     * nodes.listed: the answer to nodes.list.
+     *
+     * @generated from field: iop.NodesListed nodes_listed = 22;
+     */
+    value: NodesListed;
+    case: "nodesListed";
+  } | {
+    /**
+     * nodes.drain: an admin asks the control-plane to place no new runs on a node.
+     *
+     * @generated from field: iop.NodesDrain nodes_drain = 23;
+     */
+    value: NodesDrain;
+    case: "nodesDrain";
+  } | {
+    /**
+     * nodes.undrain: an admin asks the control-plane to place runs on a node again.
+     *
+     * @generated from field: iop.NodesUndrain nodes_undrain = 24;
+     */
+    value: NodesUndrain;
+    case: "nodesUndrain";
+  } | {
+    /**
+     * operation.done: the control-plane carried out an admin request
+     * (nodes.drain, nodes.undrain).
+     *
+     * @generated from field: iop.OperationDone operation_done = 25;
+     */
+    value: OperationDone;
+    case: "operationDone";
+  } | {
+    /**
+     * policy.apply: an admin replaces the control-plane's policy.
+     *
+     * @generated from field: iop.PolicyApply policy_apply = 26;
+     */
+    value: PolicyApply;
+    case: "policyApply";
+  } | {
+    /**
+     * policy.applied: the answer to policy.apply; the new policy is in force.
+     *
+     * @generated from field: iop.PolicyApplied policy_applied = 27;
+     */
+    value: PolicyApplied;
+    case: "policyApplied";
+  } | {
+    /**
+     * policy.show: an admin asks which policy is in force.
+     *
+     * @generated from field: iop.PolicyShow policy_show = 28;
+     */
+    value: PolicyShow;
+    case: "policyShow";
+  } | {
+    /**
+     * policy.shown: the answer to policy.show.
+     *
+     * @generated from field: iop.PolicyShown policy_shown = 29;
+     */
+    value: PolicyShown;
+    case: "policyShown";
   } | { case: undefined; value?: undefined };
 };
 
@@ -1196,6 +1273,15 @@ export declare type Error = Message<"iop.Error"> & {
    * @generated from field: string run_id = 4;
    */
   runId: string;
+
+  /**
+   * How long to wait before sending the request again. Set, when the sender
+   * can tell, with ERROR_CODE_RESOURCE_EXHAUSTED (a full queue, a caller over
+   * its limit); unset means no hint.
+   *
+   * @generated from field: google.protobuf.Duration retry_after = 5;
+   */
+  retryAfter?: Duration | undefined;
 };
 
 /**
@@ -1402,6 +1488,328 @@ export declare type NodeDrain = Message<"iop.NodeDrain"> & {
  * Use `create(NodeDrainSchema)` to create a new message.
  */
 export declare const NodeDrainSchema: GenMessage<NodeDrain>;
+
+/**
+ * nodes.list: which nodes the control-plane knows. Answered by nodes.listed.
+ *
+ * @generated from message iop.NodesList
+ */
+export declare type NodesList = Message<"iop.NodesList"> & {
+};
+
+/**
+ * Describes the message iop.NodesList.
+ * Use `create(NodesListSchema)` to create a new message.
+ */
+export declare const NodesListSchema: GenMessage<NodesList>;
+
+/**
+ * nodes.listed: the answer to nodes.list.
+ *
+ * @generated from message iop.NodesListed
+ */
+export declare type NodesListed = Message<"iop.NodesListed"> & {
+  /**
+   * Every node in the registry, in any state, ordered by node id.
+   *
+   * @generated from field: repeated iop.NodeInfo nodes = 1;
+   */
+  nodes: NodeInfo[];
+};
+
+/**
+ * Describes the message iop.NodesListed.
+ * Use `create(NodesListedSchema)` to create a new message.
+ */
+export declare const NodesListedSchema: GenMessage<NodesListed>;
+
+/**
+ * One node as the control-plane sees it.
+ *
+ * @generated from message iop.NodeInfo
+ */
+export declare type NodeInfo = Message<"iop.NodeInfo"> & {
+  /**
+   * The node's id, as registered.
+   *
+   * @generated from field: string node_id = 1;
+   */
+  nodeId: string;
+
+  /**
+   * Whether the control-plane places runs on it.
+   *
+   * @generated from field: iop.NodeState state = 2;
+   */
+  state: NodeState;
+
+  /**
+   * Why it is in that state ("registered", "connection closed", "no
+   * heartbeat for 3 intervals", "drained by admin: maintenance").
+   *
+   * @generated from field: string reason = 3;
+   */
+  reason: string;
+
+  /**
+   * Load per model, from the node's last node.status.
+   *
+   * @generated from field: repeated iop.ModelLoad models = 4;
+   */
+  models: ModelLoad[];
+
+  /**
+   * Operator labels, from the node's registration.
+   *
+   * @generated from field: map<string, string> labels = 5;
+   */
+  labels: { [key: string]: string };
+
+  /**
+   * Runs executing on the node, all models: its last report plus the runs
+   * the control-plane placed on it since.
+   *
+   * @generated from field: uint32 in_flight = 6;
+   */
+  inFlight: number;
+
+  /**
+   * Runs the node executes at once, all models.
+   *
+   * @generated from field: uint32 capacity = 7;
+   */
+  capacity: number;
+
+  /**
+   * When the last heartbeat from the node arrived.
+   *
+   * @generated from field: google.protobuf.Timestamp last_heartbeat = 8;
+   */
+  lastHeartbeat?: Timestamp | undefined;
+
+  /**
+   * The address (host:port) its registration connection comes from.
+   *
+   * @generated from field: string address = 9;
+   */
+  address: string;
+
+  /**
+   * When the node first registered with this control-plane.
+   *
+   * @generated from field: google.protobuf.Timestamp first_seen = 10;
+   */
+  firstSeen?: Timestamp | undefined;
+};
+
+/**
+ * Describes the message iop.NodeInfo.
+ * Use `create(NodeInfoSchema)` to create a new message.
+ */
+export declare const NodeInfoSchema: GenMessage<NodeInfo>;
+
+/**
+ * nodes.drain: place no new runs on a node; let its in-flight runs finish.
+ * The drain holds until nodes.undrain, also when the node registers again.
+ * Answered by operation.done; an unknown node id by an error with
+ * ERROR_CODE_INVALID_ARGUMENT.
+ *
+ * @generated from message iop.NodesDrain
+ */
+export declare type NodesDrain = Message<"iop.NodesDrain"> & {
+  /**
+   * The node to drain.
+   *
+   * @generated from field: string node_id = 1;
+   */
+  nodeId: string;
+
+  /**
+   * Why; recorded in the registry as the reason of the state change.
+   *
+   * @generated from field: string reason = 2;
+   */
+  reason: string;
+
+  /**
+   * How long in-flight runs may take before they are cancelled; unset: as
+   * long as they need.
+   *
+   * @generated from field: google.protobuf.Duration grace = 3;
+   */
+  grace?: Duration | undefined;
+};
+
+/**
+ * Describes the message iop.NodesDrain.
+ * Use `create(NodesDrainSchema)` to create a new message.
+ */
+export declare const NodesDrainSchema: GenMessage<NodesDrain>;
+
+/**
+ * nodes.undrain: place runs on a drained node again (once it is connected).
+ * Answered by operation.done; an unknown node id by an error with
+ * ERROR_CODE_INVALID_ARGUMENT.
+ *
+ * @generated from message iop.NodesUndrain
+ */
+export declare type NodesUndrain = Message<"iop.NodesUndrain"> & {
+  /**
+   * The node to undrain.
+   *
+   * @generated from field: string node_id = 1;
+   */
+  nodeId: string;
+
+  /**
+   * Why; recorded in the registry as the reason of the state change.
+   *
+   * @generated from field: string reason = 2;
+   */
+  reason: string;
+};
+
+/**
+ * Describes the message iop.NodesUndrain.
+ * Use `create(NodesUndrainSchema)` to create a new message.
+ */
+export declare const NodesUndrainSchema: GenMessage<NodesUndrain>;
+
+/**
+ * operation.done: an admin request was carried out.
+ *
+ * @generated from message iop.OperationDone
+ */
+export declare type OperationDone = Message<"iop.OperationDone"> & {
+  /**
+   * What was done, for the operator ("node-2 draining, 3 runs in flight").
+   *
+   * @generated from field: string message = 1;
+   */
+  message: string;
+};
+
+/**
+ * Describes the message iop.OperationDone.
+ * Use `create(OperationDoneSchema)` to create a new message.
+ */
+export declare const OperationDoneSchema: GenMessage<OperationDone>;
+
+/**
+ * policy.apply: replace the policy in force with this one. Answered by
+ * policy.applied once the new policy is in force. An invalid policy is
+ * answered by an error with ERROR_CODE_INVALID_ARGUMENT whose message is one
+ * line naming the offending key; the old policy stays in force.
+ *
+ * @generated from message iop.PolicyApply
+ */
+export declare type PolicyApply = Message<"iop.PolicyApply"> & {
+  /**
+   * The policy file's text (YAML, UTF-8).
+   *
+   * @generated from field: string yaml = 1;
+   */
+  yaml: string;
+
+  /**
+   * Where the text came from (the file name given to `iop policy apply`),
+   * reported by policy.shown.
+   *
+   * @generated from field: string source = 2;
+   */
+  source: string;
+};
+
+/**
+ * Describes the message iop.PolicyApply.
+ * Use `create(PolicyApplySchema)` to create a new message.
+ */
+export declare const PolicyApplySchema: GenMessage<PolicyApply>;
+
+/**
+ * policy.applied: the policy sent by policy.apply is in force.
+ *
+ * @generated from message iop.PolicyApplied
+ */
+export declare type PolicyApplied = Message<"iop.PolicyApplied"> & {
+  /**
+   * Lowercase hex SHA-256 of the policy's UTF-8 text: the same text always
+   * has the same version.
+   *
+   * @generated from field: string version = 1;
+   */
+  version: string;
+
+  /**
+   * When it came into force.
+   *
+   * @generated from field: google.protobuf.Timestamp loaded_at = 2;
+   */
+  loadedAt?: Timestamp | undefined;
+};
+
+/**
+ * Describes the message iop.PolicyApplied.
+ * Use `create(PolicyAppliedSchema)` to create a new message.
+ */
+export declare const PolicyAppliedSchema: GenMessage<PolicyApplied>;
+
+/**
+ * policy.show: which policy is in force. Answered by policy.shown.
+ *
+ * @generated from message iop.PolicyShow
+ */
+export declare type PolicyShow = Message<"iop.PolicyShow"> & {
+};
+
+/**
+ * Describes the message iop.PolicyShow.
+ * Use `create(PolicyShowSchema)` to create a new message.
+ */
+export declare const PolicyShowSchema: GenMessage<PolicyShow>;
+
+/**
+ * policy.shown: the policy in force.
+ *
+ * @generated from message iop.PolicyShown
+ */
+export declare type PolicyShown = Message<"iop.PolicyShown"> & {
+  /**
+   * Its text (YAML), exactly as loaded; empty when no policy was ever loaded
+   * (the defaults are in force).
+   *
+   * @generated from field: string yaml = 1;
+   */
+  yaml: string;
+
+  /**
+   * Lowercase hex SHA-256 of that text, as in policy.applied.
+   *
+   * @generated from field: string version = 2;
+   */
+  version: string;
+
+  /**
+   * When it came into force.
+   *
+   * @generated from field: google.protobuf.Timestamp loaded_at = 3;
+   */
+  loadedAt?: Timestamp | undefined;
+
+  /**
+   * Where it came from: the policy file's path (loaded at start or on
+   * SIGHUP), or the source of the policy.apply that set it.
+   *
+   * @generated from field: string source = 4;
+   */
+  source: string;
+};
+
+/**
+ * Describes the message iop.PolicyShown.
+ * Use `create(PolicyShownSchema)` to create a new message.
+ */
+export declare const PolicyShownSchema: GenMessage<PolicyShown>;
 
 /**
  * The kinds of run a node can execute.
@@ -1676,10 +2084,61 @@ export enum ErrorCode {
    * @generated from enum value: ERROR_CODE_SHUTTING_DOWN = 17;
    */
   SHUTTING_DOWN = 17,
+
+  /**
+   * The node running the run was lost (its connection closed or it fell
+   * silent) after the run had produced output, so a relay could not move it
+   * to another node. Retryable: the requester may send the whole run again.
+   *
+   * @generated from enum value: ERROR_CODE_NODE_LOST = 18;
+   */
+  NODE_LOST = 18,
 }
 
 /**
  * Describes the enum iop.ErrorCode.
  */
 export declare const ErrorCodeSchema: GenEnum<ErrorCode>;
+
+/**
+ * A node's state in the control-plane's registry.
+ *
+ * @generated from enum iop.NodeState
+ */
+export enum NodeState {
+  /**
+   * Not sent.
+   *
+   * @generated from enum value: NODE_STATE_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * Registered and connected: it gets new runs.
+   *
+   * @generated from enum value: NODE_STATE_READY = 1;
+   */
+  READY = 1,
+
+  /**
+   * Its connection closed, or it sent nothing for 3 heartbeat intervals: it
+   * gets no runs until it registers again.
+   *
+   * @generated from enum value: NODE_STATE_UNAVAILABLE = 2;
+   */
+  UNAVAILABLE = 2,
+
+  /**
+   * Drained (by nodes.drain, or the node reported draining): it gets no new
+   * runs; its in-flight runs finish.
+   *
+   * @generated from enum value: NODE_STATE_DRAINING = 3;
+   */
+  DRAINING = 3,
+}
+
+/**
+ * Describes the enum iop.NodeState.
+ */
+export declare const NodeStateSchema: GenEnum<NodeState>;
 

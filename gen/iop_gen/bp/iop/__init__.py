@@ -23,9 +23,20 @@ __all__ = (
     "ModelInfo",
     "ModelLoad",
     "NodeDrain",
+    "NodeInfo",
     "NodeRegister",
     "NodeRegistered",
+    "NodeState",
     "NodeStatus",
+    "NodesDrain",
+    "NodesList",
+    "NodesListed",
+    "NodesUndrain",
+    "OperationDone",
+    "PolicyApplied",
+    "PolicyApply",
+    "PolicyShow",
+    "PolicyShown",
     "Role",
     "RunComplete",
     "RunDelta",
@@ -150,6 +161,13 @@ class ErrorCode(betterproto2.Enum):
     The sender is shutting down; retry elsewhere.
     """
 
+    NODE_LOST = 18
+    """
+    The node running the run was lost (its connection closed or it fell
+    silent) after the run had produced output, so a relay could not move it
+    to another node. Retryable: the requester may send the whole run again.
+    """
+
     @classmethod
     def betterproto_value_to_renamed_proto_names(cls) -> dict[int, str]:
         return {
@@ -171,6 +189,7 @@ class ErrorCode(betterproto2.Enum):
             15: "ERROR_CODE_CODEC_MISMATCH",
             16: "ERROR_CODE_PROTOCOL_VIOLATION",
             17: "ERROR_CODE_SHUTTING_DOWN",
+            18: "ERROR_CODE_NODE_LOST",
         }
 
     @classmethod
@@ -194,6 +213,7 @@ class ErrorCode(betterproto2.Enum):
             "ERROR_CODE_CODEC_MISMATCH": 15,
             "ERROR_CODE_PROTOCOL_VIOLATION": 16,
             "ERROR_CODE_SHUTTING_DOWN": 17,
+            "ERROR_CODE_NODE_LOST": 18,
         }
 
 
@@ -245,6 +265,52 @@ class FinishReason(betterproto2.Enum):
             "FINISH_REASON_LENGTH": 2,
             "FINISH_REASON_TOOL_CALLS": 3,
             "FINISH_REASON_CONTENT_FILTER": 4,
+        }
+
+
+class NodeState(betterproto2.Enum):
+    """
+    A node's state in the control-plane's registry.
+    """
+
+    UNSPECIFIED = 0
+    """
+    Not sent.
+    """
+
+    READY = 1
+    """
+    Registered and connected: it gets new runs.
+    """
+
+    UNAVAILABLE = 2
+    """
+    Its connection closed, or it sent nothing for 3 heartbeat intervals: it
+    gets no runs until it registers again.
+    """
+
+    DRAINING = 3
+    """
+    Drained (by nodes.drain, or the node reported draining): it gets no new
+    runs; its in-flight runs finish.
+    """
+
+    @classmethod
+    def betterproto_value_to_renamed_proto_names(cls) -> dict[int, str]:
+        return {
+            0: "NODE_STATE_UNSPECIFIED",
+            1: "NODE_STATE_READY",
+            2: "NODE_STATE_UNAVAILABLE",
+            3: "NODE_STATE_DRAINING",
+        }
+
+    @classmethod
+    def betterproto_renamed_proto_names_to_value(cls) -> dict[str, int]:
+        return {
+            "NODE_STATE_UNSPECIFIED": 0,
+            "NODE_STATE_READY": 1,
+            "NODE_STATE_UNAVAILABLE": 2,
+            "NODE_STATE_DRAINING": 3,
         }
 
 
@@ -553,7 +619,8 @@ class Envelope(betterproto2.Message):
     """
     The unit of exchange. The message type is the name of the `body` oneof
     field that is set, with "_" read as ".": run_request is "run.request",
-    capability_response is "capability.response", node_drain is "node.drain".
+    capability_response is "capability.response", node_drain is "node.drain",
+    nodes_list is "nodes.list".
     A receiver that finds no body set (for example a field number it does not
     know) answers with an Error of code ERROR_CODE_UNKNOWN_MESSAGE_TYPE.
 
@@ -574,7 +641,8 @@ class Envelope(betterproto2.Message):
     inner run_id wins when both are set and differ; the envelope's is used
     when the inner one is empty. On an error answering a refused run.request
     it names that run. Empty for connection-level messages (heartbeat,
-    capability, node.*).
+    capability, node.*) and for the admin messages (nodes.*, policy.*,
+    operation.done).
     """
 
     sent_at: "datetime.datetime | None" = betterproto2.field(
@@ -587,8 +655,10 @@ class Envelope(betterproto2.Message):
     in_reply_to: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
     """
     For a response: the id of the envelope it answers (capability.response
-    answers capability.request; node.registered answers node.register; an
-    error may answer any request).
+    answers capability.request; node.registered answers node.register;
+    nodes.listed answers nodes.list; operation.done answers nodes.drain and
+    nodes.undrain; policy.applied answers policy.apply; policy.shown answers
+    policy.show; an error may answer any request).
     """
 
     run_request: "RunRequest | None" = betterproto2.field(10, betterproto2.TYPE_MESSAGE, optional=True, group="body")
@@ -656,6 +726,58 @@ class Envelope(betterproto2.Message):
     node.drain: the control-plane asks a node to stop taking runs.
     """
 
+    nodes_list: "NodesList | None" = betterproto2.field(21, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    nodes.list: an admin asks the control-plane for its nodes.
+    """
+
+    nodes_listed: "NodesListed | None" = betterproto2.field(22, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    nodes.listed: the answer to nodes.list.
+    """
+
+    nodes_drain: "NodesDrain | None" = betterproto2.field(23, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    nodes.drain: an admin asks the control-plane to place no new runs on a node.
+    """
+
+    nodes_undrain: "NodesUndrain | None" = betterproto2.field(
+        24, betterproto2.TYPE_MESSAGE, optional=True, group="body"
+    )
+    """
+    nodes.undrain: an admin asks the control-plane to place runs on a node again.
+    """
+
+    operation_done: "OperationDone | None" = betterproto2.field(
+        25, betterproto2.TYPE_MESSAGE, optional=True, group="body"
+    )
+    """
+    operation.done: the control-plane carried out an admin request
+    (nodes.drain, nodes.undrain).
+    """
+
+    policy_apply: "PolicyApply | None" = betterproto2.field(26, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    policy.apply: an admin replaces the control-plane's policy.
+    """
+
+    policy_applied: "PolicyApplied | None" = betterproto2.field(
+        27, betterproto2.TYPE_MESSAGE, optional=True, group="body"
+    )
+    """
+    policy.applied: the answer to policy.apply; the new policy is in force.
+    """
+
+    policy_show: "PolicyShow | None" = betterproto2.field(28, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    policy.show: an admin asks which policy is in force.
+    """
+
+    policy_shown: "PolicyShown | None" = betterproto2.field(29, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    policy.shown: the answer to policy.show.
+    """
+
 
 default_message_pool.register_message("iop", "Envelope", Envelope)
 
@@ -686,6 +808,15 @@ class Error(betterproto2.Message):
     run_id: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
     """
     The run it concerns, if any.
+    """
+
+    retry_after: "datetime.timedelta | None" = betterproto2.field(
+        5, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Duration, optional=True
+    )
+    """
+    How long to wait before sending the request again. Set, when the sender
+    can tell, with ERROR_CODE_RESOURCE_EXHAUSTED (a full queue, a caller over
+    its limit); unset means no hint.
     """
 
 
@@ -875,6 +1006,74 @@ default_message_pool.register_message("iop", "NodeDrain", NodeDrain)
 
 
 @dataclass(eq=False, repr=False)
+class NodeInfo(betterproto2.Message):
+    """
+    One node as the control-plane sees it.
+    """
+
+    node_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The node's id, as registered.
+    """
+
+    state: "NodeState" = betterproto2.field(2, betterproto2.TYPE_ENUM, default_factory=lambda: NodeState(0))
+    """
+    Whether the control-plane places runs on it.
+    """
+
+    reason: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    Why it is in that state ("registered", "connection closed", "no
+    heartbeat for 3 intervals", "drained by admin: maintenance").
+    """
+
+    models: "list[ModelLoad]" = betterproto2.field(4, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    Load per model, from the node's last node.status.
+    """
+
+    labels: "dict[str, str]" = betterproto2.field(
+        5, betterproto2.TYPE_MAP, map_meta=betterproto2.map_meta(betterproto2.TYPE_STRING, betterproto2.TYPE_STRING)
+    )
+    """
+    Operator labels, from the node's registration.
+    """
+
+    in_flight: "int" = betterproto2.field(6, betterproto2.TYPE_UINT32)
+    """
+    Runs executing on the node, all models: its last report plus the runs
+    the control-plane placed on it since.
+    """
+
+    capacity: "int" = betterproto2.field(7, betterproto2.TYPE_UINT32)
+    """
+    Runs the node executes at once, all models.
+    """
+
+    last_heartbeat: "datetime.datetime | None" = betterproto2.field(
+        8, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
+    )
+    """
+    When the last heartbeat from the node arrived.
+    """
+
+    address: "str" = betterproto2.field(9, betterproto2.TYPE_STRING)
+    """
+    The address (host:port) its registration connection comes from.
+    """
+
+    first_seen: "datetime.datetime | None" = betterproto2.field(
+        10, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
+    )
+    """
+    When the node first registered with this control-plane.
+    """
+
+
+default_message_pool.register_message("iop", "NodeInfo", NodeInfo)
+
+
+@dataclass(eq=False, repr=False)
 class NodeRegister(betterproto2.Message):
     """
     node.register: the first envelope a node sends after dialing the
@@ -923,6 +1122,70 @@ default_message_pool.register_message("iop", "NodeRegistered", NodeRegistered)
 
 
 @dataclass(eq=False, repr=False)
+class NodesDrain(betterproto2.Message):
+    """
+    nodes.drain: place no new runs on a node; let its in-flight runs finish.
+    The drain holds until nodes.undrain, also when the node registers again.
+    Answered by operation.done; an unknown node id by an error with
+    ERROR_CODE_INVALID_ARGUMENT.
+    """
+
+    node_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The node to drain.
+    """
+
+    reason: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    Why; recorded in the registry as the reason of the state change.
+    """
+
+    grace: "datetime.timedelta | None" = betterproto2.field(
+        3, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Duration, optional=True
+    )
+    """
+    How long in-flight runs may take before they are cancelled; unset: as
+    long as they need.
+    """
+
+
+default_message_pool.register_message("iop", "NodesDrain", NodesDrain)
+
+
+@dataclass(eq=False, repr=False)
+class NodesList(betterproto2.Message):
+    """
+    The admin messages below are sent to the control-plane over a connection
+    whose certificate role is admin; any other role gets
+    ERROR_CODE_PERMISSION_DENIED. Each request is answered by the message named
+    in its comment, or by an error, with in_reply_to set to the request's
+    envelope id.
+
+    nodes.list: which nodes the control-plane knows. Answered by nodes.listed.
+    """
+
+    pass
+
+
+default_message_pool.register_message("iop", "NodesList", NodesList)
+
+
+@dataclass(eq=False, repr=False)
+class NodesListed(betterproto2.Message):
+    """
+    nodes.listed: the answer to nodes.list.
+    """
+
+    nodes: "list[NodeInfo]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    Every node in the registry, in any state, ordered by node id.
+    """
+
+
+default_message_pool.register_message("iop", "NodesListed", NodesListed)
+
+
+@dataclass(eq=False, repr=False)
 class NodeStatus(betterproto2.Message):
     """
     node.status: a node's load.
@@ -960,6 +1223,136 @@ class NodeStatus(betterproto2.Message):
 
 
 default_message_pool.register_message("iop", "NodeStatus", NodeStatus)
+
+
+@dataclass(eq=False, repr=False)
+class NodesUndrain(betterproto2.Message):
+    """
+    nodes.undrain: place runs on a drained node again (once it is connected).
+    Answered by operation.done; an unknown node id by an error with
+    ERROR_CODE_INVALID_ARGUMENT.
+    """
+
+    node_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The node to undrain.
+    """
+
+    reason: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    Why; recorded in the registry as the reason of the state change.
+    """
+
+
+default_message_pool.register_message("iop", "NodesUndrain", NodesUndrain)
+
+
+@dataclass(eq=False, repr=False)
+class OperationDone(betterproto2.Message):
+    """
+    operation.done: an admin request was carried out.
+    """
+
+    message: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    What was done, for the operator ("node-2 draining, 3 runs in flight").
+    """
+
+
+default_message_pool.register_message("iop", "OperationDone", OperationDone)
+
+
+@dataclass(eq=False, repr=False)
+class PolicyApplied(betterproto2.Message):
+    """
+    policy.applied: the policy sent by policy.apply is in force.
+    """
+
+    version: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    Lowercase hex SHA-256 of the policy's UTF-8 text: the same text always
+    has the same version.
+    """
+
+    loaded_at: "datetime.datetime | None" = betterproto2.field(
+        2, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
+    )
+    """
+    When it came into force.
+    """
+
+
+default_message_pool.register_message("iop", "PolicyApplied", PolicyApplied)
+
+
+@dataclass(eq=False, repr=False)
+class PolicyApply(betterproto2.Message):
+    """
+    policy.apply: replace the policy in force with this one. Answered by
+    policy.applied once the new policy is in force. An invalid policy is
+    answered by an error with ERROR_CODE_INVALID_ARGUMENT whose message is one
+    line naming the offending key; the old policy stays in force.
+    """
+
+    yaml: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The policy file's text (YAML, UTF-8).
+    """
+
+    source: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    Where the text came from (the file name given to `iop policy apply`),
+    reported by policy.shown.
+    """
+
+
+default_message_pool.register_message("iop", "PolicyApply", PolicyApply)
+
+
+@dataclass(eq=False, repr=False)
+class PolicyShow(betterproto2.Message):
+    """
+    policy.show: which policy is in force. Answered by policy.shown.
+    """
+
+    pass
+
+
+default_message_pool.register_message("iop", "PolicyShow", PolicyShow)
+
+
+@dataclass(eq=False, repr=False)
+class PolicyShown(betterproto2.Message):
+    """
+    policy.shown: the policy in force.
+    """
+
+    yaml: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    Its text (YAML), exactly as loaded; empty when no policy was ever loaded
+    (the defaults are in force).
+    """
+
+    version: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    Lowercase hex SHA-256 of that text, as in policy.applied.
+    """
+
+    loaded_at: "datetime.datetime | None" = betterproto2.field(
+        3, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
+    )
+    """
+    When it came into force.
+    """
+
+    source: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+    """
+    Where it came from: the policy file's path (loaded at start or on
+    SIGHUP), or the source of the policy.apply that set it.
+    """
+
+
+default_message_pool.register_message("iop", "PolicyShown", PolicyShown)
 
 
 @dataclass(eq=False, repr=False)

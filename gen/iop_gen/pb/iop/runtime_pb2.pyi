@@ -170,6 +170,11 @@ class _ErrorCodeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorCode.V
     """A message arrived out of order (a second run.request for a live run id, ...)."""
     ERROR_CODE_SHUTTING_DOWN: _ErrorCode.ValueType  # 17
     """The sender is shutting down; retry elsewhere."""
+    ERROR_CODE_NODE_LOST: _ErrorCode.ValueType  # 18
+    """The node running the run was lost (its connection closed or it fell
+    silent) after the run had produced output, so a relay could not move it
+    to another node. Retryable: the requester may send the whole run again.
+    """
 
 class ErrorCode(_ErrorCode, metaclass=_ErrorCodeEnumTypeWrapper):
     """Error codes shared by every IOP service (mirrored by the services' error tree)."""
@@ -212,13 +217,55 @@ ERROR_CODE_PROTOCOL_VIOLATION: ErrorCode.ValueType  # 16
 """A message arrived out of order (a second run.request for a live run id, ...)."""
 ERROR_CODE_SHUTTING_DOWN: ErrorCode.ValueType  # 17
 """The sender is shutting down; retry elsewhere."""
+ERROR_CODE_NODE_LOST: ErrorCode.ValueType  # 18
+"""The node running the run was lost (its connection closed or it fell
+silent) after the run had produced output, so a relay could not move it
+to another node. Retryable: the requester may send the whole run again.
+"""
 Global___ErrorCode: _TypeAlias = ErrorCode  # noqa: Y015
+
+class _NodeState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _NodeStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_NodeState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    NODE_STATE_UNSPECIFIED: _NodeState.ValueType  # 0
+    """Not sent."""
+    NODE_STATE_READY: _NodeState.ValueType  # 1
+    """Registered and connected: it gets new runs."""
+    NODE_STATE_UNAVAILABLE: _NodeState.ValueType  # 2
+    """Its connection closed, or it sent nothing for 3 heartbeat intervals: it
+    gets no runs until it registers again.
+    """
+    NODE_STATE_DRAINING: _NodeState.ValueType  # 3
+    """Drained (by nodes.drain, or the node reported draining): it gets no new
+    runs; its in-flight runs finish.
+    """
+
+class NodeState(_NodeState, metaclass=_NodeStateEnumTypeWrapper):
+    """A node's state in the control-plane's registry."""
+
+NODE_STATE_UNSPECIFIED: NodeState.ValueType  # 0
+"""Not sent."""
+NODE_STATE_READY: NodeState.ValueType  # 1
+"""Registered and connected: it gets new runs."""
+NODE_STATE_UNAVAILABLE: NodeState.ValueType  # 2
+"""Its connection closed, or it sent nothing for 3 heartbeat intervals: it
+gets no runs until it registers again.
+"""
+NODE_STATE_DRAINING: NodeState.ValueType  # 3
+"""Drained (by nodes.drain, or the node reported draining): it gets no new
+runs; its in-flight runs finish.
+"""
+Global___NodeState: _TypeAlias = NodeState  # noqa: Y015
 
 @_typing.final
 class Envelope(_message.Message):
     """The unit of exchange. The message type is the name of the `body` oneof
     field that is set, with "_" read as ".": run_request is "run.request",
-    capability_response is "capability.response", node_drain is "node.drain".
+    capability_response is "capability.response", node_drain is "node.drain",
+    nodes_list is "nodes.list".
     A receiver that finds no body set (for example a field number it does not
     know) answers with an Error of code ERROR_CODE_UNKNOWN_MESSAGE_TYPE.
     """
@@ -240,6 +287,15 @@ class Envelope(_message.Message):
     NODE_REGISTERED_FIELD_NUMBER: _builtins.int
     NODE_STATUS_FIELD_NUMBER: _builtins.int
     NODE_DRAIN_FIELD_NUMBER: _builtins.int
+    NODES_LIST_FIELD_NUMBER: _builtins.int
+    NODES_LISTED_FIELD_NUMBER: _builtins.int
+    NODES_DRAIN_FIELD_NUMBER: _builtins.int
+    NODES_UNDRAIN_FIELD_NUMBER: _builtins.int
+    OPERATION_DONE_FIELD_NUMBER: _builtins.int
+    POLICY_APPLY_FIELD_NUMBER: _builtins.int
+    POLICY_APPLIED_FIELD_NUMBER: _builtins.int
+    POLICY_SHOW_FIELD_NUMBER: _builtins.int
+    POLICY_SHOWN_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Unique id of this envelope, chosen by its sender (a UUID or a counter
     unique within the connection).
@@ -250,12 +306,15 @@ class Envelope(_message.Message):
     inner run_id wins when both are set and differ; the envelope's is used
     when the inner one is empty. On an error answering a refused run.request
     it names that run. Empty for connection-level messages (heartbeat,
-    capability, node.*).
+    capability, node.*) and for the admin messages (nodes.*, policy.*,
+    operation.done).
     """
     in_reply_to: _builtins.str
     """For a response: the id of the envelope it answers (capability.response
-    answers capability.request; node.registered answers node.register; an
-    error may answer any request).
+    answers capability.request; node.registered answers node.register;
+    nodes.listed answers nodes.list; operation.done answers nodes.drain and
+    nodes.undrain; policy.applied answers policy.apply; policy.shown answers
+    policy.show; an error may answer any request).
     """
     @_builtins.property
     def sent_at(self) -> _timestamp_pb2.Timestamp:
@@ -305,6 +364,44 @@ class Envelope(_message.Message):
     def node_drain(self) -> Global___NodeDrain:
         """node.drain: the control-plane asks a node to stop taking runs."""
 
+    @_builtins.property
+    def nodes_list(self) -> Global___NodesList:
+        """nodes.list: an admin asks the control-plane for its nodes."""
+
+    @_builtins.property
+    def nodes_listed(self) -> Global___NodesListed:
+        """nodes.listed: the answer to nodes.list."""
+
+    @_builtins.property
+    def nodes_drain(self) -> Global___NodesDrain:
+        """nodes.drain: an admin asks the control-plane to place no new runs on a node."""
+
+    @_builtins.property
+    def nodes_undrain(self) -> Global___NodesUndrain:
+        """nodes.undrain: an admin asks the control-plane to place runs on a node again."""
+
+    @_builtins.property
+    def operation_done(self) -> Global___OperationDone:
+        """operation.done: the control-plane carried out an admin request
+        (nodes.drain, nodes.undrain).
+        """
+
+    @_builtins.property
+    def policy_apply(self) -> Global___PolicyApply:
+        """policy.apply: an admin replaces the control-plane's policy."""
+
+    @_builtins.property
+    def policy_applied(self) -> Global___PolicyApplied:
+        """policy.applied: the answer to policy.apply; the new policy is in force."""
+
+    @_builtins.property
+    def policy_show(self) -> Global___PolicyShow:
+        """policy.show: an admin asks which policy is in force."""
+
+    @_builtins.property
+    def policy_shown(self) -> Global___PolicyShown:
+        """policy.shown: the answer to policy.show."""
+
     def __init__(
         self,
         *,
@@ -323,12 +420,21 @@ class Envelope(_message.Message):
         node_registered: Global___NodeRegistered | None = ...,
         node_status: Global___NodeStatus | None = ...,
         node_drain: Global___NodeDrain | None = ...,
+        nodes_list: Global___NodesList | None = ...,
+        nodes_listed: Global___NodesListed | None = ...,
+        nodes_drain: Global___NodesDrain | None = ...,
+        nodes_undrain: Global___NodesUndrain | None = ...,
+        operation_done: Global___OperationDone | None = ...,
+        policy_apply: Global___PolicyApply | None = ...,
+        policy_applied: Global___PolicyApplied | None = ...,
+        policy_show: Global___PolicyShow | None = ...,
+        policy_shown: Global___PolicyShown | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel_request", b"cancel_request", "capability_request", b"capability_request", "capability_response", b"capability_response", "error", b"error", "heartbeat", b"heartbeat", "node_drain", b"node_drain", "node_register", b"node_register", "node_registered", b"node_registered", "node_status", b"node_status", "run_event", b"run_event", "run_request", b"run_request", "sent_at", b"sent_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel_request", b"cancel_request", "capability_request", b"capability_request", "capability_response", b"capability_response", "error", b"error", "heartbeat", b"heartbeat", "node_drain", b"node_drain", "node_register", b"node_register", "node_registered", b"node_registered", "node_status", b"node_status", "nodes_drain", b"nodes_drain", "nodes_list", b"nodes_list", "nodes_listed", b"nodes_listed", "nodes_undrain", b"nodes_undrain", "operation_done", b"operation_done", "policy_applied", b"policy_applied", "policy_apply", b"policy_apply", "policy_show", b"policy_show", "policy_shown", b"policy_shown", "run_event", b"run_event", "run_request", b"run_request", "sent_at", b"sent_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel_request", b"cancel_request", "capability_request", b"capability_request", "capability_response", b"capability_response", "error", b"error", "heartbeat", b"heartbeat", "id", b"id", "in_reply_to", b"in_reply_to", "node_drain", b"node_drain", "node_register", b"node_register", "node_registered", b"node_registered", "node_status", b"node_status", "run_event", b"run_event", "run_id", b"run_id", "run_request", b"run_request", "sent_at", b"sent_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel_request", b"cancel_request", "capability_request", b"capability_request", "capability_response", b"capability_response", "error", b"error", "heartbeat", b"heartbeat", "id", b"id", "in_reply_to", b"in_reply_to", "node_drain", b"node_drain", "node_register", b"node_register", "node_registered", b"node_registered", "node_status", b"node_status", "nodes_drain", b"nodes_drain", "nodes_list", b"nodes_list", "nodes_listed", b"nodes_listed", "nodes_undrain", b"nodes_undrain", "operation_done", b"operation_done", "policy_applied", b"policy_applied", "policy_apply", b"policy_apply", "policy_show", b"policy_show", "policy_shown", b"policy_shown", "run_event", b"run_event", "run_id", b"run_id", "run_request", b"run_request", "sent_at", b"sent_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["run_request", "run_event", "heartbeat", "cancel_request", "capability_request", "capability_response", "error", "node_register", "node_registered", "node_status", "node_drain"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["run_request", "run_event", "heartbeat", "cancel_request", "capability_request", "capability_response", "error", "node_register", "node_registered", "node_status", "node_drain", "nodes_list", "nodes_listed", "nodes_drain", "nodes_undrain", "operation_done", "policy_apply", "policy_applied", "policy_show", "policy_shown"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -1313,6 +1419,7 @@ class Error(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     RETRYABLE_FIELD_NUMBER: _builtins.int
     RUN_ID_FIELD_NUMBER: _builtins.int
+    RETRY_AFTER_FIELD_NUMBER: _builtins.int
     code: Global___ErrorCode.ValueType
     """What went wrong, from the code list shared by all services."""
     message: _builtins.str
@@ -1321,6 +1428,13 @@ class Error(_message.Message):
     """True when the same request may succeed if sent again (to this or another node)."""
     run_id: _builtins.str
     """The run it concerns, if any."""
+    @_builtins.property
+    def retry_after(self) -> _duration_pb2.Duration:
+        """How long to wait before sending the request again. Set, when the sender
+        can tell, with ERROR_CODE_RESOURCE_EXHAUSTED (a full queue, a caller over
+        its limit); unset means no hint.
+        """
+
     def __init__(
         self,
         *,
@@ -1328,10 +1442,11 @@ class Error(_message.Message):
         message: _builtins.str = ...,
         retryable: _builtins.bool = ...,
         run_id: _builtins.str = ...,
+        retry_after: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["retry_after", b"retry_after"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "retryable", b"retryable", "run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "retry_after", b"retry_after", "retryable", b"retryable", "run_id", b"run_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1514,3 +1629,349 @@ class NodeDrain(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___NodeDrain: _TypeAlias = NodeDrain  # noqa: Y015
+
+@_typing.final
+class NodesList(_message.Message):
+    """The admin messages below are sent to the control-plane over a connection
+    whose certificate role is admin; any other role gets
+    ERROR_CODE_PERMISSION_DENIED. Each request is answered by the message named
+    in its comment, or by an error, with in_reply_to set to the request's
+    envelope id.
+
+    nodes.list: which nodes the control-plane knows. Answered by nodes.listed.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodesList: _TypeAlias = NodesList  # noqa: Y015
+
+@_typing.final
+class NodesListed(_message.Message):
+    """nodes.listed: the answer to nodes.list."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeInfo]:
+        """Every node in the registry, in any state, ordered by node id."""
+
+    def __init__(
+        self,
+        *,
+        nodes: _abc.Iterable[Global___NodeInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["nodes", b"nodes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodesListed: _TypeAlias = NodesListed  # noqa: Y015
+
+@_typing.final
+class NodeInfo(_message.Message):
+    """One node as the control-plane sees it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    MODELS_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    CAPACITY_FIELD_NUMBER: _builtins.int
+    LAST_HEARTBEAT_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    FIRST_SEEN_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """The node's id, as registered."""
+    state: Global___NodeState.ValueType
+    """Whether the control-plane places runs on it."""
+    reason: _builtins.str
+    """Why it is in that state ("registered", "connection closed", "no
+    heartbeat for 3 intervals", "drained by admin: maintenance").
+    """
+    in_flight: _builtins.int
+    """Runs executing on the node, all models: its last report plus the runs
+    the control-plane placed on it since.
+    """
+    capacity: _builtins.int
+    """Runs the node executes at once, all models."""
+    address: _builtins.str
+    """The address (host:port) its registration connection comes from."""
+    @_builtins.property
+    def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelLoad]:
+        """Load per model, from the node's last node.status."""
+
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Operator labels, from the node's registration."""
+
+    @_builtins.property
+    def last_heartbeat(self) -> _timestamp_pb2.Timestamp:
+        """When the last heartbeat from the node arrived."""
+
+    @_builtins.property
+    def first_seen(self) -> _timestamp_pb2.Timestamp:
+        """When the node first registered with this control-plane."""
+
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        state: Global___NodeState.ValueType = ...,
+        reason: _builtins.str = ...,
+        models: _abc.Iterable[Global___ModelLoad] | None = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        in_flight: _builtins.int = ...,
+        capacity: _builtins.int = ...,
+        last_heartbeat: _timestamp_pb2.Timestamp | None = ...,
+        address: _builtins.str = ...,
+        first_seen: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["first_seen", b"first_seen", "last_heartbeat", b"last_heartbeat"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capacity", b"capacity", "first_seen", b"first_seen", "in_flight", b"in_flight", "labels", b"labels", "last_heartbeat", b"last_heartbeat", "models", b"models", "node_id", b"node_id", "reason", b"reason", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeInfo: _TypeAlias = NodeInfo  # noqa: Y015
+
+@_typing.final
+class NodesDrain(_message.Message):
+    """nodes.drain: place no new runs on a node; let its in-flight runs finish.
+    The drain holds until nodes.undrain, also when the node registers again.
+    Answered by operation.done; an unknown node id by an error with
+    ERROR_CODE_INVALID_ARGUMENT.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    GRACE_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """The node to drain."""
+    reason: _builtins.str
+    """Why; recorded in the registry as the reason of the state change."""
+    @_builtins.property
+    def grace(self) -> _duration_pb2.Duration:
+        """How long in-flight runs may take before they are cancelled; unset: as
+        long as they need.
+        """
+
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        grace: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["grace", b"grace"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grace", b"grace", "node_id", b"node_id", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodesDrain: _TypeAlias = NodesDrain  # noqa: Y015
+
+@_typing.final
+class NodesUndrain(_message.Message):
+    """nodes.undrain: place runs on a drained node again (once it is connected).
+    Answered by operation.done; an unknown node id by an error with
+    ERROR_CODE_INVALID_ARGUMENT.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """The node to undrain."""
+    reason: _builtins.str
+    """Why; recorded in the registry as the reason of the state change."""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodesUndrain: _TypeAlias = NodesUndrain  # noqa: Y015
+
+@_typing.final
+class OperationDone(_message.Message):
+    """operation.done: an admin request was carried out."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    message: _builtins.str
+    """What was done, for the operator ("node-2 draining, 3 runs in flight")."""
+    def __init__(
+        self,
+        *,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OperationDone: _TypeAlias = OperationDone  # noqa: Y015
+
+@_typing.final
+class PolicyApply(_message.Message):
+    """policy.apply: replace the policy in force with this one. Answered by
+    policy.applied once the new policy is in force. An invalid policy is
+    answered by an error with ERROR_CODE_INVALID_ARGUMENT whose message is one
+    line naming the offending key; the old policy stays in force.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    YAML_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    yaml: _builtins.str
+    """The policy file's text (YAML, UTF-8)."""
+    source: _builtins.str
+    """Where the text came from (the file name given to `iop policy apply`),
+    reported by policy.shown.
+    """
+    def __init__(
+        self,
+        *,
+        yaml: _builtins.str = ...,
+        source: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["source", b"source", "yaml", b"yaml"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PolicyApply: _TypeAlias = PolicyApply  # noqa: Y015
+
+@_typing.final
+class PolicyApplied(_message.Message):
+    """policy.applied: the policy sent by policy.apply is in force."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    LOADED_AT_FIELD_NUMBER: _builtins.int
+    version: _builtins.str
+    """Lowercase hex SHA-256 of the policy's UTF-8 text: the same text always
+    has the same version.
+    """
+    @_builtins.property
+    def loaded_at(self) -> _timestamp_pb2.Timestamp:
+        """When it came into force."""
+
+    def __init__(
+        self,
+        *,
+        version: _builtins.str = ...,
+        loaded_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["loaded_at", b"loaded_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["loaded_at", b"loaded_at", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PolicyApplied: _TypeAlias = PolicyApplied  # noqa: Y015
+
+@_typing.final
+class PolicyShow(_message.Message):
+    """policy.show: which policy is in force. Answered by policy.shown."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PolicyShow: _TypeAlias = PolicyShow  # noqa: Y015
+
+@_typing.final
+class PolicyShown(_message.Message):
+    """policy.shown: the policy in force."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    YAML_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    LOADED_AT_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    yaml: _builtins.str
+    """Its text (YAML), exactly as loaded; empty when no policy was ever loaded
+    (the defaults are in force).
+    """
+    version: _builtins.str
+    """Lowercase hex SHA-256 of that text, as in policy.applied."""
+    source: _builtins.str
+    """Where it came from: the policy file's path (loaded at start or on
+    SIGHUP), or the source of the policy.apply that set it.
+    """
+    @_builtins.property
+    def loaded_at(self) -> _timestamp_pb2.Timestamp:
+        """When it came into force."""
+
+    def __init__(
+        self,
+        *,
+        yaml: _builtins.str = ...,
+        version: _builtins.str = ...,
+        loaded_at: _timestamp_pb2.Timestamp | None = ...,
+        source: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["loaded_at", b"loaded_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["loaded_at", b"loaded_at", "source", b"source", "version", b"version", "yaml", b"yaml"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PolicyShown: _TypeAlias = PolicyShown  # noqa: Y015
