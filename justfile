@@ -90,3 +90,4 @@ bench:
     python tests/bench/node_bench.py
     python tests/bench/relay_bench.py
     python tests/bench/pacing_bench.py
+    python tests/bench/scheduler_bench.py

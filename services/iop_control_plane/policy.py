@@ -1,0 +1,148 @@
+"""The policy file: how runs are placed, limited and retried (YAML, validated in one go).
+
+    defaults: {policy: least-loaded, priority: 0, attempts: 2, caller_concurrency: null}
+    aliases: {gpt-4o: llama-70b}                   # a name clients use -> a model nodes serve
+    routes: {chat: {llama-8b: 90, qwen-7b: 10}}    # a name -> models by weight
+    models:
+      llama-70b: {policy: session-affinity, labels: {gpu: h100}, attempts: 3}
+    callers:
+      batch-worker: {max_concurrency: 64, priority: -10}
+
+Aliases and routes name models that nodes serve, never each other. :func:`load_policy` raises
+:class:`~iop_wire.settings.ConfigError`, one line naming every bad key.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from iop_wire.settings import ConfigError, Section, SettingError, problems
+
+__all__ = ["CallerPolicy", "Defaults", "ModelPolicy", "Policy", "PolicyName", "load_policy"]
+
+PolicyName = Literal["least-loaded", "round-robin", "session-affinity"]
+"""How a node is picked among a model's candidates."""
+
+Priority = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+Weight = Annotated[int, Field(ge=0)]
+Name = Annotated[str, Field(min_length=1)]
+
+
+class Defaults(Section):
+    """What applies where a model or caller says nothing."""
+
+    policy: PolicyName = "least-loaded"
+    """Scheduling policy."""
+    priority: Priority = 0
+    """Priority of a run that sets none (higher first; interactive 0, batch below)."""
+    attempts: int = Field(2, ge=1, le=10)
+    """Nodes a run may be tried on before it fails (the first included)."""
+    caller_concurrency: int | None = Field(None, ge=1)
+    """Runs one caller may have in progress; None: no limit."""
+
+
+class ModelPolicy(Section):
+    """Settings of one model (as nodes serve it, after alias and route resolution)."""
+
+    policy: PolicyName | None = None
+    """Scheduling policy; None: the default."""
+    labels: dict[Name, str] = Field(default_factory=dict)
+    """Labels a node must carry, all of them, to run this model."""
+    priority: Priority | None = None
+    """Priority of its runs that set none; None: the caller's, else the default."""
+    attempts: int | None = Field(None, ge=1, le=10)
+    """Nodes a run may be tried on; None: the default."""
+
+
+class CallerPolicy(Section):
+    """Settings of one caller (the request's caller id, else the peer's certificate name)."""
+
+    max_concurrency: int | None = Field(None, ge=1)
+    """Runs it may have in progress; None: the default."""
+    priority: Priority | None = None
+    """Priority of its runs that set none; None: the model's, else the default."""
+
+
+class Policy(Section):
+    """The whole policy file."""
+
+    defaults: Defaults = Defaults()
+    """Fallbacks for models and callers."""
+    aliases: dict[Name, Name] = Field(default_factory=dict)
+    """Another name for a model."""
+    routes: dict[Name, dict[Name, Weight]] = Field(default_factory=dict)
+    """A name whose runs are split between models by weight (0: only when the others have no candidate)."""
+    models: dict[Name, ModelPolicy] = Field(default_factory=dict)
+    """Per-model settings."""
+    callers: dict[Name, CallerPolicy] = Field(default_factory=dict)
+    """Per-caller settings."""
+
+    @model_validator(mode="after")
+    def _names_resolve_once(self) -> Policy:
+        if found := _unresolvable(self):
+            raise SettingError(*found)
+        return self
+
+    def policy_for(self, model: str) -> PolicyName:
+        """The scheduling policy of ``model``."""
+        settings = self.models.get(model)
+        return settings.policy if settings and settings.policy else self.defaults.policy
+
+    def priority_for(self, model: str, caller: str | None) -> int:
+        """Priority of a run that sets none: the caller's, else the model's, else the default."""
+        by_caller, by_model = self.callers.get(caller or ""), self.models.get(model)
+        if by_caller and by_caller.priority is not None:
+            return by_caller.priority
+        if by_model and by_model.priority is not None:
+            return by_model.priority
+        return self.defaults.priority
+
+    def attempts_for(self, model: str) -> int:
+        """Nodes a run of ``model`` may be tried on, the first included."""
+        settings = self.models.get(model)
+        return settings.attempts if settings and settings.attempts else self.defaults.attempts
+
+    def caller_limit(self, caller: str) -> int | None:
+        """Runs ``caller`` may have in progress; None: no limit."""
+        settings = self.callers.get(caller)
+        limit = settings.max_concurrency if settings else None
+        return limit or self.defaults.caller_concurrency
+
+
+def _unresolvable(policy: Policy) -> list[tuple[str, str]]:
+    """(key, problem) for each alias or route that does not name models directly."""
+    found = [(f"aliases.{name}", _chained(target, policy)) for name, target in policy.aliases.items()]
+    found += [(f"aliases.{name}", "is also a route") for name in policy.aliases if name in policy.routes]
+    for name, route in policy.routes.items():
+        found += [(f"routes.{name}.{target}", _chained(target, policy)) for target in route]
+        if not sum(route.values()):
+            found.append((f"routes.{name}", "weights add up to 0" if route else "names no model"))
+    return [(key, problem) for key, problem in found if problem]
+
+
+def _chained(target: str, policy: Policy) -> str:
+    """Why ``target`` cannot be resolved to: it is itself an alias or a route; empty if it is a model."""
+    if target in policy.aliases:
+        return f"{target!r} is an alias; name the model it stands for"
+    if target in policy.routes:
+        return f"{target!r} is a route; routes and aliases name models, not each other"
+    return ""
+
+
+def load_policy(text: str) -> Policy:
+    """The policy in ``text`` (YAML); ConfigError naming every bad key in one line."""
+    try:
+        data: Any = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"policy: not valid YAML{where} ({str(exc).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError("policy: the top level must be a mapping of keys")
+    try:
+        return Policy.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(problems(exc)) from None

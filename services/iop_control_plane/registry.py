@@ -1,0 +1,234 @@
+"""The registry's live view: which nodes there are, their state, and each one's load per model.
+
+Plain values in, no protobuf: the service turns ``node.register`` and ``node.status`` into
+:class:`ModelLoad` and :class:`Status` (a thin adapter) and calls the methods here. Every change
+keeps the model's :class:`~iop_control_plane.pool.ModelPool` current, so a decision reads
+ready-made indexes.
+
+Each model has a pool of candidates, and one more for each set of labels decisions ask for
+(made on first use; the most recently used ``label_pools`` are kept), so a decision with label
+constraints never skips nodes without them.
+
+A node's load for a model, as the scheduler sees it, is what the node last reported (in flight
+plus queued) plus the runs this control-plane sent it since (``sent_since_report``); a run that
+finishes takes one off, from the runs sent since the report first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from iop_control_plane.pool import ModelPool
+
+__all__ = ["Labels", "ModelLoad", "ModelView", "NodeState", "NodeView", "Registry", "Status"]
+
+Labels = tuple[tuple[str, str], ...]
+"""Label constraints as sorted (name, value) pairs: a node must carry all of them."""
+
+
+class NodeState(StrEnum):
+    """Whether a node takes new runs."""
+
+    READY = "ready"
+    """Registered and heard from: takes runs."""
+    UNAVAILABLE = "unavailable"
+    """Its connection closed or it went silent: takes none."""
+    DRAINING = "draining"
+    """Finishing its runs, taking no new ones."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLoad:
+    """A node's report for one model (``pb.ModelLoad``)."""
+
+    model: str
+    """Model name."""
+    in_flight: int = 0
+    """Runs executing now."""
+    queued: int = 0
+    """Runs waiting for a slot on the node."""
+    capacity: int = 1
+    """Runs the node executes at once; below 1 the node is no candidate for the model."""
+    available: bool = True
+    """False while the backend serving it is down."""
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """A node's status report (``pb.NodeStatus``): every model it serves, with its load."""
+
+    node_id: str
+    """The reporting node."""
+    models: tuple[ModelLoad, ...]
+    """Load per model; a model missing here is no longer served."""
+    draining: bool = False
+    """True once the node stopped taking runs."""
+
+
+@dataclass(eq=False, slots=True)
+class ModelView:
+    """One node's load for one model, as the scheduler sees it."""
+
+    node: NodeView = field(repr=False)
+    """The node."""
+    model: str
+    """Model name."""
+    in_flight: int = 0
+    """Runs executing, as last reported."""
+    queued: int = 0
+    """Runs waiting on the node, as last reported."""
+    capacity: int = 1
+    """Runs the node executes at once."""
+    available: bool = True
+    """False while the backend is down."""
+    sent_since_report: int = 0
+    """Runs this control-plane sent the node since its last report (less those finished since)."""
+
+    @property
+    def load(self) -> int:
+        """Runs on the node: reported in flight and queued, plus sent since."""
+        return self.in_flight + self.queued + self.sent_since_report
+
+    @property
+    def free(self) -> bool:
+        """Whether the node has a free slot for one more run."""
+        return self.load < self.capacity
+
+
+@dataclass(eq=False, slots=True)
+class NodeView:
+    """One node: state, labels, load per model."""
+
+    node_id: str
+    """Its id, unique in the cluster."""
+    state: NodeState = NodeState.READY
+    """Whether it takes runs."""
+    labels: dict[str, str] = field(default_factory=dict)
+    """Operator labels (zone, gpu type, ...) that label constraints match."""
+    models: dict[str, ModelView] = field(default_factory=dict)
+    """What it serves, by model name."""
+    reason: str = "registered"
+    """Why it is in its state."""
+
+
+class Registry:
+    """Every registered node, and per model the pool of candidates."""
+
+    def __init__(self, *, vnodes: int = 100, label_pools: int = 16) -> None:
+        self.nodes: dict[str, NodeView] = {}
+        """Registered nodes by id, in any state."""
+        self._serving: dict[str, set[str]] = {}
+        self._pools: dict[str, dict[Labels, ModelPool]] = {}
+        self._vnodes, self._label_pools = vnodes, label_pools
+
+    def register(
+        self, node_id: str, models: Iterable[ModelLoad], *, labels: Mapping[str, str] | None = None
+    ) -> NodeView:
+        """Add a ready node; one registered under the same id before is replaced."""
+        self.remove(node_id)
+        node = self.nodes[node_id] = NodeView(node_id, labels=dict(labels or {}))
+        self._set_loads(node, models)
+        return node
+
+    def remove(self, node_id: str) -> None:
+        """Forget a node (nothing if it is not registered)."""
+        node = self.nodes.pop(node_id, None)
+        for model in node.models if node else ():
+            self._drop(node_id, model)
+
+    def report(self, status: Status) -> None:
+        """Take a node's status report: its loads replace the last ones; ``sent_since_report`` restarts."""
+        node = self.nodes[status.node_id]
+        self._set_loads(node, status.models)
+        if status.draining and node.state is NodeState.READY:
+            self.mark(node.node_id, NodeState.DRAINING, "the node reports draining")
+
+    def mark(self, node_id: str, state: NodeState, reason: str) -> None:
+        """Put a node in ``state``, saying why."""
+        node = self.nodes[node_id]
+        node.state, node.reason = state, reason
+        for view in node.models.values():
+            self._refresh(view)
+
+    def sent(self, node_id: str, model: str) -> None:
+        """A run of ``model`` was sent to the node."""
+        view = self.nodes[node_id].models[model]
+        view.sent_since_report += 1
+        self._refresh(view)
+
+    def finished(self, node_id: str, model: str) -> None:
+        """A run sent to the node ended, whatever its outcome (nothing if node or model is gone)."""
+        node = self.nodes.get(node_id)
+        view = node.models.get(model) if node else None
+        if view is None:
+            return
+        if view.sent_since_report:
+            view.sent_since_report -= 1
+        elif view.queued:
+            view.queued -= 1  # one of the queued runs takes the slot
+        elif view.in_flight:
+            view.in_flight -= 1
+        self._refresh(view)
+
+    def pool(self, model: str, labels: Labels = ()) -> ModelPool | None:
+        """The candidates for ``model`` that carry ``labels``; None when no registered node serves it.
+
+        A pool for labels is made on first use (a pass over the model's candidates) and kept
+        current from then on, while it is among the ``label_pools`` most recently used.
+        """
+        pools = self._pools.get(model)
+        if pools is None or not labels:
+            return pools[()] if pools else None
+        pool = pools.pop(labels, None)
+        if pool is None:
+            pool = ModelPool(within=pools[()])
+            for view in pools[()].views.values():
+                if _carries(view.node, labels):
+                    pool.update(view)
+            if len(pools) > self._label_pools:
+                del pools[next(key for key in pools if key)]  # the least recently used
+        pools[labels] = pool  # last: the most recently used
+        return pool
+
+    def serving(self, model: str) -> int:
+        """How many registered nodes serve ``model``, in any state."""
+        return len(self._serving.get(model, ()))
+
+    def _set_loads(self, node: NodeView, loads: Iterable[ModelLoad]) -> None:
+        reported = {load.model: load for load in loads}
+        for model in [model for model in node.models if model not in reported]:
+            self._drop(node.node_id, model)
+            del node.models[model]
+        for model, load in reported.items():
+            view = node.models.get(model)
+            if view is None:
+                view = node.models[model] = ModelView(node, model)
+                self._serving.setdefault(model, set()).add(node.node_id)
+                if model not in self._pools:
+                    self._pools[model] = {(): ModelPool(self._vnodes)}
+            view.in_flight, view.queued, view.capacity = load.in_flight, load.queued, load.capacity
+            view.available, view.sent_since_report = load.available, 0
+            self._refresh(view)
+
+    def _refresh(self, view: ModelView) -> None:
+        """Keep the model's pools current: the node is a candidate, with this load, or not."""
+        candidate = view.node.state is NodeState.READY and view.available and view.capacity >= 1
+        for labels, pool in self._pools[view.model].items():
+            if candidate and (not labels or _carries(view.node, labels)):
+                pool.update(view)
+            else:
+                pool.discard(view.node.node_id)
+
+    def _drop(self, node_id: str, model: str) -> None:
+        for pool in self._pools[model].values():
+            pool.discard(node_id)
+        serving = self._serving[model]
+        serving.discard(node_id)
+        if not serving:
+            del self._serving[model], self._pools[model]
+
+
+def _carries(node: NodeView, labels: Labels) -> bool:
+    return all(node.labels.get(name) == value for name, value in labels)

@@ -1,0 +1,171 @@
+"""Scheduling: which node runs a model's next run.
+
+``choose`` resolves the name (an alias to its model; a route to one of its models, by weight),
+then picks among the model's candidates (ready nodes with the model available, carrying the
+labels the policy and the request ask for, not already tried) by the model's policy:
+
+- ``least-loaded`` (default): lowest (in flight + queued + sent since the last report) / capacity;
+- ``round-robin``: the next candidate with a free slot, in turn;
+- ``session-affinity``: the session's node on a consistent-hash ring (key: the session, else
+  the caller) while it has a free slot, else the least loaded.
+
+A placed decision counts as sent (``Registry.sent``); the service calls ``Registry.finished``
+when that run ends on the node, whatever the outcome. Decisions read indexes kept by the
+registry: a heap, a rotation and a ring per model, so no decision sorts or scans all nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Set
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from iop_control_plane.policy import Policy, PolicyName
+from iop_control_plane.pool import Accept, ModelPool
+from iop_control_plane.registry import Labels, ModelView, Registry
+from iop_control_plane.ring import point
+
+__all__ = ["Decision", "Outcome", "Scheduler"]
+
+Outcome = Literal["placed", "all_busy", "no_candidate", "unknown_model"]
+"""placed: a node was chosen; all_busy: candidates exist, none has a free slot (the run waits);
+no_candidate: nodes serve the model, none may take it now; unknown_model: no node serves it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where a run goes, and why."""
+
+    node_id: str | None
+    """The chosen node; None unless placed."""
+    model: str
+    """The model as nodes serve it (after alias and route); retries pass this back."""
+    policy: PolicyName
+    """The policy that decided."""
+    outcome: Outcome
+    """What came of it."""
+    reason: str
+    """One line for the debug log."""
+    route: str | None = None
+    """The alias or route the request named, if any."""
+
+
+class Scheduler:
+    """Picks nodes from a :class:`Registry` under a :class:`Policy`."""
+
+    def __init__(self, registry: Registry, policy: Policy | None = None) -> None:
+        self.registry = registry
+        self.policy = policy or Policy()
+        self._credit: dict[str, dict[str, int]] = {}
+        self._labels: dict[str, Labels] = {}
+
+    def apply(self, policy: Policy) -> None:
+        """Decide under ``policy`` from now on; weighted routes start their rotation afresh."""
+        self.policy, self._credit, self._labels = policy, {}, {}
+
+    def choose(
+        self,
+        model: str,
+        *,
+        labels: Mapping[str, str] | None = None,
+        session: str | None = None,
+        caller: str | None = None,
+        exclude: Set[str] = frozenset(),
+    ) -> Decision:
+        """A node for a run of ``model`` (a model, an alias or a route).
+
+        ``labels`` are required of the node on top of the policy's; ``session`` (else ``caller``) is
+        the key of session affinity, and ``session`` alone keeps a route's pick of model; ``exclude``
+        names the nodes a failover already tried (a retry passes ``Decision.model`` back as ``model``).
+        """
+        targets = self._targets(model, session)
+        if targets is None:
+            return self._place(model, labels, session or caller, exclude)
+        first = self._place(targets[0], labels, session or caller, exclude, route=model)
+        if first.outcome in ("placed", "all_busy"):
+            return first
+        for target in targets[1:]:  # the weighted pick has no candidate: the others, heaviest first
+            decision = self._place(target, labels, session or caller, exclude, route=model)
+            if decision.outcome in ("placed", "all_busy"):
+                return decision
+        return replace(first, reason=f"{first.reason}; the route's other models have none either")
+
+    def _targets(self, name: str, session: str | None) -> list[str] | None:
+        """The models ``name`` stands for, the one to try first first; None when it is a model."""
+        if (alias := self.policy.aliases.get(name)) is not None:
+            return [alias]
+        route = self.policy.routes.get(name)
+        if route is None:
+            return None
+        first = self._by_weight(route, point(session) % sum(route.values())) if session else self._in_turn(name, route)
+        return [first, *sorted((target for target in route if target != first), key=lambda target: -route[target])]
+
+    def _by_weight(self, route: Mapping[str, int], ticket: int) -> str:
+        """The target whose share of the weights holds ``ticket`` (a session keeps its model)."""
+        for target, weight in route.items():
+            if ticket < weight:
+                return target
+            ticket -= weight
+        raise AssertionError("ticket beyond the total weight")
+
+    def _in_turn(self, name: str, route: Mapping[str, int]) -> str:
+        """Smooth weighted round-robin: exact shares, evenly interleaved (90/10 gives 9 a, 1 b per 10)."""
+        credit = self._credit.setdefault(name, dict.fromkeys(route, 0))
+        for target, weight in route.items():
+            credit[target] += weight
+        chosen = max(credit, key=credit.__getitem__)
+        credit[chosen] -= sum(route.values())
+        return chosen
+
+    def _place(
+        self, model: str, labels: Mapping[str, str] | None, key: str | None, exclude: Set[str], route: str | None = None
+    ) -> Decision:
+        policy, wanted = self.policy.policy_for(model), self._constraints(model)
+        if labels:
+            wanted = tuple(sorted({*wanted, *labels.items()}))  # both must hold: a clash leaves no candidate
+        pool = self.registry.pool(model, wanted)
+        if pool is None:
+            return Decision(None, model, policy, "unknown_model", f"no registered node serves {model!r}", route)
+        accept = (lambda view: view.node.node_id not in exclude) if exclude else None
+        view, policy, how = self._pick(pool, policy, accept, key)
+        if view is None:
+            return Decision(None, model, policy, "no_candidate", self._why_none(model, pool, wanted), route)
+        where = f"{view.node.node_id} at {view.load}/{view.capacity}"
+        if not view.free:
+            return Decision(None, model, policy, "all_busy", f"every candidate is full ({where})", route)
+        self.registry.sent(view.node.node_id, model)
+        return Decision(view.node.node_id, model, policy, "placed", f"{how}: {where}", route)
+
+    def _pick(
+        self, pool: ModelPool, policy: PolicyName, accept: Accept, key: str | None
+    ) -> tuple[ModelView | None, PolicyName, str]:
+        """(the candidate, the policy that chose it, how) for a decision."""
+        if policy == "round-robin":
+            return pool.next_in_turn(accept), policy, "next in turn"
+        least = pool.least_loaded(accept)
+        if policy == "least-loaded" or least is None:
+            return least, policy, "least loaded"
+        if key is None:
+            return least, "least-loaded", "no session or caller; least loaded"
+        home = pool.home(key, accept)
+        if home is not None and home.free:
+            return home, policy, "session's node"
+        return least, policy, "session's node full; least loaded"
+
+    def _constraints(self, model: str) -> Labels:
+        """The labels the policy asks of ``model``'s nodes (the registry keeps a pool for them)."""
+        found = self._labels.get(model)
+        if found is None:
+            settings = self.policy.models.get(model)
+            found = self._labels[model] = tuple(sorted(settings.labels.items())) if settings else ()
+        return found
+
+    def _why_none(self, model: str, pool: ModelPool, wanted: Labels) -> str:
+        """Why no candidate fits (runs only when none does)."""
+        everyone = self.registry.pool(model)
+        if not everyone:
+            return f"{self.registry.serving(model)} node(s) serve {model!r}, none ready with it available"
+        if not pool:
+            shown = ", ".join(f"{name}={value}" for name, value in wanted)
+            return f"none of {len(everyone)} candidate(s) for {model!r} has labels {shown}"
+        return f"all {len(pool)} candidate(s) for {model!r} that fit already tried"
