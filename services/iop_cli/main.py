@@ -3,6 +3,7 @@
     iop certs init DIR [--san NAME ...]   a CA and a certificate per role, files 0600
     iop up [--dir DIR] [--port N]         start the platform in the background; iop down stops it
     iop node --config node.yaml [--ready-file PATH]   run a node (iop node --dev: without a config)
+    iop control-plane --config cp.yaml [--ready-file PATH]   run a control-plane
     iop runs ls [--status S] [--model M] [--since 1h] [--limit N] [--json]   the run history
     iop runs show RUN_ID [--json]
     iop version, iop --version
@@ -57,6 +58,12 @@ def _node(args: argparse.Namespace) -> int:
     return run(args.config, dev=args.dev, ready_file=args.ready_file, log_level=args.log_level)
 
 
+def _control_plane(args: argparse.Namespace) -> int:
+    from iop_control_plane.main import run
+
+    return run(args.config, ready_file=args.ready_file, log_level=args.log_level)
+
+
 def _runs_ls(args: argparse.Namespace) -> int:
     from iop_cli.runs import ls
 
@@ -78,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="iop", description="IOP, the Inference Operations Platform.")
     parser.add_argument("--version", action="version", version=f"iop {version('iop')}")
     parser.add_argument(
-        "--log-level", choices=_LEVELS, help="lowest level logged (default warning; iop node: the config's log_level)"
+        "--log-level", choices=_LEVELS, help="lowest level logged (default warning; node, control-plane: config's)"
     )
     # The same option after the command: `iop node --config x --log-level debug`.
     common = argparse.ArgumentParser(add_help=False)
@@ -111,6 +118,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     node.set_defaults(run=_node)
 
+    control_plane = commands.add_parser("control-plane", parents=[common], help="run a control-plane")
+    control_plane.add_argument("--config", type=Path, required=True, help="YAML settings (IOP_ variables override)")
+    control_plane.add_argument(
+        "--ready-file", type=Path, metavar="PATH", help="written (pid, port as JSON) once it serves"
+    )
+    control_plane.set_defaults(run=_control_plane)
+
     runs = commands.add_parser("runs", help="the run history").add_subparsers(dest="runs_command", required=True)
     for name, helptext in (("ls", "list runs, newest first"), ("show", "every field of one run")):
         sub = runs.add_parser(name, parents=[common], help=helptext)
@@ -134,7 +148,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``iop`` command; returns the exit code."""
     args = _parser().parse_args(argv)
-    if args.command != "node":  # the node configures its own logging, from its settings
+    if args.command not in ("node", "control-plane"):  # these configure logging from their settings
         from iop_wire.logs import configure
 
         configure(args.log_level or "warning")

@@ -94,6 +94,7 @@ class Connection:
         self._liveness = Liveness(config, self._loop.time())
         self._limit_logs: dict[str, tuple[float, int]] = {}
         self._done = asyncio.Event()
+        self._closing = asyncio.Event()
         self._log = _log.bind(peer=peer.name, role=peer.role, conn=label or self.id)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -116,8 +117,18 @@ class Connection:
         await self.close()
 
     async def wait_closed(self) -> None:
-        """Wait until the connection has closed."""
+        """Wait until the connection has closed (its socket shut: up to ``close_timeout`` after it began)."""
         await self._done.wait()
+
+    async def wait_closing(self) -> None:
+        """Wait until the connection begins to close: its runs are failing now, the socket may linger."""
+        await self._closing.wait()
+
+    @property
+    def address(self) -> str:
+        """The peer's ``host:port`` as seen on this socket ("" when unknown)."""
+        peername = self._writer.get_extra_info("peername")
+        return f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else ""
 
     async def close(self, reason: str = "closing", code: Code = pb.ERROR_CODE_SHUTTING_DOWN) -> None:
         """Close gracefully: every open run, both ways, gets a retryable error first."""
@@ -129,6 +140,7 @@ class Connection:
             return
         self.closed = True
         self.close_error = error
+        self._closing.set()
         CONNECTIONS.labels(self._side).dec()
         self._log.info("connection closed", reason=error.message, code=error.name)
         # Runs end retryably: SHUTTING_DOWN on a graceful close, UNAVAILABLE for anything else.

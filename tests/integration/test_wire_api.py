@@ -443,3 +443,20 @@ async def test_a_slow_reader_of_a_run_is_not_taken_for_a_slow_peer(pki: Pki, edg
     node.close()
     await node.wait_closed()
     assert [e.sequence for e in events] == list(range(1, 12)) and events[-1].WhichOneof("event") == "complete"
+
+
+async def test_a_connection_says_when_it_begins_to_close_and_where_its_peer_is(
+    listen: StartListener, edge_tls: TlsConfig
+) -> None:
+    listener = await listen(Handler())
+    client = await dial("127.0.0.1", listener.port, tls=edge_tls, server_hostname="localhost", config=FAST)
+    await assert_eventually(lambda: len(listener.connections) == 1)
+    (served,) = listener.connections
+    host, port = client._writer.get_extra_info("sockname")[:2]
+    assert served.address == f"{host}:{port}"
+    closing = asyncio.create_task(served.wait_closing())
+    await asyncio.sleep(0)
+    assert not closing.done()
+    client._writer.transport.abort()  # the peer vanishes
+    await asyncio.wait_for(closing, 5)
+    assert served.closed

@@ -1,0 +1,136 @@
+"""Operations an admin certificate may ask for: list, drain and undrain nodes; show and apply policy.
+
+A drain is kept in the control-plane only: no new runs go to the node, its runs in flight
+finish, and ``nodes.undrain`` lifts it (the node is not sent ``node.drain``, which it could not
+take back). A drain holds across the node's reconnections.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import structlog
+
+from iop_control_plane.nodes import NodeSessions
+from iop_control_plane.policy import load_policy
+from iop_control_plane.registry import NodeState, NodeView
+from iop_control_plane.scheduler import Scheduler
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire import Inbound, IopError, MessageHandler
+from iop_wire.settings import ConfigError
+
+__all__ = ["Operations", "PolicyInForce"]
+
+_log = structlog.get_logger("iop.control_plane")
+_STATES = {
+    NodeState.READY: pb.NODE_STATE_READY,
+    NodeState.UNAVAILABLE: pb.NODE_STATE_UNAVAILABLE,
+    NodeState.DRAINING: pb.NODE_STATE_DRAINING,
+}
+
+
+class PolicyInForce:
+    """The policy text in force, with its version (hex SHA-256 of the text), time and source."""
+
+    def __init__(self, text: str = "", source: str = "default") -> None:
+        self.text, self.source = text, source
+        self.version = hashlib.sha256(text.encode()).hexdigest()
+        self.loaded_at = time.time_ns()
+
+
+class Operations:
+    """The admin message handlers."""
+
+    def __init__(self, scheduler: Scheduler, sessions: NodeSessions, policy: PolicyInForce) -> None:
+        self.scheduler, self.sessions, self.policy = scheduler, sessions, policy
+
+    def handlers(self) -> dict[str, MessageHandler]:
+        """``{body field: handler}`` for an admin's connection."""
+        return {
+            "nodes_list": self.nodes_list,
+            "nodes_drain": self.nodes_drain,
+            "nodes_undrain": self.nodes_undrain,
+            "policy_show": self.policy_show,
+            "policy_apply": self.policy_apply,
+        }
+
+    async def nodes_list(self, inbound: Inbound) -> None:
+        """Every registered node, in any state."""
+        nodes = [self._info(node) for node in sorted(self.sessions.registry.nodes.values(), key=lambda n: n.node_id)]
+        await inbound.reply(pb.Envelope(nodes_listed=pb.NodesListed(nodes=nodes)))
+
+    async def nodes_drain(self, inbound: Inbound) -> None:
+        """No new runs to the node until undrained."""
+        message = inbound.envelope.nodes_drain
+        node = self._node(message.node_id)
+        self.sessions.drained.add(node.node_id)
+        if node.state is NodeState.READY:
+            self.sessions.mark(node.node_id, NodeState.DRAINING, message.reason or f"drained by {inbound.peer.name}")
+        await inbound.reply(pb.Envelope(operation_done=pb.OperationDone(message=f"node {node.node_id} draining")))
+
+    async def nodes_undrain(self, inbound: Inbound) -> None:
+        """New runs go to the node again (if it is connected)."""
+        message = inbound.envelope.nodes_undrain
+        node = self._node(message.node_id)
+        self.sessions.drained.discard(node.node_id)
+        if node.state is NodeState.DRAINING and self.sessions.connection(node.node_id) is not None:
+            self.sessions.mark(node.node_id, NodeState.READY, message.reason or f"undrained by {inbound.peer.name}")
+        done = pb.OperationDone(message=f"node {node.node_id} {node.state.value}")
+        await inbound.reply(pb.Envelope(operation_done=done))
+
+    async def policy_show(self, inbound: Inbound) -> None:
+        """The policy in force."""
+        policy = self.policy
+        shown = pb.PolicyShown(yaml=policy.text, version=policy.version, source=policy.source)
+        shown.loaded_at.FromNanoseconds(policy.loaded_at)
+        await inbound.reply(pb.Envelope(policy_shown=shown))
+
+    async def policy_apply(self, inbound: Inbound) -> None:
+        """Validate and apply a policy; an invalid one changes nothing."""
+        message = inbound.envelope.policy_apply
+        try:
+            policy = load_policy(message.yaml)
+        except ConfigError as exc:
+            _log.warning("policy refused", reason=str(exc), peer=inbound.peer.name)
+            raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, str(exc)) from None
+        self.scheduler.apply(policy)
+        self.policy = PolicyInForce(message.yaml, message.source or f"policy.apply by {inbound.peer.name}")
+        _log.info("policy applied", version=self.policy.version, source=self.policy.source)
+        applied = pb.PolicyApplied(version=self.policy.version)
+        applied.loaded_at.FromNanoseconds(self.policy.loaded_at)
+        await inbound.reply(pb.Envelope(policy_applied=applied))
+
+    def _node(self, node_id: str) -> NodeView:
+        node = self.sessions.registry.nodes.get(node_id)
+        if node is None:
+            raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, f"no node {node_id!r} is registered")
+        return node
+
+    def _info(self, node: NodeView) -> pb.NodeInfo:
+        sessions = self.sessions
+        models = [
+            pb.ModelLoad(
+                model=v.model,
+                in_flight=v.in_flight + v.sent_since_report,
+                queued=v.queued,
+                capacity=v.capacity,
+                available=v.available,
+            )
+            for v in node.models.values()
+        ]
+        info = pb.NodeInfo(
+            node_id=node.node_id,
+            state=_STATES[node.state],
+            reason=node.reason,
+            models=models,
+            labels=node.labels,
+            in_flight=sum(model.in_flight for model in models),
+            capacity=sum(model.capacity for model in models),
+            address=sessions.addresses.get(node.node_id, ""),
+        )
+        if (seen := sessions.last_seen.get(node.node_id)) is not None:
+            info.last_heartbeat.FromNanoseconds(int(seen * 1e9))
+        if (first := sessions.store.first_seen.get(node.node_id)) is not None:
+            info.first_seen.FromNanoseconds(int(first * 1e9))
+        return info

@@ -1,0 +1,178 @@
+"""The control-plane's composition root: settings in, a running control-plane out.
+
+:class:`ControlPlaneApp` puts every part onto one ``AsyncExitStack`` (the audit store, the node
+sessions, the listener, metrics) and unwinds it in reverse on ``stop``. The listener serves
+each connection by its certificate's role: ``node`` registers and reports; ``edge`` and
+``worker`` submit runs and ask capabilities; ``admin`` also operates. Other roles are refused
+at the preface (PERMISSION_DENIED); a role sending what it may not gets PERMISSION_DENIED too.
+Without TLS there are no roles: every peer may do everything (tests and local demos only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import ssl
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+from prometheus_client import start_http_server
+
+from iop_control_plane.admin import Operations, PolicyInForce
+from iop_control_plane.metrics import ControlPlaneMetrics
+from iop_control_plane.nodes import NodeSessions
+from iop_control_plane.policy import load_policy
+from iop_control_plane.registry import Registry
+from iop_control_plane.relay import RunRelay
+from iop_control_plane.scheduler import Scheduler
+from iop_control_plane.settings import ConfigError, Problem, Settings, StartError
+from iop_control_plane.store import AuditStore
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire import EventSink, Handler, Inbound, IopError, Listener, MessageHandler, PeerIdentity, Role
+from iop_wire.metrics import expose
+from iop_wire.settings import bind_error
+
+__all__ = ["ControlPlaneApp", "build_control_plane", "read_policy"]
+
+_log = structlog.get_logger("iop.control_plane")
+_ROLES = frozenset({Role.NODE, Role.EDGE, Role.WORKER, Role.ADMIN})
+_NODE_MESSAGES = ("node_register", "node_status")
+_ADMIN_MESSAGES = ("nodes_list", "nodes_drain", "nodes_undrain", "policy_show", "policy_apply")
+
+
+def read_policy(path: Path | None) -> PolicyInForce:
+    """The policy file's text, checked (ConfigError naming ``policy_path`` or the bad key)."""
+    if path is None:
+        return PolicyInForce()
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError([Problem("policy_path", f"cannot read {path}: {exc.strerror}")]) from None
+    try:
+        load_policy(text)
+    except ConfigError as exc:
+        raise ConfigError([Problem("policy_path", f"{path}: {exc}")]) from None
+    return PolicyInForce(text, str(path))
+
+
+@dataclass
+class ControlPlaneApp:
+    """A built control-plane, started and stopped together (also ``async with``)."""
+
+    settings: Settings
+    registry: Registry
+    scheduler: Scheduler
+    sessions: NodeSessions
+    runs: RunRelay
+    operations: Operations
+    metrics: ControlPlaneMetrics
+    listener: Listener | None = None
+    metrics_port: int | None = None
+    _stack: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
+
+    async def __aenter__(self) -> ControlPlaneApp:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def start(self) -> ControlPlaneApp:
+        """Open the audit, listen, serve metrics; StartError names what could not start."""
+        try:
+            await self._open_store()
+            self._stack.push_async_callback(self.sessions.aclose)
+            await self._listen()
+            if self.settings.metrics.port is not None:
+                self._serve_metrics(self.settings.metrics.host, self.settings.metrics.port)
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        port = self.listener.port if self.listener else None
+        _log.info("control-plane started", port=port, metrics_port=self.metrics_port)
+        return self
+
+    async def stop(self) -> None:
+        """Close the listener (every connection gracefully), then the audit."""
+        await self._stack.aclose()
+        _log.info("control-plane stopped")
+
+    def handler_for(self, peer: PeerIdentity) -> Handler:
+        """What a peer may do, by its certificate's role (everything without TLS)."""
+        tls = self.settings.tls.enabled
+        capabilities = {"capability_request": self._capabilities}
+        node = {"node_register": self.sessions.on_register, "node_status": self.sessions.on_status}
+        admin = self.operations.handlers()
+        if not tls:
+            return Handler(run=self.runs.run, messages={**capabilities, **node, **admin})
+        if peer.role is Role.NODE:
+            return Handler(run=_refuse_run, messages={**node, **_denied(_ADMIN_MESSAGES, peer)})
+        allowed = admin if peer.role is Role.ADMIN else _denied(_ADMIN_MESSAGES, peer)
+        return Handler(run=self.runs.run, messages={**capabilities, **allowed, **_denied(_NODE_MESSAGES, peer)})
+
+    async def _capabilities(self, inbound: Inbound) -> None:
+        await inbound.reply(pb.Envelope(capability_response=self.sessions.ready_capabilities()))
+
+    async def _open_store(self) -> None:
+        store = self.sessions.store
+        try:
+            await store.open()
+        except (OSError, sqlite3.Error) as exc:
+            raise StartError([Problem("store_path", f"cannot open {store.path}: {exc}")]) from None
+        self._stack.push_async_callback(store.aclose)
+
+    async def _listen(self) -> None:
+        settings = self.settings
+        connection = settings.connection.config(
+            heartbeat_interval=settings.heartbeat_interval, max_frame_size=settings.max_frame_size
+        )
+        config = settings.listen.config(settings.tls, connection, _ROLES)
+        try:
+            self.listener = await Listener(config, self.handler_for).start()
+        except ssl.SSLError as exc:
+            raise StartError([Problem("tls", f"OpenSSL cannot use these files: {exc.reason or exc}")]) from None
+        except OSError as exc:
+            raise bind_error("listen", config.host, config.port, exc) from None
+        self._stack.push_async_callback(self.listener.close, "control-plane shutting down")
+
+    def _serve_metrics(self, host: str, port: int) -> None:
+        try:
+            server, _ = start_http_server(port, host, self.metrics.registry)
+        except OSError as exc:
+            raise bind_error("metrics", host, port, exc) from None
+        self._stack.callback(server.server_close)
+        self._stack.callback(server.shutdown)
+        self.metrics_port = server.server_port
+
+
+async def _refuse_run(request: pb.RunRequest, sink: EventSink) -> None:
+    _log.warning("run refused", reason="a node may not submit runs", peer=sink.peer.name, run_id=request.run_id)
+    await sink.error(IopError(pb.ERROR_CODE_PERMISSION_DENIED, f"role {sink.peer.role} may not submit runs"))
+
+
+def _denied(kinds: tuple[str, ...], peer: PeerIdentity) -> dict[str, MessageHandler]:
+    async def deny(inbound: Inbound) -> None:
+        kind = inbound.envelope.WhichOneof("body")
+        _log.warning("request refused", kind=kind, peer=peer.name, role=peer.role)
+        raise IopError(pb.ERROR_CODE_PERMISSION_DENIED, f"role {peer.role} may not send {kind}")
+
+    return dict.fromkeys(kinds, deny)
+
+
+def build_control_plane(settings: Settings, *, policy: PolicyInForce | None = None) -> ControlPlaneApp:
+    """Wire a control-plane from ``settings`` (the policy file is read here unless given)."""
+    policy = policy or read_policy(settings.policy_path)
+    registry = Registry()
+    scheduler = Scheduler(registry, load_policy(policy.text))
+    sessions = NodeSessions(registry, AuditStore(settings.store_path), heartbeat_interval=settings.heartbeat_interval)
+    metrics = ControlPlaneMetrics(registry)
+    expose(metrics.registry)  # the wire's limits and connections, served with the control-plane's
+    return ControlPlaneApp(
+        settings=settings,
+        registry=registry,
+        scheduler=scheduler,
+        sessions=sessions,
+        runs=RunRelay(scheduler, sessions, metrics, attempts=settings.attempts),
+        operations=Operations(scheduler, sessions, policy),
+        metrics=metrics,
+    )

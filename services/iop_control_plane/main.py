@@ -1,0 +1,67 @@
+"""``iop control-plane --config cp.yaml``: run the control-plane until SIGTERM or SIGINT.
+
+Start-up problems end the process with exit code 2 and one line on stderr naming the setting
+(``iop control-plane: bad config: listen.port (line 3): ...``). ``--ready-file PATH`` is written
+once it serves (JSON: pid, port, metrics_port) and removed when it stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+from iop_control_plane.bootstrap import ControlPlaneApp, build_control_plane
+from iop_control_plane.settings import ConfigError, Problem, StartError, load_settings
+from iop_wire.logs import configure
+
+__all__ = ["run"]
+
+
+def run(config: Path, *, ready_file: Path | None = None, log_level: str | None = None) -> int:
+    """Start the control-plane described by ``config``; returns the exit code (2 when it cannot start)."""
+    try:
+        settings = load_settings(config)
+        app = build_control_plane(settings)
+    except ConfigError as exc:
+        return _fail(f"bad config: {exc.located(config)}")
+    configure(log_level or settings.log_level)
+    try:
+        return asyncio.run(_serve(app, ready_file))
+    except StartError as exc:
+        return _fail(str(exc.located(config)))
+
+
+def _fail(message: str) -> int:
+    print(f"iop control-plane: {message}", file=sys.stderr)
+    return 2
+
+
+async def _serve(app: ControlPlaneApp, ready_file: Path | None) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    async with app:
+        if ready_file is not None:
+            _write_ready(ready_file, app)
+        try:
+            await stop.wait()
+        finally:
+            if ready_file is not None:
+                ready_file.unlink(missing_ok=True)  # noqa: ASYNC240 - one unlink while stopping
+    return 0
+
+
+def _write_ready(path: Path, app: ControlPlaneApp) -> None:
+    """Write the ready file in one step (a reader never sees half of it)."""
+    ready = {"pid": os.getpid(), "port": app.listener.port if app.listener else None, "metrics_port": app.metrics_port}
+    partial = path.with_name(path.name + ".partial")
+    try:
+        partial.write_text(json.dumps(ready) + "\n")
+        partial.replace(path)
+    except OSError as exc:
+        raise StartError([Problem("--ready-file", f"cannot write {path}: {exc.strerror}")]) from None

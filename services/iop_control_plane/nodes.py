@@ -1,0 +1,170 @@
+"""Node sessions: ``node.register`` and ``node.status`` from a node's connection, into the registry.
+
+A node is ready once registered, and unavailable the moment its connection closes (the wire
+closes the connection of a peer silent, or not reading, for 3 heartbeat intervals). Its id
+is taken while its connection is open: a second registration under that id is refused and
+the live one keeps serving. Drains set by an admin hold across the node's reconnections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import time
+
+import structlog
+
+from iop_control_plane.registry import ModelLoad, NodeState, Registry, Status
+from iop_control_plane.store import AuditStore
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire import Connection, Inbound, IopError
+
+__all__ = ["NodeSessions", "loads", "status"]
+
+_log = structlog.get_logger("iop.control_plane")
+
+
+def loads(message: pb.NodeStatus, capabilities: pb.CapabilityResponse | None = None) -> list[ModelLoad]:
+    """The registry's view of a node's report; without per-model loads, its capabilities' models."""
+    if message.models or capabilities is None:
+        return [ModelLoad(m.model, m.in_flight, m.queued, m.capacity, m.available) for m in message.models]
+    models = (model for adapter in capabilities.adapters for model in adapter.models)
+    return [ModelLoad(m.name, capacity=max(m.max_concurrency, 1), available=m.available) for m in models]
+
+
+def status(node_id: str, message: pb.NodeStatus) -> Status:
+    """``node.status`` as the registry takes it."""
+    return Status(node_id, tuple(loads(message)), draining=message.draining)
+
+
+class NodeSessions:
+    """Registered nodes' connections, capabilities and times, kept with the registry."""
+
+    def __init__(self, registry: Registry, store: AuditStore, *, heartbeat_interval: float) -> None:
+        self.registry = registry
+        self.store = store
+        self.heartbeat_interval = heartbeat_interval
+        self.connections: dict[str, Connection] = {}
+        """Node id -> its live connection."""
+        self.capabilities: dict[str, pb.CapabilityResponse] = {}
+        """Node id -> what it registered with."""
+        self.last_seen: dict[str, float] = {}
+        """Node id -> when it was last heard from (registration or status)."""
+        self.addresses: dict[str, str] = {}
+        """Node id -> the address its connection came from."""
+        self.drained: set[str] = set()
+        """Nodes an admin drained: draining also when they register again."""
+        self._by_connection: dict[str, str] = {}
+        self._watchers: set[asyncio.Task[None]] = set()
+
+    def connection(self, node_id: str) -> Connection | None:
+        """The node's connection while it is open."""
+        connection = self.connections.get(node_id)
+        return None if connection is None or connection.closed else connection
+
+    def mark(self, node_id: str, state: NodeState, reason: str) -> None:
+        """Change a node's state in the registry and the audit."""
+        self.registry.mark(node_id, state, reason)
+        self.store.state_changed(node_id, state.value, reason)
+        _log.info("node state", node_id=node_id, state=state.value, reason=reason)
+
+    async def on_register(self, inbound: Inbound) -> None:
+        """``node.register``: take the node in (or refuse a second holder of a live id)."""
+        message = inbound.envelope.node_register
+        node_id, connection = message.node_id, inbound.connection
+        if not node_id:
+            raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, "node.register needs a node_id")
+        current = self.connection(node_id)
+        if current is not None and current is not connection:
+            _log.warning("registration refused", node_id=node_id, reason="id is live", peer=inbound.peer.name)
+            raise IopError(
+                pb.ERROR_CODE_PROTOCOL_VIOLATION,
+                f"node id {node_id!r} is registered by a live connection; use another id or stop that node",
+            )
+        held = self._by_connection.get(connection.id)
+        if held is not None and held != node_id:
+            raise IopError(pb.ERROR_CODE_PROTOCOL_VIOLATION, f"this connection is registered as {held!r} already")
+        capabilities = pb.CapabilityResponse()
+        capabilities.CopyFrom(message.capabilities)
+        labels = dict(capabilities.labels)
+        self.registry.register(node_id, loads(message.status, capabilities), labels=labels)
+        self.connections[node_id], self.capabilities[node_id] = connection, capabilities
+        self._by_connection[connection.id] = node_id
+        self.last_seen[node_id] = time.time()
+        self.addresses[node_id] = connection.address
+        self.store.node_seen(
+            node_id, labels=labels, address=self.addresses[node_id], models=self.registry.nodes[node_id].models
+        )
+        self.store.state_changed(node_id, NodeState.READY.value, "registered")
+        if node_id in self.drained:
+            self.mark(node_id, NodeState.DRAINING, "drained by an admin")
+        models = sorted(self.registry.nodes[node_id].models)
+        _log.info("node registered", node_id=node_id, peer=inbound.peer.name, models=models)
+        interval = datetime.timedelta(seconds=self.heartbeat_interval)
+        registered = pb.NodeRegistered(node_id=node_id)
+        registered.heartbeat_interval.FromTimedelta(interval)
+        await inbound.reply(pb.Envelope(node_registered=registered))
+        if held is None:  # a second node.register on the same connection is watched already
+            self._watch(node_id, connection)
+
+    async def on_status(self, inbound: Inbound) -> None:
+        """``node.status``: the node's load replaces what it last reported."""
+        node_id = self._registered_as(inbound.connection)
+        self.registry.report(status(node_id, inbound.envelope.node_status))
+        self.last_seen[node_id] = time.time()
+        self.store.touched(node_id)
+
+    def ready_capabilities(self) -> pb.CapabilityResponse:
+        """The models available on ready nodes, merged per adapter (``node_id`` "control-plane")."""
+        merged: dict[tuple[str, str], pb.ModelInfo] = {}
+        for node_id, capabilities in self.capabilities.items():
+            node = self.registry.nodes.get(node_id)
+            if node is None or node.state is not NodeState.READY:
+                continue
+            for adapter in capabilities.adapters:
+                for model in adapter.models:
+                    view = node.models.get(model.name)
+                    if view is not None and view.available:
+                        _merge(merged, adapter.name, model)
+        adapters: dict[str, pb.AdapterInfo] = {}
+        for (name, _), model in sorted(merged.items()):
+            adapters.setdefault(name, pb.AdapterInfo(name=name)).models.append(model)
+        total = sum(model.max_concurrency for model in merged.values())
+        return pb.CapabilityResponse(node_id="control-plane", adapters=adapters.values(), max_concurrency=total)
+
+    def _registered_as(self, connection: Connection) -> str:
+        node_id = self._by_connection.get(connection.id)
+        if node_id is not None:
+            return node_id
+        raise IopError(pb.ERROR_CODE_PROTOCOL_VIOLATION, "node.status before node.register")
+
+    def _watch(self, node_id: str, connection: Connection) -> None:
+        task = asyncio.create_task(self._until_closed(node_id, connection), name="iop-node-session")
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+
+    async def _until_closed(self, node_id: str, connection: Connection) -> None:
+        # Not wait_closed(): for a silent peer the socket is shut only close_timeout later.
+        await connection.wait_closing()
+        self._by_connection.pop(connection.id, None)
+        if self.connections.get(node_id) is not connection:
+            return  # replaced by a newer registration
+        reason = connection.close_error.message if connection.close_error else "connection closed"
+        self.mark(node_id, NodeState.UNAVAILABLE, f"connection closed: {reason}")
+
+    async def aclose(self) -> None:
+        """Stop watching connections."""
+        for task in list(self._watchers):
+            task.cancel()
+        await asyncio.gather(*self._watchers, return_exceptions=True)
+
+
+def _merge(merged: dict[tuple[str, str], pb.ModelInfo], adapter: str, model: pb.ModelInfo) -> None:
+    found = merged.get((adapter, model.name))
+    if found is None:
+        merged[adapter, model.name] = found = pb.ModelInfo()
+        found.CopyFrom(model)
+        return
+    found.max_concurrency += model.max_concurrency
+    found.context_length = max(found.context_length, model.context_length)
+    found.kinds.extend(kind for kind in model.kinds if kind not in found.kinds)

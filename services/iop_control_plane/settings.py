@@ -1,0 +1,66 @@
+"""``iop control-plane`` settings: a YAML file, overridden by ``IOP_`` environment variables.
+
+Nested keys use ``__`` in the environment: ``IOP_LISTEN__PORT=7500`` overrides ``listen.port``.
+A bad value raises :class:`ConfigError` whose message is one line naming every bad key.
+Relative paths in the file (``tls.*``, ``store_path``, ``policy_path``) are taken from its folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from iop_wire.framing import DEFAULT_MAX_FRAME_SIZE
+from iop_wire.settings import ConfigError, ConnectionSettings, ListenSettings, Problem, StartError, TlsSettings
+from iop_wire.settings import Section as _Section
+from iop_wire.settings import load_settings as _load
+
+__all__ = ["ConfigError", "Problem", "Settings", "StartError", "load_settings"]
+
+
+class ControlPlaneListenSettings(ListenSettings):
+    """Where nodes register and edges, workers and admins connect."""
+
+    port: int = Field(7400, ge=0, le=65535)
+    """Port to bind; 0 picks a free one."""
+
+
+class MetricsSettings(_Section):
+    """Prometheus exposition."""
+
+    host: str = "127.0.0.1"
+    """Address of the /metrics HTTP server."""
+    port: int | None = Field(None, ge=0, le=65535)
+    """Port of the /metrics HTTP server; unset disables it, 0 picks a free one."""
+
+
+class Settings(BaseSettings):
+    """Everything ``iop control-plane`` reads at start-up."""
+
+    model_config = SettingsConfigDict(env_prefix="IOP_", env_nested_delimiter="__", extra="forbid", frozen=True)
+
+    listen: ControlPlaneListenSettings = ControlPlaneListenSettings()
+    tls: TlsSettings = TlsSettings()
+    connection: ConnectionSettings = ConnectionSettings()
+    """Limits every connection gets (runs, requests, frame time, unread bytes, heartbeat clamp)."""
+    metrics: MetricsSettings = MetricsSettings()
+    heartbeat_interval: float = Field(30.0, gt=0)
+    """Seconds between heartbeats on every connection (told to nodes); a peer silent for 3 is dead."""
+    max_frame_size: int = Field(DEFAULT_MAX_FRAME_SIZE, ge=1024)
+    """Largest frame accepted, bytes."""
+    store_path: Path = Path(".iop/control-plane.db")
+    """SQLite file of the node audit (nodes, state changes)."""
+    policy_path: Path | None = None
+    """The policy file (YAML) in force at start; unset: the default policy."""
+    attempts: int = Field(3, ge=1, le=10)
+    """Nodes a run may be tried on, where the policy file sets no ``attempts``."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Lowest level logged."""
+
+
+def load_settings(path: Path | None) -> Settings:
+    """Read ``path`` (YAML) with ``IOP_`` overrides; ConfigError on any bad value."""
+    return _load(Settings, path)

@@ -1,0 +1,101 @@
+"""Helpers for control-plane tests: its settings, `iop node` processes registered with it, clients."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+from conftest import Pki, assert_eventually
+
+from iop_control_plane.bootstrap import ControlPlaneApp
+from iop_control_plane.registry import NodeState
+from iop_control_plane.settings import Settings
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire.connection import Connection, ConnectionConfig
+from iop_wire.endpoint import dial
+from iop_wire.tls import Role
+
+IOP = [sys.executable, "-m", "iop_cli.main"]
+ROUTES: list[dict[str, Any]] = [
+    {"model": "mock-small", "adapter": "mock"},
+    {"model": "mock-slow", "adapter": "mock", "options": {"tokens": 1000, "tokens_per_second": 20}},
+    {"model": "mock-ttft", "adapter": "mock", "options": {"ttft": 1, "tokens": 5}},
+]
+
+
+def cp_settings(pki: Pki, tmp_path: Path, **extra: Any) -> Settings:
+    """A control-plane on 127.0.0.1 port 0 with mTLS, fast heartbeats and a fresh audit file."""
+    tls = pki.config("cp", Role.CONTROL_PLANE)
+    data = {
+        "listen": {"port": 0},
+        "tls": {"enabled": True, "cert": tls.cert, "key": tls.key, "ca": tls.ca},
+        "store_path": tmp_path / "cp.db",
+        "heartbeat_interval": 0.5,
+        **extra,
+    }
+    return Settings.model_validate(data)
+
+
+def node_config(pki: Pki, tmp_path: Path, node_id: str, port: int) -> Path:
+    """An `iop node` config registering with the control-plane at ``port`` (no listener of its own)."""
+    tls = pki.config(node_id, Role.NODE)
+    data = {
+        "node_id": node_id,
+        "listen": {"enabled": False},
+        "tls": {"enabled": True, "cert": str(tls.cert), "key": str(tls.key), "ca": str(tls.ca)},
+        "store_path": str(tmp_path / f"{node_id}.db"),
+        "heartbeat_interval": 0.5,
+        "event_loop": "asyncio",
+        "control_plane": {"address": f"127.0.0.1:{port}", "server_name": "localhost", "reconnect_initial": 0.05},
+        "routes": ROUTES,
+    }
+    path = tmp_path / f"{node_id}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@contextmanager
+def node_processes(pki: Pki, tmp_path: Path, port: int, *node_ids: str) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+    """`iop node` processes by id; killed (if still running) on the way out."""
+    processes: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        for node_id in node_ids:
+            config = node_config(pki, tmp_path, node_id, port)
+            command = [*IOP, "node", "--config", str(config)]
+            processes[node_id] = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        yield processes
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.kill()
+            process.wait(timeout=10)
+
+
+async def all_ready(app: ControlPlaneApp, *node_ids: str) -> None:
+    """Wait until every node is registered and ready."""
+
+    def ready() -> bool:
+        nodes = app.registry.nodes
+        return all(node_id in nodes and nodes[node_id].state is NodeState.READY for node_id in node_ids)
+
+    await assert_eventually(ready, timeout=20)
+
+
+async def client(app: ControlPlaneApp, pki: Pki, name: str = "edge-1", role: Role = Role.EDGE) -> Connection:
+    assert app.listener is not None
+    return await dial(
+        "127.0.0.1",
+        app.listener.port,
+        tls=pki.config(name, role),
+        server_hostname="localhost",
+        config=ConnectionConfig(heartbeat_interval=0.5),
+    )
+
+
+def sequences(events: list[pb.RunEvent]) -> list[int]:
+    return [event.sequence for event in events]
