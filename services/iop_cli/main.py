@@ -6,6 +6,8 @@
     iop control-plane --config cp.yaml [--ready-file PATH]   run a control-plane
     iop runs ls [--status S] [--model M] [--since 1h] [--limit N] [--json]   the run history
     iop runs show RUN_ID [--json]
+    iop nodes ls [--json] | drain NODE [--reason R] | undrain NODE   operate a control-plane (admin cert)
+    iop policy show | apply FILE          the control-plane's policy in force; replace it
     iop version, iop --version
 
 ``--log-level`` goes before or after the command; for ``iop node`` (and the node ``iop up``
@@ -76,6 +78,14 @@ def _runs_show(args: argparse.Namespace) -> int:
     return asyncio.run(show(args))
 
 
+def _ops(args: argparse.Namespace) -> int:
+    from iop_cli import ops
+
+    action = getattr(ops, args.ops_action)
+    code: int = asyncio.run(action(args))
+    return code
+
+
 def _version(args: argparse.Namespace) -> int:
     print(f"iop {version('iop')}")
     return 0
@@ -141,8 +151,48 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("run_id")
     show.set_defaults(run=_runs_show)
 
+    _ops_parsers(commands, common, state_dir)
+
     commands.add_parser("version", help="print the version").set_defaults(run=_version)
     return parser
+
+
+def _ops_parsers(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser, state_dir: Path
+) -> None:
+    """``iop nodes ...`` and ``iop policy ...``: admin requests to a control-plane."""
+    admin = argparse.ArgumentParser(add_help=False, parents=[common])
+    admin.add_argument(
+        "--control-plane",
+        default=os.environ.get("IOP_CONTROL_PLANE", "127.0.0.1:7400"),
+        metavar="HOST:PORT",
+        help="the control-plane (default: $IOP_CONTROL_PLANE, else 127.0.0.1:7400)",
+    )
+    admin.add_argument("--dir", type=Path, default=state_dir, help="state folder (default: $IOP_STATE_DIR, else .iop)")
+    admin.add_argument("--certs", type=Path, metavar="DIR", help="admin.crt, admin.key, ca.crt (default: STATE/certs)")
+    admin.add_argument(
+        "--server-name", default="localhost", metavar="NAME", help="its certificate name (default localhost)"
+    )
+
+    nodes = commands.add_parser("nodes", help="a control-plane's nodes (admin certificate)")
+    nodes_commands = nodes.add_subparsers(dest="nodes_command", required=True)
+    ls = nodes_commands.add_parser("ls", parents=[admin], help="every registered node, its state and load")
+    ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ls.set_defaults(run=_ops, ops_action="nodes_ls")
+    drain = nodes_commands.add_parser("drain", parents=[admin], help="no new runs to NODE; in-flight ones finish")
+    undrain = nodes_commands.add_parser("undrain", parents=[admin], help="runs go to NODE again")
+    for sub, action in ((drain, "nodes_drain"), (undrain, "nodes_undrain")):
+        sub.add_argument("node", metavar="NODE")
+        sub.add_argument("--reason", help="recorded as the reason of the state change")
+        sub.set_defaults(run=_ops, ops_action=action)
+
+    policy = commands.add_parser("policy", help="a control-plane's policy (admin certificate)")
+    policy_commands = policy.add_subparsers(dest="policy_command", required=True)
+    show = policy_commands.add_parser("show", parents=[admin], help="print the policy in force")
+    show.set_defaults(run=_ops, ops_action="policy_show")
+    apply = policy_commands.add_parser("apply", parents=[admin], help="validate FILE and put it in force")
+    apply.add_argument("file", type=Path, metavar="FILE")
+    apply.set_defaults(run=_ops, ops_action="policy_apply")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from pathlib import Path
 
 import structlog
 
@@ -90,16 +91,42 @@ class Operations:
         """Validate and apply a policy; an invalid one changes nothing."""
         message = inbound.envelope.policy_apply
         try:
-            policy = load_policy(message.yaml)
+            self.apply(message.yaml, message.source or f"policy.apply by {inbound.peer.name}")
         except ConfigError as exc:
             _log.warning("policy refused", reason=str(exc), peer=inbound.peer.name)
             raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, str(exc)) from None
-        self.scheduler.apply(policy)
-        self.policy = PolicyInForce(message.yaml, message.source or f"policy.apply by {inbound.peer.name}")
-        _log.info("policy applied", version=self.policy.version, source=self.policy.source)
         applied = pb.PolicyApplied(version=self.policy.version)
         applied.loaded_at.FromNanoseconds(self.policy.loaded_at)
         await inbound.reply(pb.Envelope(policy_applied=applied))
+
+    def apply(self, text: str, source: str) -> PolicyInForce:
+        """Validate ``text`` and put it in force; ConfigError (one line naming the key) changes nothing."""
+        policy = load_policy(text)
+        self.scheduler.apply(policy)
+        self.policy = PolicyInForce(text, source)
+        _log.info("policy applied", version=self.policy.version, source=source)
+        return self.policy
+
+    def reload(self, path: Path | None) -> PolicyInForce | None:
+        """Read the policy file again (on SIGHUP); a bad file is logged and the old policy stays."""
+        if path is None:
+            _log.warning("policy not reloaded", reason="no policy_path is set")
+            return None
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            _log.error(
+                "policy reload refused",
+                reason=f"policy_path: cannot read {path}: {reason}",
+                kept=self.policy.version,
+            )
+            return None
+        try:
+            return self.apply(text, str(path))
+        except ConfigError as exc:
+            _log.error("policy reload refused", reason=f"policy_path: {path}: {exc}", kept=self.policy.version)
+            return None
 
     def _node(self, node_id: str) -> NodeView:
         node = self.sessions.registry.nodes.get(node_id)

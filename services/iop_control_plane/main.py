@@ -1,5 +1,8 @@
 """``iop control-plane --config cp.yaml``: run the control-plane until SIGTERM or SIGINT.
 
+SIGHUP reads ``policy_path`` again: a valid policy is put in force (logged with its version);
+an invalid one is logged with the one-line error naming the key, and the old policy stays.
+
 Start-up problems end the process with exit code 2 and one line on stderr naming the setting
 (``iop control-plane: bad config: listen.port (line 3): ...``). ``--ready-file PATH`` is written
 once it serves (JSON: pid, port, metrics_port) and removed when it stops.
@@ -45,6 +48,7 @@ async def _serve(app: ControlPlaneApp, ready_file: Path | None) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, app.operations.reload, app.settings.policy_path)
     async with app:
         if ready_file is not None:
             _write_ready(ready_file, app)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections import Counter as Tally
 from collections.abc import Iterator
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from iop_control_plane.admission import AdmissionQueue
 from iop_control_plane.registry import NodeState, Registry
 
 __all__ = ["ControlPlaneMetrics"]
@@ -36,7 +38,24 @@ class ControlPlaneMetrics:
             "Runs ended with NODE_LOST: their node was lost after output.",
             registry=self.registry,
         )
+        self.queue_wait = Histogram(
+            "iop_control_plane_queue_wait_seconds",
+            "Time runs waited in the admission queue, by how they left (admitted, deadline, cancelled).",
+            ["outcome"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=self.registry,
+        )
+        self.queue_refused = Counter(
+            "iop_control_plane_queue_refused_total",
+            "Runs refused RESOURCE_EXHAUSTED without waiting, by reason (full, deadline).",
+            ["reason"],
+            registry=self.registry,
+        )
         self.registry.register(_NodesByState(nodes))
+
+    def watch_queue(self, queue: AdmissionQueue[Any]) -> None:
+        """Serve ``iop_control_plane_queue_depth{model}``, read from ``queue`` when scraped."""
+        self.registry.register(_QueueDepth(queue))
 
 
 class _NodesByState(Collector):
@@ -50,4 +69,22 @@ class _NodesByState(Collector):
         family = GaugeMetricFamily("iop_control_plane_nodes", "Registered nodes, by state.", labels=["state"])
         for state in NodeState:
             family.add_metric([state.value], counts[state])
+        yield family
+
+
+class _QueueDepth(Collector):
+    """``iop_control_plane_queue_depth{model}``: runs waiting per model (models that had waiters stay, at 0)."""
+
+    def __init__(self, queue: AdmissionQueue[Any]) -> None:
+        self._queue = queue
+        self._seen: set[str] = set()
+
+    def collect(self) -> Iterator[Metric]:
+        depths = self._queue.depths()
+        self._seen.update(depths)
+        family = GaugeMetricFamily(
+            "iop_control_plane_queue_depth", "Runs waiting for a slot, by model.", labels=["model"]
+        )
+        for model in sorted(self._seen):
+            family.add_metric([model], depths.get(model, 0))
         yield family

@@ -5,17 +5,25 @@ A requester's run is served under its own id and opened on the chosen node under
 received (:func:`iop_wire.relay`). A run that fails before its first delta (the node's
 connection lost, or a retryable error) is tried on another node, up to the policy's attempts
 and within its deadline; the requester sees one start and gapless numbers. A node lost after
-output ends the run with ``ERROR_CODE_NODE_LOST``. No admission queue yet: a run whose
-candidates are all full is refused RESOURCE_EXHAUSTED with a retry-after hint.
+output ends the run with ``ERROR_CODE_NODE_LOST``.
+
+Admission (:mod:`iop_control_plane.admission`): a run whose candidates are all full waits in its
+model's queue, by priority (the request's, else the policy's default) then arrival, until a slot
+frees (:meth:`RunRelay.wake`: a run ended, a node reported or registered) or its deadline (the
+request's, else ``queue_timeout``) passes. A full queue or a passed deadline ends the run with
+RESOURCE_EXHAUSTED and a retry-after hint from the queue's drain rate. A caller at its policy
+limit waits in the queue too. A run cancelled while queued leaves the queue at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import time
 
 import structlog
 
+from iop_control_plane.admission import AdmissionQueue, Waiter
 from iop_control_plane.metrics import ControlPlaneMetrics
 from iop_control_plane.nodes import NodeSessions
 from iop_control_plane.scheduler import Decision, Scheduler
@@ -30,17 +38,40 @@ _RETRY_AFTER = datetime.timedelta(seconds=1)
 _Terminal = tuple[pb.RunEvent, bytes]
 
 
+class _Queued(Waiter[Decision]):
+    """A queued run, and the future its handler waits on."""
+
+    __slots__ = ("future", "session")
+
+    def __init__(self, model: str, caller: str, priority: int, since: float, session: str | None) -> None:
+        super().__init__(model, caller, priority, since)
+        self.session = session
+        self.future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+
 class RunRelay:
     """The run handler of requesters' connections (edge, worker, admin)."""
 
     def __init__(
-        self, scheduler: Scheduler, sessions: NodeSessions, metrics: ControlPlaneMetrics, *, attempts: int = 3
+        self,
+        scheduler: Scheduler,
+        sessions: NodeSessions,
+        metrics: ControlPlaneMetrics,
+        *,
+        attempts: int = 3,
+        queue_size: int = 256,
+        queue_timeout: float = 30.0,
     ) -> None:
         self.scheduler = scheduler
         self.sessions = sessions
         self.metrics = metrics
         self.default_attempts = attempts
         """Attempts where the policy sets none."""
+        self.queue = AdmissionQueue[Decision](queue_size, self._caller_limit)
+        """Runs waiting for a slot, per model; runs in progress per caller."""
+        self.queue_timeout = queue_timeout
+        """Seconds a run without a deadline may wait in the queue."""
+        metrics.watch_queue(self.queue)
 
     def attempts(self, model: str) -> int:
         """Nodes a run of ``model`` may be tried on: the policy's, else the settings' default."""
@@ -55,17 +86,135 @@ class RunRelay:
         caller = acting_caller(sink.peer, request.caller.id)
         log = _log.bind(run_id=request.run_id, requester=sink.connection_id, caller=caller)
         session = request.metadata.get("session") or None
-        model, tried = request.model, set[str]()
+        admitted = await self._admit(request, caller, session, log)
+        if isinstance(admitted, IopError):
+            await sink.error(admitted)
+            return
+        if admitted.node_id is None:
+            await sink.error(_refusal(admitted))
+            return
+        try:
+            await self._serve(request, sink, caller, session, admitted, log=log)
+        finally:
+            self.queue.ended(caller)
+            self.wake()
+
+    def _caller_limit(self, caller: str) -> int | None:
+        return self.scheduler.policy.caller_limit(caller)  # the policy in force now: it may be reloaded
+
+    def wake(self) -> None:
+        """A slot may have freed (a run ended, a node reported, registered or was undrained): admit waiters."""
+        if not self.queue.waiting():
+            return
+        for waiter in self.queue.admit(self._place_waiter, time.monotonic()):
+            assert isinstance(waiter, _Queued)
+            if not waiter.future.done():
+                waiter.future.set_result(None)
+
+    def _choose(
+        self,
+        model: str,
+        session: str | None,
+        caller: str,
+        log: structlog.typing.FilteringBoundLogger,
+        exclude: set[str] | None = None,
+    ) -> Decision:
+        decision = self.scheduler.choose(model, session=session, caller=caller, exclude=exclude or frozenset())
+        log.debug("decision", outcome=decision.outcome, policy=decision.policy, reason=decision.reason)
+        self.metrics.decisions.labels(decision.policy, decision.outcome).inc()
+        return decision
+
+    def _place_waiter(self, waiter: Waiter[Decision]) -> Decision | None:
+        assert isinstance(waiter, _Queued)
+        decision = self.scheduler.choose(waiter.model, session=waiter.session, caller=waiter.caller)
+        if decision.outcome == "all_busy":
+            return None
+        self.metrics.decisions.labels(decision.policy, decision.outcome).inc()
+        if decision.node_id is not None:
+            self.queue.started(waiter.caller)
+        return decision
+
+    async def _admit(
+        self, request: pb.RunRequest, caller: str, session: str | None, log: structlog.typing.FilteringBoundLogger
+    ) -> Decision | IopError:
+        """A decision for the run's first attempt, placed or refused, waiting in the queue if it must."""
+        model = request.model
+        if not self.queue.depth(model) and self.queue.may_start(caller):
+            decision = self._choose(model, session, caller, log)
+            if decision.outcome != "all_busy":
+                if decision.node_id is not None:
+                    self.queue.started(caller)
+                return decision
+        priority = request.priority or self.scheduler.policy.priority_for(model, caller)
+        now = time.monotonic()
+        waiter = _Queued(model, caller, priority, now, session)
+        timeout = self._timeout(request)
+        if timeout <= 0 or not self.queue.offer(waiter):
+            self.metrics.queue_refused.labels("full" if timeout > 0 else "deadline").inc()
+            full = f"the queue for {model!r} is full ({self.queue.depth(model)} waiting)"
+            return self._exhausted(model, full if timeout > 0 else "the run's deadline has passed")
+        log.debug("queued", model=model, priority=priority, depth=self.queue.depth(model), timeout=timeout)
+        self.wake()  # the waiters ahead may all be held by their callers' limits
+        try:
+            if not waiter.future.done():
+                await asyncio.wait({waiter.future}, timeout=timeout)
+        except asyncio.CancelledError:
+            self._leave(waiter, log, "cancelled")
+            raise
+        if waiter.outcome is None:
+            self._leave(waiter, log, "deadline")
+            return self._exhausted(model, f"no slot for {model!r} within {timeout:.3g} s; every node is busy")
+        self._observe(waiter, log, "admitted")
+        return waiter.outcome
+
+    def _leave(self, waiter: _Queued, log: structlog.typing.FilteringBoundLogger, outcome: str) -> None:
+        """A waiter leaves without running: out of the queue, or, if placed meanwhile, its slot given back."""
+        decision = waiter.outcome
+        if decision is not None and decision.node_id is not None:
+            self.scheduler.registry.finished(decision.node_id, decision.model)
+            self.queue.ended(waiter.caller)
+            self.wake()
+        else:
+            self.queue.withdraw(waiter)
+        self._observe(waiter, log, outcome)
+
+    def _observe(self, waiter: _Queued, log: structlog.typing.FilteringBoundLogger, outcome: str) -> None:
+        waited = time.monotonic() - waiter.since
+        self.metrics.queue_wait.labels(outcome).observe(waited)
+        log.debug("dequeued", model=waiter.model, outcome=outcome, waited=round(waited, 4))
+
+    def _timeout(self, request: pb.RunRequest) -> float:
+        """Seconds the run may wait in the queue: until its deadline, else ``queue_timeout``."""
+        if request.HasField("deadline"):
+            return (request.deadline.ToNanoseconds() - time.time_ns()) / 1e9
+        return self.queue_timeout
+
+    def _exhausted(self, model: str, message: str) -> IopError:
+        retry_after = datetime.timedelta(seconds=self.queue.retry_after(model, time.monotonic()))
+        return IopError(pb.ERROR_CODE_RESOURCE_EXHAUSTED, message, retryable=True, retry_after=retry_after)
+
+    async def _serve(
+        self,
+        request: pb.RunRequest,
+        sink: EventSink,
+        caller: str,
+        session: str | None,
+        decision: Decision,
+        *,
+        log: structlog.typing.FilteringBoundLogger,
+    ) -> None:
+        """Run the admitted run on ``decision``'s node, failing over to others while it may."""
+        tried = set[str]()
         last: _Terminal | None = None
         refused: Decision | None = None
         for attempt in range(1, self.attempts(request.model) + 1):
-            decision = self.scheduler.choose(model, session=session, caller=caller, exclude=tried)
-            log.debug("decision", outcome=decision.outcome, policy=decision.policy, reason=decision.reason)
-            self.metrics.decisions.labels(decision.policy, decision.outcome).inc()
-            if decision.node_id is None:
-                refused = decision
-                break
-            model, node_id = decision.model, decision.node_id
+            if attempt > 1:
+                decision = self._choose(decision.model, session, caller, log, exclude=tried)
+                if decision.node_id is None:
+                    refused = decision
+                    break
+            node_id = decision.node_id
+            assert node_id is not None
             tried.add(node_id)
             terminal, lost = await self._attempt(request, sink, caller, decision, attempt)
             if terminal[0].WhichOneof("event") == "complete":
@@ -108,6 +257,7 @@ class RunRelay:
             terminal = (pb.RunEvent(error=error_message(exc)), b"")
         finally:
             self.scheduler.registry.finished(node_id, decision.model)
+            self.wake()
         return terminal, connection is None or connection.closed
 
     async def _after_output(self, sink: EventSink, terminal: _Terminal, *, node_id: str, lost: bool) -> None:

@@ -57,6 +57,10 @@ class Settings(BaseSettings):
     """The policy file (YAML) in force at start; unset: the default policy."""
     attempts: int = Field(3, ge=1, le=10)
     """Nodes a run may be tried on, where the policy file sets no ``attempts``."""
+    queue_size: int = Field(256, ge=0)
+    """Runs that may wait for a slot, per model; one more is refused RESOURCE_EXHAUSTED (0: none wait)."""
+    queue_timeout: float = Field(30.0, gt=0)
+    """Seconds a run without a deadline may wait for a slot before RESOURCE_EXHAUSTED."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Lowest level logged."""
 

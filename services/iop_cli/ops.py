@@ -1,0 +1,229 @@
+"""``iop nodes ls|drain|undrain`` and ``iop policy show|apply``: operate a control-plane over IOP.
+
+Each command dials the control-plane (``--control-plane HOST:PORT``, default
+``$IOP_CONTROL_PLANE`` or ``127.0.0.1:7400``) with mTLS as an admin: ``admin.crt``,
+``admin.key`` and ``ca.crt`` from ``--certs DIR`` (default the state folder's ``certs``, where
+``iop certs init`` and ``iop up`` put them), checking the server's certificate against
+``--server-name`` (default ``localhost``). It sends one request and prints the answer.
+
+Exit codes: 0 done; 1 the control-plane refused the operation (an unknown node, say);
+2 it could not be asked (unreachable, certificate refused, a file missing) or, for
+``policy apply``, the policy is invalid (the control-plane's one line, naming the key, is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire.endpoint import dial
+from iop_wire.errors import IopError
+from iop_wire.tls import TlsConfig
+
+__all__ = ["DEFAULT_CONTROL_PLANE", "nodes_drain", "nodes_ls", "nodes_undrain", "policy_apply", "policy_show"]
+
+DEFAULT_CONTROL_PLANE = "127.0.0.1:7400"
+_TIMEOUT = 10.0
+_STATES = {
+    pb.NODE_STATE_READY: "ready",
+    pb.NODE_STATE_UNAVAILABLE: "unavailable",
+    pb.NODE_STATE_DRAINING: "draining",
+}
+# Answers that mean "this could not be asked" rather than "the control-plane said no".
+_CANNOT_ASK = frozenset({pb.ERROR_CODE_PERMISSION_DENIED, pb.ERROR_CODE_UNAUTHENTICATED})
+
+
+class _Failed(Exception):
+    """One line for stderr, and the exit code."""
+
+    def __init__(self, message: str, code: int, error: int = pb.ERROR_CODE_UNSPECIFIED) -> None:
+        super().__init__(message)
+        self.code, self.error = code, error
+
+
+async def nodes_ls(args: argparse.Namespace) -> int:
+    """Every node the control-plane knows, as a table or JSON."""
+    return await _guarded(args, "nodes", _nodes_ls)
+
+
+async def nodes_drain(args: argparse.Namespace) -> int:
+    """No new runs to the node; its runs in flight finish."""
+    return await _guarded(args, "nodes", _nodes_drain)
+
+
+async def nodes_undrain(args: argparse.Namespace) -> int:
+    """Runs go to the node again (once it is connected)."""
+    return await _guarded(args, "nodes", _nodes_undrain)
+
+
+async def policy_show(args: argparse.Namespace) -> int:
+    """The policy in force: a comment line (version, source, time), then its YAML."""
+    return await _guarded(args, "policy", _policy_show)
+
+
+async def policy_apply(args: argparse.Namespace) -> int:
+    """Send a policy file; prints the version now in force."""
+    return await _guarded(args, "policy", _policy_apply)
+
+
+async def _guarded(args: argparse.Namespace, command: str, action: Any) -> int:
+    try:
+        code: int = await action(args)
+    except _Failed as exc:
+        print(f"iop {command}: {exc}", file=sys.stderr)
+        return exc.code
+    return code
+
+
+async def _nodes_ls(args: argparse.Namespace) -> int:
+    listed = (await _ask(args, pb.Envelope(nodes_list=pb.NodesList()))).nodes_listed
+    now = time.time()
+    nodes = [_node_dict(node, now) for node in listed.nodes]
+    if args.json:
+        print(json.dumps(nodes, indent=2))
+    elif not nodes:
+        print("no nodes registered")
+    else:
+        print(_table(nodes))
+    return 0
+
+
+async def _nodes_drain(args: argparse.Namespace) -> int:
+    drain = pb.NodesDrain(node_id=args.node, reason=args.reason or "")
+    print((await _ask(args, pb.Envelope(nodes_drain=drain))).operation_done.message)
+    return 0
+
+
+async def _nodes_undrain(args: argparse.Namespace) -> int:
+    undrain = pb.NodesUndrain(node_id=args.node, reason=args.reason or "")
+    print((await _ask(args, pb.Envelope(nodes_undrain=undrain))).operation_done.message)
+    return 0
+
+
+async def _policy_show(args: argparse.Namespace) -> int:
+    shown = (await _ask(args, pb.Envelope(policy_show=pb.PolicyShow()))).policy_shown
+    loaded = _iso(shown.loaded_at.ToNanoseconds() / 1e9) if shown.HasField("loaded_at") else "-"
+    print(f"# policy version {shown.version}, from {shown.source or '-'}, in force since {loaded}")
+    if shown.yaml:
+        print(shown.yaml, end="" if shown.yaml.endswith("\n") else "\n")
+    else:
+        print("# no policy file: the defaults are in force")
+    return 0
+
+
+async def _policy_apply(args: argparse.Namespace) -> int:
+    path: Path = args.file
+    try:
+        text = path.read_text(encoding="utf-8")  # noqa: ASYNC240 - one small file, before dialing
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise _Failed(f"cannot read {path}: {reason}", 2) from None
+    apply = pb.PolicyApply(yaml=text, source=str(path))
+    try:
+        applied = (await _ask(args, pb.Envelope(policy_apply=apply))).policy_applied
+    except _Failed as exc:
+        if exc.error != pb.ERROR_CODE_INVALID_ARGUMENT:
+            raise
+        raise _Failed(f"{path} refused: {exc}", 2) from None
+    print(f"policy {applied.version} in force (from {path})")
+    return 0
+
+
+async def _ask(args: argparse.Namespace, envelope: pb.Envelope) -> pb.Envelope:
+    """Dial the control-plane as an admin, send one request, return its answer."""
+    host, port = _address(args.control_plane)
+    tls = _admin_tls(args.certs or args.dir / "certs")
+    where = f"{host}:{port}"
+    try:
+        connection = await dial(host, port, tls=tls, server_hostname=args.server_name, timeout=_TIMEOUT)
+    except IopError as exc:
+        raise _Failed(f"the control-plane at {where} refused the connection: {exc.message}", 2) from None
+    except TimeoutError:
+        raise _Failed(f"cannot reach the control-plane at {where}: timed out", 2) from None
+    except ConnectionRefusedError:
+        raise _Failed(f"cannot reach the control-plane at {where}: connection refused", 2) from None
+    except OSError as exc:
+        raise _Failed(f"cannot reach the control-plane at {where}: {exc.strerror or exc}", 2) from None
+    try:
+        return await connection.request(envelope, timeout=_TIMEOUT)
+    except IopError as exc:
+        raise _Failed(exc.message, 2 if exc.code in _CANNOT_ASK else 1, exc.code) from None
+    except TimeoutError:
+        raise _Failed(f"the control-plane at {where} did not answer in {_TIMEOUT:g}s", 2) from None
+    finally:
+        await connection.close("done")
+
+
+def _address(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise _Failed(f"--control-plane must be HOST:PORT, not {value!r}", 2)
+    return host.strip("[]"), int(port)
+
+
+def _admin_tls(certs: Path) -> TlsConfig:
+    files = {name: certs / name for name in ("admin.crt", "admin.key", "ca.crt")}
+    for path in files.values():
+        if not path.is_file():
+            raise _Failed(f"no {path} (pass --certs DIR, or create it with 'iop certs init {certs}')", 2)
+    return TlsConfig(enabled=True, cert=files["admin.crt"], key=files["admin.key"], ca=files["ca.crt"])
+
+
+def _node_dict(node: pb.NodeInfo, now: float) -> dict[str, Any]:
+    heartbeat = node.last_heartbeat.ToNanoseconds() / 1e9 if node.HasField("last_heartbeat") else None
+    first_seen = node.first_seen.ToNanoseconds() / 1e9 if node.HasField("first_seen") else None
+    return {
+        "node_id": node.node_id,
+        "state": _STATES.get(node.state, "unspecified"),
+        "reason": node.reason,
+        "models": [
+            {
+                "model": model.model,
+                "in_flight": model.in_flight,
+                "queued": model.queued,
+                "capacity": model.capacity,
+                "available": model.available,
+            }
+            for model in node.models
+        ],
+        "labels": dict(node.labels),
+        "in_flight": node.in_flight,
+        "capacity": node.capacity,
+        "last_heartbeat": _iso(heartbeat) if heartbeat is not None else None,
+        "last_heartbeat_age_s": round(max(0.0, now - heartbeat), 3) if heartbeat is not None else None,
+        "address": node.address,
+        "first_seen": _iso(first_seen) if first_seen is not None else None,
+    }
+
+
+def _table(nodes: list[dict[str, Any]]) -> str:
+    header = ("NODE", "STATE", "MODELS", "IN-FLIGHT", "HEARTBEAT", "ADDRESS", "REASON")
+    rows = [header]
+    for node in nodes:
+        age = node["last_heartbeat_age_s"]
+        rows.append(
+            (
+                node["node_id"],
+                node["state"],
+                ",".join(m["model"] + ("" if m["available"] else "(unavailable)") for m in node["models"]) or "-",
+                f"{node['in_flight']}/{node['capacity']}",
+                "-" if age is None else f"{age:.1f}s ago",
+                node["address"] or "-",
+                node["reason"] or "-",
+            )
+        )
+    widths = [max(len(row[column]) for row in rows) for column in range(len(header) - 1)]
+    return "\n".join(
+        "  ".join([*(cell.ljust(width) for cell, width in zip(row, widths, strict=False)), row[-1]]).rstrip()
+        for row in rows
+    )
+
+
+def _iso(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat(timespec="seconds")

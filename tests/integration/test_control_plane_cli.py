@@ -1,0 +1,188 @@
+"""`iop nodes` / `iop policy` against a real `iop control-plane` process, and its SIGHUP reload."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import shutil
+import signal
+import subprocess
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import Pki, assert_eventually
+from cp_helpers import IOP, node_processes
+
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire.endpoint import dial
+from iop_wire.tls import Role
+
+FIRST = "defaults: {policy: round-robin}\n"
+SECOND = "defaults: {policy: least-loaded, attempts: 3}\n"
+THIRD = "aliases: {gpt: mock-small}\n"
+INVALID = "defaults: {policy: random}\n"
+
+
+@dataclass
+class ControlPlane:
+    port: int
+    state: Path
+    policy: Path
+    log: Path
+    process: subprocess.Popen[bytes]
+
+
+def _certs(pki: Pki, folder: Path, name: str, role: Role) -> Path:
+    """A certs folder as `iop certs init` leaves it: admin.crt, admin.key, ca.crt."""
+    tls = pki.config(name, role)
+    folder.mkdir(parents=True)
+    assert tls.cert and tls.key and tls.ca
+    shutil.copy(tls.cert, folder / "admin.crt")
+    shutil.copy(tls.key, folder / "admin.key")
+    shutil.copy(tls.ca, folder / "ca.crt")
+    return folder
+
+
+@pytest.fixture
+async def cp(pki: Pki, tmp_path: Path) -> AsyncIterator[ControlPlane]:
+    state = tmp_path / "state"
+    _certs(pki, state / "certs", "ops", Role.ADMIN)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(FIRST)
+    tls = pki.config("cp", Role.CONTROL_PLANE)
+    config = tmp_path / "cp.yaml"
+    settings = {
+        "listen": {"port": 0},
+        "tls": {"enabled": True, "cert": str(tls.cert), "key": str(tls.key), "ca": str(tls.ca)},
+        "store_path": str(tmp_path / "cp.db"),
+        "heartbeat_interval": 0.5,
+        "policy_path": str(policy),
+        "log_level": "info",
+    }
+    config.write_text(yaml.safe_dump(settings))
+    ready, log = tmp_path / "ready.json", tmp_path / "cp.log"
+    command = [*IOP, "control-plane", "--config", str(config), "--ready-file", str(ready)]
+    with log.open("wb") as sink, subprocess.Popen(command, stdout=sink, stderr=sink) as process:  # noqa: ASYNC220 - started once, before anything runs on the loop
+        try:
+            await assert_eventually(ready.exists, timeout=20)
+            port = json.loads(ready.read_text())["port"]
+            yield ControlPlane(port, state, policy, log, process)
+        finally:
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=15) == 0
+
+
+async def _iop(cp: ControlPlane | None, *args: str, port: int | None = None) -> tuple[int, str, str]:
+    """Run `iop ARGS` against the control-plane; (exit code, stdout, stderr)."""
+    where = ["--control-plane", f"127.0.0.1:{port or (cp.port if cp else 1)}"]
+    state = ["--dir", str(cp.state)] if cp else []
+    process = await asyncio.create_subprocess_exec(
+        *IOP, *args, *where, *state, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 30)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+async def _nodes(cp: ControlPlane) -> dict[str, dict[str, object]]:
+    code, out, err = await _iop(cp, "nodes", "ls", "--json")
+    assert code == 0, err
+    return {node["node_id"]: node for node in json.loads(out)}
+
+
+async def _version_in_force(cp: ControlPlane, pki: Pki) -> str:
+    tls = pki.config("ops", Role.ADMIN)
+    async with dial("127.0.0.1", cp.port, tls=tls, server_hostname="localhost") as admin:
+        return (await admin.request(pb.Envelope(policy_show=pb.PolicyShow()))).policy_shown.version
+
+
+def _version(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+async def test_nodes_ls_drain_undrain(cp: ControlPlane, pki: Pki, tmp_path: Path) -> None:
+    with node_processes(pki, tmp_path, cp.port, "node-a"):
+        tls = pki.config("ops", Role.ADMIN)
+        async with dial("127.0.0.1", cp.port, tls=tls, server_hostname="localhost") as admin:
+            for _ in range(400):
+                listed = (await admin.request(pb.Envelope(nodes_list=pb.NodesList()))).nodes_listed
+                if [node.state for node in listed.nodes] == [pb.NODE_STATE_READY]:
+                    break
+                await asyncio.sleep(0.05)
+        code, out, err = await _iop(cp, "nodes", "ls")
+        assert code == 0, err
+        header, row = out.splitlines()
+        assert header.split()[:6] == ["NODE", "STATE", "MODELS", "IN-FLIGHT", "HEARTBEAT", "ADDRESS"]
+        assert row.startswith("node-a") and " ready " in row and "mock-small" in row and "127.0.0.1:" in row
+        assert "0/12" in row and "s ago" in row  # 4 slots for each of the 3 mock models
+
+        node = (await _nodes(cp))["node-a"]
+        assert node["state"] == "ready" and node["in_flight"] == 0 and node["capacity"] == 12
+        assert {m["model"] for m in node["models"]} == {"mock-small", "mock-slow", "mock-ttft"}  # type: ignore[attr-defined]
+        assert isinstance(node["last_heartbeat_age_s"], float) and node["last_heartbeat_age_s"] < 5
+        assert str(node["address"]).startswith("127.0.0.1:")
+
+        code, out, err = await _iop(cp, "nodes", "drain", "node-a", "--reason", "maintenance")
+        assert (code, out.strip()) == (0, "node node-a draining"), err
+        node = (await _nodes(cp))["node-a"]
+        assert (node["state"], node["reason"]) == ("draining", "maintenance")
+
+        code, out, err = await _iop(cp, "nodes", "undrain", "node-a")
+        assert code == 0 and "ready" in out, err
+        assert (await _nodes(cp))["node-a"]["state"] == "ready"
+
+        code, out, err = await _iop(cp, "nodes", "drain", "node-z")
+        assert code == 1 and out == "" and err.strip() == "iop nodes: no node 'node-z' is registered"
+
+
+async def test_policy_show_apply_and_sighup(cp: ControlPlane, pki: Pki, tmp_path: Path) -> None:
+    code, out, err = await _iop(cp, "policy", "show")
+    assert code == 0, err
+    assert out.splitlines()[0].startswith(f"# policy version {_version(FIRST)}, from {cp.policy}")
+    assert out.splitlines()[1:] == FIRST.splitlines()
+
+    valid, invalid = tmp_path / "valid.yaml", tmp_path / "invalid.yaml"
+    valid.write_text(SECOND)
+    invalid.write_text(INVALID)
+    code, out, err = await _iop(cp, "policy", "apply", str(valid))
+    assert (code, out.strip()) == (0, f"policy {_version(SECOND)} in force (from {valid})"), err
+
+    code, out, err = await _iop(cp, "policy", "apply", str(invalid))
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"iop policy: {invalid} refused: defaults.policy"), err
+    code, out, err = await _iop(cp, "policy", "show")
+    assert code == 0 and out.splitlines()[1:] == SECOND.splitlines() and str(valid) in out.splitlines()[0]
+
+    # SIGHUP: the policy file again; valid -> in force and logged, invalid -> logged, old one stays.
+    cp.policy.write_text(THIRD)
+    cp.process.send_signal(signal.SIGHUP)
+    await assert_eventually(lambda: f'"version": "{_version(THIRD)}"' in cp.log.read_text(), timeout=5)
+    assert await _version_in_force(cp, pki) == _version(THIRD)
+
+    cp.policy.write_text(INVALID)
+    cp.process.send_signal(signal.SIGHUP)
+    await assert_eventually(lambda: "policy reload refused" in cp.log.read_text(), timeout=5)
+    refused = next(line for line in cp.log.read_text().splitlines() if "policy reload refused" in line)
+    assert "policy_path" in refused and "defaults.policy" in refused and _version(THIRD) in refused
+    assert await _version_in_force(cp, pki) == _version(THIRD)
+    assert cp.process.poll() is None
+
+
+async def test_errors_are_one_line(cp: ControlPlane, pki: Pki, tmp_path: Path) -> None:
+    code, out, err = await _iop(cp, "nodes", "ls", port=1)  # nothing listens on port 1
+    assert code == 2 and out == "" and len(err.splitlines()) == 1
+    assert err.startswith("iop nodes: cannot reach the control-plane at 127.0.0.1:1"), err
+
+    code, _, err = await _iop(None, "policy", "show", "--certs", str(tmp_path / "none"))
+    assert code == 2 and err.startswith(f"iop policy: no {tmp_path / 'none' / 'admin.crt'}"), err
+
+    edge = _certs(pki, tmp_path / "edge-certs", "edge-1", Role.EDGE)  # not an admin certificate
+    code, out, err = await _iop(cp, "nodes", "ls", "--certs", str(edge))
+    assert code == 2 and out == "" and len(err.splitlines()) == 1 and "may not send nodes_list" in err, err
+
+    code, _, err = await _iop(cp, "policy", "apply", str(tmp_path / "missing.yaml"))
+    assert code == 2 and "cannot read" in err and len(err.splitlines()) == 1

@@ -1,0 +1,228 @@
+"""The control-plane's admission queue on its own (no loop, no sockets), and the relay's waiting around it."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import itertools
+from pathlib import Path
+
+import structlog
+
+from iop_control_plane.admission import AdmissionQueue, Waiter
+from iop_control_plane.metrics import ControlPlaneMetrics
+from iop_control_plane.nodes import NodeSessions
+from iop_control_plane.policy import load_policy
+from iop_control_plane.registry import ModelLoad, Registry
+from iop_control_plane.relay import RunRelay
+from iop_control_plane.scheduler import Decision, Scheduler
+from iop_control_plane.store import AuditStore
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire import IopError
+
+
+class Slots:
+    """``place`` for the queue: ``free`` slots, handed out in order; None once none is left."""
+
+    def __init__(self, free: int) -> None:
+        self.free = free
+
+    def __call__(self, waiter: Waiter[str]) -> str | None:
+        if not self.free:
+            return None
+        self.free -= 1
+        return f"slot for {waiter.caller}"
+
+
+def _served_order(arrivals: list[tuple[str, int]], *, queue: AdmissionQueue[str] | None = None) -> list[str]:
+    """Callers in the order they get one slot each, having queued in ``arrivals`` order (caller, priority)."""
+    queue = queue or AdmissionQueue[str](16)
+    for caller, priority in arrivals:
+        assert queue.offer(Waiter("m", caller, priority))
+    order: list[str] = []
+    while queue.waiting():
+        served = queue.admit(Slots(1), now=0.0)
+        if not served:
+            break
+        order += [waiter.caller for waiter in served]
+    return order
+
+
+def test_priority_first_then_arrival() -> None:
+    arrivals = [("a", 0), ("b", 0), ("c", 5), ("d", -1), ("e", 5), ("f", 0)]
+    assert _served_order(arrivals) == ["c", "e", "a", "b", "f", "d"]
+
+
+def test_a_lifo_would_fail_the_order_test() -> None:
+    """The same check on a queue made last-in-first-out (arrivals counted down) fails: it does test arrival."""
+    arrivals = [("a", 0), ("b", 0), ("c", 5), ("d", 0)]
+    assert _served_order(arrivals) == ["c", "a", "b", "d"]
+    lifo = AdmissionQueue[str](16)
+    lifo._arrivals = itertools.count(0, -1)  # later arrivals sort first
+    assert _served_order(arrivals, queue=lifo) == ["c", "d", "b", "a"]  # != the order asserted above
+
+
+def test_a_full_slot_stops_the_walk_so_nobody_overtakes() -> None:
+    queue = AdmissionQueue[str](8)
+    waiters = [Waiter[str]("m", name) for name in "abc"]
+    for waiter in waiters:
+        queue.offer(waiter)
+    served = queue.admit(Slots(2), now=0.0)
+    assert [waiter.caller for waiter in served] == ["a", "b"]
+    assert [waiter.outcome for waiter in served] == ["slot for a", "slot for b"]
+    assert waiters[2].outcome is None and queue.depth("m") == 1
+
+
+def test_bounded_per_model() -> None:
+    queue = AdmissionQueue[str](2)
+    assert queue.offer(Waiter("m", "a")) and queue.offer(Waiter("m", "b"))
+    assert not queue.offer(Waiter("m", "c"))  # full
+    assert queue.offer(Waiter("other", "c"))  # another model has a queue of its own
+    assert queue.depths() == {"m": 2, "other": 1}
+    assert not AdmissionQueue[str](0).offer(Waiter("m", "a"))
+
+
+def test_a_withdrawn_waiter_leaves_at_once() -> None:
+    queue = AdmissionQueue[str](4)
+    waiters = [Waiter[str]("m", name) for name in "abc"]
+    for waiter in waiters:
+        queue.offer(waiter)
+    assert queue.withdraw(waiters[0])  # cancelled, or its deadline passed
+    assert not queue.withdraw(waiters[0])
+    assert queue.depth("m") == 2
+    assert [waiter.caller for waiter in queue.admit(Slots(1), now=0.0)] == ["b"]
+    queue.withdraw(waiters[2])
+    assert not queue.waiting() and queue.depths() == {}
+
+
+def test_a_caller_at_its_limit_waits_without_blocking_others() -> None:
+    limits: dict[str, int | None] = {"batch": 1}
+    queue = AdmissionQueue[str](8, limits.get)
+    queue.started("batch")  # batch has its one run in progress
+    for caller in ("batch", "chat", "batch"):
+        queue.offer(Waiter("m", caller))
+    served = queue.admit(Slots(5), now=0.0)
+    assert [waiter.caller for waiter in served] == ["chat"]  # batch's waiters are skipped
+    assert queue.depth("m") == 2
+    queue.ended("batch")
+
+    def place(waiter: Waiter[str]) -> str:
+        queue.started(waiter.caller)
+        return "slot"
+
+    served = queue.admit(place, now=0.0)
+    assert [waiter.caller for waiter in served] == ["batch"]  # one, then it is at its limit again
+    assert queue.running["batch"] == 1 and queue.depth("m") == 1
+
+
+def test_retry_after_follows_the_drain_rate() -> None:
+    queue = AdmissionQueue[str](16)
+    assert queue.retry_after("m", now=0.0) == 1.0  # nothing drained yet
+    for index in range(5):
+        queue.offer(Waiter("m", f"c{index}"))
+    for second in range(4):  # one admitted per second
+        queue.admit(Slots(1), now=float(second))
+    assert queue.depth("m") == 1
+    assert 1.0 <= queue.retry_after("m", now=3.0) <= 3.0  # (1 waiting + 1) / ~1.3 per second
+    assert queue.retry_after("m", now=100.0) == 1.0  # the window has passed
+
+
+# The relay's waiting, with a registry and no node: a placed run is ended by hand.
+
+
+def _relay(*, size: int = 4, timeout: float = 5.0, policy: str = "") -> tuple[RunRelay, Registry]:
+    registry = Registry()
+    registry.register("n1", [ModelLoad("m", capacity=1)])
+    scheduler = Scheduler(registry, load_policy(policy))
+    sessions = NodeSessions(registry, AuditStore(Path("unused.db")), heartbeat_interval=1.0)
+    relay = RunRelay(scheduler, sessions, ControlPlaneMetrics(registry), queue_size=size, queue_timeout=timeout)
+    return relay, registry
+
+
+def _admit(relay: RunRelay, caller: str = "c", **fields: object) -> asyncio.Task[Decision | IopError]:
+    request = pb.RunRequest(run_id="r", model="m", **fields)  # type: ignore[arg-type]
+    return asyncio.create_task(relay._admit(request, caller, None, structlog.get_logger("test")))
+
+
+async def _end(relay: RunRelay, registry: Registry, decision: Decision, caller: str = "c") -> None:
+    assert decision.node_id is not None
+    registry.finished(decision.node_id, decision.model)
+    relay.queue.ended(caller)
+    relay.wake()
+    await asyncio.sleep(0)
+
+
+async def _settle() -> None:
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+def _placed(result: Decision | IopError) -> Decision:
+    assert isinstance(result, Decision) and result.outcome == "placed", result
+    return result
+
+
+async def test_relay_waits_for_a_slot_then_places() -> None:
+    relay, registry = _relay()
+    first = _placed(await _admit(relay))
+    second = _admit(relay)
+    await _settle()
+    assert not second.done() and relay.queue.depth("m") == 1
+    await _end(relay, registry, first)
+    assert _placed(await second).node_id == "n1" and relay.queue.depth("m") == 0
+    wait = relay.metrics.registry.get_sample_value(
+        "iop_control_plane_queue_wait_seconds_count", {"outcome": "admitted"}
+    )
+    assert wait == 1
+
+
+async def test_relay_overflow_and_deadline_are_resource_exhausted() -> None:
+    relay, _ = _relay(size=1, timeout=0.05)
+    _placed(await _admit(relay))
+    waiting = _admit(relay)
+    await _settle()
+    overflow = await _admit(relay)
+    assert isinstance(overflow, IopError) and overflow.code == pb.ERROR_CODE_RESOURCE_EXHAUSTED
+    assert overflow.retryable and overflow.retry_after == datetime.timedelta(seconds=1)
+    timed_out = await waiting  # queue_timeout 0.05 s
+    assert isinstance(timed_out, IopError) and timed_out.code == pb.ERROR_CODE_RESOURCE_EXHAUSTED
+    assert timed_out.retryable and timed_out.retry_after is not None
+    assert relay.queue.depth("m") == 0
+
+
+async def test_relay_cancelled_waiter_leaves_the_queue() -> None:
+    relay, registry = _relay()
+    first = _placed(await _admit(relay))
+    waiting = _admit(relay)
+    await _settle()
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    assert relay.queue.depth("m") == 0
+    await _end(relay, registry, first)
+    assert registry.nodes["n1"].models["m"].load == 0  # nobody took the slot
+
+
+async def test_relay_priority_and_default_priority_from_policy() -> None:
+    relay, registry = _relay(policy="callers: {vip: {priority: 10}}\n")
+    first = _placed(await _admit(relay))
+    low = _admit(relay, "c")
+    high = _admit(relay, "vip")  # no priority in the request: the policy's 10
+    await _settle()
+    await _end(relay, registry, first)
+    await _settle()
+    assert high.done() and not low.done()
+    low.cancel()
+    await asyncio.gather(low, return_exceptions=True)
+
+
+async def test_relay_a_caller_over_its_limit_waits_while_others_run() -> None:
+    relay, registry = _relay(policy="callers: {c: {max_concurrency: 1}}\n")
+    registry.register("n1", [ModelLoad("m", capacity=3)])
+    first = _placed(await _admit(relay, "c"))
+    second = _admit(relay, "c")
+    await _settle()
+    assert not second.done() and relay.queue.depth("m") == 1  # a slot is free, but c is at its limit
+    _placed(await _admit(relay, "d"))  # another caller is not held up
+    await _end(relay, registry, first)
+    assert _placed(await second).node_id == "n1"
+    assert relay.queue.running == {"c": 1, "d": 1}
