@@ -85,11 +85,17 @@ class ModelView:
     """False while the backend is down."""
     sent_since_report: int = 0
     """Runs this control-plane sent the node since its last report (less those finished since)."""
+    placed: int = 0
+    """Runs this control-plane sent the node that have not ended: a report never resets it."""
 
     @property
     def load(self) -> int:
-        """Runs on the node: reported in flight and queued, plus sent since."""
-        return self.in_flight + self.queued + self.sent_since_report
+        """Runs on the node: reported in flight and queued plus sent since, and never fewer than ours.
+
+        A report the node sent before a run reached it restarts ``sent_since_report`` without
+        counting that run; ``placed`` still does, so the node is not booked past its capacity.
+        """
+        return max(self.in_flight + self.queued + self.sent_since_report, self.placed)
 
     @property
     def free(self) -> bool:
@@ -156,6 +162,7 @@ class Registry:
         """A run of ``model`` was sent to the node."""
         view = self.nodes[node_id].models[model]
         view.sent_since_report += 1
+        view.placed += 1
         self._refresh(view)
 
     def finished(self, node_id: str, model: str) -> None:
@@ -164,6 +171,7 @@ class Registry:
         view = node.models.get(model) if node else None
         if view is None:
             return
+        view.placed = max(0, view.placed - 1)
         if view.sent_since_report:
             view.sent_since_report -= 1
         elif view.queued:

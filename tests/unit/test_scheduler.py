@@ -57,7 +57,11 @@ def test_least_loaded_counts_the_reported_load_and_the_runs_sent_since() -> None
     view = scheduler.registry.nodes["b"].models["m"]
     assert (view.sent_since_report, view.load) == (3, 3)
     scheduler.registry.report(Status("b", (ModelLoad("m", in_flight=1, capacity=4),)))
-    assert (view.sent_since_report, view.load) == (0, 1)  # the report covers what was sent before it
+    # A report never counts fewer runs than this control-plane placed there and saw no end of.
+    assert (view.sent_since_report, view.load) == (0, 3)
+    for _ in range(3):
+        scheduler.registry.finished("b", "m")
+    assert view.load == 0  # each end takes one off: the placed runs, and the reported one with them
     assert _placed(scheduler.choose("m")) == "b"
 
 
@@ -295,3 +299,15 @@ def test_pools_for_label_sets_are_kept_for_the_most_recently_used_only() -> None
     assert len(scheduler.registry._pools["m"]) == 1 + 16  # the model's own pool, and 16 for labels
     scheduler.registry.register("b", [ModelLoad("m", capacity=100)], labels={"zone": "39"})
     assert _placed(scheduler.choose("m", labels={"zone": "39"})) == "b"  # kept current after it was made
+
+
+def test_a_report_older_than_a_run_does_not_free_its_slot() -> None:
+    registry = Registry()
+    registry.register("n1", [ModelLoad("m", in_flight=0, queued=0, capacity=1, available=True)])
+    scheduler = Scheduler(registry)
+    assert scheduler.choose("m").node_id == "n1"
+    # The node's report was written before the run reached it: it still says 0 in flight.
+    registry.report(Status("n1", [ModelLoad("m", in_flight=0, queued=0, capacity=1, available=True)]))
+    assert scheduler.choose("m").outcome == "all_busy"
+    registry.finished("n1", "m")
+    assert scheduler.choose("m").node_id == "n1"
