@@ -91,3 +91,4 @@ bench:
     python tests/bench/relay_bench.py
     python tests/bench/pacing_bench.py
     python tests/bench/scheduler_bench.py
+    python tests/bench/control_plane_bench.py
