@@ -11,15 +11,14 @@ once it serves (JSON: pid, port, metrics_port) and removed when it stops.
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import signal
 import sys
 from pathlib import Path
 
 from iop_control_plane.bootstrap import ControlPlaneApp, build_control_plane
-from iop_control_plane.settings import ConfigError, Problem, StartError, load_settings
+from iop_control_plane.settings import ConfigError, StartError, load_settings
 from iop_wire.logs import configure
+from iop_wire.settings import write_ready_file
 
 __all__ = ["run"]
 
@@ -51,21 +50,12 @@ async def _serve(app: ControlPlaneApp, ready_file: Path | None) -> int:
     loop.add_signal_handler(signal.SIGHUP, app.operations.reload, app.settings.policy_path)
     async with app:
         if ready_file is not None:
-            _write_ready(ready_file, app)
+            write_ready_file(
+                ready_file, port=app.listener.port if app.listener else None, metrics_port=app.metrics_port
+            )
         try:
             await stop.wait()
         finally:
             if ready_file is not None:
                 ready_file.unlink(missing_ok=True)  # noqa: ASYNC240 - one unlink while stopping
     return 0
-
-
-def _write_ready(path: Path, app: ControlPlaneApp) -> None:
-    """Write the ready file in one step (a reader never sees half of it)."""
-    ready = {"pid": os.getpid(), "port": app.listener.port if app.listener else None, "metrics_port": app.metrics_port}
-    partial = path.with_name(path.name + ".partial")
-    try:
-        partial.write_text(json.dumps(ready) + "\n")
-        partial.replace(path)
-    except OSError as exc:
-        raise StartError([Problem("--ready-file", f"cannot write {path}: {exc.strerror}")]) from None

@@ -6,19 +6,15 @@ A history reader never changes rows: it opens the store without marking running 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import datetime
 import json
 import re
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
-from pathlib import Path
+from collections.abc import Sequence
 
-from iop_node.domain import RunRecord, RunStatus
-from iop_node.store import SqliteRunStore
+from iop_node.domain import RunRecord
 
-__all__ = ["format_record", "format_table", "list_runs", "parse_since", "show_run"]
+__all__ = ["format_record", "format_table", "parse_since"]
 
 _UTC = datetime.UTC
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -63,46 +59,6 @@ def format_record(record: RunRecord) -> str:
         return "\n".join([*lines, f"stderr_tail: {_UNKNOWN}"])
     tail = ["    " + line for line in record.stderr_tail.splitlines()]
     return "\n".join([*lines, "stderr_tail:", *tail])
-
-
-async def list_runs(db: Path, *, status: str | None, model: str | None, since: str | None, limit: int) -> str:
-    """The table ``iop runs ls`` prints."""
-    wanted = _status(status) if status else None
-    start = parse_since(since) if since else None
-    if limit < 1:
-        raise ValueError(f"limit must be at least 1, not {limit}")
-    async with _reader(db) as store:
-        records = await store.list(status=wanted, model=model, since=start, limit=limit)
-    return format_table(records)
-
-
-async def show_run(db: Path, run_id: str) -> str | None:
-    """What ``iop runs show ID`` prints, or None when there is no such run."""
-    async with _reader(db) as store:
-        record = await store.get(run_id)
-    return None if record is None else format_record(record)
-
-
-@asynccontextmanager
-async def _reader(db: Path) -> AsyncIterator[SqliteRunStore]:
-    if not await asyncio.to_thread(db.is_file):
-        missing = FileNotFoundError(f"no run history at {db}")
-        missing.filename = str(db)
-        raise missing
-    store = SqliteRunStore(db, node_id="")
-    await store.open(mark_interrupted=False)
-    try:
-        yield store
-    finally:
-        await store.aclose()
-
-
-def _status(text: str) -> RunStatus:
-    try:
-        return RunStatus(text)
-    except ValueError:
-        valid = ", ".join(status.value for status in RunStatus)
-        raise ValueError(f"unknown status {text!r}; valid: {valid}") from None
 
 
 def _table_row(record: RunRecord) -> tuple[str, ...]:

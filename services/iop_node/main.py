@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
-import os
 import signal
 import sys
 from collections.abc import Callable
@@ -23,8 +21,9 @@ from pathlib import Path
 import structlog
 
 from iop_node.bootstrap import NodeApp, build_node
-from iop_node.settings import ConfigError, Problem, RouteSettings, Settings, StartError, load_settings
+from iop_node.settings import ConfigError, RouteSettings, Settings, StartError, load_settings
 from iop_wire.logs import configure
+from iop_wire.settings import write_ready_file
 
 __all__ = ["run"]
 
@@ -98,7 +97,12 @@ async def _serve(app: NodeApp, ready_file: Path | None) -> int:
         loop.add_signal_handler(signum, stop.set)
     async with app:
         if ready_file is not None:
-            _write_ready(ready_file, app)
+            write_ready_file(
+                ready_file,
+                node_id=app.node.node_id,
+                port=app.listener.port if app.listener else None,
+                metrics_port=app.metrics_port,
+            )
         # Everything made so far (modules, settings, the app) lives as long as the process: frozen,
         # the collector no longer walks it. Node CPU per one-token run fell by ~10 us (README).
         gc.collect()
@@ -109,19 +113,3 @@ async def _serve(app: NodeApp, ready_file: Path | None) -> int:
             if ready_file is not None:
                 ready_file.unlink(missing_ok=True)  # noqa: ASYNC240 - one unlink while stopping; nothing waits on it
     return 0
-
-
-def _write_ready(path: Path, app: NodeApp) -> None:
-    """Write the ready file in one step (a reader never sees half of it)."""
-    ready = {
-        "pid": os.getpid(),
-        "node_id": app.node.node_id,
-        "port": app.listener.port if app.listener else None,
-        "metrics_port": app.metrics_port,
-    }
-    partial = path.with_name(path.name + ".partial")
-    try:
-        partial.write_text(json.dumps(ready) + "\n")
-        partial.replace(path)
-    except OSError as exc:
-        raise StartError([Problem("--ready-file", f"cannot write {path}: {exc.strerror}")]) from None

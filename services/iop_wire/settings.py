@@ -11,6 +11,7 @@ a :class:`StartError` built by :func:`bind_error`.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import socket
 from collections.abc import Mapping, Sequence
@@ -44,6 +45,7 @@ __all__ = [
     "one_line",
     "problems",
     "resolve_paths",
+    "write_ready_file",
 ]
 
 _Settings = TypeVar("_Settings", bound=BaseSettings)
@@ -385,3 +387,13 @@ def _child(node: yaml.Node, part: str) -> tuple[yaml.Node, yaml.Node] | None:
         item: yaml.Node = node.value[int(part)]
         return item, item
     return None
+
+
+def write_ready_file(path: Path, **fields: object) -> None:
+    """Write a service's ready file (JSON, with its pid) in one step: a reader never sees half of it."""
+    partial = path.with_name(path.name + ".partial")
+    try:
+        partial.write_text(json.dumps({"pid": os.getpid(), **fields}) + "\n")
+        partial.replace(path)
+    except OSError as exc:
+        raise StartError([Problem("--ready-file", f"cannot write {path}: {exc.strerror}")]) from None

@@ -4,6 +4,7 @@ is recorded as sent by (the core's records, through a stand-in sink)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import datetime
@@ -16,11 +17,11 @@ import pytest
 import structlog
 from conftest import assert_eventually
 
+from iop_cli import runs
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.adapters.mock import MockAdapter, MockOptions
 from iop_node.core import Node
 from iop_node.domain import RunRecord, RunStatus
-from iop_node.history import list_runs, show_run
 from iop_node.metrics import NodeMetrics
 from iop_node.router import Limits, Router
 from iop_node.settings import RouteSettings
@@ -283,31 +284,42 @@ async def test_close_commits_everything_and_a_reopen_sees_it(path: Path) -> None
     await store.close()
 
 
-async def test_history_reads_without_changing_rows(path: Path) -> None:
+def _runs(command: str, db: Path, **options: object) -> int:
+    """``iop runs ls|show`` on ``db``, in a thread of its own as the command runs (its own event loop)."""
+    defaults = {"status": None, "since": None, "model": None, "limit": 10, "json": False, "run_id": ""}
+    args = argparse.Namespace(db=db, config=None, dir=db.parent, **(defaults | options))
+    return asyncio.run(getattr(runs, command)(args))
+
+
+async def test_history_reads_without_changing_rows(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     store, _ = await _reopen(path)
     await store.record_start(_start("r1", received=0))
     await store.record_end(dataclasses.replace(_end(_start("r2", received=1)), stderr_tail="boom"))
     await store.flush()
-    table = await list_runs(path, status=None, model=None, since=None, limit=10)
+    assert await asyncio.to_thread(_runs, "ls", path) == 0
+    table = capsys.readouterr().out
     assert table.splitlines()[0].startswith("RUN ID") and "r1" in table and "r2" in table
-    assert "running" in await list_runs(path, status="running", model="m", since="2026-01-01", limit=10)
-    shown = await show_run(path, "r2")
-    assert shown is not None and shown.endswith("stderr_tail:\n    boom")
-    assert await show_run(path, "nope") is None
+    assert await asyncio.to_thread(_runs, "ls", path, status="running", model="m", since="2026-01-01") == 0
+    assert "running" in capsys.readouterr().out
+    assert await asyncio.to_thread(_runs, "show", path, run_id="r2") == 0
+    assert capsys.readouterr().out.endswith("stderr_tail:\n    boom\n")
+    assert await asyncio.to_thread(_runs, "show", path, run_id="nope") == 1
+    assert "no run 'nope'" in capsys.readouterr().err
     assert _rows(path, "SELECT run_id, status FROM runs ORDER BY run_id") == [("r1", "running"), ("r2", "completed")]
     await store.close()
 
 
-async def test_history_errors_name_the_problem(tmp_path: Path, path: Path) -> None:
+async def test_history_errors_name_the_problem(tmp_path: Path, path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "missing.db"
-    with pytest.raises(FileNotFoundError, match=r"missing\.db") as caught:
-        await show_run(missing, "r1")
-    assert caught.value.filename == str(missing)
+    assert await asyncio.to_thread(_runs, "show", missing, run_id="r1") == 2
+    assert str(missing) in capsys.readouterr().err
     assert not missing.exists()
-    with pytest.raises(ValueError, match="valid: running, completed, failed, cancelled, interrupted"):
-        await list_runs(path, status="done", model=None, since=None, limit=10)
-    with pytest.raises(ValueError, match="30s"):
-        await list_runs(path, status=None, model=None, since="yesterday", limit=10)
+    store, _ = await _reopen(path)
+    await store.close()
+    assert await asyncio.to_thread(_runs, "ls", path, status="done") == 2
+    assert "valid: running, completed, failed, cancelled, interrupted" in capsys.readouterr().err
+    assert await asyncio.to_thread(_runs, "ls", path, since="yesterday") == 2
+    assert "30s" in capsys.readouterr().err
 
 
 async def test_a_row_that_cannot_be_written_is_logged_and_the_writer_goes_on(store: SqliteRunStore, path: Path) -> None:
