@@ -101,28 +101,14 @@ class ControlPlaneApp:
         """What a peer may do, by its certificate's role (everything without TLS)."""
         tls = self.settings.tls.enabled
         capabilities = {"capability_request": self._capabilities}
-        node = {
-            name: self._then_wake(self.sessions.on_register if name == "node_register" else self.sessions.on_status)
-            for name in _NODE_MESSAGES
-        }
-        admin = {name: self._then_wake(handler) for name, handler in self.operations.handlers().items()}
+        node = {"node_register": self.sessions.on_register, "node_status": self.sessions.on_status}
+        admin = self.operations.handlers()
         if not tls:
             return Handler(run=self.runs.run, messages={**capabilities, **node, **admin})
         if peer.role is Role.NODE:
             return Handler(run=_refuse_run, messages={**node, **_denied(_ADMIN_MESSAGES, peer)})
         allowed = admin if peer.role is Role.ADMIN else _denied(_ADMIN_MESSAGES, peer)
         return Handler(run=self.runs.run, messages={**capabilities, **allowed, **_denied(_NODE_MESSAGES, peer)})
-
-    def _then_wake(self, handler: MessageHandler) -> MessageHandler:
-        """``handler``, then admit queued runs (a node registered or reported, an admin undrained one)."""
-
-        async def handle(inbound: Inbound) -> None:
-            try:
-                await handler(inbound)
-            finally:
-                self.runs.wake()
-
-        return handle
 
     async def _capabilities(self, inbound: Inbound) -> None:
         await inbound.reply(pb.Envelope(capability_response=self.sessions.ready_capabilities()))
@@ -181,19 +167,21 @@ def build_control_plane(settings: Settings, *, policy: PolicyInForce | None = No
     sessions = NodeSessions(registry, AuditStore(settings.store_path), heartbeat_interval=settings.heartbeat_interval)
     metrics = ControlPlaneMetrics(registry)
     expose(metrics.registry)  # the wire's limits and connections, served with the control-plane's
+    runs = RunRelay(
+        scheduler,
+        sessions,
+        metrics,
+        attempts=settings.attempts,
+        queue_size=settings.queue_size,
+        queue_timeout=settings.queue_timeout,
+    )
+    registry.on_more_room(runs.wake)  # a node registered, reported or was made ready: admit waiters
     return ControlPlaneApp(
         settings=settings,
         registry=registry,
         scheduler=scheduler,
         sessions=sessions,
-        runs=RunRelay(
-            scheduler,
-            sessions,
-            metrics,
-            attempts=settings.attempts,
-            queue_size=settings.queue_size,
-            queue_timeout=settings.queue_timeout,
-        ),
+        runs=runs,
         operations=Operations(scheduler, sessions, policy),
         metrics=metrics,
     )

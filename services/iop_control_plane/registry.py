@@ -16,7 +16,7 @@ finishes takes one off, from the runs sent since the report first.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -128,6 +128,15 @@ class Registry:
         self._serving: dict[str, set[str]] = {}
         self._pools: dict[str, dict[Labels, ModelPool]] = {}
         self._vnodes, self._label_pools = vnodes, label_pools
+        self._listeners: list[Callable[[], None]] = []
+
+    def on_more_room(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` whenever a node may have room for more runs (registered, reported, made ready)."""
+        self._listeners.append(listener)
+
+    def _more_room(self) -> None:
+        for listener in self._listeners:
+            listener()
 
     def register(
         self, node_id: str, models: Iterable[ModelLoad], *, labels: Mapping[str, str] | None = None
@@ -136,6 +145,7 @@ class Registry:
         self.remove(node_id)
         node = self.nodes[node_id] = NodeView(node_id, labels=dict(labels or {}))
         self._set_loads(node, models)
+        self._more_room()
         return node
 
     def remove(self, node_id: str) -> None:
@@ -150,6 +160,7 @@ class Registry:
         self._set_loads(node, status.models)
         if status.draining and node.state is NodeState.READY:
             self.mark(node.node_id, NodeState.DRAINING, "the node reports draining")
+        self._more_room()
 
     def mark(self, node_id: str, state: NodeState, reason: str) -> None:
         """Put a node in ``state``, saying why."""
@@ -157,6 +168,8 @@ class Registry:
         node.state, node.reason = state, reason
         for view in node.models.values():
             self._refresh(view)
+        if state is NodeState.READY:
+            self._more_room()
 
     def sent(self, node_id: str, model: str) -> None:
         """A run of ``model`` was sent to the node."""
