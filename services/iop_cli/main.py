@@ -4,8 +4,9 @@
     iop up [--dir DIR] [--port N]         start the platform in the background; iop down stops it
     iop node --config node.yaml [--ready-file PATH]   run a node (iop node --dev: without a config)
     iop control-plane --config cp.yaml [--ready-file PATH]   run a control-plane
-    iop runs ls [--status S] [--model M] [--since 1h] [--limit N] [--json]   the run history
+    iop runs ls [--status S] [--model M] [--since 1h] [--limit N] [--json]   the node's run history
     iop runs show RUN_ID [--json]
+    iop runs ls|show ... --control-plane [HOST:PORT]   the control-plane's run ledger (admin cert)
     iop nodes ls [--json] | drain NODE [--reason R] | undrain NODE   operate a control-plane (admin cert)
     iop policy show | apply FILE          the control-plane's policy in force; replace it
     iop version, iop --version
@@ -67,12 +68,20 @@ def _control_plane(args: argparse.Namespace) -> int:
 
 
 def _runs_ls(args: argparse.Namespace) -> int:
+    if args.control_plane is not None:
+        from iop_cli.ops import runs_ls as ledger_ls
+
+        return asyncio.run(ledger_ls(args))
     from iop_cli.runs import ls
 
     return asyncio.run(ls(args))
 
 
 def _runs_show(args: argparse.Namespace) -> int:
+    if args.control_plane is not None:
+        from iop_cli.ops import runs_show as ledger_show
+
+        return asyncio.run(ledger_show(args))
     from iop_cli.runs import show
 
     return asyncio.run(show(args))
@@ -135,6 +144,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     control_plane.set_defaults(run=_control_plane)
 
+    _runs_parsers(commands, common, state_dir, state_help)
+    _ops_parsers(commands, common, state_dir)
+
+    commands.add_parser("version", help="print the version").set_defaults(run=_version)
+    return parser
+
+
+def _runs_parsers(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+    common: argparse.ArgumentParser,
+    state_dir: Path,
+    state_help: str,
+) -> None:
+    """``iop runs ls|show``: a node's run history, or with ``--control-plane`` the control-plane's ledger."""
     runs = commands.add_parser("runs", help="the run history").add_subparsers(dest="runs_command", required=True)
     for name, helptext in (("ls", "list runs, newest first"), ("show", "every field of one run")):
         sub = runs.add_parser(name, parents=[common], help=helptext)
@@ -142,19 +165,27 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--config", type=Path, help="node settings to take store_path from")
         sub.add_argument("--dir", type=Path, default=state_dir, help=f"{state_help}: its node.yaml's store_path")
         sub.add_argument("--json", action="store_true", help="print JSON instead of text")
+        sub.add_argument(
+            "--control-plane",
+            nargs="?",
+            const=os.environ.get("IOP_CONTROL_PLANE", "127.0.0.1:7400"),
+            metavar="HOST:PORT",
+            help="read the control-plane's run ledger instead, over IOP with the admin certificate "
+            "(default address: $IOP_CONTROL_PLANE, else 127.0.0.1:7400)",
+        )
+        sub.add_argument("--certs", type=Path, metavar="DIR", help="with --control-plane: admin.crt, admin.key, ca.crt")
+        sub.add_argument("--server-name", default="localhost", metavar="NAME", help="with --control-plane: its name")
     ls, show = runs.choices["ls"], runs.choices["show"]
-    ls.add_argument("--status", help="running, completed, failed, cancelled or interrupted")
+    ls.add_argument(
+        "--status", help="running, completed, failed, cancelled or interrupted (ledger: completed, failed, cancelled)"
+    )
     ls.add_argument("--model")
+    ls.add_argument("--node", help="with --control-plane: only runs tried on this node")
     ls.add_argument("--since", help="ISO time, or a duration back from now: 30s, 10m, 2h, 7d")
     ls.add_argument("--limit", type=int, default=50, help="at most this many runs, newest first (default 50)")
     ls.set_defaults(run=_runs_ls)
     show.add_argument("run_id")
     show.set_defaults(run=_runs_show)
-
-    _ops_parsers(commands, common, state_dir)
-
-    commands.add_parser("version", help="print the version").set_defaults(run=_version)
-    return parser
 
 
 def _ops_parsers(

@@ -1,4 +1,5 @@
-"""``iop nodes ls|drain|undrain`` and ``iop policy show|apply``: operate a control-plane over IOP.
+"""``iop nodes ls|drain|undrain``, ``iop policy show|apply`` and ``iop runs ls|show --control-plane``:
+operate a control-plane over IOP.
 
 Each command dials the control-plane (``--control-plane HOST:PORT``, default
 ``$IOP_CONTROL_PLANE`` or ``127.0.0.1:7400``) with mTLS as an admin: ``admin.crt``,
@@ -21,12 +22,26 @@ import time
 from pathlib import Path
 from typing import Any
 
+from google.protobuf.duration_pb2 import Duration
+
+from iop_control_plane.ledger import MAX_LIST, STATUSES
 from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_node.history import parse_since
+from iop_wire import code_name
 from iop_wire.endpoint import dial
 from iop_wire.errors import IopError
 from iop_wire.tls import TlsConfig
 
-__all__ = ["DEFAULT_CONTROL_PLANE", "nodes_drain", "nodes_ls", "nodes_undrain", "policy_apply", "policy_show"]
+__all__ = [
+    "DEFAULT_CONTROL_PLANE",
+    "nodes_drain",
+    "nodes_ls",
+    "nodes_undrain",
+    "policy_apply",
+    "policy_show",
+    "runs_ls",
+    "runs_show",
+]
 
 DEFAULT_CONTROL_PLANE = "127.0.0.1:7400"
 _TIMEOUT = 10.0
@@ -70,6 +85,16 @@ async def policy_show(args: argparse.Namespace) -> int:
 async def policy_apply(args: argparse.Namespace) -> int:
     """Send a policy file; prints the version now in force."""
     return await _guarded(args, "policy", _policy_apply)
+
+
+async def runs_ls(args: argparse.Namespace) -> int:
+    """Runs from the control-plane's ledger, newest first, as a table or JSON."""
+    return await _guarded(args, "runs", _runs_ls)
+
+
+async def runs_show(args: argparse.Namespace) -> int:
+    """Every field of one run from the control-plane's ledger, with its attempts."""
+    return await _guarded(args, "runs", _runs_show)
 
 
 async def _guarded(args: argparse.Namespace, command: str, action: Any) -> int:
@@ -132,6 +157,43 @@ async def _policy_apply(args: argparse.Namespace) -> int:
             raise
         raise _Failed(f"{path} refused: {exc}", 2) from None
     print(f"policy {applied.version} in force (from {path})")
+    return 0
+
+
+async def _runs_ls(args: argparse.Namespace) -> int:
+    if args.status and args.status not in STATUSES:
+        raise _Failed(f"unknown status {args.status!r}; valid: {', '.join(STATUSES)}", 2)
+    if not 1 <= args.limit <= MAX_LIST:
+        raise _Failed(f"--limit must be from 1 to {MAX_LIST}, not {args.limit}", 2)
+    query = pb.RunsList(status=args.status or "", model=args.model or "", node_id=args.node or "", limit=args.limit)
+    if args.since:
+        try:
+            query.since.FromDatetime(parse_since(args.since))
+        except ValueError as exc:
+            raise _Failed(str(exc), 2) from None
+    listed = (await _ask(args, pb.Envelope(runs_list=query))).runs_listed
+    runs = [_run_dict(run) for run in listed.runs]
+    print(json.dumps(runs, indent=2) if args.json else _runs_table(runs))
+    if listed.more:
+        print(f"iop runs: showing the newest {args.limit} runs; more match (--limit N shows more)", file=sys.stderr)
+    return 0
+
+
+async def _runs_show(args: argparse.Namespace) -> int:
+    listed = (await _ask(args, pb.Envelope(runs_list=pb.RunsList(run_id=args.run_id, limit=1)))).runs_listed
+    if not listed.runs:
+        print(f"iop runs: no run {args.run_id!r} in the control-plane's ledger", file=sys.stderr)
+        return 1
+    run = _run_dict(listed.runs[0])
+    if args.json:
+        print(json.dumps(run, indent=2))
+    else:
+        print("\n".join(f"{key}: {_text(value)}" for key, value in run.items() if key != "attempts"))
+        print("attempts:")
+        for number, attempt in enumerate(run["attempts"], 1):
+            print(f"  {number}. " + ", ".join(f"{key}={_text(value)}" for key, value in attempt.items()))
+    if listed.more:
+        print(f"iop runs: other requesters also used the id {args.run_id!r}; this is the newest", file=sys.stderr)
     return 0
 
 
@@ -225,5 +287,75 @@ def _table(nodes: list[dict[str, Any]]) -> str:
     )
 
 
-def _iso(seconds: float) -> str:
-    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat(timespec="seconds")
+def _run_dict(run: pb.LedgerRun) -> dict[str, Any]:
+    return {
+        "run_id": run.run_id,
+        "received_at": _iso(run.received_at.ToNanoseconds() / 1e9, "milliseconds"),
+        "requester": run.requester,
+        "connection": run.connection,
+        "caller": run.caller,
+        "model": run.model,
+        "node_id": run.node_id,
+        "status": run.status,
+        "error_code": code_name(run.error_code) if run.error_code else "",
+        "error_message": run.error_message,
+        "ttft_ms": _ms(run.ttft) if run.HasField("ttft") else None,
+        "duration_ms": _ms(run.duration),
+        "prompt_tokens": run.usage.prompt_tokens,
+        "completion_tokens": run.usage.completion_tokens,
+        "usage_estimated": run.usage.estimated,
+        "finish_reason": pb.FinishReason.Name(run.finish_reason).removeprefix("FINISH_REASON_").lower()
+        if run.finish_reason
+        else "",
+        "outputs": run.outputs,
+        "attempts": [
+            {
+                "node_id": attempt.node_id,
+                "model": attempt.model,
+                "outcome": attempt.outcome,
+                "reason": attempt.reason,
+                "started_after_ms": _ms(attempt.started_after),
+                "duration_ms": _ms(attempt.duration),
+            }
+            for attempt in run.attempts
+        ],
+    }
+
+
+def _runs_table(runs: list[dict[str, Any]]) -> str:
+    if not runs:
+        return "no runs"
+    header = ("RECEIVED", "RUN", "CALLER", "MODEL", "NODE", "STATUS", "TRIES", "TTFT-MS", "MS", "TOKENS", "ERROR")
+    rows = [header]
+    for run in runs:
+        tokens = f"{run['prompt_tokens']}/{run['completion_tokens']}" + ("~" if run["usage_estimated"] else "")
+        rows.append(
+            (
+                run["received_at"][:19] + "Z",
+                run["run_id"],
+                run["caller"] or "-",
+                run["model"],
+                run["node_id"] or "-",
+                run["status"],
+                str(len(run["attempts"])),
+                _text(run["ttft_ms"]),
+                _text(run["duration_ms"]),
+                tokens,
+                run["error_code"] or "-",
+            )
+        )
+    widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
+    lines = ("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows)
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _ms(duration: Duration) -> float:
+    return round(duration.ToNanoseconds() / 1e6, 3)
+
+
+def _text(value: object) -> str:
+    return "-" if value is None or value == "" else str(value)
+
+
+def _iso(seconds: float, timespec: str = "seconds") -> str:
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat(timespec=timespec)

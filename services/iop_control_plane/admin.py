@@ -1,4 +1,5 @@
-"""Operations an admin certificate may ask for: list, drain and undrain nodes; show and apply policy.
+"""Operations an admin certificate may ask for: list, drain and undrain nodes; show and apply policy;
+list runs from the ledger.
 
 A drain is kept in the control-plane only: no new runs go to the node, its runs in flight
 finish, and ``nodes.undrain`` lifts it (the node is not sent ``node.drain``, which it could not
@@ -8,6 +9,7 @@ take back). A drain holds across the node's reconnections.
 from __future__ import annotations
 
 import hashlib
+import sqlite3
 import time
 from pathlib import Path
 
@@ -54,6 +56,7 @@ class Operations:
             "nodes_undrain": self.nodes_undrain,
             "policy_show": self.policy_show,
             "policy_apply": self.policy_apply,
+            "runs_list": self.runs_list,
         }
 
     async def nodes_list(self, inbound: Inbound) -> None:
@@ -79,6 +82,17 @@ class Operations:
             self.sessions.mark(node.node_id, NodeState.READY, message.reason or f"undrained by {inbound.peer.name}")
         done = pb.OperationDone(message=f"node {node.node_id} {node.state.value}")
         await inbound.reply(pb.Envelope(operation_done=done))
+
+    async def runs_list(self, inbound: Inbound) -> None:
+        """Runs from the ledger, newest first (what is committed: the writer batches)."""
+        try:
+            listed = await self.sessions.store.runs(inbound.envelope.runs_list)
+        except ValueError as exc:
+            raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, str(exc)) from None
+        except sqlite3.Error as exc:
+            _log.error("ledger read failed", reason=str(exc))
+            raise IopError(pb.ERROR_CODE_INTERNAL, f"cannot read the run ledger: {exc}") from None
+        await inbound.reply(pb.Envelope(runs_listed=listed))
 
     async def policy_show(self, inbound: Inbound) -> None:
         """The policy in force."""

@@ -38,7 +38,7 @@ __all__ = ["ControlPlaneApp", "build_control_plane", "read_policy"]
 _log = structlog.get_logger("iop.control_plane")
 _ROLES = frozenset({Role.NODE, Role.EDGE, Role.WORKER, Role.ADMIN})
 _NODE_MESSAGES = ("node_register", "node_status")
-_ADMIN_MESSAGES = ("nodes_list", "nodes_drain", "nodes_undrain", "policy_show", "policy_apply")
+_ADMIN_MESSAGES = ("nodes_list", "nodes_drain", "nodes_undrain", "policy_show", "policy_apply", "runs_list")
 
 
 def read_policy(path: Path | None) -> PolicyInForce:
@@ -164,8 +164,9 @@ def build_control_plane(settings: Settings, *, policy: PolicyInForce | None = No
     policy = policy or read_policy(settings.policy_path)
     registry = Registry()
     scheduler = Scheduler(registry, load_policy(policy.text))
-    sessions = NodeSessions(registry, AuditStore(settings.store_path), heartbeat_interval=settings.heartbeat_interval)
     metrics = ControlPlaneMetrics(registry)
+    store = AuditStore(settings.store_path, max_runs=settings.ledger_max_runs, dropped=metrics.ledger_dropped)
+    sessions = NodeSessions(registry, store, heartbeat_interval=settings.heartbeat_interval)
     expose(metrics.registry)  # the wire's limits and connections, served with the control-plane's
     runs = RunRelay(
         scheduler,

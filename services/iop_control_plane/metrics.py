@@ -51,6 +51,11 @@ class ControlPlaneMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.ledger_dropped = Counter(
+            "iop_control_plane_ledger_dropped_total",
+            "Runs not recorded in the ledger because its write backlog was full.",
+            registry=self.registry,
+        )
         self.registry.register(_NodesByState(nodes))
 
     def watch_queue(self, queue: AdmissionQueue[Any]) -> None:

@@ -24,6 +24,7 @@ import time
 import structlog
 
 from iop_control_plane.admission import AdmissionQueue, Waiter
+from iop_control_plane.ledger import Attempt, LedgerEntry
 from iop_control_plane.metrics import ControlPlaneMetrics
 from iop_control_plane.nodes import NodeSessions
 from iop_control_plane.scheduler import Decision, Scheduler
@@ -82,19 +83,28 @@ class RunRelay:
         return self.default_attempts
 
     async def run(self, request: pb.RunRequest, sink: EventSink) -> None:
-        """Serve one run.request from a requester."""
+        """Serve one run.request from a requester, and record it in the ledger when it ends."""
         caller = acting_caller(sink.peer, request.caller.id)
+        entry = LedgerEntry(request.run_id, sink.peer.name, sink.connection_id, caller, request.model)
+        terminal: pb.RunEvent | None = None  # None: the requester went away
+        try:
+            terminal = await self._run(request, sink, caller, entry)
+        finally:
+            entry.outputs, entry.first_output = sink.outputs, sink.first_output_at
+            entry.ending(terminal, sink.cancel_reason)
+            self.sessions.store.run_ended(entry)
+
+    async def _run(self, request: pb.RunRequest, sink: EventSink, caller: str, entry: LedgerEntry) -> pb.RunEvent:
         log = _log.bind(run_id=request.run_id, requester=sink.connection_id, caller=caller)
         session = request.metadata.get("session") or None
         admitted = await self._admit(request, caller, session, log)
+        if isinstance(admitted, Decision) and admitted.node_id is None:
+            admitted = _refusal(admitted)
         if isinstance(admitted, IopError):
             await sink.error(admitted)
-            return
-        if admitted.node_id is None:
-            await sink.error(_refusal(admitted))
-            return
+            return pb.RunEvent(error=error_message(admitted))
         try:
-            await self._serve(request, sink, caller, session, admitted, log=log)
+            return await self._serve(request, sink, caller, session, admitted, entry=entry, log=log)
         finally:
             self.queue.ended(caller)
             self.wake()
@@ -201,46 +211,46 @@ class RunRelay:
         session: str | None,
         decision: Decision,
         *,
+        entry: LedgerEntry,
         log: structlog.typing.FilteringBoundLogger,
-    ) -> None:
-        """Run the admitted run on ``decision``'s node, failing over to others while it may."""
+    ) -> pb.RunEvent:
+        """Run the admitted run on ``decision``'s node, failing over to others while it may: its terminal event."""
         tried = set[str]()
         last: _Terminal | None = None
-        refused: Decision | None = None
         for attempt in range(1, self.attempts(request.model) + 1):
             if attempt > 1:
                 decision = self._choose(decision.model, session, caller, log, exclude=tried)
                 if decision.node_id is None:
-                    refused = decision
                     break
             node_id = decision.node_id
             assert node_id is not None
             tried.add(node_id)
-            terminal, lost = await self._attempt(request, sink, caller, decision, attempt)
+            terminal, lost = await self._attempt(request, sink, caller, decision, entry)
             if terminal[0].WhichOneof("event") == "complete":
                 await sink.forward(*terminal)
-                return
+                return terminal[0]
             error = terminal[0].error
             if sink.outputs:
-                await self._after_output(sink, terminal, node_id=node_id, lost=lost)
-                return
+                return await self._after_output(sink, terminal, node_id=node_id, lost=lost)
             if not (lost or error.retryable) or _past(request):
                 await sink.forward(*terminal)
-                return
+                return terminal[0]
             log.info("failover", node_id=node_id, attempt=attempt, code=code_name(error.code), reason=error.message)
             self.metrics.failovers.labels("connection_lost" if lost else code_name(error.code)).inc()
             last = terminal
-        if last is not None:
-            await sink.forward(*last)  # the last attempt's failure says more than "no other node"
-        elif refused is not None:
-            await sink.error(_refusal(refused))
+        assert last is not None  # the first attempt always runs
+        await sink.forward(*last)  # the last attempt's failure says more than "no other node"
+        return last[0]
 
     async def _attempt(
-        self, request: pb.RunRequest, sink: EventSink, caller: str, decision: Decision, attempt: int
+        self, request: pb.RunRequest, sink: EventSink, caller: str, decision: Decision, entry: LedgerEntry
     ) -> tuple[_Terminal, bool]:
         """Open the run on the decision's node and relay it: (its terminal event, whether the node was lost)."""
         assert decision.node_id is not None
         node_id = decision.node_id
+        record = Attempt(node_id, decision.model, time.monotonic(), outcome="cancelled")
+        entry.attempts.append(record)
+        attempt = len(entry.attempts)
         upstream = pb.RunRequest()
         upstream.CopyFrom(request)
         upstream.run_id = f"{sink.connection_id}.{request.run_id}.{attempt}"
@@ -256,18 +266,33 @@ class RunRelay:
             exc.run_id = request.run_id
             terminal = (pb.RunEvent(error=error_message(exc)), b"")
         finally:
+            record.ended = time.monotonic()
             self.scheduler.registry.finished(node_id, decision.model)
             self.wake()
-        return terminal, connection is None or connection.closed
+        lost = connection is None or connection.closed
+        record.outcome, record.reason = _outcome(terminal[0], lost)
+        return terminal, lost
 
-    async def _after_output(self, sink: EventSink, terminal: _Terminal, *, node_id: str, lost: bool) -> None:
+    async def _after_output(self, sink: EventSink, terminal: _Terminal, *, node_id: str, lost: bool) -> pb.RunEvent:
         if not lost:
             await sink.forward(*terminal)
-            return
+            return terminal[0]
         _log.warning("node lost mid-run", node_id=node_id, run_id=sink.run_id, outputs=sink.outputs)
         self.metrics.node_lost.inc()
         message = f"node {node_id} was lost after {sink.outputs} output(s); send the run again"
-        await sink.error(IopError(pb.ERROR_CODE_NODE_LOST, message, retryable=True))
+        error = IopError(pb.ERROR_CODE_NODE_LOST, message, retryable=True)
+        await sink.error(error)
+        return pb.RunEvent(error=error_message(error))
+
+
+def _outcome(event: pb.RunEvent, lost: bool) -> tuple[str, str]:
+    """An attempt's outcome and reason for the ledger, from its terminal event."""
+    if event.WhichOneof("event") == "complete":
+        return "completed", ""
+    reason = f"{code_name(event.error.code)}: {event.error.message}"
+    if lost:
+        return "node_lost", reason
+    return ("cancelled" if event.error.code == pb.ERROR_CODE_CANCELLED else "failed"), reason
 
 
 def _refusal(decision: Decision) -> IopError:

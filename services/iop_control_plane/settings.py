@@ -52,7 +52,9 @@ class Settings(BaseSettings):
     max_frame_size: int = Field(DEFAULT_MAX_FRAME_SIZE, ge=1024)
     """Largest frame accepted, bytes."""
     store_path: Path = Path(".iop/control-plane.db")
-    """SQLite file of the node audit (nodes, state changes)."""
+    """SQLite file of the node audit (nodes, state changes) and the run ledger."""
+    ledger_max_runs: int = Field(1_000_000, ge=1)
+    """Runs the ledger (in ``store_path``) keeps; older ones are deleted."""
     policy_path: Path | None = None
     """The policy file (YAML) in force at start; unset: the default policy."""
     attempts: int = Field(3, ge=1, le=10)

@@ -1,6 +1,8 @@
-"""The node audit in SQLite: every node seen (labels, address, models, first and last seen) and
-every state change with its reason. Writes are queued and committed in batches by one
-background task, off the paths that serve runs and reports.
+"""The control-plane's SQLite file: the node audit (every node seen, with labels, address,
+models, first and last seen, and every state change with its reason) and the run ledger
+(:mod:`iop_control_plane.ledger`). Writes are queued and committed in batches by one background
+task, off the paths that serve runs and reports. The ledger's queue is bounded: when the disk
+cannot keep up, runs beyond ``backlog`` are not recorded (counted, and logged once a second).
 """
 
 from __future__ import annotations
@@ -13,6 +15,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import structlog
+from prometheus_client import Counter
+
+from iop_control_plane import ledger
+from iop_control_plane.ledger import LedgerEntry
+from iop_gen.pb.iop import runtime_pb2 as pb
 
 __all__ = ["AuditStore"]
 
@@ -30,14 +37,26 @@ INSERT INTO nodes (node_id, labels, address, models, first_seen, last_seen) VALU
 ON CONFLICT (node_id) DO UPDATE SET labels = excluded.labels, address = excluded.address,
     models = excluded.models, last_seen = excluded.last_seen
 """
-_Write = tuple[str, tuple[object, ...]]
+_Write = tuple[str, tuple[object, ...]] | LedgerEntry
+_PRUNE_EVERY = 1000
+"""Runs recorded between two prunes of the ledger."""
 
 
 class AuditStore:
     """Nodes and their state changes; ``first_seen`` is kept in memory for ``nodes.list``."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(
+        self, path: Path, *, max_runs: int = 1_000_000, backlog: int = 10_000, dropped: Counter | None = None
+    ) -> None:
         self.path = path
+        self.max_runs = max_runs
+        """Runs the ledger keeps; older ones are pruned."""
+        self.backlog = backlog
+        """Runs that may wait to be written; more are not recorded."""
+        self._dropped = dropped
+        self._queued_runs = 0
+        self._since_prune = 0
+        self._last_drop_log = 0.0
         self.first_seen: dict[str, float] = {}
         """Node id -> when it first registered (from the file, across restarts)."""
         self._db: sqlite3.Connection | None = None
@@ -78,6 +97,24 @@ class AuditStore:
         """A node changed state."""
         self._queue("INSERT INTO node_events VALUES (?, ?, ?, ?)", (node_id, time.time(), state, reason))
 
+    def run_ended(self, entry: LedgerEntry) -> None:
+        """Record a run in the ledger (dropped, counted and logged when the backlog is full)."""
+        if self._queued_runs >= self.backlog:
+            if self._dropped is not None:
+                self._dropped.inc()
+            now = time.monotonic()
+            if now - self._last_drop_log >= 1.0:
+                self._last_drop_log = now
+                _log.warning("ledger backlog full: run not recorded", run_id=entry.run_id, backlog=self.backlog)
+            return
+        self._queued_runs += 1
+        self._pending.append(entry)
+        self._wake.set()
+
+    async def runs(self, request: pb.RunsList) -> pb.RunsListed:
+        """The ledger's runs that ``request`` asks for (read in a thread, on a connection of its own)."""
+        return await asyncio.to_thread(ledger.query, self.path, request)
+
     def events(self, node_id: str) -> list[tuple[str, str]]:
         """(state, reason) of a node's committed changes, oldest first (for tests and tools)."""
         assert self._db is not None
@@ -90,6 +127,7 @@ class AuditStore:
 
     def _take(self) -> list[_Write]:
         batch, self._pending = self._pending, []
+        self._queued_runs = 0
         return batch
 
     async def _write_loop(self) -> None:
@@ -106,12 +144,20 @@ class AuditStore:
     def _connect(self) -> sqlite3.Connection:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(self.path, check_same_thread=False)
-        db.executescript(_SCHEMA)
+        db.execute("PRAGMA journal_mode=WAL")  # readers (runs.list) never wait for the writer
+        db.executescript(_SCHEMA + ledger.SCHEMA)
         return db
 
     def _commit(self, batch: list[_Write]) -> None:
         if not batch or self._db is None:
             return
         with self._db:
-            for sql, params in batch:
-                self._db.execute(sql, params)
+            for write in batch:
+                if isinstance(write, LedgerEntry):
+                    ledger.insert(self._db, write)
+                    self._since_prune += 1
+                else:
+                    self._db.execute(*write)
+            if self._since_prune >= _PRUNE_EVERY:
+                self._since_prune = 0
+                ledger.prune(self._db, self.max_runs)

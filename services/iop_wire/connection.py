@@ -35,7 +35,7 @@ from iop_wire.handler import ConnectionConfig, Handler, Inbound, MessageHandler,
 from iop_wire.liveness import Liveness, Verdict
 from iop_wire.logs import library_logger
 from iop_wire.messages import error_envelope, error_message
-from iop_wire.metrics import CONNECTIONS, LIMIT_HITS, PEERS_LOST
+from iop_wire.metrics import CONNECTIONS, LIMIT_HITS, PEERS_LOST, PROTOCOL_VIOLATIONS
 from iop_wire.runs import TERMINAL_EVENTS, EventSink, RunStream
 from iop_wire.tls import ANONYMOUS, PeerIdentity
 
@@ -418,8 +418,9 @@ class Connection:
 
     async def _on_run_event(self, envelope: pb.Envelope, body: bytes) -> None:
         stream = self._streams.get(envelope.run_id)
-        if stream is None:
-            return  # a late event of a run already ended here
+        if stream is None:  # a run never opened here, or one whose terminal event came: delivered to no one
+            self._violation("run_event_for_unknown_run", "event dropped: no such run", run_id=envelope.run_id)
+            return
         event = envelope.run_event
         if event.WhichOneof("event") in TERMINAL_EVENTS:
             del self._streams[envelope.run_id]
@@ -538,9 +539,17 @@ class Connection:
             if not self.closed:
                 await self._reject(envelope, pb.ERROR_CODE_INTERNAL, "internal error")
 
+    def _violation(self, kind: str, event: str, **fields: object) -> None:
+        """Count a protocol violation by the peer; logged like a limit hit (at most once a second)."""
+        PROTOCOL_VIOLATIONS.labels(kind).inc()
+        self._rate_limited_log(kind, event, **fields)
+
     def _limit_hit(self, name: str, event: str, **fields: object) -> None:
         """Count a limit that bit; log it at most once a second per connection, with what was not logged."""
         LIMIT_HITS.labels(name).inc()
+        self._rate_limited_log(name, event, **fields)
+
+    def _rate_limited_log(self, name: str, event: str, **fields: object) -> None:
         now = self._loop.time()
         last, unlogged = self._limit_logs.get(name, (-_LOG_EVERY, 0))
         if now - last < _LOG_EVERY:

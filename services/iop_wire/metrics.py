@@ -33,6 +33,13 @@ PEERS_LOST = Counter(
     ["reason"],
     registry=REGISTRY,
 )
+PROTOCOL_VIOLATIONS = Counter(
+    "iop_wire_protocol_violations_total",
+    "Envelopes dropped because the peer broke the protocol, by kind (run_event_for_unknown_run: a run "
+    "it was not given, or one already ended).",
+    ["kind"],
+    registry=REGISTRY,
+)
 
 
 class _Bridge(Collector):

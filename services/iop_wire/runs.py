@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Protocol
@@ -147,6 +148,7 @@ class EventSink:
         "_start",
         "cancel_reason",
         "finished",
+        "first_output_at",
         "outputs",
         "run_id",
         "started",
@@ -164,6 +166,8 @@ class EventSink:
         """True once a start event was sent."""
         self.outputs = 0
         """Delta events sent so far."""
+        self.first_output_at: float | None = None
+        """time.monotonic() when the first delta was sent."""
         self.cancel_reason = ""
         """Why the run was cancelled, when it was."""
 
@@ -259,9 +263,12 @@ class EventSink:
         terminal = kind in TERMINAL_EVENTS
         self.finished = terminal
         self.started = True
+        first = False
         if kind == "delta":
             self.outputs += 1
-        await self._connection.send_frame(frame, urgent=terminal or (self.outputs == 1 and kind == "delta"))
+            if first := self.outputs == 1:
+                self.first_output_at = time.monotonic()
+        await self._connection.send_frame(frame, urgent=terminal or first)
 
     # -- numbering and framing ----------------------------------------------------------------
 
@@ -278,11 +285,14 @@ class EventSink:
             await self._send_split(envelope.run_event.delta)
             return
         self.finished = terminal
+        first = False
         if not terminal:
             self.outputs += 1
+            if first := self.outputs == 1:
+                self.first_output_at = time.monotonic()
         # The first output and the end are waited for: they skip the turn's batching. start is
         # not: it goes out while the adapter waits for its backend.
-        await self._connection.send_frame(frame, urgent=terminal or self.outputs == 1)
+        await self._connection.send_frame(frame, urgent=terminal or first)
 
     async def _send_split(self, delta: pb.RunDelta) -> None:
         """Send a delta too large for one frame as several, each as large as fits."""
@@ -300,7 +310,9 @@ class EventSink:
                 await self._send_split(part)
                 continue
             self.outputs += 1
-            await self._connection.send_frame(frame, urgent=self.outputs == 1)
+            if first := self.outputs == 1:
+                self.first_output_at = time.monotonic()
+            await self._connection.send_frame(frame, urgent=first)
 
     def _framed(self, envelope: pb.Envelope, *, numbered: bool = True) -> bytearray:
         """``envelope`` numbered next in this run and framed; the number is taken only if it fits."""

@@ -233,8 +233,16 @@ async def test_retryable_refusal_fails_over_and_stray_events_are_dropped(pki: Pk
         with node_processes(pki, tmp_path, _port(app), "node-a"):
             await all_ready(app, "node-a")
             busy_connection = await busy.register(app, pki)
+            violations = {"kind": "run_event_for_unknown_run"}
+            before = app.metrics.registry.get_sample_value("iop_wire_protocol_violations_total", violations) or 0
             stray = pb.Envelope(run_id="not-given", run_event=pb.RunEvent(delta=pb.RunDelta(text="injected")))
-            await busy_connection.send(stray)  # a run it was not given: dropped, reaches nobody
+            await busy_connection.send(stray)  # a run it was not given: dropped, counted, reaches nobody
+            await assert_eventually(
+                lambda: (
+                    app.metrics.registry.get_sample_value("iop_wire_protocol_violations_total", violations)
+                    == before + 1
+                )
+            )
             edge = await client(app, pki)
             for index in range(4):
                 events = await collect(await edge.open_run(chat(run_id=f"r{index}")))

@@ -11,14 +11,17 @@ import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from conftest import Pki, assert_eventually
 from cp_helpers import IOP, node_processes
+from node_helpers import chat, collect, kinds
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.endpoint import dial
+from iop_wire.errors import IopError
 from iop_wire.tls import Role
 
 FIRST = "defaults: {policy: round-robin}\n"
@@ -186,3 +189,124 @@ async def test_errors_are_one_line(cp: ControlPlane, pki: Pki, tmp_path: Path) -
 
     code, _, err = await _iop(cp, "policy", "apply", str(tmp_path / "missing.yaml"))
     assert code == 2 and "cannot read" in err and len(err.splitlines()) == 1
+
+
+async def _ledger(cp: ControlPlane, *args: str) -> list[dict[str, Any]]:
+    code, out, err = await _iop(cp, "runs", "ls", "--json", *args)
+    assert code == 0, err
+    runs: list[dict[str, Any]] = json.loads(out)
+    return runs
+
+
+async def _four_runs(cp: ControlPlane, pki: Pki, tmp_path: Path) -> str:
+    """Completed, cancelled, refused, and failed over from the node killed (returned) before its first token."""
+    with node_processes(pki, tmp_path, cp.port, "node-a", "node-b") as processes:
+        edge_tls = pki.config("edge-1", Role.EDGE)
+        async with dial("127.0.0.1", cp.port, tls=edge_tls, server_hostname="localhost") as edge:
+            for _ in range(400):  # both nodes registered
+                if len((await edge.capabilities()).adapters) and await _both_ready(cp, pki):
+                    break
+                await asyncio.sleep(0.05)
+            done = await collect(await edge.open_run(chat(run_id="ok-1", caller=pb.Caller(id="alice"))))
+            assert kinds(done)[-1] == "complete"
+
+            slow = await edge.open_run(chat(model="mock-slow", run_id="cancel-1"))
+            assert [kinds([await anext(slow)]) for _ in range(2)] == [["start"], ["delta"]]
+            await slow.cancel("enough")
+            assert kinds(await collect(slow))[-1] == "error"
+
+            refused = await collect(await edge.open_run(chat(model="no-such-model", run_id="nope")))
+            assert refused[-1].error.code == pb.ERROR_CODE_MODEL_NOT_FOUND
+
+            moved = await edge.open_run(chat(model="mock-ttft", run_id="moved"))  # 1 s to its first token
+            start = await anext(moved)
+            first = start.start.node_id
+            processes[first].kill()
+            events = [start, *await collect(moved)]
+            assert kinds(events)[-1] == "complete" and kinds(events).count("start") == 1
+
+            # An edge may submit runs but not read the ledger.
+            with pytest.raises(IopError) as denied:
+                await edge.request(pb.Envelope(runs_list=pb.RunsList()))
+            assert denied.value.code == pb.ERROR_CODE_PERMISSION_DENIED
+
+    return first
+
+
+async def test_the_run_ledger_records_every_run_and_iop_runs_reads_it(
+    cp: ControlPlane, pki: Pki, tmp_path: Path
+) -> None:
+    first = await _four_runs(cp, pki, tmp_path)
+    other = "node-b" if first == "node-a" else "node-a"
+    runs: list[dict[str, Any]] = []
+    for _ in range(100):  # the ledger is written in batches, off the relay's path
+        if len(runs := await _ledger(cp)) == 4:
+            break
+        await asyncio.sleep(0.1)
+    assert [run["run_id"] for run in runs] == ["moved", "nope", "cancel-1", "ok-1"]  # newest first
+    by_id = {run["run_id"]: run for run in runs}
+
+    ok = by_id["ok-1"]
+    assert (ok["status"], ok["requester"], ok["caller"], ok["model"]) == ("completed", "edge-1", "alice", "mock-small")
+    assert ok["completion_tokens"] > 0 and ok["finish_reason"] == "stop" and ok["outputs"] > 0
+    assert 0 < ok["ttft_ms"] <= ok["duration_ms"]
+    assert [a["outcome"] for a in ok["attempts"]] == ["completed"] and ok["node_id"] == ok["attempts"][0]["node_id"]
+
+    cancelled = by_id["cancel-1"]
+    assert (cancelled["status"], cancelled["error_code"]) == ("cancelled", "CANCELLED")
+    assert [a["outcome"] for a in cancelled["attempts"]] == ["cancelled"]
+
+    nope = by_id["nope"]
+    assert (nope["status"], nope["error_code"], nope["attempts"], nope["node_id"]) == (
+        "failed",
+        "MODEL_NOT_FOUND",
+        [],
+        "",
+    )
+    assert nope["ttft_ms"] is None
+
+    failover = by_id["moved"]
+    assert failover["status"] == "completed" and failover["node_id"] == other
+    assert [(a["node_id"], a["outcome"]) for a in failover["attempts"]] == [(first, "node_lost"), (other, "completed")]
+    assert (
+        failover["attempts"][0]["reason"].startswith("NODE_LOST") or "connection" in failover["attempts"][0]["reason"]
+    )
+    assert failover["ttft_ms"] >= 1000 and failover["completion_tokens"] == 5  # mock-ttft: 1 s, then 5 tokens
+
+    assert [run["run_id"] for run in await _ledger(cp, "--status", "cancelled")] == ["cancel-1"]
+    assert [run["run_id"] for run in await _ledger(cp, "--model", "mock-ttft")] == ["moved"]
+    assert "moved" in [run["run_id"] for run in await _ledger(cp, "--node", first)]
+    assert all(first in [a["node_id"] for a in run["attempts"]] for run in await _ledger(cp, "--node", first))
+    assert [run["run_id"] for run in await _ledger(cp, "--limit", "2")] == ["moved", "nope"]
+
+    await _ledger_text(cp, first, other)
+
+
+async def _ledger_text(cp: ControlPlane, first: str, other: str) -> None:
+    """The same ledger as text, and bad arguments as one line."""
+    code, out, err = await _iop(cp, "runs", "ls")
+    assert code == 0, err
+    header, *rows = out.splitlines()
+    assert header.split()[:6] == ["RECEIVED", "RUN", "CALLER", "MODEL", "NODE", "STATUS"] and len(rows) == 4
+    code, out, err = await _iop(cp, "runs", "show", "moved")
+    assert code == 0, err
+    assert "status: completed" in out and "attempts:" in out and f"1. node_id={first}, " in out
+    assert f"2. node_id={other}, model=mock-ttft, outcome=completed" in out
+
+    code, out, err = await _iop(cp, "runs", "show", "never")
+    assert (code, out) == (1, "") and "no run 'never'" in err
+    code, out, err = await _iop(cp, "runs", "ls", "--status", "running")
+    assert (
+        code == 2
+        and out == ""
+        and err.strip() == ("iop runs: unknown status 'running'; valid: completed, failed, cancelled")
+    )
+    code, _, err = await _iop(cp, "runs", "ls", "--since", "yesterday")
+    assert code == 2 and "cannot read since 'yesterday'" in err and len(err.splitlines()) == 1
+
+
+async def _both_ready(cp: ControlPlane, pki: Pki) -> bool:
+    tls = pki.config("ops", Role.ADMIN)
+    async with dial("127.0.0.1", cp.port, tls=tls, server_hostname="localhost") as admin:
+        listed = (await admin.request(pb.Envelope(nodes_list=pb.NodesList()))).nodes_listed
+    return [node.state for node in listed.nodes] == [pb.NODE_STATE_READY] * 2

@@ -24,7 +24,7 @@ export declare const file_iop_runtime: GenFile;
  * The unit of exchange. The message type is the name of the `body` oneof
  * field that is set, with "_" read as ".": run_request is "run.request",
  * capability_response is "capability.response", node_drain is "node.drain",
- * nodes_list is "nodes.list".
+ * nodes_list is "nodes.list", runs_list is "runs.list".
  * A receiver that finds no body set (for example a field number it does not
  * know) answers with an Error of code ERROR_CODE_UNKNOWN_MESSAGE_TYPE.
  *
@@ -236,6 +236,22 @@ export declare type Envelope = Message<"iop.Envelope"> & {
      */
     value: PolicyShown;
     case: "policyShown";
+  } | {
+    /**
+     * runs.list: an admin asks the control-plane for runs from its ledger.
+     *
+     * @generated from field: iop.RunsList runs_list = 30;
+     */
+    value: RunsList;
+    case: "runsList";
+  } | {
+    /**
+     * runs.listed: the answer to runs.list.
+     *
+     * @generated from field: iop.RunsListed runs_listed = 31;
+     */
+    value: RunsListed;
+    case: "runsListed";
   } | { case: undefined; value?: undefined };
 };
 
@@ -1810,6 +1826,270 @@ export declare type PolicyShown = Message<"iop.PolicyShown"> & {
  * Use `create(PolicyShownSchema)` to create a new message.
  */
 export declare const PolicyShownSchema: GenMessage<PolicyShown>;
+
+/**
+ * runs.list: runs from the control-plane's ledger, newest first. Answered by
+ * runs.listed. Filters left empty match every run.
+ *
+ * @generated from message iop.RunsList
+ */
+export declare type RunsList = Message<"iop.RunsList"> & {
+  /**
+   * Only runs whose requester-chosen id is this one (every requester's).
+   *
+   * @generated from field: string run_id = 1;
+   */
+  runId: string;
+
+  /**
+   * Only runs with this final status: "completed", "failed" or "cancelled".
+   * Anything else is answered with ERROR_CODE_INVALID_ARGUMENT.
+   *
+   * @generated from field: string status = 2;
+   */
+  status: string;
+
+  /**
+   * Only runs of this model, as requested.
+   *
+   * @generated from field: string model = 3;
+   */
+  model: string;
+
+  /**
+   * Only runs received at or after this time.
+   *
+   * @generated from field: google.protobuf.Timestamp since = 4;
+   */
+  since?: Timestamp | undefined;
+
+  /**
+   * At most this many runs; 0 means 50. The control-plane caps it at 1000.
+   *
+   * @generated from field: uint32 limit = 5;
+   */
+  limit: number;
+
+  /**
+   * Only runs placed, on some attempt, on this node.
+   *
+   * @generated from field: string node_id = 6;
+   */
+  nodeId: string;
+};
+
+/**
+ * Describes the message iop.RunsList.
+ * Use `create(RunsListSchema)` to create a new message.
+ */
+export declare const RunsListSchema: GenMessage<RunsList>;
+
+/**
+ * runs.listed: the answer to runs.list.
+ *
+ * @generated from message iop.RunsListed
+ */
+export declare type RunsListed = Message<"iop.RunsListed"> & {
+  /**
+   * The runs, newest first.
+   *
+   * @generated from field: repeated iop.LedgerRun runs = 1;
+   */
+  runs: LedgerRun[];
+
+  /**
+   * True when more runs match than were sent.
+   *
+   * @generated from field: bool more = 2;
+   */
+  more: boolean;
+};
+
+/**
+ * Describes the message iop.RunsListed.
+ * Use `create(RunsListedSchema)` to create a new message.
+ */
+export declare const RunsListedSchema: GenMessage<RunsListed>;
+
+/**
+ * One run the control-plane placed (or refused), as its ledger records it.
+ *
+ * @generated from message iop.LedgerRun
+ */
+export declare type LedgerRun = Message<"iop.LedgerRun"> & {
+  /**
+   * The id its requester chose (scoped to the requester's connection).
+   *
+   * @generated from field: string run_id = 1;
+   */
+  runId: string;
+
+  /**
+   * The certificate name of the peer that sent the run.request.
+   *
+   * @generated from field: string requester = 2;
+   */
+  requester: string;
+
+  /**
+   * The requester's connection: the scope of run_id.
+   *
+   * @generated from field: string connection = 3;
+   */
+  connection: string;
+
+  /**
+   * Who the run is attributed to (the requester, or the caller it named).
+   *
+   * @generated from field: string caller = 4;
+   */
+  caller: string;
+
+  /**
+   * The model as requested (before alias and route resolution).
+   *
+   * @generated from field: string model = 5;
+   */
+  model: string;
+
+  /**
+   * The node of the last attempt; empty if the run was never placed.
+   *
+   * @generated from field: string node_id = 6;
+   */
+  nodeId: string;
+
+  /**
+   * "completed", "failed" or "cancelled".
+   *
+   * @generated from field: string status = 7;
+   */
+  status: string;
+
+  /**
+   * Why it failed or was cancelled.
+   *
+   * @generated from field: iop.ErrorCode error_code = 8;
+   */
+  errorCode: ErrorCode;
+
+  /**
+   * The error's message.
+   *
+   * @generated from field: string error_message = 9;
+   */
+  errorMessage: string;
+
+  /**
+   * When the control-plane received the run.request.
+   *
+   * @generated from field: google.protobuf.Timestamp received_at = 10;
+   */
+  receivedAt?: Timestamp | undefined;
+
+  /**
+   * From received_at to the first delta relayed; unset if none was.
+   *
+   * @generated from field: google.protobuf.Duration ttft = 11;
+   */
+  ttft?: Duration | undefined;
+
+  /**
+   * From received_at to the terminal event.
+   *
+   * @generated from field: google.protobuf.Duration duration = 12;
+   */
+  duration?: Duration | undefined;
+
+  /**
+   * Token counts, from the node's run.complete.
+   *
+   * @generated from field: iop.Usage usage = 13;
+   */
+  usage?: Usage | undefined;
+
+  /**
+   * Why generation stopped, for a completed run.
+   *
+   * @generated from field: iop.FinishReason finish_reason = 14;
+   */
+  finishReason: FinishReason;
+
+  /**
+   * Deltas relayed to the requester.
+   *
+   * @generated from field: uint32 outputs = 15;
+   */
+  outputs: number;
+
+  /**
+   * Each node the run was tried on, in order.
+   *
+   * @generated from field: repeated iop.LedgerAttempt attempts = 16;
+   */
+  attempts: LedgerAttempt[];
+};
+
+/**
+ * Describes the message iop.LedgerRun.
+ * Use `create(LedgerRunSchema)` to create a new message.
+ */
+export declare const LedgerRunSchema: GenMessage<LedgerRun>;
+
+/**
+ * One attempt of a run on a node.
+ *
+ * @generated from message iop.LedgerAttempt
+ */
+export declare type LedgerAttempt = Message<"iop.LedgerAttempt"> & {
+  /**
+   * The node it was placed on.
+   *
+   * @generated from field: string node_id = 1;
+   */
+  nodeId: string;
+
+  /**
+   * The model the node was asked for (after alias and route resolution).
+   *
+   * @generated from field: string model = 2;
+   */
+  model: string;
+
+  /**
+   * "completed", "failed", "node_lost" or "cancelled".
+   *
+   * @generated from field: string outcome = 3;
+   */
+  outcome: string;
+
+  /**
+   * The error code and message of a failed attempt; empty when completed.
+   *
+   * @generated from field: string reason = 4;
+   */
+  reason: string;
+
+  /**
+   * From the run's received_at to this attempt's start.
+   *
+   * @generated from field: google.protobuf.Duration started_after = 5;
+   */
+  startedAfter?: Duration | undefined;
+
+  /**
+   * How long the attempt took.
+   *
+   * @generated from field: google.protobuf.Duration duration = 6;
+   */
+  duration?: Duration | undefined;
+};
+
+/**
+ * Describes the message iop.LedgerAttempt.
+ * Use `create(LedgerAttemptSchema)` to create a new message.
+ */
+export declare const LedgerAttemptSchema: GenMessage<LedgerAttempt>;
 
 /**
  * The kinds of run a node can execute.

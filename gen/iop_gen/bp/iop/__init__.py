@@ -20,6 +20,8 @@ __all__ = (
     "Heartbeat",
     "ImageUrl",
     "InputAudio",
+    "LedgerAttempt",
+    "LedgerRun",
     "ModelInfo",
     "ModelLoad",
     "NodeDrain",
@@ -44,6 +46,8 @@ __all__ = (
     "RunKind",
     "RunRequest",
     "RunStart",
+    "RunsList",
+    "RunsListed",
     "Sampling",
     "Timings",
     "TokenLogprob",
@@ -620,7 +624,7 @@ class Envelope(betterproto2.Message):
     The unit of exchange. The message type is the name of the `body` oneof
     field that is set, with "_" read as ".": run_request is "run.request",
     capability_response is "capability.response", node_drain is "node.drain",
-    nodes_list is "nodes.list".
+    nodes_list is "nodes.list", runs_list is "runs.list".
     A receiver that finds no body set (for example a field number it does not
     know) answers with an Error of code ERROR_CODE_UNKNOWN_MESSAGE_TYPE.
 
@@ -778,6 +782,16 @@ class Envelope(betterproto2.Message):
     policy.shown: the answer to policy.show.
     """
 
+    runs_list: "RunsList | None" = betterproto2.field(30, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    runs.list: an admin asks the control-plane for runs from its ledger.
+    """
+
+    runs_listed: "RunsListed | None" = betterproto2.field(31, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    runs.listed: the answer to runs.list.
+    """
+
 
 default_message_pool.register_message("iop", "Envelope", Envelope)
 
@@ -906,6 +920,148 @@ class InputAudio(betterproto2.Message):
 
 
 default_message_pool.register_message("iop", "InputAudio", InputAudio)
+
+
+@dataclass(eq=False, repr=False)
+class LedgerAttempt(betterproto2.Message):
+    """
+    One attempt of a run on a node.
+    """
+
+    node_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The node it was placed on.
+    """
+
+    model: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    The model the node was asked for (after alias and route resolution).
+    """
+
+    outcome: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    "completed", "failed", "node_lost" or "cancelled".
+    """
+
+    reason: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+    """
+    The error code and message of a failed attempt; empty when completed.
+    """
+
+    started_after: "datetime.timedelta | None" = betterproto2.field(
+        5, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Duration, optional=True
+    )
+    """
+    From the run's received_at to this attempt's start.
+    """
+
+    duration: "datetime.timedelta | None" = betterproto2.field(
+        6, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Duration, optional=True
+    )
+    """
+    How long the attempt took.
+    """
+
+
+default_message_pool.register_message("iop", "LedgerAttempt", LedgerAttempt)
+
+
+@dataclass(eq=False, repr=False)
+class LedgerRun(betterproto2.Message):
+    """
+    One run the control-plane placed (or refused), as its ledger records it.
+    """
+
+    run_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The id its requester chose (scoped to the requester's connection).
+    """
+
+    requester: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    The certificate name of the peer that sent the run.request.
+    """
+
+    connection: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    The requester's connection: the scope of run_id.
+    """
+
+    caller: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+    """
+    Who the run is attributed to (the requester, or the caller it named).
+    """
+
+    model: "str" = betterproto2.field(5, betterproto2.TYPE_STRING)
+    """
+    The model as requested (before alias and route resolution).
+    """
+
+    node_id: "str" = betterproto2.field(6, betterproto2.TYPE_STRING)
+    """
+    The node of the last attempt; empty if the run was never placed.
+    """
+
+    status: "str" = betterproto2.field(7, betterproto2.TYPE_STRING)
+    """
+    "completed", "failed" or "cancelled".
+    """
+
+    error_code: "ErrorCode" = betterproto2.field(8, betterproto2.TYPE_ENUM, default_factory=lambda: ErrorCode(0))
+    """
+    Why it failed or was cancelled.
+    """
+
+    error_message: "str" = betterproto2.field(9, betterproto2.TYPE_STRING)
+    """
+    The error's message.
+    """
+
+    received_at: "datetime.datetime | None" = betterproto2.field(
+        10, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
+    )
+    """
+    When the control-plane received the run.request.
+    """
+
+    ttft: "datetime.timedelta | None" = betterproto2.field(
+        11, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Duration, optional=True
+    )
+    """
+    From received_at to the first delta relayed; unset if none was.
+    """
+
+    duration: "datetime.timedelta | None" = betterproto2.field(
+        12, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Duration, optional=True
+    )
+    """
+    From received_at to the terminal event.
+    """
+
+    usage: "Usage | None" = betterproto2.field(13, betterproto2.TYPE_MESSAGE, optional=True)
+    """
+    Token counts, from the node's run.complete.
+    """
+
+    finish_reason: "FinishReason" = betterproto2.field(
+        14, betterproto2.TYPE_ENUM, default_factory=lambda: FinishReason(0)
+    )
+    """
+    Why generation stopped, for a completed run.
+    """
+
+    outputs: "int" = betterproto2.field(15, betterproto2.TYPE_UINT32)
+    """
+    Deltas relayed to the requester.
+    """
+
+    attempts: "list[LedgerAttempt]" = betterproto2.field(16, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    Each node the run was tried on, in order.
+    """
+
+
+default_message_pool.register_message("iop", "LedgerRun", LedgerRun)
 
 
 @dataclass(eq=False, repr=False)
@@ -1534,6 +1690,70 @@ class RunRequest(betterproto2.Message):
 
 
 default_message_pool.register_message("iop", "RunRequest", RunRequest)
+
+
+@dataclass(eq=False, repr=False)
+class RunsList(betterproto2.Message):
+    """
+    runs.list: runs from the control-plane's ledger, newest first. Answered by
+    runs.listed. Filters left empty match every run.
+    """
+
+    run_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    Only runs whose requester-chosen id is this one (every requester's).
+    """
+
+    status: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    Only runs with this final status: "completed", "failed" or "cancelled".
+    Anything else is answered with ERROR_CODE_INVALID_ARGUMENT.
+    """
+
+    model: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    Only runs of this model, as requested.
+    """
+
+    since: "datetime.datetime | None" = betterproto2.field(
+        4, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
+    )
+    """
+    Only runs received at or after this time.
+    """
+
+    limit: "int" = betterproto2.field(5, betterproto2.TYPE_UINT32)
+    """
+    At most this many runs; 0 means 50. The control-plane caps it at 1000.
+    """
+
+    node_id: "str" = betterproto2.field(6, betterproto2.TYPE_STRING)
+    """
+    Only runs placed, on some attempt, on this node.
+    """
+
+
+default_message_pool.register_message("iop", "RunsList", RunsList)
+
+
+@dataclass(eq=False, repr=False)
+class RunsListed(betterproto2.Message):
+    """
+    runs.listed: the answer to runs.list.
+    """
+
+    runs: "list[LedgerRun]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    The runs, newest first.
+    """
+
+    more: "bool" = betterproto2.field(2, betterproto2.TYPE_BOOL)
+    """
+    True when more runs match than were sent.
+    """
+
+
+default_message_pool.register_message("iop", "RunsListed", RunsListed)
 
 
 @dataclass(eq=False, repr=False)

@@ -265,7 +265,7 @@ class Envelope(_message.Message):
     """The unit of exchange. The message type is the name of the `body` oneof
     field that is set, with "_" read as ".": run_request is "run.request",
     capability_response is "capability.response", node_drain is "node.drain",
-    nodes_list is "nodes.list".
+    nodes_list is "nodes.list", runs_list is "runs.list".
     A receiver that finds no body set (for example a field number it does not
     know) answers with an Error of code ERROR_CODE_UNKNOWN_MESSAGE_TYPE.
     """
@@ -296,6 +296,8 @@ class Envelope(_message.Message):
     POLICY_APPLIED_FIELD_NUMBER: _builtins.int
     POLICY_SHOW_FIELD_NUMBER: _builtins.int
     POLICY_SHOWN_FIELD_NUMBER: _builtins.int
+    RUNS_LIST_FIELD_NUMBER: _builtins.int
+    RUNS_LISTED_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Unique id of this envelope, chosen by its sender (a UUID or a counter
     unique within the connection).
@@ -402,6 +404,14 @@ class Envelope(_message.Message):
     def policy_shown(self) -> Global___PolicyShown:
         """policy.shown: the answer to policy.show."""
 
+    @_builtins.property
+    def runs_list(self) -> Global___RunsList:
+        """runs.list: an admin asks the control-plane for runs from its ledger."""
+
+    @_builtins.property
+    def runs_listed(self) -> Global___RunsListed:
+        """runs.listed: the answer to runs.list."""
+
     def __init__(
         self,
         *,
@@ -429,12 +439,14 @@ class Envelope(_message.Message):
         policy_applied: Global___PolicyApplied | None = ...,
         policy_show: Global___PolicyShow | None = ...,
         policy_shown: Global___PolicyShown | None = ...,
+        runs_list: Global___RunsList | None = ...,
+        runs_listed: Global___RunsListed | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel_request", b"cancel_request", "capability_request", b"capability_request", "capability_response", b"capability_response", "error", b"error", "heartbeat", b"heartbeat", "node_drain", b"node_drain", "node_register", b"node_register", "node_registered", b"node_registered", "node_status", b"node_status", "nodes_drain", b"nodes_drain", "nodes_list", b"nodes_list", "nodes_listed", b"nodes_listed", "nodes_undrain", b"nodes_undrain", "operation_done", b"operation_done", "policy_applied", b"policy_applied", "policy_apply", b"policy_apply", "policy_show", b"policy_show", "policy_shown", b"policy_shown", "run_event", b"run_event", "run_request", b"run_request", "sent_at", b"sent_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel_request", b"cancel_request", "capability_request", b"capability_request", "capability_response", b"capability_response", "error", b"error", "heartbeat", b"heartbeat", "node_drain", b"node_drain", "node_register", b"node_register", "node_registered", b"node_registered", "node_status", b"node_status", "nodes_drain", b"nodes_drain", "nodes_list", b"nodes_list", "nodes_listed", b"nodes_listed", "nodes_undrain", b"nodes_undrain", "operation_done", b"operation_done", "policy_applied", b"policy_applied", "policy_apply", b"policy_apply", "policy_show", b"policy_show", "policy_shown", b"policy_shown", "run_event", b"run_event", "run_request", b"run_request", "runs_list", b"runs_list", "runs_listed", b"runs_listed", "sent_at", b"sent_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel_request", b"cancel_request", "capability_request", b"capability_request", "capability_response", b"capability_response", "error", b"error", "heartbeat", b"heartbeat", "id", b"id", "in_reply_to", b"in_reply_to", "node_drain", b"node_drain", "node_register", b"node_register", "node_registered", b"node_registered", "node_status", b"node_status", "nodes_drain", b"nodes_drain", "nodes_list", b"nodes_list", "nodes_listed", b"nodes_listed", "nodes_undrain", b"nodes_undrain", "operation_done", b"operation_done", "policy_applied", b"policy_applied", "policy_apply", b"policy_apply", "policy_show", b"policy_show", "policy_shown", b"policy_shown", "run_event", b"run_event", "run_id", b"run_id", "run_request", b"run_request", "sent_at", b"sent_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel_request", b"cancel_request", "capability_request", b"capability_request", "capability_response", b"capability_response", "error", b"error", "heartbeat", b"heartbeat", "id", b"id", "in_reply_to", b"in_reply_to", "node_drain", b"node_drain", "node_register", b"node_register", "node_registered", b"node_registered", "node_status", b"node_status", "nodes_drain", b"nodes_drain", "nodes_list", b"nodes_list", "nodes_listed", b"nodes_listed", "nodes_undrain", b"nodes_undrain", "operation_done", b"operation_done", "policy_applied", b"policy_applied", "policy_apply", b"policy_apply", "policy_show", b"policy_show", "policy_shown", b"policy_shown", "run_event", b"run_event", "run_id", b"run_id", "run_request", b"run_request", "runs_list", b"runs_list", "runs_listed", b"runs_listed", "sent_at", b"sent_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["run_request", "run_event", "heartbeat", "cancel_request", "capability_request", "capability_response", "error", "node_register", "node_registered", "node_status", "node_drain", "nodes_list", "nodes_listed", "nodes_drain", "nodes_undrain", "operation_done", "policy_apply", "policy_applied", "policy_show", "policy_shown"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["run_request", "run_event", "heartbeat", "cancel_request", "capability_request", "capability_response", "error", "node_register", "node_registered", "node_status", "node_drain", "nodes_list", "nodes_listed", "nodes_drain", "nodes_undrain", "operation_done", "policy_apply", "policy_applied", "policy_show", "policy_shown", "runs_list", "runs_listed"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -1975,3 +1987,217 @@ class PolicyShown(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PolicyShown: _TypeAlias = PolicyShown  # noqa: Y015
+
+@_typing.final
+class RunsList(_message.Message):
+    """runs.list: runs from the control-plane's ledger, newest first. Answered by
+    runs.listed. Filters left empty match every run.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    SINCE_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    """Only runs whose requester-chosen id is this one (every requester's)."""
+    status: _builtins.str
+    """Only runs with this final status: "completed", "failed" or "cancelled".
+    Anything else is answered with ERROR_CODE_INVALID_ARGUMENT.
+    """
+    model: _builtins.str
+    """Only runs of this model, as requested."""
+    limit: _builtins.int
+    """At most this many runs; 0 means 50. The control-plane caps it at 1000."""
+    node_id: _builtins.str
+    """Only runs placed, on some attempt, on this node."""
+    @_builtins.property
+    def since(self) -> _timestamp_pb2.Timestamp:
+        """Only runs received at or after this time."""
+
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        status: _builtins.str = ...,
+        model: _builtins.str = ...,
+        since: _timestamp_pb2.Timestamp | None = ...,
+        limit: _builtins.int = ...,
+        node_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["since", b"since"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit", "model", b"model", "node_id", b"node_id", "run_id", b"run_id", "since", b"since", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunsList: _TypeAlias = RunsList  # noqa: Y015
+
+@_typing.final
+class RunsListed(_message.Message):
+    """runs.listed: the answer to runs.list."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUNS_FIELD_NUMBER: _builtins.int
+    MORE_FIELD_NUMBER: _builtins.int
+    more: _builtins.bool
+    """True when more runs match than were sent."""
+    @_builtins.property
+    def runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___LedgerRun]:
+        """The runs, newest first."""
+
+    def __init__(
+        self,
+        *,
+        runs: _abc.Iterable[Global___LedgerRun] | None = ...,
+        more: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["more", b"more", "runs", b"runs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunsListed: _TypeAlias = RunsListed  # noqa: Y015
+
+@_typing.final
+class LedgerRun(_message.Message):
+    """One run the control-plane placed (or refused), as its ledger records it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    REQUESTER_FIELD_NUMBER: _builtins.int
+    CONNECTION_FIELD_NUMBER: _builtins.int
+    CALLER_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    ERROR_CODE_FIELD_NUMBER: _builtins.int
+    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    RECEIVED_AT_FIELD_NUMBER: _builtins.int
+    TTFT_FIELD_NUMBER: _builtins.int
+    DURATION_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
+    OUTPUTS_FIELD_NUMBER: _builtins.int
+    ATTEMPTS_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    """The id its requester chose (scoped to the requester's connection)."""
+    requester: _builtins.str
+    """The certificate name of the peer that sent the run.request."""
+    connection: _builtins.str
+    """The requester's connection: the scope of run_id."""
+    caller: _builtins.str
+    """Who the run is attributed to (the requester, or the caller it named)."""
+    model: _builtins.str
+    """The model as requested (before alias and route resolution)."""
+    node_id: _builtins.str
+    """The node of the last attempt; empty if the run was never placed."""
+    status: _builtins.str
+    """"completed", "failed" or "cancelled"."""
+    error_code: Global___ErrorCode.ValueType
+    """Why it failed or was cancelled."""
+    error_message: _builtins.str
+    """The error's message."""
+    finish_reason: Global___FinishReason.ValueType
+    """Why generation stopped, for a completed run."""
+    outputs: _builtins.int
+    """Deltas relayed to the requester."""
+    @_builtins.property
+    def received_at(self) -> _timestamp_pb2.Timestamp:
+        """When the control-plane received the run.request."""
+
+    @_builtins.property
+    def ttft(self) -> _duration_pb2.Duration:
+        """From received_at to the first delta relayed; unset if none was."""
+
+    @_builtins.property
+    def duration(self) -> _duration_pb2.Duration:
+        """From received_at to the terminal event."""
+
+    @_builtins.property
+    def usage(self) -> Global___Usage:
+        """Token counts, from the node's run.complete."""
+
+    @_builtins.property
+    def attempts(self) -> _containers.RepeatedCompositeFieldContainer[Global___LedgerAttempt]:
+        """Each node the run was tried on, in order."""
+
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        requester: _builtins.str = ...,
+        connection: _builtins.str = ...,
+        caller: _builtins.str = ...,
+        model: _builtins.str = ...,
+        node_id: _builtins.str = ...,
+        status: _builtins.str = ...,
+        error_code: Global___ErrorCode.ValueType = ...,
+        error_message: _builtins.str = ...,
+        received_at: _timestamp_pb2.Timestamp | None = ...,
+        ttft: _duration_pb2.Duration | None = ...,
+        duration: _duration_pb2.Duration | None = ...,
+        usage: Global___Usage | None = ...,
+        finish_reason: Global___FinishReason.ValueType = ...,
+        outputs: _builtins.int = ...,
+        attempts: _abc.Iterable[Global___LedgerAttempt] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration", "received_at", b"received_at", "ttft", b"ttft", "usage", b"usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "caller", b"caller", "connection", b"connection", "duration", b"duration", "error_code", b"error_code", "error_message", b"error_message", "finish_reason", b"finish_reason", "model", b"model", "node_id", b"node_id", "outputs", b"outputs", "received_at", b"received_at", "requester", b"requester", "run_id", b"run_id", "status", b"status", "ttft", b"ttft", "usage", b"usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LedgerRun: _TypeAlias = LedgerRun  # noqa: Y015
+
+@_typing.final
+class LedgerAttempt(_message.Message):
+    """One attempt of a run on a node."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    STARTED_AFTER_FIELD_NUMBER: _builtins.int
+    DURATION_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """The node it was placed on."""
+    model: _builtins.str
+    """The model the node was asked for (after alias and route resolution)."""
+    outcome: _builtins.str
+    """"completed", "failed", "node_lost" or "cancelled"."""
+    reason: _builtins.str
+    """The error code and message of a failed attempt; empty when completed."""
+    @_builtins.property
+    def started_after(self) -> _duration_pb2.Duration:
+        """From the run's received_at to this attempt's start."""
+
+    @_builtins.property
+    def duration(self) -> _duration_pb2.Duration:
+        """How long the attempt took."""
+
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        model: _builtins.str = ...,
+        outcome: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        started_after: _duration_pb2.Duration | None = ...,
+        duration: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration", "started_after", b"started_after"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration", "model", b"model", "node_id", b"node_id", "outcome", b"outcome", "reason", b"reason", "started_after", b"started_after"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LedgerAttempt: _TypeAlias = LedgerAttempt  # noqa: Y015
