@@ -92,3 +92,4 @@ bench:
     python tests/bench/pacing_bench.py
     python tests/bench/scheduler_bench.py
     python tests/bench/control_plane_bench.py
+    python tests/bench/detection_bench.py

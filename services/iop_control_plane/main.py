@@ -18,7 +18,7 @@ from pathlib import Path
 from iop_control_plane.bootstrap import ControlPlaneApp, build_control_plane
 from iop_control_plane.settings import ConfigError, StartError, load_settings
 from iop_wire.logs import configure
-from iop_wire.settings import write_ready_file
+from iop_wire.settings import loop_factory, write_ready_file
 
 __all__ = ["run"]
 
@@ -32,7 +32,8 @@ def run(config: Path, *, ready_file: Path | None = None, log_level: str | None =
         return _fail(f"bad config: {exc.located(config)}")
     configure(log_level or settings.log_level)
     try:
-        return asyncio.run(_serve(app, ready_file))
+        with asyncio.Runner(loop_factory=loop_factory(settings.event_loop)) as runner:
+            return runner.run(_serve(app, ready_file))
     except StartError as exc:
         return _fail(str(exc.located(config)))
 

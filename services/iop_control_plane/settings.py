@@ -14,7 +14,15 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from iop_wire.framing import DEFAULT_MAX_FRAME_SIZE
-from iop_wire.settings import ConfigError, ConnectionSettings, ListenSettings, Problem, StartError, TlsSettings
+from iop_wire.settings import (
+    ConfigError,
+    ConnectionSettings,
+    EventLoop,
+    ListenSettings,
+    Problem,
+    StartError,
+    TlsSettings,
+)
 from iop_wire.settings import Section as _Section
 from iop_wire.settings import load_settings as _load
 
@@ -65,6 +73,8 @@ class Settings(BaseSettings):
     """Seconds a run without a deadline may wait for a slot before RESOURCE_EXHAUSTED."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Lowest level logged."""
+    event_loop: EventLoop = "uvloop"
+    """The event loop ``iop control-plane`` runs on: uvloop (libuv) or the standard library's."""
 
 
 def load_settings(path: Path | None) -> Settings:

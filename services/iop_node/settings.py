@@ -17,6 +17,7 @@ from iop_wire.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_wire.settings import (
     ConfigError,
     ConnectionSettings,
+    EventLoop,
     ListenSettings,
     Problem,
     SettingError,
@@ -141,7 +142,7 @@ class Settings(BaseSettings):
     """On SIGTERM, seconds in-flight runs get to finish before they are cancelled."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Lowest level logged."""
-    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
+    event_loop: EventLoop = "uvloop"
     """The event loop ``iop node`` runs on: uvloop (libuv) or the standard library's."""
     routes: list[RouteSettings] = Field(default_factory=list)
     """The route table."""

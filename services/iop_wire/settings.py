@@ -10,14 +10,15 @@ a :class:`StartError` built by :func:`bind_error`.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePath
-from typing import Any, Self, TypeVar, get_args, get_origin
+from typing import Any, Literal, Self, TypeVar, get_args, get_origin
 
 import yaml
 from cryptography import x509
@@ -34,6 +35,7 @@ from iop_wire.tls import Role, TlsConfig, server_context
 __all__ = [
     "ConfigError",
     "ConnectionSettings",
+    "EventLoop",
     "ListenSettings",
     "Problem",
     "Section",
@@ -42,6 +44,7 @@ __all__ = [
     "TlsSettings",
     "bind_error",
     "load_settings",
+    "loop_factory",
     "one_line",
     "problems",
     "resolve_paths",
@@ -49,6 +52,8 @@ __all__ = [
 ]
 
 _Settings = TypeVar("_Settings", bound=BaseSettings)
+EventLoop = Literal["uvloop", "asyncio"]
+"""The event loop a service process runs on (its ``event_loop`` setting): uvloop (libuv) or the standard library's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,3 +402,16 @@ def write_ready_file(path: Path, **fields: object) -> None:
         partial.replace(path)
     except OSError as exc:
         raise StartError([Problem("--ready-file", f"cannot write {path}: {exc.strerror}")]) from None
+
+
+def loop_factory(name: EventLoop) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """For ``asyncio.Runner``: uvloop's loop (libuv, C) where asked for, else None (the standard loop).
+
+    uvloop took ~10-20% off the CPU a relayed token costs and ~0.1 ms off the control-plane hop
+    (README, design).
+    """
+    if name == "uvloop":
+        import uvloop  # noqa: PLC0415 - imported only by a process that runs on it
+
+        return uvloop.new_event_loop
+    return None
