@@ -36,6 +36,8 @@ __all__ = ["RunRelay"]
 
 _log = structlog.get_logger("iop.control_plane")
 _RETRY_AFTER = datetime.timedelta(seconds=1)
+_DEADLINE_GRACE = 0.5
+"""Seconds past a run's deadline the control-plane waits for the node to end it before ending it itself."""
 _Terminal = tuple[pb.RunEvent, bytes]
 
 
@@ -261,7 +263,12 @@ class RunRelay:
             if connection is None:
                 raise IopError(pb.ERROR_CODE_UNAVAILABLE, f"node {node_id} has no connection")
             stream = await connection.open_run(upstream)
-            terminal = await relay(stream, sink)
+            async with asyncio.timeout(_remaining(request)):  # None: no deadline
+                terminal = await relay(stream, sink)  # cancelled at the deadline: the node's run is too
+        except TimeoutError:
+            exc = IopError(pb.ERROR_CODE_DEADLINE_EXCEEDED, f"the run's deadline passed on node {node_id}")
+            exc.run_id = request.run_id
+            terminal = (pb.RunEvent(error=error_message(exc)), b"")
         except IopError as exc:
             exc.run_id = request.run_id
             terminal = (pb.RunEvent(error=error_message(exc)), b"")
@@ -302,6 +309,13 @@ def _refusal(decision: Decision) -> IopError:
     if decision.outcome == "unknown_model":
         return IopError(pb.ERROR_CODE_MODEL_NOT_FOUND, f"no node serves {decision.model!r}")
     return IopError(pb.ERROR_CODE_UNAVAILABLE, decision.reason, retryable=True)
+
+
+def _remaining(request: pb.RunRequest) -> float | None:
+    """Seconds until the run's deadline plus a grace for the node's own DEADLINE_EXCEEDED; None: no deadline."""
+    if not request.HasField("deadline"):
+        return None
+    return max((request.deadline.ToNanoseconds() - time.time_ns()) / 1e9, 0.0) + _DEADLINE_GRACE
 
 
 def _past(request: pb.RunRequest) -> bool:

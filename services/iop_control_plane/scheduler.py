@@ -1,6 +1,8 @@
 """Scheduling: which node runs a model's next run.
 
-``choose`` resolves the name (an alias to its model; a route to one of its models, by weight),
+``choose`` resolves the name (an alias to its model; a route to one of its models, by weight:
+smooth weighted round-robin, or by session; a pick that is full or has no candidate gives its
+run to the route's other models, heaviest first, so weights hold while every target has room),
 then picks among the model's candidates (ready nodes with the model available, carrying the
 labels the policy and the request ask for, not already tried) by the model's policy:
 
@@ -82,12 +84,16 @@ class Scheduler:
         if targets is None:
             return self._place(model, labels, session or caller, exclude)
         first = self._place(targets[0], labels, session or caller, exclude, route=model)
-        if first.outcome in ("placed", "all_busy"):
+        if first.outcome == "placed":
             return first
-        for target in targets[1:]:  # the weighted pick has no candidate: the others, heaviest first
+        busy = first if first.outcome == "all_busy" else None
+        for target in targets[1:]:  # the weighted pick is full or has no candidate: the others, heaviest first
             decision = self._place(target, labels, session or caller, exclude, route=model)
-            if decision.outcome in ("placed", "all_busy"):
+            if decision.outcome == "placed":
                 return decision
+            busy = busy or (decision if decision.outcome == "all_busy" else None)
+        if busy is not None:  # the run waits for a slot
+            return busy
         return replace(first, reason=f"{first.reason}; the route's other models have none either")
 
     def _targets(self, name: str, session: str | None) -> list[str] | None:

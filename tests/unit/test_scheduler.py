@@ -155,6 +155,18 @@ def test_a_route_falls_back_to_its_other_models_when_its_pick_has_no_candidate()
     assert "the route's other models have none either" in decision.reason
 
 
+def test_a_full_pick_gives_its_run_to_the_routes_other_models_and_the_run_waits_only_when_all_are_full() -> None:
+    scheduler = _scheduler("routes: {chat: {m: 50, m2: 50}}", a=1)
+    scheduler.registry.register("b", [ModelLoad("m2", capacity=1)])
+    first, second = scheduler.choose("chat"), scheduler.choose("chat")
+    assert {_placed(first), _placed(second)} == {"a", "b"}
+    scheduler.registry.finished("b", "m2")  # m2 has room again, m is full
+    spilled = scheduler.choose("chat")  # the rotation's turn is m's (full): the run goes to m2 at once
+    assert (_placed(spilled), spilled.model) == ("b", "m2")
+    waiting = scheduler.choose("chat")
+    assert waiting.outcome == "all_busy" and waiting.node_id is None
+
+
 def test_an_alias_places_runs_of_the_model_it_names() -> None:
     decision = _scheduler("aliases: {gpt-4o: m}", a=1).choose("gpt-4o")
     assert (decision.node_id, decision.model, decision.route) == ("a", "m", "gpt-4o")
