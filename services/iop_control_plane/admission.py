@@ -40,6 +40,8 @@ class Waiter(Generic[T]):
     """Higher first."""
     since: float = 0.0
     """When it was queued (monotonic seconds)."""
+    counted: bool = False
+    """Already counted as in progress for its caller (a failover waiting for another node): no limit check."""
     key: tuple[int, int] = field(default=(0, 0), init=False)
     """Its place in the queue: (-priority, arrival)."""
     outcome: T | None = field(default=None, init=False)
@@ -106,7 +108,7 @@ class AdmissionQueue(Generic[T]):
         for model in list(self._queues):
             queue = self._queues[model]
             for waiter in list(queue):
-                if not self.may_start(waiter.caller):
+                if not (waiter.counted or self.may_start(waiter.caller)):
                     continue
                 outcome = place(waiter)
                 if outcome is None:

@@ -4,8 +4,8 @@ A requester's run is served under its own id and opened on the chosen node under
 ``<requester connection id>.<run id>.<attempt>`` (README, "Runs"). Events are forwarded as
 received (:func:`iop_wire.relay`). A run that fails before its first delta (the node's
 connection lost, or a retryable error) is tried on another node, up to the policy's attempts
-and within its deadline; the requester sees one start and gapless numbers. A node lost after
-output ends the run with ``ERROR_CODE_NODE_LOST``.
+and within its deadline, waiting in the queue when the others are full; the requester sees one
+start and gapless numbers. A node lost after output ends the run with ``ERROR_CODE_NODE_LOST``.
 
 Admission (:mod:`iop_control_plane.admission`): a run whose candidates are all full waits in its
 model's queue, by priority (the request's, else the policy's default) then arrival, until a slot
@@ -44,11 +44,22 @@ _Terminal = tuple[pb.RunEvent, bytes]
 class _Queued(Waiter[Decision]):
     """A queued run, and the future its handler waits on."""
 
-    __slots__ = ("future", "session")
+    __slots__ = ("exclude", "future", "session")
 
-    def __init__(self, model: str, caller: str, priority: int, since: float, session: str | None) -> None:
-        super().__init__(model, caller, priority, since)
+    def __init__(
+        self,
+        model: str,
+        caller: str,
+        priority: int,
+        since: float,
+        session: str | None,
+        *,
+        exclude: frozenset[str] = frozenset(),
+    ) -> None:
+        super().__init__(model, caller, priority, since, counted=bool(exclude))
         self.session = session
+        self.exclude = exclude
+        """Nodes a failover already tried."""
         self.future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
 
@@ -138,11 +149,13 @@ class RunRelay:
 
     def _place_waiter(self, waiter: Waiter[Decision]) -> Decision | None:
         assert isinstance(waiter, _Queued)
-        decision = self.scheduler.choose(waiter.model, session=waiter.session, caller=waiter.caller)
+        decision = self.scheduler.choose(
+            waiter.model, session=waiter.session, caller=waiter.caller, exclude=waiter.exclude
+        )
         if decision.outcome == "all_busy":
             return None
         self.metrics.decisions.labels(decision.policy, decision.outcome).inc()
-        if decision.node_id is not None:
+        if decision.node_id is not None and not waiter.counted:
             self.queue.started(waiter.caller)
         return decision
 
@@ -157,9 +170,21 @@ class RunRelay:
                 if decision.node_id is not None:
                     self.queue.started(caller)
                 return decision
-        priority = request.priority or self.scheduler.policy.priority_for(model, caller)
-        now = time.monotonic()
-        waiter = _Queued(model, caller, priority, now, session)
+        return await self._wait(request, model, caller, session, log)
+
+    async def _wait(
+        self,
+        request: pb.RunRequest,
+        model: str,
+        caller: str,
+        session: str | None,
+        log: structlog.typing.FilteringBoundLogger,
+        *,
+        exclude: frozenset[str] = frozenset(),
+    ) -> Decision | IopError:
+        """Wait in ``model``'s queue for a slot (a failover: on a node not in ``exclude``)."""
+        priority = request.priority or self.scheduler.policy.priority_for(request.model, caller)
+        waiter = _Queued(model, caller, priority, time.monotonic(), session, exclude=exclude)
         timeout = self._timeout(request)
         if timeout <= 0 or not self.queue.offer(waiter):
             self.metrics.queue_refused.labels("full" if timeout > 0 else "deadline").inc()
@@ -184,7 +209,8 @@ class RunRelay:
         decision = waiter.outcome
         if decision is not None and decision.node_id is not None:
             self.scheduler.registry.finished(decision.node_id, decision.model)
-            self.queue.ended(waiter.caller)
+            if not waiter.counted:
+                self.queue.ended(waiter.caller)
             self.wake()
         else:
             self.queue.withdraw(waiter)
@@ -222,6 +248,11 @@ class RunRelay:
         for attempt in range(1, self.attempts(request.model) + 1):
             if attempt > 1:
                 decision = self._choose(decision.model, session, caller, log, exclude=tried)
+                if decision.outcome == "all_busy":  # the others are full: wait for one, within the deadline
+                    waited = await self._wait(request, decision.model, caller, session, log, exclude=frozenset(tried))
+                    if isinstance(waited, IopError):
+                        break
+                    decision = waited
                 if decision.node_id is None:
                     break
             node_id = decision.node_id

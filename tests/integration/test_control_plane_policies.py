@@ -258,3 +258,28 @@ async def test_a_run_on_a_frozen_node_ends_at_its_deadline(pki: Pki, tmp_path: P
                 assert events[-1].error.code == pb.ERROR_CODE_DEADLINE_EXCEEDED
             finally:
                 nodes["node-a"].send_signal(signal.SIGCONT)
+
+
+async def test_a_failover_waits_for_a_busy_node_within_the_deadline(pki: Pki, tmp_path: Path) -> None:
+    """Its node killed before the first token and the other node full, a run waits for that node's slot."""
+    one = _mock("one", capacity=1, ttft=0.5, tokens=10, tokens_per_second=20)  # ~1 s a run
+    async with build_control_plane(cp_settings(pki, tmp_path)) as cp:
+        with nodes_serving(pki, tmp_path, cp_port(cp), {"node-a": [one], "node-b": [one]}) as nodes:
+            await all_ready(cp, "node-a", "node-b")
+            edge = await client(cp, pki)
+            moved = await edge.open_run(chat(model="one", run_id="moved"))
+            first = await anext(moved)
+            busy = await edge.open_run(chat(model="one", run_id="busy"))  # fills the other node
+            other = (await anext(busy)).start.node_id
+            assert {first.start.node_id, other} == {"node-a", "node-b"}
+            nodes[first.start.node_id].kill()  # before its first token
+
+            events = [first, *await asyncio.wait_for(collect(moved), 10)]
+            _clean(events)
+            busy_events = await collect(busy)
+            assert kinds(busy_events)[-1] == "complete"
+            metrics = cp.metrics.registry
+            assert metrics.get_sample_value("iop_control_plane_failovers_total", {"reason": "connection_lost"}) == 1
+            waited = metrics.get_sample_value("iop_control_plane_queue_wait_seconds_sum", {"outcome": "admitted"})
+            assert waited is not None and waited > 0.2  # it waited for "busy" to end on the other node
+            assert cp.runs.queue.running == {}  # the caller's count came back to nothing
