@@ -65,14 +65,15 @@ class Router:
 
     def _check(self, request: pb.RunRequest, kind: RunKind) -> None:
         if kind == pb.RUN_KIND_CHAT and not request.messages:
-            raise _invalid("messages is empty: a chat run needs at least one message")
+            raise _invalid("messages is empty: a chat run needs at least one message", "messages")
         if kind != pb.RUN_KIND_CHAT and not request.prompt:
             name = pb.RunKind.Name(kind).removeprefix("RUN_KIND_").lower()
-            raise _invalid(f"prompt is empty: {name} runs need a prompt")
+            param = "input" if kind == pb.RUN_KIND_EMBEDDING else "prompt"
+            raise _invalid(f"prompt is empty: {name} runs need a prompt", param)
         size = sum(map(len, request.prompt))
         for message in request.messages:
             if message.role == pb.ROLE_UNSPECIFIED:
-                raise _invalid("every message needs a role")
+                raise _invalid("every message needs a role", "messages")
             for part in message.content:
                 size += len(part.text)
         if size > self._limits.max_prompt_chars:
@@ -85,12 +86,13 @@ class Router:
             if sampling.HasField(name):  # type: ignore[arg-type]  # a name from the table above
                 value = getattr(sampling, name)
                 if not low <= value <= high:  # False for NaN too
-                    raise _invalid(f"sampling.{name} must be between {low:g} and {high:g}, got {value}")
+                    raise _invalid(f"sampling.{name} must be between {low:g} and {high:g}, got {value}", name)
         if sampling.HasField("max_tokens") and not 0 < sampling.max_tokens <= self._limits.max_tokens:
             limit = self._limits.max_tokens
-            raise _invalid(f"sampling.max_tokens must be between 1 and {limit}, got {sampling.max_tokens}")
+            message = f"sampling.max_tokens must be between 1 and {limit}, got {sampling.max_tokens}"
+            raise _invalid(message, "max_tokens")
         if len(sampling.stop) > _MAX_STOP:
-            raise _invalid(f"sampling.stop takes at most {_MAX_STOP} sequences, got {len(sampling.stop)}")
+            raise _invalid(f"sampling.stop takes at most {_MAX_STOP} sequences, got {len(sampling.stop)}", "stop")
 
 
 _SAMPLING_RANGES = {  # runtime.proto's Sampling comments (OpenAI's ranges), bounds included
@@ -105,8 +107,8 @@ _KINDS: dict[int, RunKind] = {kind: kind for kind in pb.RunKind.values()}
 _KINDS[pb.RUN_KIND_UNSPECIFIED] = pb.RUN_KIND_CHAT  # unset means chat
 
 
-def _invalid(message: str) -> IopError:
-    return IopError(pb.ERROR_CODE_INVALID_ARGUMENT, message)
+def _invalid(message: str, param: str = "") -> IopError:
+    return IopError(pb.ERROR_CODE_INVALID_ARGUMENT, message, param=param)
 
 
 def merge_sampling(defaults: pb.Sampling, given: pb.Sampling) -> pb.Sampling:

@@ -60,6 +60,7 @@ class IopError(Exception):
         retryable: bool | None = None,
         run_id: str = "",
         retry_after: datetime.timedelta | None = None,
+        param: str = "",
     ) -> None:
         super().__init__(message)
         self.code: Code = code
@@ -68,6 +69,8 @@ class IopError(Exception):
         self.run_id = run_id
         self.retry_after = retry_after
         """How long to wait before retrying, when the sender can tell (RESOURCE_EXHAUSTED)."""
+        self.param = param
+        """The request field to blame, by its OpenAI name (INVALID_ARGUMENT)."""
 
     @property
     def name(self) -> str:
@@ -81,7 +84,14 @@ class IopError(Exception):
     def from_message(cls, error: pb.Error) -> IopError:
         """The error a peer sent."""
         retry_after = error.retry_after.ToTimedelta() if error.HasField("retry_after") else None
-        return cls(error.code, error.message, retryable=error.retryable, run_id=error.run_id, retry_after=retry_after)
+        return cls(
+            error.code,
+            error.message,
+            retryable=error.retryable,
+            run_id=error.run_id,
+            retry_after=retry_after,
+            param=error.param,
+        )
 
 
 class FrameError(IopError):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Pki, assert_eventually
+from google.protobuf.struct_pb2 import Struct
 from node_helpers import chat, client, collect, kinds, node_settings, running_node, text
 
 from iop_gen.pb.iop import runtime_pb2 as pb
@@ -131,26 +132,46 @@ async def test_cli_streams_program_output_and_counts_tokens(settings, pki: Pki) 
         await connection.close()
 
 
+def _struct(**fields: object) -> Struct:
+    struct = Struct()
+    struct.update(fields)
+    return struct
+
+
 @pytest.mark.parametrize(
-    ("request_fields", "code", "message"),
+    ("request_fields", "code", "message", "param"),
     [
-        ({"model": "nope"}, pb.ERROR_CODE_MODEL_NOT_FOUND, "not served here"),
-        ({"messages": []}, pb.ERROR_CODE_INVALID_ARGUMENT, "messages is empty"),
-        ({"sampling": pb.Sampling(max_tokens=-1)}, pb.ERROR_CODE_INVALID_ARGUMENT, "between 1 and 4096, got -1"),
-        ({"sampling": pb.Sampling(max_tokens=10**9)}, pb.ERROR_CODE_INVALID_ARGUMENT, "got 1000000000"),
+        ({"model": "nope"}, pb.ERROR_CODE_MODEL_NOT_FOUND, "not served here", ""),
+        ({"messages": []}, pb.ERROR_CODE_INVALID_ARGUMENT, "messages is empty", "messages"),
+        (
+            {"sampling": pb.Sampling(max_tokens=-1)},
+            pb.ERROR_CODE_INVALID_ARGUMENT,
+            "between 1 and 4096, got -1",
+            "max_tokens",
+        ),
+        ({"sampling": pb.Sampling(max_tokens=10**9)}, pb.ERROR_CODE_INVALID_ARGUMENT, "got 1000000000", "max_tokens"),
         (
             {"sampling": pb.Sampling(temperature=float("nan"))},
             pb.ERROR_CODE_INVALID_ARGUMENT,
             "sampling.temperature must be between 0 and 2, got nan",
+            "temperature",
         ),
         (
             {"messages": [pb.ChatMessage(role=pb.ROLE_USER, content=[pb.ContentPart(text="x" * 1001)])]},
             pb.ERROR_CODE_INVALID_ARGUMENT,
             "over this node's limit of 1000",
+            "",
         ),
-        ({"model": "missing"}, pb.ERROR_CODE_BACKEND_ERROR, "not found"),
-        ({"model": "fails"}, pb.ERROR_CODE_BACKEND_ERROR, "exit code 1"),
-        ({"model": "garbage"}, pb.ERROR_CODE_BACKEND_PROTOCOL_ERROR, "UTF-8"),
+        (
+            {"openai_fields": _struct(tools=[{"type": "function"}])},
+            pb.ERROR_CODE_INVALID_ARGUMENT,
+            "support tools",
+            "tools",
+        ),
+        ({"openai_fields": _struct(n=2)}, pb.ERROR_CODE_INVALID_ARGUMENT, "n > 1", "n"),
+        ({"model": "missing"}, pb.ERROR_CODE_BACKEND_ERROR, "not found", ""),
+        ({"model": "fails"}, pb.ERROR_CODE_BACKEND_ERROR, "exit code 1", ""),
+        ({"model": "garbage"}, pb.ERROR_CODE_BACKEND_PROTOCOL_ERROR, "UTF-8", ""),
     ],
     ids=[
         "unknown-model",
@@ -159,13 +180,15 @@ async def test_cli_streams_program_output_and_counts_tokens(settings, pki: Pki) 
         "huge-max-tokens",
         "nan-temperature",
         "prompt-too-big",
+        "mock-tools",
+        "mock-n-2",
         "cli-missing",
         "cli-exit-1",
         "cli-invalid-utf8",
     ],
 )
-async def test_bad_requests_get_their_error_code_and_a_failed_row(  # type: ignore[no-untyped-def]
-    settings, pki: Pki, request_fields: dict, code: int, message: str
+async def test_bad_requests_get_their_error_code_and_a_failed_row(  # type: ignore[no-untyped-def]  # noqa: PLR0917 - pytest parameters
+    settings, pki: Pki, request_fields: dict, code: int, message: str, param: str
 ) -> None:
     async with running_node(settings) as app:
         connection = await client(app, pki)
@@ -176,6 +199,7 @@ async def test_bad_requests_get_their_error_code_and_a_failed_row(  # type: igno
         events = await collect(await connection.open_run(request))
         assert events[-1].error.code == code, events[-1]
         assert message in events[-1].error.message
+        assert events[-1].error.param == param  # the field to blame, by its OpenAI name
         record = await _record(app, request.run_id)
         assert record.status is RunStatus.FAILED
         assert record.error_code == pb.ErrorCode.Name(code).removeprefix("ERROR_CODE_")

@@ -1298,6 +1298,15 @@ export declare type Error = Message<"iop.Error"> & {
    * @generated from field: google.protobuf.Duration retry_after = 5;
    */
   retryAfter?: Duration | undefined;
+
+  /**
+   * The request field the error is about, by its OpenAI name ("temperature",
+   * "messages[1].content", "tools"), with ERROR_CODE_INVALID_ARGUMENT; empty
+   * when no one field is to blame.
+   *
+   * @generated from field: string param = 6;
+   */
+  param: string;
 };
 
 /**

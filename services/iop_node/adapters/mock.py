@@ -129,6 +129,7 @@ class MockAdapter:
         return [pb.ModelInfo(name=name, kinds=kinds, available=True) for name in self._models]
 
     async def execute(self, spec: ExecutionSpec, sink: EventSink) -> None:
+        _refuse_unsupported(spec)
         options = _options(self._models[spec.request.model], spec.request.metadata)
         prompt = spec.prompt_text()
         words = random.Random(_seed(spec, prompt))  # noqa: S311 - reproducible text, not secrets
@@ -154,6 +155,25 @@ class MockAdapter:
         reason = pb.FINISH_REASON_LENGTH if limit is not None and limit <= options.tokens else pb.FINISH_REASON_STOP
         prompt_tokens = len(prompt.split())
         await sink.complete(reason, pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=count))
+
+
+_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logprobs", "top_logprobs")
+"""OpenAI request fields the mock cannot honour; set to anything but their off value, the run is refused."""
+_OFF: dict[str, object] = {"tool_choice": "none", "logprobs": False, "response_format": {"type": "text"}}
+
+
+def _refuse_unsupported(spec: ExecutionSpec) -> None:
+    """INVALID_ARGUMENT naming the first field the mock would otherwise ignore: a client must not think it worked."""
+    fields = spec.openai_fields
+    for name in _UNSUPPORTED:
+        if name in fields and fields[name] not in (None, [], _OFF.get(name)):
+            raise IopError(
+                pb.ERROR_CODE_INVALID_ARGUMENT,
+                f"model {spec.request.model!r} (mock adapter) does not support {name}",
+                param=name,
+            )
+    if int(fields.get("n") or 1) != 1:
+        raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, "n > 1 is not supported: send one run per choice", param="n")
 
 
 def _options(base: MockOptions, metadata: Mapping[str, str]) -> MockOptions:

@@ -84,7 +84,7 @@ class VllmAdapter:
 
 def _check(spec: ExecutionSpec, options: VllmOptions) -> None:
     if int(spec.openai_fields.get("n") or 1) != 1:
-        raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, "n > 1 is not supported: send one run per choice")
+        raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, "n > 1 is not supported: send one run per choice", param="n")
     check_kind(spec, options)
 
 

@@ -833,6 +833,13 @@ class Error(betterproto2.Message):
     its limit); unset means no hint.
     """
 
+    param: "str" = betterproto2.field(6, betterproto2.TYPE_STRING)
+    """
+    The request field the error is about, by its OpenAI name ("temperature",
+    "messages[1].content", "tools"), with ERROR_CODE_INVALID_ARGUMENT; empty
+    when no one field is to blame.
+    """
+
 
 default_message_pool.register_message("iop", "Error", Error)
 

@@ -1432,6 +1432,7 @@ class Error(_message.Message):
     RETRYABLE_FIELD_NUMBER: _builtins.int
     RUN_ID_FIELD_NUMBER: _builtins.int
     RETRY_AFTER_FIELD_NUMBER: _builtins.int
+    PARAM_FIELD_NUMBER: _builtins.int
     code: Global___ErrorCode.ValueType
     """What went wrong, from the code list shared by all services."""
     message: _builtins.str
@@ -1440,6 +1441,11 @@ class Error(_message.Message):
     """True when the same request may succeed if sent again (to this or another node)."""
     run_id: _builtins.str
     """The run it concerns, if any."""
+    param: _builtins.str
+    """The request field the error is about, by its OpenAI name ("temperature",
+    "messages[1].content", "tools"), with ERROR_CODE_INVALID_ARGUMENT; empty
+    when no one field is to blame.
+    """
     @_builtins.property
     def retry_after(self) -> _duration_pb2.Duration:
         """How long to wait before sending the request again. Set, when the sender
@@ -1455,10 +1461,11 @@ class Error(_message.Message):
         retryable: _builtins.bool = ...,
         run_id: _builtins.str = ...,
         retry_after: _duration_pb2.Duration | None = ...,
+        param: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["retry_after", b"retry_after"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "retry_after", b"retry_after", "retryable", b"retryable", "run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "param", b"param", "retry_after", b"retry_after", "retryable", b"retryable", "run_id", b"run_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
