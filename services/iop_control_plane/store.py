@@ -38,6 +38,8 @@ ON CONFLICT (node_id) DO UPDATE SET labels = excluded.labels, address = excluded
     models = excluded.models, last_seen = excluded.last_seen
 """
 _Write = tuple[str, tuple[object, ...]] | LedgerEntry
+_COMMIT_WINDOW = 0.02
+"""Seconds the writer gathers writes before one commit: one thread hop and transaction for many runs."""
 _PRUNE_EVERY = 1000
 """Runs recorded between two prunes of the ledger."""
 
@@ -62,6 +64,7 @@ class AuditStore:
         self._db: sqlite3.Connection | None = None
         self._pending: list[_Write] = []
         self._wake = asyncio.Event()
+        self._window: asyncio.TimerHandle | None = None
         self._writer: asyncio.Task[None] | None = None
         self._closing = False
 
@@ -75,6 +78,9 @@ class AuditStore:
     async def aclose(self) -> None:
         """Commit what is queued and close the file."""
         self._closing = True
+        if self._window is not None:
+            self._window.cancel()
+            self._window = None
         self._wake.set()
         if self._writer is not None:
             await self._writer  # it commits what is queued, then returns
@@ -109,7 +115,7 @@ class AuditStore:
             return
         self._queued_runs += 1
         self._pending.append(entry)
-        self._wake.set()
+        self._soon()
 
     async def runs(self, request: pb.RunsList) -> pb.RunsListed:
         """The ledger's runs that ``request`` asks for (read in a thread, on a connection of its own)."""
@@ -123,6 +129,15 @@ class AuditStore:
 
     def _queue(self, sql: str, params: tuple[object, ...]) -> None:
         self._pending.append((sql, params))
+        self._soon()
+
+    def _soon(self) -> None:
+        """Wake the writer once the commit window has gathered what the next milliseconds bring."""
+        if self._window is None:
+            self._window = asyncio.get_running_loop().call_later(_COMMIT_WINDOW, self._window_ended)
+
+    def _window_ended(self) -> None:
+        self._window = None
         self._wake.set()
 
     def _take(self) -> list[_Write]:
@@ -145,6 +160,7 @@ class AuditStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(self.path, check_same_thread=False)
         db.execute("PRAGMA journal_mode=WAL")  # readers (runs.list) never wait for the writer
+        db.execute("PRAGMA synchronous=NORMAL")  # WAL: a commit survives a crash of the process, fsync at checkpoints
         db.executescript(_SCHEMA + ledger.SCHEMA)
         return db
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from google.protobuf import json_format
 
@@ -59,7 +60,9 @@ class Router:
             target_model=route.target or route.model,
             kind=kind,
             sampling=merge_sampling(self._defaults[route.model], request.sampling),
-            openai_fields=json_format.MessageToDict(request.openai_fields) if request.HasField("openai_fields") else {},
+            openai_fields=_integral(json_format.MessageToDict(request.openai_fields))
+            if request.HasField("openai_fields")
+            else {},
             deadline=request.deadline.ToDatetime(datetime.UTC) if request.HasField("deadline") else None,
         )
 
@@ -105,6 +108,18 @@ _MAX_STOP = 4  # "up to 4 sequences"
 
 _KINDS: dict[int, RunKind] = {kind: kind for kind in pb.RunKind.values()}
 _KINDS[pb.RUN_KIND_UNSPECIFIED] = pb.RUN_KIND_CHAT  # unset means chat
+
+
+def _integral(value: Any) -> Any:
+    """``value`` with whole numbers as ints: a Struct holds every number as a double, and backends
+    read ``"top_logprobs": 5.0`` or ``"n": 1.0`` as a type error."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    if isinstance(value, dict):
+        return {key: _integral(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_integral(item) for item in value]
+    return value
 
 
 def _invalid(message: str, param: str = "") -> IopError:

@@ -10,13 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from iop_wire.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_wire.settings import (
     ConfigError,
     ConnectionSettings,
+    ControlPlaneAddress,
     EventLoop,
     ListenSettings,
     Problem,
@@ -76,34 +77,11 @@ class RouteSettings(_Section):
     """Adapter options, checked by the adapter's options model at start-up."""
 
 
-class ControlPlaneSettings(_Section):
+class ControlPlaneSettings(ControlPlaneAddress):
     """Registered mode: the control-plane this node dials."""
 
-    address: str | None = None
-    """``host:port`` of the control-plane; unset means standalone."""
-    server_name: str | None = None
-    """Name to verify in the control-plane's certificate; defaults to the host."""
     status_step: int = Field(1, ge=1)
     """Send node.status between heartbeats once in-flight + queued changed by this much."""
-    reconnect_initial: float = Field(0.5, gt=0)
-    """First reconnect delay, seconds; doubles per failure, with jitter."""
-    reconnect_max: float = Field(30.0, gt=0)
-    """Largest reconnect delay, seconds."""
-
-    @field_validator("address")
-    @classmethod
-    def _host_and_port(cls, address: str | None) -> str | None:
-        if address is not None:
-            _, colon, port = address.rpartition(":")
-            if not colon or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"{address!r} has no port: write host:port, for example cp.internal:7400")
-        return address
-
-    def endpoint(self) -> tuple[str, int]:
-        """``address`` as (host, port); the host defaults to 127.0.0.1 and loses IPv6 brackets."""
-        assert self.address is not None
-        host, _, port = self.address.rpartition(":")
-        return host.removeprefix("[").removesuffix("]") or "127.0.0.1", int(port)
 
 
 class MetricsSettings(_Section):

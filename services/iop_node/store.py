@@ -368,13 +368,50 @@ class SqliteRunStore:
         return min(delay * 2, self._retry_max)
 
     async def _commit(self, db: aiosqlite.Connection, writes: Sequence[_Write]) -> None:
-        """Write ``writes`` in one transaction; raises when the file refuses (the caller rolls back)."""
+        """Write ``writes`` in one transaction; raises when the file refuses (the caller rolls back).
+
+        Rows go to SQLite's thread as a few ``executemany`` calls instead of one trip each: the
+        writes are split into phases where each run appears at most once (a run's second write
+        is in the next phase, so its own writes keep their order), and each phase sends its
+        starts, then its ends. A batch SQLite rejects a row of, or an end that did not land, is
+        written again row by row to name the row; both statements are upserts, so a row
+        written twice is written once.
+        """
+        phases: list[dict[str, list[tuple[_Write, dict[str, Any]]]]] = []
+        seen: dict[tuple[str, str, str], int] = {}
         for write in writes:
             try:
                 params = _params(write.record)
             except (TypeError, ValueError) as exc:  # a field that cannot be encoded: this row never will be
                 self._unwritable(write, exc)
                 continue
+            record = write.record
+            key = (record.node_id, record.connection, record.run_id)
+            phase = seen[key] = seen.get(key, -1) + 1
+            if phase == len(phases):
+                phases.append({_START: [], _END: []})
+            phases[phase][write.sql].append((write, params))
+        for phase_writes in phases:
+            for sql, batch in phase_writes.items():
+                if batch:
+                    await self._batch(db, sql, batch)
+        await db.commit()
+        self._commits += 1
+
+    async def _batch(self, db: aiosqlite.Connection, sql: str, batch: Sequence[tuple[_Write, dict[str, Any]]]) -> None:
+        try:
+            cursor = await db.executemany(sql, [params for _, params in batch])
+        except Exception as exc:
+            if _file_refused(exc):
+                raise
+            await self._row_by_row(db, batch)
+            return
+        if sql is _END and cursor.rowcount < len(batch):
+            await self._row_by_row(db, batch)
+
+    async def _row_by_row(self, db: aiosqlite.Connection, batch: Sequence[tuple[_Write, dict[str, Any]]]) -> None:
+        """Write each row alone, naming those SQLite rejects and the ends that do not land."""
+        for write, params in batch:
             try:
                 cursor = await db.execute(write.sql, params)
             except Exception as exc:
@@ -386,8 +423,6 @@ class SqliteRunStore:
                 _log.error(
                     "run_write_refused", node_id=self.node_id, run_id=write.record.run_id, peer=write.record.peer
                 )
-        await db.commit()
-        self._commits += 1
 
     def _unwritable(self, write: _Write, exc: Exception) -> None:
         _log.error("run_write_failed", node_id=self.node_id, run_id=write.record.run_id, error=str(exc))

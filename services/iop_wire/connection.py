@@ -268,8 +268,12 @@ class Connection:
 
     # -- opening runs and requests -----------------------------------------------------------
 
-    async def open_run(self, request: pb.RunRequest) -> RunStream:
-        """Send a run.request and return the stream of its events."""
+    async def open_run(self, request: pb.RunRequest, *, urgent: bool = True) -> RunStream:
+        """Send a run.request and return the stream of its events.
+
+        ``urgent`` (the default) writes it at once; False lets it share the turn's write with the
+        other frames of the turn (a front end opening many runs at once: one TLS record for all).
+        """
         if not request.run_id:
             raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, "run.request needs a run_id")
         if request.run_id in self._streams:
@@ -278,7 +282,7 @@ class Connection:
             raise ConnectionClosed("connection is closed")
         stream = RunStream(request.run_id, self.config.run_buffer, self.cancel_run, codec=self.codec.name)
         self._streams[request.run_id] = stream
-        await self.send(pb.Envelope(run_id=request.run_id, run_request=request), urgent=True)
+        await self.send(pb.Envelope(run_id=request.run_id, run_request=request), urgent=urgent)
         return stream
 
     def cancel_run(self, run_id: str, reason: str) -> None:

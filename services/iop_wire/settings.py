@@ -24,7 +24,7 @@ import yaml
 from cryptography import x509
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource
 
 from iop_wire.connection import ConnectionConfig
@@ -35,6 +35,7 @@ from iop_wire.tls import Role, TlsConfig, server_context
 __all__ = [
     "ConfigError",
     "ConnectionSettings",
+    "ControlPlaneAddress",
     "EventLoop",
     "ListenSettings",
     "Problem",
@@ -173,6 +174,34 @@ class ConnectionSettings(Section):
             max_frame_size=max_frame_size,
             **self.model_dump(),
         )
+
+
+class ControlPlaneAddress(Section):
+    """The control-plane a service dials (a node registering, an edge or a worker submitting runs)."""
+
+    address: str | None = None
+    """``host:port`` of the control-plane; unset means none."""
+    server_name: str | None = None
+    """Name to verify in the control-plane's certificate; defaults to the host."""
+    reconnect_initial: float = Field(0.5, gt=0)
+    """First reconnect delay, seconds; doubles per failure, with jitter."""
+    reconnect_max: float = Field(30.0, gt=0)
+    """Largest reconnect delay, seconds."""
+
+    @field_validator("address")
+    @classmethod
+    def _host_and_port(cls, address: str | None) -> str | None:
+        if address is not None:
+            _, colon, port = address.rpartition(":")
+            if not colon or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{address!r} has no port: write host:port, for example cp.internal:7400")
+        return address
+
+    def endpoint(self) -> tuple[str, int]:
+        """``address`` as (host, port); the host defaults to 127.0.0.1 and loses IPv6 brackets."""
+        assert self.address is not None
+        host, _, port = self.address.rpartition(":")
+        return host.removeprefix("[").removesuffix("]") or "127.0.0.1", int(port)
 
 
 class ListenSettings(Section):
