@@ -12,7 +12,7 @@ default:
 install:
     python3 -m uv sync --frozen
 
-# Start the platform in the background (one node, mock models, mTLS on 127.0.0.1:7401); args go to `iop up`.
+# Start the platform in the background (control-plane, node with mock models, edge on 127.0.0.1:8000); args go to `iop up`.
 up *args:
     iop up {{args}}
 

@@ -1,7 +1,11 @@
 """``iop``: the command-line entry point.
 
     iop certs init DIR [--san NAME ...]   a CA and a certificate per role, files 0600
-    iop up [--dir DIR] [--port N]         start the platform in the background; iop down stops it
+    iop up [--dir DIR] [--port N] [--foreground] [--backend URL]   the whole platform; iop down stops it
+    iop status                            what iop up started: processes, addresses, health
+    iop edge --config edge.yaml           run an edge (the OpenAI-compatible API)
+    iop keys create NAME [--rpm N] [--tpm N] [--max-concurrent N] | ls | revoke NAME   the edge's API keys
+    iop chat [--model M] [PROMPT]         talk to a model through the local edge; iop models lists them
     iop node --config node.yaml [--ready-file PATH]   run a node (iop node --dev: without a config)
     iop control-plane --config cp.yaml [--ready-file PATH]   run a control-plane
     iop runs ls [--status S] [--model M] [--since 1h] [--limit N] [--json]   the node's run history
@@ -11,9 +15,9 @@
     iop policy show | apply FILE          the control-plane's policy in force; replace it
     iop version, iop --version
 
-``--log-level`` goes before or after the command; for ``iop node`` (and the node ``iop up``
-starts) it overrides the config's ``log_level``. Subcommands import their service lazily, so
-``iop certs`` does not load a web server.
+``--log-level`` goes before or after the command; for ``iop node``, ``iop control-plane``,
+``iop edge`` (and the services ``iop up`` starts) it overrides the config's ``log_level``.
+Subcommands import their service lazily, so ``iop certs`` does not load a web server.
 """
 
 from __future__ import annotations
@@ -46,13 +50,50 @@ def _certs_init(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace) -> int:
     from iop_cli.up import up
 
-    return up(args.dir, args.port, log_level=args.log_level)
+    return up(
+        args.dir,
+        args.port,
+        log_level=args.log_level,
+        foreground=args.foreground,
+        backend=args.backend,
+    )
 
 
 def _down(args: argparse.Namespace) -> int:
     from iop_cli.up import down
 
     return down(args.dir)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from iop_cli.up import status
+
+    return status(args.dir, as_json=args.json)
+
+
+def _edge(args: argparse.Namespace) -> int:
+    from iop_edge.main import run
+
+    return run(args.config, ready_file=args.ready_file, log_level=args.log_level)
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from iop_cli import keys
+
+    action: int = getattr(keys, args.keys_action)(args)
+    return action
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from iop_cli.chat import chat
+
+    return chat(args)
+
+
+def _models(args: argparse.Namespace) -> int:
+    from iop_cli.chat import models
+
+    return models(args)
 
 
 def _node(args: argparse.Namespace) -> int:
@@ -104,7 +145,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="iop", description="IOP, the Inference Operations Platform.")
     parser.add_argument("--version", action="version", version=f"iop {version('iop')}")
     parser.add_argument(
-        "--log-level", choices=_LEVELS, help="lowest level logged (default warning; node, control-plane: config's)"
+        "--log-level", choices=_LEVELS, help="lowest level logged (default warning; the services: their config's)"
     )
     # The same option after the command: `iop node --config x --log-level debug`.
     common = argparse.ArgumentParser(add_help=False)
@@ -120,13 +161,7 @@ def _parser() -> argparse.ArgumentParser:
     init.add_argument("--force", action="store_true", help="replace an existing CA")
     init.set_defaults(run=_certs_init)
 
-    up = commands.add_parser("up", parents=[common], help="start the platform on this machine, in the background")
-    up.add_argument("--dir", type=Path, default=state_dir, help=state_help)
-    up.add_argument("--port", type=int, help="node port, set in DIR/node.yaml (new: 7401 unless given; 0: any free)")
-    up.set_defaults(run=_up)
-    down = commands.add_parser("down", parents=[common], help="stop what 'iop up' started")
-    down.add_argument("--dir", type=Path, default=state_dir, help=state_help)
-    down.set_defaults(run=_down)
+    _platform_parsers(commands, common, state_dir, state_help)
 
     node = commands.add_parser("node", parents=[common], help="run a node")
     config = node.add_mutually_exclusive_group()
@@ -144,11 +179,85 @@ def _parser() -> argparse.ArgumentParser:
     )
     control_plane.set_defaults(run=_control_plane)
 
+    edge = commands.add_parser("edge", parents=[common], help="run an edge: the OpenAI-compatible HTTP API")
+    edge.add_argument("--config", type=Path, required=True, help="YAML settings (IOP_ variables override)")
+    edge.add_argument("--ready-file", type=Path, metavar="PATH", help="written (pid, port as JSON) once it serves")
+    edge.set_defaults(run=_edge)
+
+    _keys_parsers(commands, common, state_dir, state_help)
     _runs_parsers(commands, common, state_dir, state_help)
     _ops_parsers(commands, common, state_dir)
 
     commands.add_parser("version", help="print the version").set_defaults(run=_version)
     return parser
+
+
+def _platform_parsers(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+    common: argparse.ArgumentParser,
+    state_dir: Path,
+    state_help: str,
+) -> None:
+    """``iop up``, ``down``, ``status``, ``chat``, ``models``: the platform on this machine."""
+    up = commands.add_parser("up", parents=[common], help="start the platform on this machine, in the background")
+    up.add_argument("--dir", type=Path, default=state_dir, help=state_help)
+    up.add_argument(
+        "--port", type=int, help="the edge's HTTP port, set in DIR/edge.yaml (new: 8000 unless given; 0: any free)"
+    )
+    up.add_argument("--foreground", action="store_true", help="stay attached: one log stream; Ctrl-C stops it all")
+    up.add_argument(
+        "--backend",
+        metavar="URL",
+        help="serve an OpenAI-compatible server's models (URL) or Ollama's (ollama:URL) instead of mock models",
+    )
+    up.set_defaults(run=_up)
+    down = commands.add_parser("down", parents=[common], help="stop what 'iop up' started")
+    down.add_argument("--dir", type=Path, default=state_dir, help=state_help)
+    down.set_defaults(run=_down)
+    status = commands.add_parser("status", parents=[common], help="what 'iop up' started: processes, addresses, health")
+    status.add_argument("--dir", type=Path, default=state_dir, help=state_help)
+    status.add_argument("--json", action="store_true", help="print JSON instead of text")
+    status.set_defaults(run=_status)
+    for name, helptext, run in (
+        ("chat", "talk to a model of the local platform (stdin when no PROMPT; Ctrl-D ends)", _chat),
+        ("models", "the models the local platform serves", _models),
+    ):
+        sub = commands.add_parser(name, parents=[common], help=helptext)
+        sub.add_argument("--dir", type=Path, default=state_dir, help=f"{state_help}: its base URL and API key")
+        sub.add_argument("--base-url", help="the edge's base URL (default: the state folder's)")
+        sub.add_argument("--api-key", help="an API key (default: $IOP_API_KEY, else the state folder's)")
+        sub.set_defaults(run=run)
+    chat = commands.choices["chat"]
+    chat.add_argument("--model", "-m", help="the model (default: the first one the platform lists)")
+    chat.add_argument("prompt", nargs="*", help="the prompt; none: read stdin, or talk until Ctrl-D on a terminal")
+    commands.choices["models"].add_argument("--json", action="store_true", help="print JSON instead of names")
+
+
+def _keys_parsers(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+    common: argparse.ArgumentParser,
+    state_dir: Path,
+    state_help: str,
+) -> None:
+    """``iop keys create|ls|revoke``: the edge's API keys."""
+    keys = commands.add_parser("keys", help="the edge's API keys").add_subparsers(dest="keys_command", required=True)
+    for name, helptext in (
+        ("create", "create a key and print it (once: only its hash is kept)"),
+        ("ls", "list keys, their limits and whether they are revoked"),
+        ("revoke", "revoke a key: its requests get 401 from then on"),
+    ):
+        sub = keys.add_parser(name, parents=[common], help=helptext)
+        sub.add_argument("--db", type=Path, help="the key file (default: keys_path of the config)")
+        sub.add_argument("--config", type=Path, help="edge settings to take keys_path from")
+        sub.add_argument("--dir", type=Path, default=state_dir, help=f"{state_help}: its edge.yaml's keys_path")
+        sub.set_defaults(run=_keys, keys_action=name)
+    create, revoke = keys.choices["create"], keys.choices["revoke"]
+    create.add_argument("name", metavar="NAME", help="who the key is for; runs are attributed to it")
+    create.add_argument("--rpm", type=int, help="requests per minute")
+    create.add_argument("--tpm", type=int, help="tokens (prompt + completion) per minute")
+    create.add_argument("--max-concurrent", type=int, help="requests in progress at once")
+    revoke.add_argument("name", metavar="NAME")
+    keys.choices["ls"].add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def _runs_parsers(

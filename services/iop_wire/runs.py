@@ -90,6 +90,17 @@ class RunStream:
             self.finished = True
         return item
 
+    def next_nowait(self) -> pb.RunEvent | None:
+        """The next event if it has arrived, else None: a reader that writes what is already here
+        in one go (many deltas, one write) takes them without a wait each."""
+        if not self._events:
+            return None
+        item = self._events.popleft()
+        self._writable.set()
+        if item[0].WhichOneof("event") in TERMINAL_EVENTS:
+            self.finished = True
+        return item[0]
+
     async def cancel(self, reason: str = "cancelled by client") -> None:
         """Ask the serving end to stop this run; its terminal event still arrives, nothing else."""
         self.cancel_nowait(reason)
@@ -107,6 +118,11 @@ class RunStream:
         self._events = deque(item for item in self._events if item[0].WhichOneof("event") in TERMINAL_EVENTS)
         self._writable.set()
         self._cancel(self.run_id, reason)
+
+    @property
+    def buffered(self) -> int:
+        """Events that arrived and are not read yet."""
+        return len(self._events)
 
     @property
     def full(self) -> bool:

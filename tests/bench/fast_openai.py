@@ -4,7 +4,8 @@
 
 POST /v1/chat/completions answers ``max_tokens`` SSE chunks, as fast as the socket takes them
 or, given TOKENS_PER_SECOND, one chunk at a time at that pace per stream (as real backends emit
-tokens), then a usage chunk and ``data: [DONE]``; GET /v1/models lists one model. HTTP/1.1
+tokens), then a usage chunk and ``data: [DONE]``; with ``"stream": false``, one JSON
+chat.completion of ``max_tokens`` tokens at once. GET /v1/models lists one model. HTTP/1.1
 keep-alive.
 """
 
@@ -30,8 +31,30 @@ def _chunked(writer: asyncio.StreamWriter, data: bytes) -> None:
     writer.write(b"%x\r\n%s\r\n" % (len(data), data))
 
 
+def _whole(writer: asyncio.StreamWriter, count: int) -> None:
+    answer = json.dumps(
+        {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "created": 1,
+            "model": "fast",
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "tok " * count}, "finish_reason": "length"}
+            ],
+            "usage": {"prompt_tokens": 5, "completion_tokens": count, "total_tokens": count + 5},
+        }
+    ).encode()
+    writer.write(
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(answer), answer)
+    )
+
+
 async def _answer(writer: asyncio.StreamWriter, body: dict[str, object], pace: float) -> None:
     count = int(body.get("max_tokens") or 16)  # type: ignore[call-overload]
+    if body.get("stream") is False:
+        _whole(writer, count)
+        await writer.drain()
+        return
     writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
     loop = asyncio.get_running_loop()
     due = loop.time()

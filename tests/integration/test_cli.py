@@ -41,21 +41,3 @@ def test_certs_init_refuses_to_replace_a_ca_without_force(tmp_path: Path) -> Non
     assert again.returncode == 2
     assert "exists; pass --force" in again.stderr
     assert _run("certs", "init", str(tmp_path), "--force").returncode == 0
-
-
-def test_up_starts_a_node_in_the_background_and_down_stops_it(tmp_path: Path) -> None:
-    result = _run("up", "--dir", str(tmp_path), "--port", "0")
-    try:
-        assert result.returncode == 0, result.stderr
-        assert "node local-node up at 127.0.0.1:" in result.stdout
-        assert "models: mock-small, mock-fast" in result.stdout
-        pid = int((tmp_path / "node.pid").read_text())
-        assert Path(f"/proc/{pid}").exists()
-        again = _run("up", "--dir", str(tmp_path), "--port", "0")
-        assert "already running" in again.stdout
-    finally:
-        stopped = _run("down", "--dir", str(tmp_path))
-    assert stopped.returncode == 0
-    assert "stopped" in stopped.stdout
-    assert not (tmp_path / "node.pid").exists()
-    assert '"event": "node stopped"' in (tmp_path / "node.log").read_text()

@@ -8,6 +8,7 @@ import asyncio
 import datetime
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -186,17 +187,17 @@ def _free_port() -> int:
 
 def test_up_port_changes_an_existing_config_or_refuses_while_running(state: Path) -> None:
     _up(state, "--port", "0")
-    (state / "node.yaml").write_text((state / "node.yaml").read_text() + "# my notes\n")
+    (state / "edge.yaml").write_text((state / "edge.yaml").read_text() + "# my notes\n")
     port = _free_port()
     running = _iop("up", "--dir", str(state), "--port", str(port))
     assert running.returncode == 2
-    assert running.stderr.count("\n") == 1 and "is running" in running.stderr and str(port) in running.stderr
+    assert running.stderr.count("\n") == 1 and "running" in running.stderr and str(port) in running.stderr
     assert _iop("down", "--dir", str(state)).returncode == 0
     printed = _up(state, "--port", str(port))
-    assert f"listen.port 0 -> {port}" in printed
-    assert f"up at 127.0.0.1:{port} " in printed
-    config = (state / "node.yaml").read_text()
-    assert yaml.safe_load(config)["listen"]["port"] == port
+    assert f"http.port 0 -> {port}" in printed
+    assert f"base URL: http://127.0.0.1:{port}/v1" in printed
+    config = (state / "edge.yaml").read_text()
+    assert yaml.safe_load(config)["http"]["port"] == port
     assert config.endswith("# my notes\n")  # the rest of the file as the user left it
 
 
@@ -211,10 +212,15 @@ def test_node_log_of_the_previous_start_is_kept(state: Path) -> None:
 
 def test_generated_config_serves_metrics_and_up_says_where(state: Path) -> None:
     printed = _up(state, "--port", "0")
-    url = _hint(printed, "metrics")
-    assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
-    with urllib.request.urlopen(url, timeout=10) as answer:  # noqa: S310 - our own node on loopback
-        assert "iop_node_runs_in_flight" in answer.read().decode()
+    urls = dict(re.findall(r"^(control-plane|node|edge) .*metrics (http://127\.0\.0\.1:\d+/metrics)$", printed, re.M))
+    assert set(urls) == {"control-plane", "node", "edge"}, printed
+    for service, metric in (
+        ("control-plane", "iop_control_plane_nodes"),
+        ("node", "iop_node_runs_in_flight"),
+        ("edge", "iop_edge_requests_in_flight"),
+    ):
+        with urllib.request.urlopen(urls[service], timeout=10) as answer:  # noqa: S310 - our own service on loopback
+            assert metric in answer.read().decode(), service
     assert yaml.safe_load((state / "node.yaml").read_text())["metrics"]["host"] == "127.0.0.1"
 
 
@@ -312,7 +318,7 @@ def test_down_after_a_crash_says_the_node_was_not_running(state: Path) -> None:
     result = _iop("down", "--dir", str(state))
     assert result.returncode == 0
     assert f"node (pid {pid}) was not running" in result.stdout
-    assert "stale" in result.stdout and "stopped" not in result.stdout
+    assert "stale" in result.stdout and f"node (pid {pid}) stopped" not in result.stdout
     assert not (state / "node.pid").exists()
 
 

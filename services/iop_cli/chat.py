@@ -1,0 +1,190 @@
+"""``iop chat`` / ``iop models``: try the local platform's models through its edge, no code needed.
+
+Both talk to the edge's OpenAI-compatible API: the base URL is ``--base-url``, else the one of
+the state folder (``--dir``, default ``$IOP_STATE_DIR``, else ``.iop``: ``http://127.0.0.1:PORT/v1``
+with the port from ``DIR/edge.ready``); the API key is ``--api-key``, else ``$IOP_API_KEY``, else
+``DIR/api-key`` (the key ``iop up`` created), sent as a Bearer token.
+
+``iop chat [--model M] [PROMPT...]`` streams the answer (``POST /chat/completions``, SSE) and
+prints it as it arrives. The model is ``--model``, else the first the platform lists. The prompt
+is the words given; with none, stdin when it is not a terminal; with none on a terminal, a
+conversation: each line after ``> `` is sent with the whole history so far, until Ctrl-D.
+``iop models`` prints one model id per line (``--json``: the list's objects).
+
+Errors are one line on stderr: an HTTP error is ``iop chat: <the API's message> (HTTP 404)``,
+exit 1; a platform that cannot be reached names its URL and suggests ``iop up``, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from iop_cli.shell import iop_command
+
+__all__ = ["chat", "models"]
+
+_TIMEOUT = 600.0  # a long answer from a slow backend; the edge ends runs at its request_timeout
+
+
+class _Failed(Exception):
+    """One line for stderr, and the exit code."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def chat(args: argparse.Namespace) -> int:
+    """``iop chat``: stream answers to a prompt, or to a conversation on a terminal."""
+    try:
+        client = _Client.of(args)
+        model = args.model or client.first_model()
+        prompt = " ".join(args.prompt)
+        if not prompt and sys.stdin.isatty():
+            return _converse(client, model)
+        _answer(client, model, [{"role": "user", "content": prompt or sys.stdin.read()}])
+    except _Failed as exc:
+        print(f"iop chat: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        print()
+        return 130
+    return 0
+
+
+def models(args: argparse.Namespace) -> int:
+    """``iop models``: what the platform serves, one id per line or JSON."""
+    try:
+        listed = _Client.of(args).models()
+    except _Failed as exc:
+        print(f"iop models: {exc}", file=sys.stderr)
+        return exc.code
+    if args.json:
+        print(json.dumps(listed, indent=2))
+    else:
+        for model in listed:
+            print(model["id"])
+    return 0
+
+
+def _converse(client: _Client, model: str) -> int:
+    """Line by line until Ctrl-D, each question sent with the conversation so far."""
+    history: list[dict[str, str]] = []
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        history.append({"role": "assistant", "content": _answer(client, model, history)})
+
+
+def _answer(client: _Client, model: str, messages: list[dict[str, str]]) -> str:
+    """Print the answer as it streams in; returns it whole."""
+    parts: list[str] = []
+    for delta in client.stream(model, messages):
+        parts.append(delta)
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    text = "".join(parts)
+    if not text.endswith("\n"):
+        print()
+    return text
+
+
+class _Client:
+    """The edge's OpenAI-compatible API at ``base`` with ``key``."""
+
+    def __init__(self, base: str, key: str | None, up: str) -> None:
+        self.base, self.key, self.up = base.rstrip("/"), key, up
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> _Client:
+        state: Path = args.dir
+        key = args.api_key or os.environ.get("IOP_API_KEY") or _read(state / "api-key")
+        default = Path(os.environ.get("IOP_STATE_DIR", ".iop"))
+        up = iop_command("up", *([] if state == default else ["--dir", str(state)]))
+        if args.base_url:
+            return cls(args.base_url, key, up)
+        try:
+            port = json.loads((state / "edge.ready").read_text())["port"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise _Failed(f"no platform running in {state} (no edge.ready); start it with '{up}'", 2) from None
+        return cls(f"http://127.0.0.1:{port}/v1", key, up)
+
+    def models(self) -> list[dict[str, Any]]:
+        with self._open("GET", "/models") as answer:
+            listed: list[dict[str, Any]] = json.loads(answer.read())["data"]
+        return listed
+
+    def first_model(self) -> str:
+        listed = self.models()
+        if not listed:
+            raise _Failed(f"the platform at {self.base} serves no models", 1)
+        return str(listed[0]["id"])
+
+    def stream(self, model: str, messages: list[dict[str, str]]) -> Iterator[str]:
+        """The content deltas of a streamed chat completion, as they arrive."""
+        body = {"model": model, "messages": messages, "stream": True}
+        with self._open("POST", "/chat/completions", body) as answer:
+            for raw in answer:
+                line = raw.decode(errors="replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                payload = line.removeprefix("data:").strip()
+                if payload == "[DONE]":
+                    return
+                chunk = json.loads(payload)
+                if "error" in chunk:
+                    raise _Failed(_message(chunk), 1)
+                for choice in chunk.get("choices") or ():
+                    if content := (choice.get("delta") or {}).get("content"):
+                        yield str(content)
+
+    def _open(self, method: str, path: str, body: object = None) -> Any:
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {self.key}"} if self.key else {})}
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.base + path, data=data, headers=headers, method=method)  # noqa: S310 - http(s) only
+        try:
+            return urllib.request.urlopen(request, timeout=_TIMEOUT)  # noqa: S310 - see above
+        except urllib.error.HTTPError as exc:
+            raise _Failed(f"{_message(_json(exc.read()))} (HTTP {exc.code})", 1) from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise _Failed(
+                f"cannot reach the platform at {self.base}: {getattr(reason, 'strerror', None) or reason}; "
+                f"is it running? start it with '{self.up}'",
+                2,
+            ) from None
+
+
+def _json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace").strip()[:200]
+
+
+def _message(answer: Any) -> str:
+    """The OpenAI-style error's message, on one line."""
+    error = answer.get("error") if isinstance(answer, dict) else None
+    message = error.get("message") if isinstance(error, dict) else error or answer
+    return " ".join(str(message or "no message").split())
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None

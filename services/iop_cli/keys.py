@@ -1,0 +1,140 @@
+"""``iop keys create|ls|revoke``: the edge's API keys.
+
+The key file is ``--db FILE``, else ``keys_path`` of ``--config edge.yaml``, else that of
+``DIR/edge.yaml`` for ``--dir DIR`` (default ``$IOP_STATE_DIR`` or ``.iop``), else
+``DIR/edge-keys.db``. ``create`` makes the file when missing; ``ls`` and ``revoke`` refuse a
+missing file (exit 2). A running edge sees every change within about a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sqlite3
+import sys
+from pathlib import Path
+
+from iop_edge.keys import KeyInfo, create_key, list_keys, revoke_key
+from iop_edge.settings import ConfigError, load_settings
+
+__all__ = ["create", "ls", "revoke"]
+
+_HEADERS = ("NAME", "KEY ID", "CREATED", "RPM", "TPM", "MAX-CONCURRENT", "STATUS")
+
+
+class _Refused(Exception):
+    """A problem with what was asked, as one line."""
+
+
+def create(args: argparse.Namespace) -> int:
+    """Create a key and print its secret (stdout, alone on its line); it is never shown again."""
+    try:
+        path, _ = _key_file(args)
+    except _Refused as exc:
+        return _fail(str(exc))
+    try:
+        secret = create_key(path, args.name, rpm=args.rpm, tpm=args.tpm, max_concurrent=args.max_concurrent)
+    except ValueError as exc:
+        return _fail(str(exc))
+    except (sqlite3.Error, OSError) as exc:
+        return _fail(f"cannot write the key file {path}: {exc}")
+    print(secret)
+    print(f"iop keys: key {args.name} created in {path}; this is the only time it is shown", file=sys.stderr)
+    return 0
+
+
+def ls(args: argparse.Namespace) -> int:
+    """List the keys (never their secrets) as a table, or JSON with ``--json``."""
+    try:
+        path = _existing_file(args)
+    except _Refused as exc:
+        return _fail(str(exc))
+    try:
+        keys = list_keys(path)
+    except (sqlite3.Error, OSError) as exc:
+        return _fail(f"cannot read the key file {path}: {exc}")
+    if args.json:
+        print(json.dumps([_plain(key) for key in keys], indent=2))
+    else:
+        print(_table(keys) if keys else "no keys")
+    return 0
+
+
+def revoke(args: argparse.Namespace) -> int:
+    """Revoke a key: exit 1 if there is no active key of that name."""
+    try:
+        path = _existing_file(args)
+    except _Refused as exc:
+        return _fail(str(exc))
+    try:
+        revoked = revoke_key(path, args.name)
+    except (sqlite3.Error, OSError) as exc:
+        return _fail(f"cannot write the key file {path}: {exc}")
+    if not revoked:
+        print(f"iop keys: no key {args.name!r}", file=sys.stderr)
+        return 1
+    print(f"key {args.name} revoked")
+    return 0
+
+
+def _fail(message: str) -> int:
+    print(f"iop keys: {message}", file=sys.stderr)
+    return 2
+
+
+def _key_file(args: argparse.Namespace) -> tuple[Path, str]:
+    """The key file, and where that choice came from (for the message when it is missing)."""
+    if args.db is not None:
+        return Path(args.db), "--db"
+    config: Path | None = args.config
+    if config is None and (args.dir / "edge.yaml").is_file():
+        config = args.dir / "edge.yaml"
+    if config is None:
+        return args.dir / "edge-keys.db", f"state folder {args.dir}"
+    try:
+        return load_settings(config).keys_path, f"keys_path of {config}"
+    except ConfigError as exc:
+        raise _Refused(f"bad config: {exc}") from None
+
+
+def _existing_file(args: argparse.Namespace) -> Path:
+    path, source = _key_file(args)
+    if not path.is_file():
+        raise _Refused(
+            f"no key file at {path} ({source}); 'iop keys create NAME' makes one, "
+            "or point at it with --db FILE, --config edge.yaml or --dir DIR"
+        )
+    return path
+
+
+def _table(keys: list[KeyInfo]) -> str:
+    rows = [_HEADERS, *(_row(key) for key in keys)]
+    widths = [max(len(row[column]) for row in rows) for column in range(len(_HEADERS))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows
+    )
+
+
+def _row(key: KeyInfo) -> tuple[str, ...]:
+    limits = (str(value) if value is not None else "-" for value in (key.rpm, key.tpm, key.max_concurrent))
+    status = "active" if key.revoked_at is None else "revoked"
+    created = datetime.datetime.fromtimestamp(key.created_at, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return (key.name, key.key_id, created, *limits, status)
+
+
+def _plain(key: KeyInfo) -> dict[str, object]:
+    return {
+        "name": key.name,
+        "key_id": key.key_id,
+        "created_at": _time(key.created_at),
+        "revoked_at": None if key.revoked_at is None else _time(key.revoked_at),
+        "rpm": key.rpm,
+        "tpm": key.tpm,
+        "max_concurrent": key.max_concurrent,
+        "status": "active" if key.revoked_at is None else "revoked",
+    }
+
+
+def _time(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat()

@@ -1,0 +1,589 @@
+"""The OpenAI-compatible HTTP API: FastAPI routes over the control-plane connection pool.
+
+Each request is checked (:mod:`iop_edge.requests`), authenticated (an API key, unless
+``auth: none``), limited (the key's rpm, tpm and concurrency; the edge's ``max_in_flight``),
+submitted as one run (one per prompt for completions) whose caller is the key, and answered in
+OpenAI's shapes (:mod:`iop_edge.responses`). A streaming answer starts only once the run has
+produced its first output or ended, so a run refused before any output (unknown model, queue
+full, no node) gets its proper status, not a 200 stream with an error in it; after that, an
+error is a final ``data: {"error": ...}`` event. A client that goes away, streaming or not,
+cancels its run.
+
+Headers: ``x-request-id`` is the run id; ``x-iop-overhead-ms`` is the time spent inside IOP:
+for a whole answer, the time from the request's arrival to its answer minus the node's
+``generation`` time (its adapter's start to the run's end, which holds the backend's work);
+for a stream, the time from the request's arrival to the run's ``start`` event (the node has
+sent its backend request by then), as headers leave before the rest is known.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import Receive, Scope, Send
+
+from iop_edge import requests as parse
+from iop_edge import responses as shape
+from iop_edge.errors import ApiError, from_event, from_iop
+from iop_edge.keys import ApiKey, KeyStore, Lease, Limiter, LimitExceeded
+from iop_edge.metrics import EdgeMetrics
+from iop_edge.settings import Settings
+from iop_edge.upstream import Upstream
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire import ConnectionClosed, IopError
+from iop_wire.runs import RunStream
+
+__all__ = ["Edge", "build_app"]
+
+_log = structlog.get_logger("iop.edge")
+_JSON = "application/json"
+_ANONYMOUS = "anonymous"
+_NO_KEY = (
+    "You didn't provide an API key. You need to provide your API key in an Authorization header using "
+    "Bearer auth (i.e. Authorization: Bearer YOUR_KEY). Create one with 'iop keys create NAME'."
+)
+
+
+@dataclass
+class Edge:
+    """What the routes share: settings, the control-plane pool, keys, limits, metrics."""
+
+    settings: Settings
+    upstream: Upstream
+    metrics: EdgeMetrics
+    keys: KeyStore | None = None
+    limiter: Limiter = field(default_factory=Limiter)
+    started: int = field(default_factory=lambda: int(time.time()))
+    in_flight: int = 0
+
+
+@dataclass(slots=True)
+class _Call:
+    """One request being served."""
+
+    route: str
+    received: float
+    run_id: str
+    key: ApiKey | None
+    lease: Lease | None = None
+    model: str = ""
+    tokens: int = 0
+
+
+def build_app(edge: Edge) -> FastAPI:
+    """The FastAPI application (no docs pages: this is an API server)."""
+    app = FastAPI(title="IOP edge", docs_url=None, redoc_url=None, openapi_url=None)
+    api = _Api(edge)
+    app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
+    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
+    app.add_api_route("/v1/embeddings", api.embeddings, methods=["POST"])
+    app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
+    app.add_api_route("/health", api.health, methods=["GET"])
+    app.add_api_route("/ready", api.ready, methods=["GET"])
+    app.add_api_route("/metrics", api.prometheus, methods=["GET"])
+
+    @app.exception_handler(404)
+    async def _not_found(request: Request, exc: Exception) -> Response:
+        error = ApiError(404, f"Invalid URL ({request.method} {request.url.path})", code="unknown_url")
+        return Response(error.content(), status_code=404, media_type=_JSON)
+
+    @app.exception_handler(405)
+    async def _wrong_method(request: Request, exc: Exception) -> Response:
+        error = ApiError(405, f"Method not allowed ({request.method} {request.url.path})", code="method_not_allowed")
+        return Response(error.content(), status_code=405, media_type=_JSON)
+
+    return app
+
+
+class _Api:
+    """The route handlers."""
+
+    def __init__(self, edge: Edge) -> None:
+        self.edge = edge
+        self.settings = edge.settings
+        self.metrics = edge.metrics
+
+    # -- inference ----------------------------------------------------------------------------
+
+    async def chat(self, request: Request) -> Response:
+        """POST /v1/chat/completions."""
+        return await self._serve(request, "chat.completions", self._chat)
+
+    async def completions(self, request: Request) -> Response:
+        """POST /v1/completions."""
+        return await self._serve(request, "completions", self._completions)
+
+    async def embeddings(self, request: Request) -> Response:
+        """POST /v1/embeddings."""
+        return await self._serve(request, "embeddings", self._embeddings)
+
+    async def _serve(
+        self,
+        request: Request,
+        route: str,
+        handle: Callable[[Request, _Call, dict[str, Any]], Awaitable[Response]],
+    ) -> Response:
+        call = _Call(route, time.perf_counter(), secrets.token_hex(12), None)
+        edge = self.edge
+        streaming = False
+        try:
+            if edge.in_flight >= self.settings.http.max_in_flight:
+                self.metrics.refused.labels("in_flight").inc()
+                message = f"this edge is serving {edge.in_flight} requests, its limit; retry shortly"
+                raise ApiError(429, message, code="too_many_requests", retry_after=1.0)
+            edge.in_flight += 1
+            self.metrics.in_flight.inc()
+            try:
+                call.key = self._authenticate(request)
+                data = parse.parse_body(await self._body(request))
+                call.model = str(data.get("model") or "")
+                response = await handle(request, call, data)
+                streaming = isinstance(response, _EventStream)
+            finally:
+                if not streaming:  # a stream's own end releases these
+                    self.finished(call)
+        except ApiError as error:
+            response = self._error(call, error)
+        if not streaming:
+            self.metrics.requests.labels(route, call.model, str(response.status_code)).inc()
+        response.headers["x-request-id"] = call.run_id
+        return response
+
+    def finished(self, call: _Call) -> None:
+        self.edge.in_flight -= 1
+        self.metrics.in_flight.dec()
+        if call.lease is not None:
+            call.lease.release(call.tokens)
+            call.lease = None
+
+    async def _chat(self, request: Request, call: _Call, data: dict[str, Any]) -> Response:
+        chat = parse.chat_request(data, call.run_id)
+        run = self._prepared(call, chat.request)
+        run.stream = chat.stream
+        stream = await self._open(run)
+        if chat.stream:
+            return await self._chat_stream(request, call, stream, chat.include_usage)
+        outcome = shape.Outcome()
+        start, complete = await self._collect(request, call, stream, outcome)
+        model = start.model or run.model
+        body = shape.chat_body(call.run_id, int(time.time()), model, outcome, complete)
+        return self._json(call, body, complete)
+
+    async def _completions(self, request: Request, call: _Call, data: dict[str, Any]) -> Response:
+        completion = parse.completion_request(data, call.run_id)
+        runs = [self._prepared(call, run) for run in completion.requests]
+        if completion.stream:
+            if len(runs) > 1:
+                raise ApiError(400, "stream with more than one prompt is not supported", param="prompt")
+            stream = await self._open(runs[0])
+            return await self._completion_stream(request, call, stream, completion.include_usage)
+        streams = [await self._open(run) for run in runs]
+        outcomes = [shape.Outcome() for _ in runs]
+        results = await asyncio.gather(
+            *(self._collect(request, call, s, o) for s, o in zip(streams, outcomes, strict=True)),
+            return_exceptions=True,
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                for stream in streams:
+                    stream.cancel_nowait("another prompt of the request failed")
+                raise result
+        starts = [result[0] for result in results if not isinstance(result, BaseException)]
+        completes = [result[1] for result in results if not isinstance(result, BaseException)]
+        prompts = [run.prompt[0] for run in runs]
+        texts = [
+            (prompt if completion.echo else "") + "".join(o.text) for prompt, o in zip(prompts, outcomes, strict=True)
+        ]
+        body = shape.completion_body(call.run_id, int(time.time()), starts[0].model or runs[0].model, texts, completes)
+        return self._json(call, body, completes[-1])
+
+    async def _embeddings(self, request: Request, call: _Call, data: dict[str, Any]) -> Response:
+        embedding = parse.embedding_request(data, call.run_id)
+        run = self._prepared(call, embedding.request)
+        outcome = shape.Outcome()
+        start, complete = await self._collect(request, call, await self._open(run), outcome)
+        body = shape.embedding_body(
+            start.model or run.model,
+            outcome.embeddings,
+            complete.usage,
+            as_base64=embedding.base64,
+            dimensions=embedding.dimensions,
+        )
+        return self._json(call, body, complete)
+
+    # -- runs ---------------------------------------------------------------------------------
+
+    def _prepared(self, call: _Call, run: pb.RunRequest) -> pb.RunRequest:
+        """The run with its caller (the key) and deadline; the key's limits taken (429 over them)."""
+        key = call.key
+        run.caller.id = key.name if key is not None else _ANONYMOUS
+        if key is not None:
+            run.caller.api_key_id = key.key_id
+        run.deadline.FromNanoseconds(time.time_ns() + int(self.settings.request_timeout * 1e9))
+        run.metadata["request_id"] = call.run_id
+        if key is not None and call.lease is None:
+            try:
+                call.lease = self.edge.limiter.acquire(key)
+            except LimitExceeded as exc:
+                self.metrics.refused.labels(exc.limit).inc()
+                raise ApiError(429, exc.message, code="rate_limit_exceeded", retry_after=exc.retry_after) from None
+        return run
+
+    async def _open(self, run: pb.RunRequest) -> RunStream:
+        try:
+            return await self.edge.upstream.open_run(run)
+        except IopError as exc:
+            raise from_iop(exc) from None
+        except ConnectionClosed:
+            message = f"the control-plane at {self.edge.upstream.address} is not reachable"
+            raise ApiError(503, message, code="service_unavailable", retry_after=1.0) from None
+
+    async def _collect(
+        self, request: Request, call: _Call, stream: RunStream, outcome: shape.Outcome
+    ) -> tuple[pb.RunStart, pb.RunComplete]:
+        """A run's events gathered until it ends; the run is cancelled if the client goes away first."""
+        start = pb.RunStart()
+        async with self._departure(request, call, stream):
+            async for event in stream:
+                kind = event.WhichOneof("event")
+                if kind == "delta":
+                    shape.collect_delta(outcome, event.delta)
+                elif kind == "start":
+                    start = event.start
+                elif kind == "complete":
+                    call.tokens += event.complete.usage.prompt_tokens + event.complete.usage.completion_tokens
+                    return start, event.complete
+                elif kind == "error":
+                    raise from_event(event)
+        raise ApiError(502, "the run ended without a result", code="backend_error")
+
+    async def _opening(
+        self, request: Request, call: _Call, stream: RunStream
+    ) -> tuple[list[pb.RunEvent], float | None]:
+        """Events up to the first output (or the end): the HTTP status depends on them."""
+        events: list[pb.RunEvent] = []
+        started_at = None
+        async with self._departure(request, call, stream):
+            async for event in stream:
+                events.append(event)
+                kind = event.WhichOneof("event")
+                if kind == "start":
+                    started_at = time.perf_counter()
+                elif kind == "error":
+                    raise from_event(event)
+                if kind in ("delta", "complete"):
+                    return events, started_at
+        raise ApiError(502, "the run ended without a result", code="backend_error")
+
+    @contextlib.asynccontextmanager
+    async def _departure(self, request: Request, call: _Call, stream: RunStream) -> AsyncIterator[None]:
+        """While inside, a client that goes away cancels this task: the run is cancelled, 499.
+
+        One watcher task per request rather than a race per event: a run's events are read at
+        the cost of reading them.
+        """
+        task = asyncio.current_task()
+        assert task is not None
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            await _disconnected(request.receive)
+            gone = True
+            task.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            yield
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            task.uncancel()
+            stream.cancel_nowait("the client went away")
+            self.metrics.cancelled.labels(call.route).inc()
+            raise ApiError(499, "the client closed the request", code="cancelled") from None
+        finally:
+            watcher.cancel()
+
+    async def _chat_stream(self, request: Request, call: _Call, stream: RunStream, include_usage: bool) -> Response:
+        events, started_at = await self._opening(request, call, stream)
+        start = next((event.start for event in events if event.HasField("start")), pb.RunStart())
+        chunks = shape.ChatStream(call.run_id, int(time.time()), start.model or call.model, include_usage=include_usage)
+        return _Streamed(self, call, stream, opening=events, started_at=started_at, chunks=chunks).response()
+
+    async def _completion_stream(
+        self, request: Request, call: _Call, stream: RunStream, include_usage: bool
+    ) -> Response:
+        events, started_at = await self._opening(request, call, stream)
+        start = next((event.start for event in events if event.HasField("start")), pb.RunStart())
+        model = start.model or call.model
+        chunks = shape.CompletionStream(call.run_id, int(time.time()), model, include_usage=include_usage)
+        return _Streamed(self, call, stream, opening=events, started_at=started_at, chunks=chunks).response()
+
+    def _json(self, call: _Call, body: dict[str, Any], complete: pb.RunComplete) -> Response:
+        overhead = (time.perf_counter() - call.received) * 1000 - complete.timings.generation.ToNanoseconds() / 1e6
+        headers = {"x-iop-overhead-ms": f"{max(overhead, 0.0):.3f}"}
+        return Response(shape.json_bytes(body), media_type=_JSON, headers=headers)
+
+    def _error(self, call: _Call, error: ApiError) -> Response:
+        if error.status >= 500 or error.status == 429:
+            _log.info("request failed", run_id=call.run_id, status=error.status, reason=error.message)
+        return Response(error.content(), status_code=error.status, media_type=_JSON, headers=error.headers())
+
+    # -- checks -------------------------------------------------------------------------------
+
+    def _authenticate(self, request: Request) -> ApiKey | None:
+        keys = self.edge.keys
+        if keys is None:
+            return None
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ApiError(401, _NO_KEY)
+        key = keys.authenticate(token.strip())
+        if key is None:
+            shown = token[:6] + "*" * 4 + token[-4:] if len(token) > 12 else "*" * len(token)
+            message = f"Incorrect API key provided: {shown}. Keys are made with 'iop keys create NAME'."
+            raise ApiError(401, message, code="invalid_api_key")
+        return key
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self.settings.http.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            self.metrics.refused.labels("body_size").inc()
+            raise ApiError(413, f"the request body is {declared} bytes, over this edge's limit of {limit}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                self.metrics.refused.labels("body_size").inc()
+                raise ApiError(413, f"the request body is over this edge's limit of {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    # -- models, health, metrics --------------------------------------------------------------
+
+    async def _models(self) -> dict[str, pb.ModelInfo]:
+        try:
+            return self.edge.upstream.models(await self.edge.upstream.capabilities())
+        except IopError as exc:
+            raise from_iop(exc) from None
+        except (ConnectionClosed, TimeoutError):
+            raise ApiError(
+                503, "the control-plane did not answer", code="service_unavailable", retry_after=1.0
+            ) from None
+
+    def _model_object(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.edge.started, "owned_by": "iop"}
+
+    async def models(self, request: Request) -> Response:
+        """GET /v1/models: the models available across the platform's ready nodes."""
+        try:
+            self._authenticate(request)
+            models = await self._models()
+        except ApiError as error:
+            return self._error(_Call("models", time.perf_counter(), "", None), error)
+        body = {"object": "list", "data": [self._model_object(name) for name in sorted(models)]}
+        return Response(shape.json_bytes(body), media_type=_JSON)
+
+    async def model(self, request: Request, model_id: str) -> Response:
+        """GET /v1/models/{id}."""
+        try:
+            self._authenticate(request)
+            models = await self._models()
+            if model_id not in models:
+                message = f"The model '{model_id}' does not exist or you do not have access to it."
+                raise ApiError(404, message, param="model", code="model_not_found")
+        except ApiError as error:
+            return self._error(_Call("model", time.perf_counter(), "", None), error)
+        return Response(shape.json_bytes(self._model_object(model_id)), media_type=_JSON)
+
+    async def health(self) -> Response:
+        """GET /health: the process serves HTTP."""
+        return Response(b'{"status":"ok"}', media_type=_JSON)
+
+    async def ready(self) -> Response:
+        """GET /ready: the control-plane is reachable and serves at least one model."""
+        upstream = self.edge.upstream
+        reason = ""
+        models: dict[str, pb.ModelInfo] = {}
+        if not upstream.connected:
+            reason = f"no connection to the control-plane at {upstream.address}"
+        else:
+            try:
+                models = upstream.models(await upstream.capabilities())
+            except (IopError, ConnectionClosed, TimeoutError) as exc:
+                reason = f"the control-plane did not answer: {exc}"
+            if not reason and not models:
+                reason = "no model is served: no node is ready"
+        body = {"status": "not ready" if reason else "ready", "reason": reason or None, "models": len(models)}
+        body["control_plane_connections"] = upstream.connected
+        return Response(shape.json_bytes(body), status_code=503 if reason else 200, media_type=_JSON)
+
+    async def prometheus(self) -> Response:
+        """GET /metrics: Prometheus exposition of the edge (and its wire connections)."""
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class _Chunks(Protocol):
+    def first(self) -> bytes: ...
+    def delta(self, delta: pb.RunDelta) -> bytes: ...
+    def last(self, complete: pb.RunComplete) -> bytes: ...
+
+
+class _Streamed:
+    """One streaming answer: the events already read, then the rest of the run, as SSE chunks."""
+
+    def __init__(
+        self,
+        api: _Api,
+        call: _Call,
+        stream: RunStream,
+        *,
+        opening: list[pb.RunEvent],
+        started_at: float | None,
+        chunks: _Chunks,
+    ) -> None:
+        self.api, self.call, self.stream, self.opening, self.chunks = api, call, stream, opening, chunks
+        self.overhead = ((started_at or time.perf_counter()) - call.received) * 1000
+        self.started = False
+        self.status = "200"
+        self.previous: float | None = None
+        """When the last token left (inter-token latency)."""
+
+    def response(self) -> _EventStream:
+        headers = {"x-iop-overhead-ms": f"{self.overhead:.3f}", "cache-control": "no-cache"}
+        return _EventStream(self.body(), headers, self.abandon)
+
+    def abandon(self) -> None:
+        """The client left before the body started: end the run and the request here."""
+        if not self.started:
+            self._cancelled()
+            self._ended()
+
+    async def body(self) -> AsyncIterator[bytes]:
+        self.started = True
+        self.api.metrics.streams.inc()
+        try:
+            async for chunk in self._chunks():
+                yield chunk
+        except (asyncio.CancelledError, GeneratorExit):
+            self._cancelled()
+            raise
+        finally:
+            self.api.metrics.streams.dec()
+            self._ended()
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        """SSE bytes of the run's events; events that arrived together leave in one write."""
+        stream = self.stream
+        pending = list(self.opening)
+        out = [self.chunks.first()]
+        while True:
+            try:
+                event = pending.pop(0) if pending else stream.next_nowait()
+                if event is None:
+                    event = await anext(stream)
+            except StopAsyncIteration:
+                yield b"".join(out) + shape.sse({"error": ApiError(502, "the run ended without a result").body()})
+                return
+            if self._chunk(event, out):
+                yield b"".join(out)
+                return
+            if not pending and not stream.buffered:
+                yield b"".join(out)
+                out.clear()
+
+    def _chunk(self, event: pb.RunEvent, out: list[bytes]) -> bool:
+        """Add ``event``'s SSE bytes to ``out``; True when it ended the stream."""
+        call, chunks, metrics = self.call, self.chunks, self.api.metrics
+        kind = event.WhichOneof("event")
+        if kind == "delta":
+            now = time.perf_counter()
+            if self.previous is None:
+                metrics.ttft.labels(call.model).observe(now - call.received)
+            else:
+                metrics.inter_token.labels(call.model).observe(now - self.previous)
+            self.previous = now
+            out.append(chunks.delta(event.delta))
+        elif kind == "complete":
+            usage = event.complete.usage
+            call.tokens += usage.prompt_tokens + usage.completion_tokens
+            out.append(chunks.last(event.complete))
+            return True
+        elif kind == "error":
+            error = from_event(event)
+            self.status = str(error.status)
+            out.append(shape.sse({"error": error.body()}))
+            return True
+        return False
+
+    def _cancelled(self) -> None:
+        self.status = "499"
+        self.stream.cancel_nowait("the client went away")
+        self.api.metrics.cancelled.labels(self.call.route).inc()
+
+    def _ended(self) -> None:
+        self.api.metrics.requests.labels(self.call.route, self.call.model, self.status).inc()
+        self.api.finished(self.call)
+
+
+class _EventStream(Response):
+    """A text/event-stream response that stops its body (cancelling the run) when the client goes away.
+
+    Starlette's StreamingResponse notices a disconnect only when its next write fails (ASGI 2.4);
+    a stream waiting for a slow token would hold its run for as long. Here a second task waits
+    for ``http.disconnect`` and cancels the body at once.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, body: AsyncIterator[bytes], headers: dict[str, str], abandon: Callable[[], None]) -> None:
+        self.body_iterator = body
+        self.abandon = abandon
+        """Called once the response is over, in case the body never started."""
+        self.status_code = 200
+        self.background = None
+        self.init_headers(headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sending = asyncio.ensure_future(self._send(send))
+        gone = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not sending.done():
+                sending.cancel()
+            gone.cancel()
+            await asyncio.gather(sending, gone, return_exceptions=True)
+            self.abandon()
+
+    async def _send(self, send: Send) -> None:
+        async with contextlib.aclosing(self.body_iterator) as chunks:  # type: ignore[type-var]
+            try:
+                await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+                async for chunk in chunks:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except OSError:  # the client went away mid-write
+                return
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns when the client has gone away (the request body was read before)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

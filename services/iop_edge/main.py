@@ -1,0 +1,143 @@
+"""``iop edge --config edge.yaml``: serve the OpenAI-compatible API until SIGTERM or SIGINT.
+
+uvicorn runs the FastAPI app on uvloop with httptools (HTTP/1.1), on a socket bound here so that
+a port in use is one line naming it. Start-up problems end the process with exit code 2 and one
+line on stderr naming the setting. ``--ready-file PATH`` is written once it serves (JSON: pid,
+port) and removed when it stops. SIGTERM stops taking connections, lets requests in progress
+finish (uvicorn's graceful shutdown), then closes the control-plane connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import structlog
+import uvicorn
+
+from iop_edge.app import Edge, build_app
+from iop_edge.keys import KeyStore
+from iop_edge.metrics import EdgeMetrics
+from iop_edge.settings import ConfigError, Settings, StartError, load_settings
+from iop_edge.upstream import Upstream
+from iop_wire.logs import configure
+from iop_wire.metrics import expose
+from iop_wire.settings import Problem, bind_error, loop_factory, write_ready_file
+
+__all__ = ["run"]
+
+_log = structlog.get_logger("iop.edge")
+
+
+def run(config: Path, *, ready_file: Path | None = None, log_level: str | None = None) -> int:
+    """Start the edge described by ``config``; returns the exit code (2 when it cannot start)."""
+    try:
+        settings = load_settings(config)
+    except ConfigError as exc:
+        return _fail(f"bad config: {exc.located(config)}")
+    configure(log_level or settings.log_level)
+    try:
+        with asyncio.Runner(loop_factory=loop_factory(settings.event_loop)) as runner:
+            return runner.run(_serve(settings, ready_file))
+    except StartError as exc:
+        return _fail(str(exc.located(config)))
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with the edge's signal handling: SIGTERM or SIGINT stop it gracefully, and
+    the process then closes its control-plane connections and ready file (uvicorn's own handlers
+    raise the signal again once it has stopped, which would end the process before that)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    def stop(self) -> None:
+        """Stop taking connections; requests in progress finish (a second call forces it)."""
+        if self.should_exit:
+            self.force_exit = True
+        self.should_exit = True
+
+
+def _fail(message: str) -> int:
+    print(f"iop edge: {message}", file=sys.stderr)
+    return 2
+
+
+def _bind(settings: Settings) -> socket.socket:
+    http = settings.http
+    family = socket.AF_INET6 if ":" in http.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((http.host, http.port))
+    except OSError as exc:
+        sock.close()
+        raise bind_error("http", http.host, http.port, exc) from None
+    sock.listen(2048)
+    sock.setblocking(False)  # noqa: FBT003 - the socket API's own flag
+    return sock
+
+
+async def _serve(settings: Settings, ready_file: Path | None) -> int:
+    metrics = EdgeMetrics()
+    expose(metrics.registry)
+    edge = Edge(settings=settings, upstream=Upstream(settings), metrics=metrics)
+    if settings.auth == "keys":
+        edge.keys = KeyStore(settings.keys_path)
+        try:
+            await edge.keys.open()
+        except OSError as exc:
+            raise StartError([Problem("keys_path", f"cannot open {settings.keys_path}: {exc}")]) from None
+        if not len(edge.keys):
+            _log.warning(
+                "no API keys",
+                reason=f"{settings.keys_path} holds none: every request gets 401 until 'iop keys create NAME'",
+            )
+    else:
+        _log.warning(
+            "AUTHENTICATION IS OFF",
+            reason="auth: none: every request is served without an API key; for local development only",
+        )
+    sock = _bind(settings)
+    server = _Server(
+        uvicorn.Config(
+            build_app(edge),
+            loop="none",
+            http="httptools",
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            timeout_keep_alive=int(settings.http.keep_alive),
+            limit_concurrency=settings.http.max_connections,
+            server_header=False,
+        )
+    )
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, server.stop)
+    edge.upstream.start()
+    port = sock.getsockname()[1]
+    try:
+        serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started and not serving.done():  # noqa: ASYNC110 - uvicorn sets a flag, no event
+            await asyncio.sleep(0.01)
+        if server.started:
+            _log.info("edge started", port=port, control_plane=edge.upstream.address, auth=settings.auth)
+            if ready_file is not None:
+                write_ready_file(ready_file, port=port)
+        await serving
+    finally:
+        if ready_file is not None:
+            ready_file.unlink(missing_ok=True)  # noqa: ASYNC240 - one unlink while stopping
+        await edge.upstream.aclose()
+        if edge.keys is not None:
+            await edge.keys.aclose()
+        sock.close()
+        _log.info("edge stopped")
+    return 0

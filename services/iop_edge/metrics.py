@@ -1,0 +1,50 @@
+"""Prometheus metrics of one edge, as its clients see it, in a registry of its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["EdgeMetrics"]
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class EdgeMetrics:
+    """``iop_edge_<thing>_<unit>``: requests, time to first token, time between tokens, streams open."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.requests = Counter(
+            "iop_edge_requests_total",
+            "HTTP requests answered, by route, model and status.",
+            ["route", "model", "status"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "iop_edge_time_to_first_token_seconds",
+            "From the request's arrival to its first token leaving the edge, by model.",
+            ["model"],
+            buckets=_LATENCY,
+            registry=self.registry,
+        )
+        self.inter_token = Histogram(
+            "iop_edge_inter_token_seconds",
+            "Time between two tokens of a stream leaving the edge, by model.",
+            ["model"],
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 5),
+            registry=self.registry,
+        )
+        self.streams = Gauge("iop_edge_streams_open", "Streaming responses in progress.", registry=self.registry)
+        self.in_flight = Gauge("iop_edge_requests_in_flight", "Requests being served.", registry=self.registry)
+        self.refused = Counter(
+            "iop_edge_refused_total",
+            "Requests refused by an edge limit, by limit (in_flight, body_size, rpm, tpm, max_concurrent).",
+            ["limit"],
+            registry=self.registry,
+        )
+        self.cancelled = Counter(
+            "iop_edge_client_disconnects_total",
+            "Requests whose client went away before the answer ended (their runs are cancelled).",
+            ["route"],
+            registry=self.registry,
+        )

@@ -1,0 +1,91 @@
+"""``iop edge`` settings: a YAML file, overridden by ``IOP_`` environment variables.
+
+Nested keys use ``__`` in the environment: ``IOP_LISTEN__PORT=8080`` overrides ``listen.port``.
+A bad value raises :class:`ConfigError` whose message is one line naming every bad key.
+Relative paths in the file (``tls.*``, ``keys_path``) are taken from its folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from iop_wire.settings import (
+    ConfigError,
+    ConnectionSettings,
+    ControlPlaneAddress,
+    EventLoop,
+    Problem,
+    StartError,
+    TlsSettings,
+)
+from iop_wire.settings import Section as _Section
+from iop_wire.settings import load_settings as _load
+
+__all__ = ["ConfigError", "Problem", "Settings", "StartError", "load_settings"]
+
+
+class HttpSettings(_Section):
+    """The OpenAI-compatible HTTP API."""
+
+    host: str = "127.0.0.1"
+    """Address to bind."""
+    port: int = Field(8000, ge=0, le=65535)
+    """Port to bind; 0 picks a free one."""
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    """Largest request body; a larger one is answered 413."""
+    max_in_flight: int = Field(4096, ge=1)
+    """Requests served at once (streams included); more are answered 429 at once."""
+    max_connections: int = Field(8192, ge=1)
+    """HTTP connections open at once (uvicorn's limit_concurrency: more get 503)."""
+    keep_alive: float = Field(5.0, gt=0)
+    """Seconds an idle keep-alive connection stays open."""
+
+
+class UpstreamSettings(ControlPlaneAddress):
+    """The control-plane the edge submits runs to, over a small pool of mTLS connections."""
+
+    address: str | None = "127.0.0.1:7400"
+    connections: int = Field(2, ge=1, le=64)
+    """Connections in the pool; runs are spread over those that are up."""
+    capabilities_ttl: float = Field(2.0, ge=0)
+    """Seconds a capability answer (GET /v1/models) is reused."""
+
+
+class Settings(BaseSettings):
+    """Everything ``iop edge`` reads at start-up."""
+
+    model_config = SettingsConfigDict(env_prefix="IOP_", env_nested_delimiter="__", extra="forbid", frozen=True)
+
+    http: HttpSettings = HttpSettings()
+    control_plane: UpstreamSettings = UpstreamSettings()
+    tls: TlsSettings = TlsSettings()
+    """The edge's certificate (role edge) for the control-plane, and the CA that signed it."""
+    connection: ConnectionSettings = ConnectionSettings()
+    """Limits of the connections to the control-plane."""
+    heartbeat_interval: float = Field(30.0, gt=0)
+    """Seconds between heartbeats on the control-plane connections."""
+    auth: Literal["keys", "none"] = "keys"
+    """keys: every request needs an API key from ``keys_path``; none: no keys (local development only)."""
+    keys_path: Path = Path(".iop/edge-keys.db")
+    """SQLite file of API keys (hashed), written by ``iop keys``."""
+    request_timeout: float = Field(600.0, gt=0)
+    """Seconds a request may take, queueing included; then 504. Sent as the run's deadline."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Lowest level logged."""
+    event_loop: EventLoop = "uvloop"
+    """The event loop ``iop edge`` runs on: uvloop (libuv) or the standard library's."""
+
+    @model_validator(mode="after")
+    def _has_control_plane(self) -> Settings:
+        if self.control_plane.address is None:
+            raise ValueError("control_plane.address is required: the edge submits every run to a control-plane")
+        return self
+
+
+def load_settings(path: Path | None) -> Settings:
+    """Read ``path`` (YAML) with ``IOP_`` overrides; ConfigError on any bad value."""
+    return _load(Settings, path)

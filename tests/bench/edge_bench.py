@@ -1,0 +1,313 @@
+"""The whole platform against a direct connection to the same upstream: latency, throughput, CPU, memory.
+
+``iop control-plane``, one ``iop node`` (vllm adapter) and ``iop edge`` (API key on) run as
+processes, as ``iop up --backend URL`` starts them, in front of ``fast_openai.py`` (a canned
+OpenAI-compatible server). The client (aiohttp, one session per measurement) runs in this
+process. On 2 cores everything shares the machine, as it would on the target host. Prints a
+table; asserts nothing.
+
+Rows: added latency at concurrency 1 (non-streaming, p50 and p99; streaming time to first
+token, p50), measured in alternating blocks against the upstream directly; streaming throughput
+at concurrency 64 (64 tokens each); non-streaming requests/s at concurrency 64; the edge's RSS
+with 1,000 streams open; CPU per streamed token of each service at real pacing (256 streams,
+the upstream sending 50 tokens/s each).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+from control_plane_bench import IOP, _tls, _wait_ready
+from node_bench import _cpu_seconds
+from table import print_table
+
+from iop_edge.keys import create_key
+from iop_wire.certs import init_dir
+
+HERE = Path(__file__).parent
+LATENCY_BLOCKS, LATENCY_BLOCK = 8, 50
+THROUGHPUT_SECONDS = 5.0
+PACED_STREAMS, PACE, PACED_SECONDS = 256, 50, 4.0
+OPEN_STREAMS = 1000
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _upstream(pace: float = 0.0) -> tuple[subprocess.Popen[bytes], int]:
+    command = [sys.executable, str(HERE / "fast_openai.py"), "0", str(pace)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE)
+    assert process.stdout is not None
+    return process, int(process.stdout.readline())
+
+
+def _write(path: Path, data: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@contextmanager
+def _platform(state: Path, upstream: int) -> Iterator[tuple[dict[str, int], int, str]]:
+    """control-plane, node and edge in front of the upstream: ({service: pid}, edge port, API key)."""
+    certs = state / "certs"
+    init_dir(certs)
+    processes: dict[str, subprocess.Popen[bytes]] = {}
+
+    def spawn(name: str, config: Path) -> dict[str, Any]:
+        ready = state / f"{name}.ready"
+        command = [*IOP, name, "--config", str(config), "--ready-file", str(ready)]
+        processes[name] = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return _wait_ready(ready, processes[name])
+
+    cp = {
+        "listen": {"port": 0},
+        "tls": _tls(certs, "control-plane"),
+        "store_path": str(state / "cp.db"),
+        "queue_size": 4096,
+        "log_level": "warning",
+    }
+    try:
+        cp_port = int(spawn("control-plane", _write(state / "cp.yaml", cp))["port"])
+        address = {"address": f"127.0.0.1:{cp_port}", "server_name": "localhost"}
+        route = {
+            "model": "fast",
+            "adapter": "vllm",
+            "max_concurrency": 2048,
+            "queue_size": 4096,
+            "options": {"base_url": f"http://127.0.0.1:{upstream}", "max_connections": 512},
+        }
+        node = {
+            "node_id": "node-0",
+            "listen": {"enabled": False},
+            "tls": _tls(certs, "node"),
+            "store_path": str(state / "node.db"),
+            "log_level": "warning",
+            "control_plane": address,
+            "routes": [route],
+        }
+        spawn("node", _write(state / "node.yaml", node))
+        edge = {
+            "http": {"port": 0, "max_in_flight": 8192},
+            "control_plane": address,
+            "tls": _tls(certs, "edge"),
+            "auth": "keys",
+            "keys_path": str(state / "keys.db"),
+            "log_level": "warning",
+        }
+        key = create_key(state / "keys.db", "bench")
+        edge_port = int(spawn("edge", _write(state / "edge.yaml", edge))["port"])
+        yield {name: process.pid for name, process in processes.items()}, edge_port, key
+    finally:
+        for process in reversed(processes.values()):
+            process.terminate()
+        for process in processes.values():
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def _body(tokens: int, *, stream: bool) -> bytes:
+    body = {"model": "fast", "messages": [{"role": "user", "content": "hello"}], "max_tokens": tokens, "stream": stream}
+    return json.dumps(body).encode()
+
+
+async def _whole(session: aiohttp.ClientSession, url: str, headers: dict[str, str], body: bytes) -> float:
+    started = time.perf_counter()
+    async with session.post(url, data=body, headers=headers) as response:
+        await response.read()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+    return time.perf_counter() - started
+
+
+async def _first_token(session: aiohttp.ClientSession, url: str, headers: dict[str, str], body: bytes) -> float:
+    """Seconds to the first content chunk; the rest of the stream is read."""
+    started = time.perf_counter()
+    first = None
+    async with session.post(url, data=body, headers=headers) as response:
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+        async for line in response.content:
+            if first is None and b"tok " in line:
+                first = time.perf_counter() - started
+    if first is None:
+        raise RuntimeError("no token")
+    return first
+
+
+async def _streamed_tokens(session: aiohttp.ClientSession, url: str, headers: dict[str, str], body: bytes) -> int:
+    tokens = 0
+    async with session.post(url, data=body, headers=headers) as response:
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+        async for line in response.content:
+            tokens += b"tok " in line
+    return tokens
+
+
+async def _latency(edge: str, direct: str, key: str) -> list[tuple[str, str]]:
+    auth = {"authorization": f"Bearer {key}", "content-type": "application/json"}
+    plain = {"content-type": "application/json"}
+    whole, stream = _body(16, stream=False), _body(16, stream=True)
+    samples: dict[str, list[float]] = {"iop": [], "direct": [], "iop_ttft": [], "direct_ttft": []}
+    async with aiohttp.ClientSession() as session:
+        for _ in range(30):  # warm up both paths
+            await _whole(session, edge, auth, whole)
+            await _whole(session, direct, plain, whole)
+        for block in range(LATENCY_BLOCKS):
+            order = [("iop", edge, auth), ("direct", direct, plain)]
+            for name, url, headers in order if block % 2 == 0 else reversed(order):
+                for _ in range(LATENCY_BLOCK):
+                    samples[name].append(await _whole(session, url, headers, whole))
+                    samples[f"{name}_ttft"].append(await _first_token(session, url, headers, stream))
+    runs = LATENCY_BLOCKS * LATENCY_BLOCK
+
+    def pct(values: list[float], q: float) -> float:
+        return sorted(values)[min(len(values) - 1, int(q * len(values)))] * 1000
+
+    added50 = pct(samples["iop"], 0.5) - pct(samples["direct"], 0.5)
+    added99 = pct(samples["iop"], 0.99) - pct(samples["direct"], 0.99)
+    ttft = pct(samples["iop_ttft"], 0.5) - pct(samples["direct_ttft"], 0.5)
+    return [
+        (
+            f"non-streaming at concurrency 1, p50 IOP / direct ({runs} each, 16 tokens)",
+            f"{pct(samples['iop'], 0.5):.2f} / {pct(samples['direct'], 0.5):.2f} ms",
+        ),
+        ("added latency, non-streaming, concurrency 1: p50 / p99", f"{added50:.2f} / {added99:.2f} ms"),
+        ("added time to first token, streaming, concurrency 1: p50", f"{ttft:.2f} ms"),
+    ]
+
+
+async def _throughput(edge: str, key: str, pids: dict[str, int]) -> list[tuple[str, str]]:
+    auth = {"authorization": f"Bearer {key}", "content-type": "application/json"}
+    connector = aiohttp.TCPConnector(limit=64)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        stream = _body(64, stream=True)
+        await asyncio.gather(*(_streamed_tokens(session, edge, auth, stream) for _ in range(64)))  # warm up
+        tokens = 0
+        deadline = time.perf_counter() + THROUGHPUT_SECONDS
+        started = time.perf_counter()
+
+        async def streamer() -> None:
+            nonlocal tokens
+            while time.perf_counter() < deadline:
+                got = await _streamed_tokens(session, edge, auth, stream)  # not "tokens += await": lost updates
+                tokens += got
+
+        await asyncio.gather(*(streamer() for _ in range(64)))
+        stream_rate = tokens / (time.perf_counter() - started)
+
+        whole = _body(16, stream=False)
+        requests = 0
+        deadline = time.perf_counter() + THROUGHPUT_SECONDS
+        started = time.perf_counter()
+
+        async def asker() -> None:
+            nonlocal requests
+            while time.perf_counter() < deadline:
+                await _whole(session, edge, auth, whole)
+                requests += 1
+
+        await asyncio.gather(*(asker() for _ in range(64)))
+        request_rate = requests / (time.perf_counter() - started)
+    return [
+        ("streaming at concurrency 64, 64 tokens each: tokens/s delivered", f"{stream_rate:,.0f}"),
+        ("non-streaming at concurrency 64 (16 tokens): requests/s", f"{request_rate:,.0f}"),
+    ]
+
+
+async def _open_streams(edge: str, key: str, edge_pid: int) -> list[tuple[str, str]]:
+    """RSS of the edge with OPEN_STREAMS streams open (the upstream paced at 2 tokens/s)."""
+    auth = {"authorization": f"Bearer {key}", "content-type": "application/json"}
+    idle = _rss_mb(edge_pid)
+    connector = aiohttp.TCPConnector(limit=OPEN_STREAMS + 10)
+    opened = asyncio.Event()
+    count = 0
+
+    async def hold(session: aiohttp.ClientSession) -> None:
+        nonlocal count
+        async with session.post(edge, data=_body(12, stream=True), headers=auth) as response:
+            await response.content.readline()
+            count += 1
+            if count == OPEN_STREAMS:
+                opened.set()
+            async for _ in response.content:
+                pass
+
+    async with aiohttp.ClientSession(connector=connector) as session:
+        holders = [asyncio.ensure_future(hold(session)) for _ in range(OPEN_STREAMS)]
+        await asyncio.wait_for(opened.wait(), 60)
+        rss = _rss_mb(edge_pid)
+        await asyncio.gather(*holders)
+    return [(f"edge RSS idle / with {OPEN_STREAMS:,} streams open", f"{idle:.0f} / {rss:.0f} MB")]
+
+
+async def _paced(edge: str, key: str, pids: dict[str, int]) -> list[tuple[str, str]]:
+    auth = {"authorization": f"Bearer {key}", "content-type": "application/json"}
+    connector = aiohttp.TCPConnector(limit=PACED_STREAMS + 10)
+    tokens = int(PACE * PACED_SECONDS)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        await _streamed_tokens(session, edge, auth, _body(4, stream=True))
+        before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
+        counts = await asyncio.gather(
+            *(_streamed_tokens(session, edge, auth, _body(tokens, stream=True)) for _ in range(PACED_STREAMS))
+        )
+        used = {name: _cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    delivered = sum(counts)
+    per = {name: used[name] / delivered * 1e6 for name in used}
+    shown = ", ".join(f"{name} {per[name]:.1f}" for name in ("edge", "control-plane", "node"))
+    return [
+        (
+            f"CPU per streamed token at {PACED_STREAMS} streams x {PACE} tokens/s (sum; per service)",
+            f"{sum(per.values()):.1f} us ({shown})",
+        )
+    ]
+
+
+def main() -> None:
+    rows: list[tuple[str, str]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        fast, port = _upstream()
+        try:
+            with _platform(Path(tmp) / "fast", port) as (pids, edge_port, key):
+                edge = f"http://127.0.0.1:{edge_port}/v1/chat/completions"
+                direct = f"http://127.0.0.1:{port}/v1/chat/completions"
+                rows += asyncio.run(_latency(edge, direct, key))
+                rows += asyncio.run(_throughput(edge, key, pids))
+        finally:
+            fast.terminate()
+        paced, port = _upstream(PACE)
+        try:
+            with _platform(Path(tmp) / "paced", port) as (pids, edge_port, key):
+                edge = f"http://127.0.0.1:{edge_port}/v1/chat/completions"
+                rows += asyncio.run(_paced(edge, key, pids))
+        finally:
+            paced.terminate()
+        slow, port = _upstream(2)
+        try:
+            with _platform(Path(tmp) / "slow", port) as (pids, edge_port, key):
+                edge = f"http://127.0.0.1:{edge_port}/v1/chat/completions"
+                rows += asyncio.run(_open_streams(edge, key, pids["edge"]))
+        finally:
+            slow.terminate()
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()

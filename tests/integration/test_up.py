@@ -1,0 +1,299 @@
+"""``iop up`` / ``down`` / ``status`` / ``chat`` / ``models``: the whole platform as real processes.
+
+One platform (control-plane, node, edge over mTLS) is started for the module and shared by the
+tests that only use it; the tests that start their own stop it before they end.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+IOP = [sys.executable, "-m", "iop_cli.main"]
+SERVICES = ("control-plane", "node", "edge")
+# No state folder or key from the environment: each test names its own folder.
+ENV = {k: v for k, v in os.environ.items() if k not in ("IOP_STATE_DIR", "IOP_API_KEY")}
+
+
+def _iop(*args: str, stdin: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*IOP, *args], capture_output=True, text=True, timeout=timeout, check=False, env=ENV, input=stdin
+    )
+
+
+def _printed(output: str, label: str) -> str:
+    return next(line.removeprefix(f"{label}: ") for line in output.splitlines() if line.startswith(f"{label}: "))
+
+
+def _pids(state: Path) -> dict[str, int]:
+    return {name: int((state / f"{name}.pid").read_text()) for name in SERVICES if (state / f"{name}.pid").exists()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return status.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
+def _wait_gone(pids: list[int], timeout: float = 10) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (alive := [pid for pid in pids if _alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Iterator[Path]:
+    """A state folder; whatever a failed test left running there is stopped."""
+    folder = tmp_path / "state"
+    yield folder
+    if _pids(folder):
+        _iop("down", "--dir", str(folder))
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
+    """A running platform: its state folder and what ``iop up`` printed."""
+    state = tmp_path_factory.mktemp("up") / "state"
+    started = _iop("up", "--dir", str(state), "--port", "0")
+    try:
+        assert started.returncode == 0, started.stdout + started.stderr
+        yield state, started.stdout
+    finally:
+        _iop("down", "--dir", str(state))
+
+
+def test_up_prints_the_base_url_the_key_and_an_sdk_example(platform: tuple[Path, str]) -> None:
+    state, printed = platform
+    base, key = _printed(printed, "base URL"), _printed(printed, "API key")
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/v1", base)
+    assert key.startswith("sk-") and key == (state / "api-key").read_text().strip()
+    assert (state / "api-key").stat().st_mode & 0o777 == 0o600
+    assert "from openai import OpenAI" in printed
+    assert f'client = OpenAI(base_url="{base}", api_key="{key}")' in printed
+    metrics = re.findall(r"metrics (http://127\.0\.0\.1:\d+/metrics)", printed)
+    assert len(metrics) == 3  # on in every generated config
+    for url, family in zip(metrics, ("iop_control_plane_", "iop_node_", "iop_edge_"), strict=True):
+        with urllib.request.urlopen(url, timeout=10) as answer:  # noqa: S310 - our own services on loopback
+            assert family in answer.read().decode(), url
+
+
+def test_the_official_openai_sdk_gets_an_answer(platform: tuple[Path, str]) -> None:
+    from openai import OpenAI
+
+    _, printed = platform
+    client = OpenAI(base_url=_printed(printed, "base URL"), api_key=_printed(printed, "API key"), max_retries=0)
+    answer = client.chat.completions.create(model="mock-small", messages=[{"role": "user", "content": "hi"}])
+    assert answer.choices[0].message.content
+    client.close()
+
+
+def test_status_lists_three_healthy_services(platform: tuple[Path, str]) -> None:
+    state, _ = platform
+    table = _iop("status", "--dir", str(state))
+    assert table.returncode == 0, table.stdout + table.stderr
+    assert table.stdout.splitlines()[0].split() == ["SERVICE", "PID", "ADDRESS", "HEALTH"]
+    as_json = _iop("status", "--dir", str(state), "--json")
+    rows = json.loads(as_json.stdout)
+    assert [row["service"] for row in rows] == list(SERVICES)
+    assert all(row["up"] for row in rows), rows
+    assert {row["service"]: row["pid"] for row in rows} == _pids(state)
+
+
+def test_chat_streams_an_answer_to_a_prompt_or_to_stdin(platform: tuple[Path, str]) -> None:
+    state, _ = platform
+    said = _iop("chat", "--dir", str(state), "hello")
+    assert said.returncode == 0, said.stderr
+    assert said.stdout.strip()
+    piped = _iop("chat", "--dir", str(state), "--model", "mock-fast", stdin="hi\n")
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout.strip()
+
+
+def test_chat_on_a_terminal_keeps_a_conversation_until_ctrl_d(platform: tuple[Path, str]) -> None:
+    state, _ = platform
+    controller, terminal = os.openpty()
+    try:
+        # The terminal's line discipline hands over one line per read, and ^D at a line's start as EOF.
+        os.write(controller, b"hello\nand then?\n\x04")
+        talked = subprocess.run(
+            [*IOP, "chat", "--dir", str(state), "--model", "mock-small"],
+            stdin=terminal,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+            env=ENV,
+        )
+    finally:
+        os.close(controller)
+        os.close(terminal)
+    assert talked.returncode == 0, talked.stderr
+    turns = talked.stdout.split("> ")
+    assert len(turns) == 4 and all(turn.strip() for turn in turns[1:3]), talked.stdout
+
+
+def test_chat_errors_are_one_line(platform: tuple[Path, str], tmp_path: Path) -> None:
+    state, _ = platform
+    unknown = _iop("chat", "--dir", str(state), "--model", "no-such-model", "hi")
+    assert unknown.returncode == 1
+    assert unknown.stderr.count("\n") == 1 and unknown.stderr.startswith("iop chat: ") and "(HTTP 4" in unknown.stderr
+    nowhere = _iop("chat", "--dir", str(tmp_path), "hi")
+    assert nowhere.returncode == 2
+    assert nowhere.stderr.count("\n") == 1 and "iop up" in nowhere.stderr
+
+
+def test_models_lists_what_the_platform_serves(platform: tuple[Path, str]) -> None:
+    state, _ = platform
+    listed = _iop("models", "--dir", str(state))
+    assert listed.returncode == 0, listed.stderr
+    assert {"mock-small", "mock-fast"} <= set(listed.stdout.split())
+    as_json = json.loads(_iop("models", "--dir", str(state), "--json").stdout)
+    assert "mock-small" in [model["id"] for model in as_json]
+
+
+def test_a_second_up_says_it_runs_and_changes_nothing(platform: tuple[Path, str]) -> None:
+    state, printed = platform
+    before = {path.name: path.stat().st_mtime_ns for path in state.iterdir() if path.suffix in (".yaml", ".pid")}
+    again = _iop("up", "--dir", str(state))
+    assert again.returncode == 0, again.stderr
+    assert "already running" in again.stdout
+    assert _printed(again.stdout, "base URL") == _printed(printed, "base URL")
+    after = {path.name: path.stat().st_mtime_ns for path in state.iterdir() if path.suffix in (".yaml", ".pid")}
+    assert after == before
+
+
+def test_down_stops_every_process(state: Path) -> None:
+    started = _iop("up", "--dir", str(state), "--port", "0")
+    assert started.returncode == 0, started.stdout + started.stderr
+    pids = _pids(state)
+    assert set(pids) == set(SERVICES) and all(_alive(pid) for pid in pids.values())
+    stopped = _iop("down", "--dir", str(state))
+    assert stopped.returncode == 0, stopped.stderr
+    assert [line.split()[0] for line in stopped.stdout.splitlines()] == ["edge", "node", "control-plane"]
+    assert _wait_gone(list(pids.values())) == []
+    assert _pids(state) == {}
+    assert _iop("status", "--dir", str(state)).returncode == 1
+
+
+def test_an_edge_port_in_use_is_one_line_naming_it(tmp_path: Path) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        refused = _iop("up", "--dir", str(tmp_path / "state"), "--port", str(port))
+    assert refused.returncode == 2
+    assert refused.stderr.count("\n") == 1 and str(port) in refused.stderr
+    assert _pids(tmp_path / "state") == {}
+
+
+def test_an_unreachable_backend_is_one_line_naming_it(tmp_path: Path) -> None:
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{unused.getsockname()[1]}"
+    refused = _iop("up", "--dir", str(tmp_path / "state"), "--port", "0", "--backend", url)
+    assert refused.returncode == 2
+    assert refused.stderr.count("\n") == 1 and url in refused.stderr
+    assert _pids(tmp_path / "state") == {}
+
+
+def test_foreground_prefixes_every_line_and_ctrl_c_stops_it_all(state: Path) -> None:
+    command = [*IOP, "up", "--dir", str(state), "--port", "0", "--foreground"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV) as up:
+        assert up.stdout is not None
+        lines: list[str] = []
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline and not any(line.startswith("base URL: ") for line in lines):
+            line = up.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+        assert any(line.startswith("base URL: ") for line in lines), "".join(lines)
+        assert {line.split(" | ")[0] for line in lines if " | " in line} >= {"control-plane", "node", "edge"}
+        pids = _pids(state)
+        assert set(pids) == set(SERVICES)
+        up.send_signal(signal.SIGINT)
+        rest, _ = up.communicate(timeout=30)
+    assert up.returncode == 0, rest
+    assert _wait_gone(list(pids.values())) == []
+    assert _pids(state) == {}
+
+
+class _Backend(http.server.BaseHTTPRequestHandler):
+    """An OpenAI-compatible server that lists two models (all the node asks it here)."""
+
+    def do_GET(self) -> None:
+        listings = {
+            "/v1/models": {"object": "list", "data": [{"id": "tiny-a"}, {"id": "tiny-b"}]},
+            "/api/tags": {"models": [{"name": "tiny-a"}, {"name": "tiny-b"}]},
+        }
+        body = json.dumps(listings.get(self.path, {})).encode()
+        self.send_response(200 if self.path in listings else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:  # quiet: pytest turns stray output into noise
+        pass
+
+
+@pytest.mark.parametrize(("scheme", "path", "adapter"), [("", "/v1", "vllm"), ("ollama:", "", "ollama")])
+def test_backend_serves_the_servers_models(tmp_path: Path, scheme: str, path: str, adapter: str) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Backend)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url, state = f"http://127.0.0.1:{server.server_address[1]}", tmp_path / "state"
+    try:
+        started = _iop("up", "--dir", str(state), "--port", "0", "--backend", scheme + url + path)
+        assert started.returncode == 0, started.stdout + started.stderr
+        routes = yaml.safe_load((state / "node.yaml").read_text())["routes"]
+        assert routes == [
+            {"model": name, "adapter": adapter, "options": {"base_url": url}} for name in ("tiny-a", "tiny-b")
+        ]
+        assert _iop("models", "--dir", str(state)).stdout.split() == ["tiny-a", "tiny-b"]
+    finally:
+        _iop("down", "--dir", str(state))
+        server.shutdown()
+        server.server_close()
+
+
+def test_foreground_stops_the_others_when_one_exits(state: Path) -> None:
+    command = [*IOP, "up", "--dir", str(state), "--port", "0", "--foreground"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV) as up:
+        assert up.stdout is not None
+        for line in up.stdout:
+            if line.startswith("base URL: "):
+                break
+        pids = _pids(state)
+        os.kill(pids["node"], signal.SIGKILL)
+        rest, _ = up.communicate(timeout=30)
+    assert up.returncode == 1, rest
+    assert "node exited" in rest
+    assert _wait_gone(list(pids.values())) == []
+
+
+def test_a_node_config_of_an_older_up_is_named_not_started(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "node.yaml").write_text("node_id: mine\nlisten: {port: 7401}\n")
+    refused = _iop("up", "--dir", str(state), "--port", "0")
+    assert refused.returncode == 2
+    assert refused.stderr.count("\n") == 1 and "node.yaml has no control_plane.address" in refused.stderr
+    assert (state / "node.yaml").read_text() == "node_id: mine\nlisten: {port: 7401}\n"
+    assert _pids(state) == {}
