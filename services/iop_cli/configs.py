@@ -1,0 +1,253 @@
+"""The files ``iop up`` writes in its state folder, and the errors and look-ups it shares.
+
+On first start: development certificates, ``control-plane.yaml``, ``node.yaml`` (mock models, or
+one route per model of a ``--backend``) and ``edge.yaml`` with their ports (the customary one,
+else a free one), and the API key ``local``. Later starts keep the files and only set values in
+place (``set_value``), the rest of each file as the user left it. Also here: ``Refused`` (one
+line for stderr and the exit code) and the small HTTP helpers the other ``up`` modules use.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from iop_wire.certs import init_dir
+
+CONTROL_PLANE_PORT = 7400
+EDGE_PORT = 8000
+_NODE_METRICS_PORT = 9464  # Prometheus' customary port for a node's metrics
+_CONTROL_PLANE_METRICS_PORT = 9465
+HTTP_TIMEOUT = 5.0
+
+
+class Refused(Exception):
+    """One line for stderr, and the exit code."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# --- first start: certificates, configs, the API key --------------------------------------------------
+
+
+def prepare(state: Path, port: int | None, backend: str | None) -> None:
+    """Write what is missing under ``state`` (certificates, configs, API key); Refused if it cannot start."""
+    if port:
+        _check_free(port)
+    state.mkdir(parents=True, exist_ok=True)
+    certs = state / "certs"
+    if not (certs / "ca.crt").exists():
+        init_dir(certs)
+        print(f"minted a development CA and per-role certificates in {certs}")
+    routes = _backend_routes(backend) if backend else None
+    control_plane = _prepare_control_plane(state)
+    node = state / "node.yaml"
+    if routes is not None or not node.exists():
+        node.write_text(yaml.safe_dump(_node_config(state, control_plane, routes), sort_keys=False))
+        print(f"wrote {node} ({'models of ' + str(backend) if routes else 'mock models'}; edit it to add routes)")
+    _prepare_edge(state, control_plane, port)
+    for config in (node, state / "edge.yaml"):  # up points them at the control-plane it started
+        if _yaml_node(config, ("control_plane", "address")) is None:
+            raise Refused(
+                f"{config} has no control_plane.address (written by an older 'iop up'?): "
+                "add one, or remove the file to have it rewritten",
+                2,
+            )
+    _ensure_key(state)
+
+
+def _prepare_control_plane(state: Path) -> int:
+    config = state / "control-plane.yaml"
+    if not config.exists():
+        port = _default_or_free(CONTROL_PLANE_PORT, "the control-plane")
+        config.write_text(yaml.safe_dump(_control_plane_config(state, port), sort_keys=False))
+        print(f"wrote {config}")
+        return port
+    port = _port_of(config, ("listen", "port"), CONTROL_PLANE_PORT)
+    if port and not _free(port):
+        raise Refused(f"127.0.0.1:{port} (listen.port of {config}) is in use", 2)
+    return port
+
+
+def _prepare_edge(state: Path, control_plane: int, port: int | None) -> None:
+    config = state / "edge.yaml"
+    if not config.exists():
+        chosen = _default_or_free(EDGE_PORT, "the edge") if port is None else port
+        config.write_text(yaml.safe_dump(_edge_config(state, control_plane, chosen), sort_keys=False))
+        print(f"wrote {config}")
+        return
+    if port is not None:
+        set_value(config, ("http", "port"), port)
+    configured = _port_of(config, ("http", "port"), EDGE_PORT)
+    if port is None and configured and not _free(configured):
+        raise Refused(f"127.0.0.1:{configured} (http.port of {config}) is in use; pass --port N, or 0 for any", 2)
+
+
+def _check_free(port: int) -> None:
+    if not _free(port):
+        raise Refused(f"port {port} is in use on 127.0.0.1; pass another --port, or 0 for any free one", 2)
+
+
+def _default_or_free(port: int, who: str) -> int:
+    if _free(port):
+        return port
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        chosen: int = probe.getsockname()[1]
+    print(f"port {port} is in use: {who} takes port {chosen}")
+    return chosen
+
+
+def _tls(state: Path, role: str) -> dict[str, object]:
+    certs = (state / "certs").resolve()
+    return {
+        "enabled": True,
+        "cert": str(certs / f"{role}.crt"),
+        "key": str(certs / f"{role}.key"),
+        "ca": str(certs / "ca.crt"),
+    }
+
+
+def _control_plane_config(state: Path, port: int) -> dict[str, object]:
+    return {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "tls": _tls(state, "control-plane"),
+        "store_path": str((state / "control-plane.db").resolve()),
+        "metrics": {
+            "host": "127.0.0.1",
+            "port": _CONTROL_PLANE_METRICS_PORT if _free(_CONTROL_PLANE_METRICS_PORT) else 0,
+        },
+    }
+
+
+def _node_config(state: Path, control_plane: int, routes: list[dict[str, Any]] | None) -> dict[str, object]:
+    return {
+        "node_id": "local-node",
+        "listen": {"enabled": False},
+        "control_plane": {"address": f"127.0.0.1:{control_plane}", "server_name": "localhost"},
+        "tls": _tls(state, "node"),
+        "store_path": str((state / "node-runs.db").resolve()),
+        "metrics": {"host": "127.0.0.1", "port": _NODE_METRICS_PORT if _free(_NODE_METRICS_PORT) else 0},
+        "routes": routes
+        or [
+            {"model": "mock-small", "adapter": "mock", "options": {"tokens": 64, "tokens_per_second": 200}},
+            {"model": "mock-fast", "adapter": "mock", "max_concurrency": 64, "options": {"tokens": 256}},
+        ],
+    }
+
+
+def _edge_config(state: Path, control_plane: int, port: int) -> dict[str, object]:
+    return {
+        "http": {"host": "127.0.0.1", "port": port},
+        "control_plane": {"address": f"127.0.0.1:{control_plane}", "server_name": "localhost"},
+        "tls": _tls(state, "edge"),
+        "auth": "keys",
+        "keys_path": str((state / "edge-keys.db").resolve()),
+    }
+
+
+def _backend_routes(backend: str) -> list[dict[str, Any]]:
+    """One route per model the backend lists; Refused (exit 2) if it cannot be asked."""
+    ollama = backend.startswith("ollama:")
+    url = backend.removeprefix("ollama:")
+    base = url.rstrip("/").removesuffix("/v1")
+    try:
+        listing = get_json(base + ("/api/tags" if ollama else "/v1/models"))
+        names = [m["name"] for m in listing["models"]] if ollama else [m["id"] for m in listing["data"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise Refused(f"cannot list the models of the backend at {url}: {reason(exc)}", 2) from None
+    if not names:
+        raise Refused(f"the backend at {url} serves no models", 2)
+    adapter = "ollama" if ollama else "vllm"
+    return [{"model": str(name), "adapter": adapter, "options": {"base_url": base}} for name in names]
+
+
+def _ensure_key(state: Path) -> None:
+    secret = state / "api-key"
+    if secret.exists():
+        return
+    from iop_edge.keys import create_key  # the edge's key store: imported only on first start
+
+    value = create_key((state / "edge-keys.db").resolve(), "local")
+    secret.touch(mode=0o600)
+    secret.write_text(value + "\n")
+    print(f"created the API key 'local' (kept in {secret})")
+
+
+# --- YAML values set in place, the rest of the file as the user left it ------------------------------
+
+
+def _yaml_node(config: Path, keys: tuple[str, str]) -> yaml.ScalarNode | None:
+    try:
+        tree = yaml.compose(config.read_text(), Loader=yaml.SafeLoader)
+    except (OSError, yaml.YAMLError):
+        return None
+    for section, value in tree.value if isinstance(tree, yaml.MappingNode) else ():
+        if section.value == keys[0] and isinstance(value, yaml.MappingNode):
+            for key, found in value.value:
+                if key.value == keys[1] and isinstance(found, yaml.ScalarNode):
+                    return found
+    return None
+
+
+def yaml_value(config: Path, keys: tuple[str, str]) -> str | None:
+    """The scalar at ``keys`` (section, key) in ``config``, as written; None if there is none."""
+    node = _yaml_node(config, keys)
+    return None if node is None else str(node.value)
+
+
+def _port_of(config: Path, keys: tuple[str, str], default: int) -> int:
+    """The port set at ``keys`` (``default`` when unset); 0 when it is no number: the service will say so."""
+    value = yaml_value(config, keys)
+    if value is None:
+        return default
+    return int(value) if value.isdigit() else 0
+
+
+def set_value(config: Path, keys: tuple[str, str], value: int | str) -> None:
+    """Write ``value`` at ``keys`` into ``config``, the rest untouched; Refused if there is no such key."""
+    node = _yaml_node(config, keys)
+    name = ".".join(keys)
+    if node is None:
+        raise Refused(f"{config} has no {name} to set to {value}: add one, or remove the file to have it rewritten", 2)
+    if node.value != str(value):
+        text = config.read_text()
+        written = str(value) if isinstance(value, int) else json.dumps(value)
+        config.write_text(text[: node.start_mark.index] + written + text[node.end_mark.index :])
+        print(f"{config}: {name} {node.value} -> {value}")
+
+
+# --- small helpers -------------------------------------------------------------------------------------
+
+
+def get_json(url: str, key: str | None = None) -> Any:
+    """``GET url`` (with ``key`` as bearer token), its JSON body parsed."""
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})  # noqa: S310 - http(s) URLs only
+    with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT) as answer:  # noqa: S310 - see above
+        return json.loads(answer.read())
+
+
+def reason(exc: BaseException) -> str:
+    """A failure to connect or read, in a few words for a one-line message."""
+    if isinstance(exc, urllib.error.URLError) and not isinstance(exc, urllib.error.HTTPError):
+        return str(getattr(exc.reason, "strerror", None) or exc.reason)
+    return str(getattr(exc, "strerror", None) or exc) or type(exc).__name__
+
+
+def _free(port: int) -> bool:
+    """Whether a server could listen on ``port`` (servers reuse addresses: TIME_WAIT does not count)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
