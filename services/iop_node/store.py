@@ -27,6 +27,7 @@ import asyncio
 import collections
 import dataclasses
 import datetime
+import itertools
 import json
 import sqlite3
 import time
@@ -122,6 +123,7 @@ _LIST = _SELECT + (
 )
 
 
+_WAL_ATTEMPTS = 50  # 20 ms apart
 _COMMIT_WINDOW = 0.005  # seconds the writer gathers writes before it commits them
 _RETRY_FIRST = 0.05  # seconds before the first retry of a refused commit; doubles up to retry_max
 _DROP_LOG_EVERY = 1.0  # seconds between "writes dropped" log lines (a full backlog drops one per write)
@@ -450,7 +452,7 @@ class SqliteRunStore:
 
 async def _prepare(db: aiosqlite.Connection) -> None:
     """Set WAL and the schema, migrating an older file; a reader of a current file writes nothing."""
-    await db.execute("PRAGMA journal_mode=WAL")
+    await _wal(db)
     await db.execute("PRAGMA synchronous=NORMAL")
     if await _version(db) == SCHEMA_VERSION:
         return
@@ -468,6 +470,19 @@ async def _prepare(db: aiosqlite.Connection) -> None:
         raise
     if old and version < SCHEMA_VERSION:
         _log.info("run_history_migrated", from_version=version, to_version=SCHEMA_VERSION)
+
+
+async def _wal(db: aiosqlite.Connection) -> None:
+    """Switch the file to WAL. Taking the file out of rollback mode needs it to itself, and SQLite
+    does not wait for that (no busy handler): nodes opening an older file together retry, 1 s at most."""
+    for attempt in itertools.count(1):
+        try:
+            await db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or attempt >= _WAL_ATTEMPTS:
+                raise
+            await asyncio.sleep(0.02)
 
 
 def _upgrade(version: int, *, table: bool) -> tuple[str, ...]:
