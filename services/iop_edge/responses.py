@@ -110,7 +110,6 @@ def chat_body(run_id: str, created: int, model: str, outcome: Outcome, complete:
             }
         ],
         "usage": usage_body(complete.usage),
-        "system_fingerprint": None,
     }
 
 
@@ -130,7 +129,6 @@ def completion_body(
             for index, (text, complete) in enumerate(zip(texts, completes, strict=True))
         ],
         "usage": usage_body(pb.Usage(prompt_tokens=prompt, completion_tokens=generated)),
-        "system_fingerprint": None,
     }
 
 
@@ -166,7 +164,6 @@ class ChatStream:
         self.run_id = run_id
         self.include_usage = include_usage
         self._head = {"id": f"chatcmpl-{run_id}", "object": "chat.completion.chunk", "created": created, "model": model}
-        self._head["system_fingerprint"] = None
 
     def _chunk(self, choice: dict[str, Any]) -> bytes:
         payload = {**self._head, "choices": [choice]}
@@ -213,8 +210,6 @@ class CompletionStream:
             **self._head,
             "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}],
         }
-        if self.include_usage:
-            payload["usage"] = None
         return sse(payload)
 
     def first(self) -> bytes:

@@ -1,0 +1,278 @@
+"""The whole platform as ``iop up`` starts it: real ``iop control-plane``, ``iop node`` and ``iop edge``
+processes over mTLS (certificates from ``iop certs init``), on 127.0.0.1 port 0, driven over HTTP.
+
+``stack`` (module-scoped) serves the mock models below from one node; tests that kill a node
+start their own with :func:`running_stack`. Everything a process printed is in ``<root>/<name>.log``
+and shown when it fails to start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+import openai
+import pytest
+import yaml
+
+from iop_edge.keys import create_key
+from iop_wire.certs import init_dir
+
+IOP = [sys.executable, "-m", "iop_cli.main"]
+START_TIMEOUT = 30.0
+MOCK_ROUTES: list[dict[str, Any]] = [
+    {"model": "mock-small", "adapter": "mock", "options": {"tokens": 8, "tokens_per_second": 200}},
+    {"model": "mock-slow", "adapter": "mock", "options": {"tokens": 1000, "tokens_per_second": 20}},
+    {"model": "mock-ttft", "adapter": "mock", "options": {"ttft": 1, "tokens": 5}},
+]
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 5.0, interval: float = 0.01, what: str = "") -> Any:
+    """Poll ``condition`` until it returns something truthy (returned), failing after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (result := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what or 'condition'} not met within {timeout} s")
+        time.sleep(interval)
+    return result
+
+
+@dataclass
+class Process:
+    """One ``iop`` service process and its files."""
+
+    name: str
+    root: Path
+    popen: subprocess.Popen[bytes]
+
+    @property
+    def log(self) -> Path:
+        return self.root / f"{self.name}.log"
+
+    @property
+    def ready_file(self) -> Path:
+        return self.root / f"{self.name}.ready"
+
+    def wait_ready(self) -> dict[str, Any]:
+        def ready() -> dict[str, Any] | None:
+            if self.popen.poll() is not None:
+                pytest.fail(f"{self.name} exited with {self.popen.returncode}:\n{self.log.read_text()[-3000:]}")
+            return json.loads(self.ready_file.read_text()) if self.ready_file.exists() else None
+
+        return wait_for(ready, START_TIMEOUT, 0.02, f"{self.name} ready file")  # type: ignore[no-any-return]
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout=10)
+
+    def kill(self) -> None:
+        """SIGKILL: the process ends with no goodbye (a crashed machine, as far as peers can tell)."""
+        self.popen.kill()
+        self.popen.wait(timeout=10)
+
+
+@dataclass
+class Stack:
+    """A running control-plane, its nodes and an edge, plus an API key."""
+
+    root: Path
+    cp_port: int
+    edge_port: int
+    key: str
+    nodes: dict[str, Process] = field(default_factory=dict)
+    opened: list[openai.OpenAI | httpx.Client] = field(default_factory=list)
+
+    @property
+    def certs(self) -> Path:
+        return self.root / "certs"
+
+    @property
+    def keys_path(self) -> Path:
+        return self.root / "edge-keys.db"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.edge_port}/v1"
+
+    def new_key(self, name: str, **limits: int) -> str:
+        """A new API key (the edge reads the key file about every second: poll before relying on it)."""
+        return create_key(self.keys_path, name, **limits)
+
+    def client(self, key: str | None = None, **options: Any) -> openai.OpenAI:
+        """The official SDK pointed at the edge; no retries, so every error is seen as sent."""
+        options.setdefault("max_retries", 0)
+        options.setdefault("timeout", 30.0)
+        client = openai.OpenAI(base_url=self.base_url, api_key=key or self.key, **options)
+        self.opened.append(client)
+        return client
+
+    def http(self, key: str | None = None) -> httpx.Client:
+        """A plain HTTP client with the key, for raw bodies and SSE lines."""
+        headers = {"authorization": f"Bearer {key or self.key}"}
+        client = httpx.Client(base_url=self.base_url, headers=headers, timeout=30.0)
+        self.opened.append(client)
+        return client
+
+    def close(self) -> None:
+        """Close every client handed out."""
+        for client in self.opened:
+            client.close()
+        self.opened.clear()
+
+    def node_db(self, node_id: str) -> Path:
+        return self.root / f"{node_id}.db"
+
+    def runs(self, node_id: str) -> list[dict[str, Any]]:
+        """The node's run history, as ``iop runs ls --json`` prints it."""
+        command = [*IOP, "runs", "ls", "--db", str(self.node_db(node_id)), "--json", "--limit", "1000"]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=30, check=True)
+        listed: list[dict[str, Any]] = json.loads(result.stdout)
+        return listed
+
+    def running(self, model: str, caller: str | None = None) -> str | None:
+        """The live node (id) with a run of ``model`` (by ``caller``) in progress, read straight from its SQLite file.
+
+        A killed node's records stay ``running``: its process is skipped.
+        """
+        query, args = "SELECT 1 FROM runs WHERE model = ? AND status = 'running'", [model]
+        if caller is not None:
+            query, args = query + " AND caller = ?", [model, caller]
+        for node_id, process in self.nodes.items():
+            if process.popen.poll() is not None:
+                continue
+            try:
+                with sqlite3.connect(f"file:{self.node_db(node_id)}?mode=ro", uri=True) as db:
+                    found = db.execute(query, args).fetchone()
+            except sqlite3.Error:
+                continue
+            if found:
+                return node_id
+        return None
+
+    def run(self, node_id: str, request_id: str | None = None, caller: str | None = None) -> dict[str, Any] | None:
+        """The node's record (``iop runs ls --json``) of the run of this x-request-id or caller, if any."""
+        for record in self.runs(node_id):
+            if (request_id is None or request_id in record["run_id"]) and caller in (None, record["caller"]):
+                return record
+        return None
+
+    def admin(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """An ``iop nodes ...`` admin command against the control-plane, with the admin certificate."""
+        command = [*IOP, "nodes", *args, "--control-plane", f"127.0.0.1:{self.cp_port}", "--certs", str(self.certs)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=30, check=True)
+
+    def served(self) -> set[str]:
+        response = httpx.get(f"{self.base_url}/models", headers={"authorization": f"Bearer {self.key}"}, timeout=5)
+        return {model["id"] for model in response.json().get("data", [])} if response.status_code == 200 else set()
+
+
+def _tls(certs: Path, role: str) -> dict[str, Any]:
+    return {
+        "enabled": True,
+        "cert": str(certs / f"{role}.crt"),
+        "key": str(certs / f"{role}.key"),
+        "ca": str(certs / "ca.crt"),
+    }
+
+
+def _write(path: Path, data: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _spawn(root: Path, name: str, service: str, config: Path) -> Process:
+    ready = root / f"{name}.ready"
+    command = [*IOP, service, "--config", str(config), "--ready-file", str(ready)]
+    with (root / f"{name}.log").open("wb") as log:
+        popen = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
+    return Process(name, root, popen)
+
+
+@contextmanager
+def running_stack(root: Path, nodes: dict[str, list[dict[str, Any]]]) -> Iterator[Stack]:
+    """Control-plane, then the nodes (id -> routes) and the edge; stopped (SIGTERM) on the way out."""
+    root.mkdir(parents=True, exist_ok=True)
+    certs = root / "certs"
+    init_dir(certs)
+    key = create_key(root / "edge-keys.db", "e2e")
+    with ExitStack() as stopping:
+        cp_config = _write(
+            root / "control-plane.yaml",
+            {
+                "listen": {"host": "127.0.0.1", "port": 0},
+                "tls": _tls(certs, "control-plane"),
+                "store_path": str(root / "control-plane.db"),
+                "heartbeat_interval": 0.5,
+            },
+        )
+        cp = _spawn(root, "control-plane", "control-plane", cp_config)
+        stopping.callback(cp.stop)
+        cp_port = int(cp.wait_ready()["port"])
+        upstream = {"address": f"127.0.0.1:{cp_port}", "server_name": "localhost"}
+        started: dict[str, Process] = {}
+        for node_id, routes in nodes.items():
+            config = _write(
+                root / f"{node_id}.yaml",
+                {
+                    "node_id": node_id,
+                    "listen": {"enabled": False},
+                    "control_plane": {**upstream, "reconnect_initial": 0.05},
+                    "tls": _tls(certs, "node"),
+                    "store_path": str(root / f"{node_id}.db"),
+                    "heartbeat_interval": 0.5,
+                    "routes": routes,
+                },
+            )
+            started[node_id] = _spawn(root, node_id, "node", config)
+            stopping.callback(started[node_id].stop)
+        edge_config = _write(
+            root / "edge.yaml",
+            {
+                "http": {"host": "127.0.0.1", "port": 0},
+                "control_plane": {**upstream, "capabilities_ttl": 0},
+                "tls": _tls(certs, "edge"),
+                "auth": "keys",
+                "keys_path": str(root / "edge-keys.db"),
+            },
+        )
+        edge = _spawn(root, "edge", "edge", edge_config)
+        stopping.callback(edge.stop)
+        for process in started.values():
+            process.wait_ready()
+        stack = Stack(root, cp_port, int(edge.wait_ready()["port"]), key, started)
+        models = {route["model"] for routes in nodes.values() for route in routes}
+        stopping.callback(stack.close)
+        wait_for(lambda: models <= stack.served(), START_TIMEOUT, 0.05, f"the edge serving {sorted(models)}")
+        yield stack
+
+
+@pytest.fixture
+def two_nodes(tmp_path: Path) -> Iterator[Stack]:
+    """A stack of this test's own with two nodes serving the mock models, for tests that kill one."""
+    with running_stack(tmp_path / "stack", {"node-a": MOCK_ROUTES, "node-b": MOCK_ROUTES}) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """One node serving the mock models, shared by the module."""
+    with running_stack(tmp_path_factory.mktemp("stack"), {"node-a": MOCK_ROUTES}) as started:
+        yield started

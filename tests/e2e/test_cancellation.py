@@ -1,0 +1,69 @@
+"""A client that goes away cancels its run: the node records it cancelled, its adapter stopped within 100 ms."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from datetime import datetime
+
+from .conftest import Stack, wait_for
+from .openai_schema import validate
+
+STOPS_WITHIN = 0.1
+"""Seconds from the client's disconnect to the node's adapter stopping (the record's finished_at)."""
+
+
+def _ready_key(stack: Stack, name: str) -> str:
+    secret = stack.new_key(name)
+    with stack.http(secret) as http:
+        wait_for(lambda: http.get("/models").status_code == 200, 5, 0.05, f"key {name} loaded by the edge")
+    return secret
+
+
+def _cancelled(stack: Stack, *, gone: float, request_id: str | None = None, caller: str | None = None) -> None:
+    def ended() -> dict[str, object] | None:
+        record = stack.run("node-a", request_id, caller)
+        return record if record is not None and record["status"] != "running" else None
+
+    record = wait_for(ended, 5, 0.1, "the node's record of the run to end")
+    assert record["status"] == "cancelled", record
+    finished = datetime.fromisoformat(str(record["finished_at"])).timestamp()
+    assert finished - gone < STOPS_WITHIN, f"the adapter stopped {finished - gone:.3f} s after the disconnect"
+
+
+def test_disconnect_mid_stream_cancels_the_run(stack: Stack) -> None:
+    secret = _ready_key(stack, "leaves-a-stream")
+    body = {"model": "mock-slow", "messages": [{"role": "user", "content": "go"}], "stream": True}
+    http = stack.http(secret)
+    with http.stream("POST", "/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        request_id = response.headers["x-request-id"]
+        received: list[dict[str, object]] = []
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                chunk = json.loads(line.removeprefix("data: "))
+                validate("CreateChatCompletionStreamResponse", chunk)
+                received.append(chunk)
+                if len(received) == 3:
+                    break
+        gone = time.time()
+        response.close()
+    http.close()
+    _cancelled(stack, gone=gone, request_id=request_id)
+
+
+def test_disconnect_during_a_non_streaming_request_cancels_the_run(stack: Stack) -> None:
+    secret = _ready_key(stack, "leaves-a-request")
+    body = json.dumps({"model": "mock-slow", "messages": [{"role": "user", "content": "go"}]}).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:{stack.edge_port}\r\n"
+        f"authorization: Bearer {secret}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", stack.edge_port)) as client:
+        client.sendall(head.encode() + body)
+        wait_for(lambda: stack.running("mock-slow", "leaves-a-request"), 5, 0.01, "the run to start on the node")
+        started = time.monotonic()
+        wait_for(lambda: time.monotonic() - started > 0.3, 1, 0.05)  # a few tokens in: the adapter is generating
+        gone = time.time()
+    _cancelled(stack, gone=gone, caller="leaves-a-request")

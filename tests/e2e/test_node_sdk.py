@@ -1,0 +1,38 @@
+"""One streaming chat with the npm ``openai`` package (pinned in tests/ts/package.json), run by Node."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from .conftest import Stack
+from .openai_schema import validate
+
+HERE = Path(__file__).parent
+PACKAGE = HERE.parent / "ts" / "node_modules" / "openai" / "package.json"
+
+
+def test_streaming_chat_with_the_npm_openai_package(stack: Stack) -> None:
+    node = shutil.which("node")
+    if node is None or not PACKAGE.exists():
+        pytest.fail("node and tests/ts/node_modules/openai are needed: run `just ts-install`")
+    result = subprocess.run(
+        [node, str(HERE / "stream_chat.mjs"), stack.base_url, stack.key, "mock-small"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    *received, end = [json.loads(line) for line in result.stdout.splitlines()]
+    assert end == {"done": True}
+    for chunk in received:
+        validate("CreateChatCompletionStreamResponse", chunk)
+    assert received[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(chunk["choices"][0]["delta"].get("content") or "" for chunk in received if chunk["choices"])
+    assert len(text.split()) == 8
+    assert received[-1]["choices"] == [] and received[-1]["usage"]["completion_tokens"] == 8
