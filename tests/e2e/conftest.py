@@ -207,8 +207,17 @@ def _spawn(root: Path, name: str, service: str, config: Path) -> Process:
 
 
 @contextmanager
-def running_stack(root: Path, nodes: dict[str, list[dict[str, Any]]]) -> Iterator[Stack]:
-    """Control-plane, then the nodes (id -> routes) and the edge; stopped (SIGTERM) on the way out."""
+def running_stack(
+    root: Path,
+    nodes: dict[str, list[dict[str, Any]]],
+    *,
+    control_plane: dict[str, Any] | None = None,
+    edge_settings: dict[str, Any] | None = None,
+) -> Iterator[Stack]:
+    """Control-plane, then the nodes (id -> routes) and the edge; stopped (SIGTERM) on the way out.
+
+    ``control_plane`` and ``edge_settings`` add settings to their configs.
+    """
     root.mkdir(parents=True, exist_ok=True)
     certs = root / "certs"
     init_dir(certs)
@@ -221,6 +230,7 @@ def running_stack(root: Path, nodes: dict[str, list[dict[str, Any]]]) -> Iterato
                 "tls": _tls(certs, "control-plane"),
                 "store_path": str(root / "control-plane.db"),
                 "heartbeat_interval": 0.5,
+                **(control_plane or {}),
             },
         )
         cp = _spawn(root, "control-plane", "control-plane", cp_config)
@@ -251,6 +261,7 @@ def running_stack(root: Path, nodes: dict[str, list[dict[str, Any]]]) -> Iterato
                 "tls": _tls(certs, "edge"),
                 "auth": "keys",
                 "keys_path": str(root / "edge-keys.db"),
+                **(edge_settings or {}),
             },
         )
         edge = _spawn(root, "edge", "edge", edge_config)
