@@ -27,7 +27,6 @@ import asyncio
 import collections
 import dataclasses
 import datetime
-import itertools
 import json
 import sqlite3
 import time
@@ -123,7 +122,7 @@ _LIST = _SELECT + (
 )
 
 
-_WAL_ATTEMPTS = 50  # 20 ms apart
+_WAL_RETRY_FOR = 1.0  # seconds an immediately refused switch to WAL is tried again
 _COMMIT_WINDOW = 0.005  # seconds the writer gathers writes before it commits them
 _RETRY_FIRST = 0.05  # seconds before the first retry of a refused commit; doubles up to retry_max
 _DROP_LOG_EVERY = 1.0  # seconds between "writes dropped" log lines (a full backlog drops one per write)
@@ -473,14 +472,16 @@ async def _prepare(db: aiosqlite.Connection) -> None:
 
 
 async def _wal(db: aiosqlite.Connection) -> None:
-    """Switch the file to WAL. Taking the file out of rollback mode needs it to itself, and SQLite
-    does not wait for that (no busy handler): nodes opening an older file together retry, 1 s at most."""
-    for attempt in itertools.count(1):
+    """Switch the file to WAL. Taking a file out of rollback mode needs it to itself, and SQLite may
+    refuse at once rather than wait (no busy handler): nodes opening an older file together retry
+    for up to 1 s. A refusal that came after the busy timeout (a long transaction elsewhere) stands."""
+    started = time.monotonic()
+    while True:
         try:
             await db.execute("PRAGMA journal_mode=WAL")
             return
         except sqlite3.OperationalError as exc:
-            if "locked" not in str(exc) or attempt >= _WAL_ATTEMPTS:
+            if "locked" not in str(exc) or time.monotonic() - started > _WAL_RETRY_FOR:
                 raise
             await asyncio.sleep(0.02)
 
