@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -111,6 +112,7 @@ def _platform(state: Path, upstream: int) -> Iterator[tuple[dict[str, int], int,
         }
         key = create_key(state / "keys.db", "bench")
         edge_port = int(spawn("edge", _write(state / "edge.yaml", edge))["port"])
+        _until_ready(edge_port)
         yield {name: process.pid for name, process in processes.items()}, edge_port, key
     finally:
         for process in reversed(processes.values()):
@@ -120,6 +122,21 @@ def _platform(state: Path, upstream: int) -> Iterator[tuple[dict[str, int], int,
                 process.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+def _until_ready(port: int, timeout: float = 30.0) -> None:
+    """Wait until the edge answers /ready (its control-plane connections up, a model served)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5) as answer:
+                if answer.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the edge on port {port} was not ready in {timeout} s")
+        time.sleep(0.05)
 
 
 def _body(tokens: int, *, stream: bool) -> bytes:
