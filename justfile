@@ -93,3 +93,4 @@ bench:
     python tests/bench/scheduler_bench.py
     python tests/bench/control_plane_bench.py
     python tests/bench/detection_bench.py
+    python tests/bench/edge_bench.py
