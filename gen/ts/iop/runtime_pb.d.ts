@@ -252,6 +252,142 @@ export declare type Envelope = Message<"iop.Envelope"> & {
      */
     value: RunsListed;
     case: "runsListed";
+  } | {
+    /**
+     * file.create: an edge starts uploading a file to the worker.
+     *
+     * @generated from field: iop.FileCreate file_create = 32;
+     */
+    value: FileCreate;
+    case: "fileCreate";
+  } | {
+    /**
+     * file.chunk: the next bytes of an upload.
+     *
+     * @generated from field: iop.FileChunk file_chunk = 33;
+     */
+    value: FileChunk;
+    case: "fileChunk";
+  } | {
+    /**
+     * file.upload_progress: the answer to file.create and to each file.chunk but the last.
+     *
+     * @generated from field: iop.FileUploadProgress file_upload_progress = 34;
+     */
+    value: FileUploadProgress;
+    case: "fileUploadProgress";
+  } | {
+    /**
+     * file.info: one file; the answer to the last file.chunk and to file.get.
+     *
+     * @generated from field: iop.FileInfo file_info = 35;
+     */
+    value: FileInfo;
+    case: "fileInfo";
+  } | {
+    /**
+     * file.get: an edge asks for one file's description.
+     *
+     * @generated from field: iop.FileGet file_get = 36;
+     */
+    value: FileGet;
+    case: "fileGet";
+  } | {
+    /**
+     * files.list: an edge asks for a page of files.
+     *
+     * @generated from field: iop.FilesList files_list = 37;
+     */
+    value: FilesList;
+    case: "filesList";
+  } | {
+    /**
+     * files.listed: the answer to files.list.
+     *
+     * @generated from field: iop.FilesListed files_listed = 38;
+     */
+    value: FilesListed;
+    case: "filesListed";
+  } | {
+    /**
+     * file.read: an edge asks for a piece of a file's content.
+     *
+     * @generated from field: iop.FileRead file_read = 39;
+     */
+    value: FileRead;
+    case: "fileRead";
+  } | {
+    /**
+     * file.data: the answer to file.read.
+     *
+     * @generated from field: iop.FileData file_data = 40;
+     */
+    value: FileData;
+    case: "fileData";
+  } | {
+    /**
+     * file.delete: an edge deletes a file.
+     *
+     * @generated from field: iop.FileDelete file_delete = 41;
+     */
+    value: FileDelete;
+    case: "fileDelete";
+  } | {
+    /**
+     * file.deleted: the answer to file.delete.
+     *
+     * @generated from field: iop.FileDeleted file_deleted = 42;
+     */
+    value: FileDeleted;
+    case: "fileDeleted";
+  } | {
+    /**
+     * batch.create: an edge creates a batch from an uploaded file.
+     *
+     * @generated from field: iop.BatchCreate batch_create = 43;
+     */
+    value: BatchCreate;
+    case: "batchCreate";
+  } | {
+    /**
+     * batch.info: one batch; the answer to batch.create, batch.get and batch.cancel.
+     *
+     * @generated from field: iop.BatchInfo batch_info = 44;
+     */
+    value: BatchInfo;
+    case: "batchInfo";
+  } | {
+    /**
+     * batch.get: an edge asks for one batch.
+     *
+     * @generated from field: iop.BatchGet batch_get = 45;
+     */
+    value: BatchGet;
+    case: "batchGet";
+  } | {
+    /**
+     * batches.list: an edge asks for a page of batches.
+     *
+     * @generated from field: iop.BatchesList batches_list = 46;
+     */
+    value: BatchesList;
+    case: "batchesList";
+  } | {
+    /**
+     * batches.listed: the answer to batches.list.
+     *
+     * @generated from field: iop.BatchesListed batches_listed = 47;
+     */
+    value: BatchesListed;
+    case: "batchesListed";
+  } | {
+    /**
+     * batch.cancel: an edge cancels a batch.
+     *
+     * @generated from field: iop.BatchCancel batch_cancel = 48;
+     */
+    value: BatchCancel;
+    case: "batchCancel";
   } | { case: undefined; value?: undefined };
 };
 
@@ -2101,6 +2237,717 @@ export declare type LedgerAttempt = Message<"iop.LedgerAttempt"> & {
 export declare const LedgerAttemptSchema: GenMessage<LedgerAttempt>;
 
 /**
+ * file.create: start an upload. Answered by file.upload_progress (received 0),
+ * then the content follows as file.chunk requests on the same connection.
+ *
+ * @generated from message iop.FileCreate
+ */
+export declare type FileCreate = Message<"iop.FileCreate"> & {
+  /**
+   * The file's name, as the client gave it.
+   *
+   * @generated from field: string filename = 1;
+   */
+  filename: string;
+
+  /**
+   * What it is for: "batch" (the only purpose the worker takes).
+   *
+   * @generated from field: string purpose = 2;
+   */
+  purpose: string;
+
+  /**
+   * Its size in bytes when the client said it; 0 when unknown.
+   *
+   * @generated from field: uint64 bytes = 3;
+   */
+  bytes: bigint;
+};
+
+/**
+ * Describes the message iop.FileCreate.
+ * Use `create(FileCreateSchema)` to create a new message.
+ */
+export declare const FileCreateSchema: GenMessage<FileCreate>;
+
+/**
+ * file.chunk: the next bytes of an upload, in order. Answered by
+ * file.upload_progress, the last one (last = true) by file.info once the file
+ * is stored. Chunks stay well under the frame limit (the edge sends 256 KiB).
+ *
+ * @generated from message iop.FileChunk
+ */
+export declare type FileChunk = Message<"iop.FileChunk"> & {
+  /**
+   * The upload, from file.upload_progress.
+   *
+   * @generated from field: string upload_id = 1;
+   */
+  uploadId: string;
+
+  /**
+   * The bytes.
+   *
+   * @generated from field: bytes data = 2;
+   */
+  data: Uint8Array;
+
+  /**
+   * True on the final chunk (which may be empty).
+   *
+   * @generated from field: bool last = 3;
+   */
+  last: boolean;
+};
+
+/**
+ * Describes the message iop.FileChunk.
+ * Use `create(FileChunkSchema)` to create a new message.
+ */
+export declare const FileChunkSchema: GenMessage<FileChunk>;
+
+/**
+ * file.upload_progress: an upload is open and has taken this many bytes.
+ *
+ * @generated from message iop.FileUploadProgress
+ */
+export declare type FileUploadProgress = Message<"iop.FileUploadProgress"> & {
+  /**
+   * The upload's id, for its file.chunk requests.
+   *
+   * @generated from field: string upload_id = 1;
+   */
+  uploadId: string;
+
+  /**
+   * Bytes received so far.
+   *
+   * @generated from field: uint64 received = 2;
+   */
+  received: bigint;
+};
+
+/**
+ * Describes the message iop.FileUploadProgress.
+ * Use `create(FileUploadProgressSchema)` to create a new message.
+ */
+export declare const FileUploadProgressSchema: GenMessage<FileUploadProgress>;
+
+/**
+ * file.info: a stored file, as OpenAI's file object describes it.
+ *
+ * @generated from message iop.FileInfo
+ */
+export declare type FileInfo = Message<"iop.FileInfo"> & {
+  /**
+   * "file-" and 24 letters and digits.
+   *
+   * @generated from field: string id = 1;
+   */
+  id: string;
+
+  /**
+   * The name it was uploaded with.
+   *
+   * @generated from field: string filename = 2;
+   */
+  filename: string;
+
+  /**
+   * "batch" for uploads, "batch_output" for the output and error files of
+   * batches.
+   *
+   * @generated from field: string purpose = 3;
+   */
+  purpose: string;
+
+  /**
+   * Its size in bytes.
+   *
+   * @generated from field: uint64 bytes = 4;
+   */
+  bytes: bigint;
+
+  /**
+   * When it was stored.
+   *
+   * @generated from field: google.protobuf.Timestamp created_at = 5;
+   */
+  createdAt?: Timestamp | undefined;
+
+  /**
+   * When it will be deleted; unset: never.
+   *
+   * @generated from field: google.protobuf.Timestamp expires_at = 6;
+   */
+  expiresAt?: Timestamp | undefined;
+};
+
+/**
+ * Describes the message iop.FileInfo.
+ * Use `create(FileInfoSchema)` to create a new message.
+ */
+export declare const FileInfoSchema: GenMessage<FileInfo>;
+
+/**
+ * file.get: one file's description. Answered by file.info.
+ *
+ * @generated from message iop.FileGet
+ */
+export declare type FileGet = Message<"iop.FileGet"> & {
+  /**
+   * The file.
+   *
+   * @generated from field: string file_id = 1;
+   */
+  fileId: string;
+};
+
+/**
+ * Describes the message iop.FileGet.
+ * Use `create(FileGetSchema)` to create a new message.
+ */
+export declare const FileGetSchema: GenMessage<FileGet>;
+
+/**
+ * files.list: files, newest first. Answered by files.listed.
+ *
+ * @generated from message iop.FilesList
+ */
+export declare type FilesList = Message<"iop.FilesList"> & {
+  /**
+   * Only files after this one (a cursor: the last id of the previous page).
+   *
+   * @generated from field: string after = 1;
+   */
+  after: string;
+
+  /**
+   * At most this many; 0 means 10000.
+   *
+   * @generated from field: uint32 limit = 2;
+   */
+  limit: number;
+
+  /**
+   * Only files with this purpose; empty: all.
+   *
+   * @generated from field: string purpose = 3;
+   */
+  purpose: string;
+};
+
+/**
+ * Describes the message iop.FilesList.
+ * Use `create(FilesListSchema)` to create a new message.
+ */
+export declare const FilesListSchema: GenMessage<FilesList>;
+
+/**
+ * files.listed: a page of files.
+ *
+ * @generated from message iop.FilesListed
+ */
+export declare type FilesListed = Message<"iop.FilesListed"> & {
+  /**
+   * The files, newest first.
+   *
+   * @generated from field: repeated iop.FileInfo files = 1;
+   */
+  files: FileInfo[];
+
+  /**
+   * True when more follow the last one.
+   *
+   * @generated from field: bool has_more = 2;
+   */
+  hasMore: boolean;
+};
+
+/**
+ * Describes the message iop.FilesListed.
+ * Use `create(FilesListedSchema)` to create a new message.
+ */
+export declare const FilesListedSchema: GenMessage<FilesListed>;
+
+/**
+ * file.read: a piece of a file's content. Answered by file.data.
+ *
+ * @generated from message iop.FileRead
+ */
+export declare type FileRead = Message<"iop.FileRead"> & {
+  /**
+   * The file.
+   *
+   * @generated from field: string file_id = 1;
+   */
+  fileId: string;
+
+  /**
+   * Where to start, in bytes.
+   *
+   * @generated from field: uint64 offset = 2;
+   */
+  offset: bigint;
+
+  /**
+   * At most this many bytes; 0 means 256 KiB. The worker caps it at 1 MiB.
+   *
+   * @generated from field: uint32 length = 3;
+   */
+  length: number;
+};
+
+/**
+ * Describes the message iop.FileRead.
+ * Use `create(FileReadSchema)` to create a new message.
+ */
+export declare const FileReadSchema: GenMessage<FileRead>;
+
+/**
+ * file.data: a piece of a file's content.
+ *
+ * @generated from message iop.FileData
+ */
+export declare type FileData = Message<"iop.FileData"> & {
+  /**
+   * The bytes from the offset asked for.
+   *
+   * @generated from field: bytes data = 1;
+   */
+  data: Uint8Array;
+
+  /**
+   * True when they reach the end of the file.
+   *
+   * @generated from field: bool eof = 2;
+   */
+  eof: boolean;
+};
+
+/**
+ * Describes the message iop.FileData.
+ * Use `create(FileDataSchema)` to create a new message.
+ */
+export declare const FileDataSchema: GenMessage<FileData>;
+
+/**
+ * file.delete: delete a file. Answered by file.deleted.
+ *
+ * @generated from message iop.FileDelete
+ */
+export declare type FileDelete = Message<"iop.FileDelete"> & {
+  /**
+   * The file.
+   *
+   * @generated from field: string file_id = 1;
+   */
+  fileId: string;
+};
+
+/**
+ * Describes the message iop.FileDelete.
+ * Use `create(FileDeleteSchema)` to create a new message.
+ */
+export declare const FileDeleteSchema: GenMessage<FileDelete>;
+
+/**
+ * file.deleted: the answer to file.delete.
+ *
+ * @generated from message iop.FileDeleted
+ */
+export declare type FileDeleted = Message<"iop.FileDeleted"> & {
+  /**
+   * The file.
+   *
+   * @generated from field: string file_id = 1;
+   */
+  fileId: string;
+
+  /**
+   * True once it is gone.
+   *
+   * @generated from field: bool deleted = 2;
+   */
+  deleted: boolean;
+};
+
+/**
+ * Describes the message iop.FileDeleted.
+ * Use `create(FileDeletedSchema)` to create a new message.
+ */
+export declare const FileDeletedSchema: GenMessage<FileDeleted>;
+
+/**
+ * batch.create: run every line of an uploaded file as a request to one
+ * endpoint. Answered by batch.info (status validating).
+ *
+ * @generated from message iop.BatchCreate
+ */
+export declare type BatchCreate = Message<"iop.BatchCreate"> & {
+  /**
+   * The uploaded file (purpose "batch"), one JSON request per line.
+   *
+   * @generated from field: string input_file_id = 1;
+   */
+  inputFileId: string;
+
+  /**
+   * "/v1/chat/completions", "/v1/completions" or "/v1/embeddings".
+   *
+   * @generated from field: string endpoint = 2;
+   */
+  endpoint: string;
+
+  /**
+   * "24h", the only window OpenAI offers; the worker also takes other
+   * durations ("30s", "10m", "2h").
+   *
+   * @generated from field: string completion_window = 3;
+   */
+  completionWindow: string;
+
+  /**
+   * Up to 16 pairs, kept with the batch.
+   *
+   * @generated from field: map<string, string> metadata = 4;
+   */
+  metadata: { [key: string]: string };
+};
+
+/**
+ * Describes the message iop.BatchCreate.
+ * Use `create(BatchCreateSchema)` to create a new message.
+ */
+export declare const BatchCreateSchema: GenMessage<BatchCreate>;
+
+/**
+ * How many of a batch's lines ended how.
+ *
+ * @generated from message iop.BatchRequestCounts
+ */
+export declare type BatchRequestCounts = Message<"iop.BatchRequestCounts"> & {
+  /**
+   * Lines in the input file.
+   *
+   * @generated from field: uint32 total = 1;
+   */
+  total: number;
+
+  /**
+   * Lines answered (in the output file).
+   *
+   * @generated from field: uint32 completed = 2;
+   */
+  completed: number;
+
+  /**
+   * Lines that failed (in the error file).
+   *
+   * @generated from field: uint32 failed = 3;
+   */
+  failed: number;
+};
+
+/**
+ * Describes the message iop.BatchRequestCounts.
+ * Use `create(BatchRequestCountsSchema)` to create a new message.
+ */
+export declare const BatchRequestCountsSchema: GenMessage<BatchRequestCounts>;
+
+/**
+ * One reason a batch failed validation.
+ *
+ * @generated from message iop.BatchError
+ */
+export declare type BatchError = Message<"iop.BatchError"> & {
+  /**
+   * "invalid_json_line", "missing_required_parameter", "mismatched_endpoint",
+   * "duplicate_custom_id", "empty_file", ...
+   *
+   * @generated from field: string code = 1;
+   */
+  code: string;
+
+  /**
+   * What is wrong, for people.
+   *
+   * @generated from field: string message = 2;
+   */
+  message: string;
+
+  /**
+   * The field to blame, if one is.
+   *
+   * @generated from field: string param = 3;
+   */
+  param: string;
+
+  /**
+   * The input line (from 1); unset when the error is about the whole file.
+   *
+   * @generated from field: optional uint32 line = 4;
+   */
+  line?: number | undefined;
+};
+
+/**
+ * Describes the message iop.BatchError.
+ * Use `create(BatchErrorSchema)` to create a new message.
+ */
+export declare const BatchErrorSchema: GenMessage<BatchError>;
+
+/**
+ * batch.info: a batch, as OpenAI's batch object describes it.
+ *
+ * @generated from message iop.BatchInfo
+ */
+export declare type BatchInfo = Message<"iop.BatchInfo"> & {
+  /**
+   * "batch_" and 24 letters and digits.
+   *
+   * @generated from field: string id = 1;
+   */
+  id: string;
+
+  /**
+   * The endpoint every line goes to.
+   *
+   * @generated from field: string endpoint = 2;
+   */
+  endpoint: string;
+
+  /**
+   * The uploaded input file.
+   *
+   * @generated from field: string input_file_id = 3;
+   */
+  inputFileId: string;
+
+  /**
+   * As given in batch.create.
+   *
+   * @generated from field: string completion_window = 4;
+   */
+  completionWindow: string;
+
+  /**
+   * Where it stands.
+   *
+   * @generated from field: iop.BatchStatus status = 5;
+   */
+  status: BatchStatus;
+
+  /**
+   * The file of answered lines, once written.
+   *
+   * @generated from field: string output_file_id = 6;
+   */
+  outputFileId: string;
+
+  /**
+   * The file of failed lines, once written (none when no line failed).
+   *
+   * @generated from field: string error_file_id = 7;
+   */
+  errorFileId: string;
+
+  /**
+   * When it was created.
+   *
+   * @generated from field: google.protobuf.Timestamp created_at = 8;
+   */
+  createdAt?: Timestamp | undefined;
+
+  /**
+   * When its lines started running.
+   *
+   * @generated from field: google.protobuf.Timestamp in_progress_at = 9;
+   */
+  inProgressAt?: Timestamp | undefined;
+
+  /**
+   * When its completion window ends.
+   *
+   * @generated from field: google.protobuf.Timestamp expires_at = 10;
+   */
+  expiresAt?: Timestamp | undefined;
+
+  /**
+   * When it started writing its files.
+   *
+   * @generated from field: google.protobuf.Timestamp finalizing_at = 11;
+   */
+  finalizingAt?: Timestamp | undefined;
+
+  /**
+   * When it completed.
+   *
+   * @generated from field: google.protobuf.Timestamp completed_at = 12;
+   */
+  completedAt?: Timestamp | undefined;
+
+  /**
+   * When it failed validation.
+   *
+   * @generated from field: google.protobuf.Timestamp failed_at = 13;
+   */
+  failedAt?: Timestamp | undefined;
+
+  /**
+   * When its window passed.
+   *
+   * @generated from field: google.protobuf.Timestamp expired_at = 14;
+   */
+  expiredAt?: Timestamp | undefined;
+
+  /**
+   * When its cancellation was asked for.
+   *
+   * @generated from field: google.protobuf.Timestamp cancelling_at = 15;
+   */
+  cancellingAt?: Timestamp | undefined;
+
+  /**
+   * When it was cancelled.
+   *
+   * @generated from field: google.protobuf.Timestamp cancelled_at = 16;
+   */
+  cancelledAt?: Timestamp | undefined;
+
+  /**
+   * Lines by outcome.
+   *
+   * @generated from field: iop.BatchRequestCounts request_counts = 17;
+   */
+  requestCounts?: BatchRequestCounts | undefined;
+
+  /**
+   * Why validation failed.
+   *
+   * @generated from field: repeated iop.BatchError errors = 18;
+   */
+  errors: BatchError[];
+
+  /**
+   * As given in batch.create.
+   *
+   * @generated from field: map<string, string> metadata = 19;
+   */
+  metadata: { [key: string]: string };
+
+  /**
+   * Tokens of all its answered lines together.
+   *
+   * @generated from field: iop.Usage usage = 20;
+   */
+  usage?: Usage | undefined;
+};
+
+/**
+ * Describes the message iop.BatchInfo.
+ * Use `create(BatchInfoSchema)` to create a new message.
+ */
+export declare const BatchInfoSchema: GenMessage<BatchInfo>;
+
+/**
+ * batch.get: one batch. Answered by batch.info.
+ *
+ * @generated from message iop.BatchGet
+ */
+export declare type BatchGet = Message<"iop.BatchGet"> & {
+  /**
+   * The batch.
+   *
+   * @generated from field: string batch_id = 1;
+   */
+  batchId: string;
+};
+
+/**
+ * Describes the message iop.BatchGet.
+ * Use `create(BatchGetSchema)` to create a new message.
+ */
+export declare const BatchGetSchema: GenMessage<BatchGet>;
+
+/**
+ * batches.list: batches, newest first. Answered by batches.listed.
+ *
+ * @generated from message iop.BatchesList
+ */
+export declare type BatchesList = Message<"iop.BatchesList"> & {
+  /**
+   * Only batches after this one (a cursor: the last id of the previous page).
+   *
+   * @generated from field: string after = 1;
+   */
+  after: string;
+
+  /**
+   * At most this many; 0 means 20. The worker caps it at 100.
+   *
+   * @generated from field: uint32 limit = 2;
+   */
+  limit: number;
+};
+
+/**
+ * Describes the message iop.BatchesList.
+ * Use `create(BatchesListSchema)` to create a new message.
+ */
+export declare const BatchesListSchema: GenMessage<BatchesList>;
+
+/**
+ * batches.listed: a page of batches.
+ *
+ * @generated from message iop.BatchesListed
+ */
+export declare type BatchesListed = Message<"iop.BatchesListed"> & {
+  /**
+   * The batches, newest first.
+   *
+   * @generated from field: repeated iop.BatchInfo batches = 1;
+   */
+  batches: BatchInfo[];
+
+  /**
+   * True when more follow the last one.
+   *
+   * @generated from field: bool has_more = 2;
+   */
+  hasMore: boolean;
+};
+
+/**
+ * Describes the message iop.BatchesListed.
+ * Use `create(BatchesListedSchema)` to create a new message.
+ */
+export declare const BatchesListedSchema: GenMessage<BatchesListed>;
+
+/**
+ * batch.cancel: stop a batch: no new lines start, running ones are cancelled,
+ * and it ends cancelled with the lines done before. Answered by batch.info
+ * (status cancelling, or already ended).
+ *
+ * @generated from message iop.BatchCancel
+ */
+export declare type BatchCancel = Message<"iop.BatchCancel"> & {
+  /**
+   * The batch.
+   *
+   * @generated from field: string batch_id = 1;
+   */
+  batchId: string;
+};
+
+/**
+ * Describes the message iop.BatchCancel.
+ * Use `create(BatchCancelSchema)` to create a new message.
+ */
+export declare const BatchCancelSchema: GenMessage<BatchCancel>;
+
+/**
  * The kinds of run a node can execute.
  *
  * @generated from enum iop.RunKind
@@ -2430,4 +3277,79 @@ export enum NodeState {
  * Describes the enum iop.NodeState.
  */
 export declare const NodeStateSchema: GenEnum<NodeState>;
+
+/**
+ * A batch's status, as OpenAI names them.
+ *
+ * @generated from enum iop.BatchStatus
+ */
+export enum BatchStatus {
+  /**
+   * Not sent.
+   *
+   * @generated from enum value: BATCH_STATUS_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * Its input file is being checked.
+   *
+   * @generated from enum value: BATCH_STATUS_VALIDATING = 1;
+   */
+  VALIDATING = 1,
+
+  /**
+   * Its input file failed the checks; errors says why.
+   *
+   * @generated from enum value: BATCH_STATUS_FAILED = 2;
+   */
+  FAILED = 2,
+
+  /**
+   * Its lines are running.
+   *
+   * @generated from enum value: BATCH_STATUS_IN_PROGRESS = 3;
+   */
+  IN_PROGRESS = 3,
+
+  /**
+   * Every line ended; the output and error files are being written.
+   *
+   * @generated from enum value: BATCH_STATUS_FINALIZING = 4;
+   */
+  FINALIZING = 4,
+
+  /**
+   * Done: output_file_id (and error_file_id if any line failed) hold the results.
+   *
+   * @generated from enum value: BATCH_STATUS_COMPLETED = 5;
+   */
+  COMPLETED = 5,
+
+  /**
+   * Its completion window passed; the files hold the lines done by then.
+   *
+   * @generated from enum value: BATCH_STATUS_EXPIRED = 6;
+   */
+  EXPIRED = 6,
+
+  /**
+   * Cancelled: its running lines are being stopped.
+   *
+   * @generated from enum value: BATCH_STATUS_CANCELLING = 7;
+   */
+  CANCELLING = 7,
+
+  /**
+   * Cancelled: the files hold the lines done before.
+   *
+   * @generated from enum value: BATCH_STATUS_CANCELLED = 8;
+   */
+  CANCELLED = 8,
+}
+
+/**
+ * Describes the enum iop.BatchStatus.
+ */
+export declare const BatchStatusSchema: GenEnum<BatchStatus>;
 

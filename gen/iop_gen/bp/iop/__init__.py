@@ -5,6 +5,15 @@
 
 __all__ = (
     "AdapterInfo",
+    "BatchCancel",
+    "BatchCreate",
+    "BatchError",
+    "BatchGet",
+    "BatchInfo",
+    "BatchRequestCounts",
+    "BatchStatus",
+    "BatchesList",
+    "BatchesListed",
     "Caller",
     "CancelRequest",
     "CapabilityRequest",
@@ -15,6 +24,17 @@ __all__ = (
     "Envelope",
     "Error",
     "ErrorCode",
+    "FileChunk",
+    "FileCreate",
+    "FileData",
+    "FileDelete",
+    "FileDeleted",
+    "FileGet",
+    "FileInfo",
+    "FileRead",
+    "FileUploadProgress",
+    "FilesList",
+    "FilesListed",
     "FinishReason",
     "FunctionCall",
     "Heartbeat",
@@ -67,6 +87,85 @@ from ..message_pool import default_message_pool
 
 _COMPILER_VERSION = "0.10.1"
 betterproto2.check_compiler_version(_COMPILER_VERSION)
+
+
+class BatchStatus(betterproto2.Enum):
+    """
+    A batch's status, as OpenAI names them.
+    """
+
+    UNSPECIFIED = 0
+    """
+    Not sent.
+    """
+
+    VALIDATING = 1
+    """
+    Its input file is being checked.
+    """
+
+    FAILED = 2
+    """
+    Its input file failed the checks; errors says why.
+    """
+
+    IN_PROGRESS = 3
+    """
+    Its lines are running.
+    """
+
+    FINALIZING = 4
+    """
+    Every line ended; the output and error files are being written.
+    """
+
+    COMPLETED = 5
+    """
+    Done: output_file_id (and error_file_id if any line failed) hold the results.
+    """
+
+    EXPIRED = 6
+    """
+    Its completion window passed; the files hold the lines done by then.
+    """
+
+    CANCELLING = 7
+    """
+    Cancelled: its running lines are being stopped.
+    """
+
+    CANCELLED = 8
+    """
+    Cancelled: the files hold the lines done before.
+    """
+
+    @classmethod
+    def betterproto_value_to_renamed_proto_names(cls) -> dict[int, str]:
+        return {
+            0: "BATCH_STATUS_UNSPECIFIED",
+            1: "BATCH_STATUS_VALIDATING",
+            2: "BATCH_STATUS_FAILED",
+            3: "BATCH_STATUS_IN_PROGRESS",
+            4: "BATCH_STATUS_FINALIZING",
+            5: "BATCH_STATUS_COMPLETED",
+            6: "BATCH_STATUS_EXPIRED",
+            7: "BATCH_STATUS_CANCELLING",
+            8: "BATCH_STATUS_CANCELLED",
+        }
+
+    @classmethod
+    def betterproto_renamed_proto_names_to_value(cls) -> dict[str, int]:
+        return {
+            "BATCH_STATUS_UNSPECIFIED": 0,
+            "BATCH_STATUS_VALIDATING": 1,
+            "BATCH_STATUS_FAILED": 2,
+            "BATCH_STATUS_IN_PROGRESS": 3,
+            "BATCH_STATUS_FINALIZING": 4,
+            "BATCH_STATUS_COMPLETED": 5,
+            "BATCH_STATUS_EXPIRED": 6,
+            "BATCH_STATUS_CANCELLING": 7,
+            "BATCH_STATUS_CANCELLED": 8,
+        }
 
 
 class ErrorCode(betterproto2.Enum):
@@ -441,6 +540,298 @@ default_message_pool.register_message("iop", "AdapterInfo", AdapterInfo)
 
 
 @dataclass(eq=False, repr=False)
+class BatchCancel(betterproto2.Message):
+    """
+    batch.cancel: stop a batch: no new lines start, running ones are cancelled,
+    and it ends cancelled with the lines done before. Answered by batch.info
+    (status cancelling, or already ended).
+    """
+
+    batch_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The batch.
+    """
+
+
+default_message_pool.register_message("iop", "BatchCancel", BatchCancel)
+
+
+@dataclass(eq=False, repr=False)
+class BatchCreate(betterproto2.Message):
+    """
+    batch.create: run every line of an uploaded file as a request to one
+    endpoint. Answered by batch.info (status validating).
+    """
+
+    input_file_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The uploaded file (purpose "batch"), one JSON request per line.
+    """
+
+    endpoint: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    "/v1/chat/completions", "/v1/completions" or "/v1/embeddings".
+    """
+
+    completion_window: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    "24h", the only window OpenAI offers; the worker also takes other
+    durations ("30s", "10m", "2h").
+    """
+
+    metadata: "dict[str, str]" = betterproto2.field(
+        4, betterproto2.TYPE_MAP, map_meta=betterproto2.map_meta(betterproto2.TYPE_STRING, betterproto2.TYPE_STRING)
+    )
+    """
+    Up to 16 pairs, kept with the batch.
+    """
+
+
+default_message_pool.register_message("iop", "BatchCreate", BatchCreate)
+
+
+@dataclass(eq=False, repr=False)
+class BatchError(betterproto2.Message):
+    """
+    One reason a batch failed validation.
+    """
+
+    code: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    "invalid_json_line", "missing_required_parameter", "mismatched_endpoint",
+    "duplicate_custom_id", "empty_file", ...
+    """
+
+    message: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    What is wrong, for people.
+    """
+
+    param: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    The field to blame, if one is.
+    """
+
+    line: "int | None" = betterproto2.field(4, betterproto2.TYPE_UINT32, optional=True)
+    """
+    The input line (from 1); unset when the error is about the whole file.
+    """
+
+
+default_message_pool.register_message("iop", "BatchError", BatchError)
+
+
+@dataclass(eq=False, repr=False)
+class BatchesList(betterproto2.Message):
+    """
+    batches.list: batches, newest first. Answered by batches.listed.
+    """
+
+    after: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    Only batches after this one (a cursor: the last id of the previous page).
+    """
+
+    limit: "int" = betterproto2.field(2, betterproto2.TYPE_UINT32)
+    """
+    At most this many; 0 means 20. The worker caps it at 100.
+    """
+
+
+default_message_pool.register_message("iop", "BatchesList", BatchesList)
+
+
+@dataclass(eq=False, repr=False)
+class BatchesListed(betterproto2.Message):
+    """
+    batches.listed: a page of batches.
+    """
+
+    batches: "list[BatchInfo]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    The batches, newest first.
+    """
+
+    has_more: "bool" = betterproto2.field(2, betterproto2.TYPE_BOOL)
+    """
+    True when more follow the last one.
+    """
+
+
+default_message_pool.register_message("iop", "BatchesListed", BatchesListed)
+
+
+@dataclass(eq=False, repr=False)
+class BatchGet(betterproto2.Message):
+    """
+    batch.get: one batch. Answered by batch.info.
+    """
+
+    batch_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The batch.
+    """
+
+
+default_message_pool.register_message("iop", "BatchGet", BatchGet)
+
+
+@dataclass(eq=False, repr=False)
+class BatchInfo(betterproto2.Message):
+    """
+    batch.info: a batch, as OpenAI's batch object describes it.
+    """
+
+    id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    "batch_" and 24 letters and digits.
+    """
+
+    endpoint: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    The endpoint every line goes to.
+    """
+
+    input_file_id: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    The uploaded input file.
+    """
+
+    completion_window: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+    """
+    As given in batch.create.
+    """
+
+    status: "BatchStatus" = betterproto2.field(5, betterproto2.TYPE_ENUM, default_factory=lambda: BatchStatus(0))
+    """
+    Where it stands.
+    """
+
+    output_file_id: "str" = betterproto2.field(6, betterproto2.TYPE_STRING)
+    """
+    The file of answered lines, once written.
+    """
+
+    error_file_id: "str" = betterproto2.field(7, betterproto2.TYPE_STRING)
+    """
+    The file of failed lines, once written (none when no line failed).
+    """
+
+    created_at: "datetime.datetime | None" = betterproto2.field(
+        8, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
+    )
+    """
+    When it was created.
+    """
+
+    in_progress_at: "datetime.datetime | None" = betterproto2.field(
+        9, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
+    )
+    """
+    When its lines started running.
+    """
+
+    expires_at: "datetime.datetime | None" = betterproto2.field(
+        10, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
+    )
+    """
+    When its completion window ends.
+    """
+
+    finalizing_at: "datetime.datetime | None" = betterproto2.field(
+        11, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
+    )
+    """
+    When it started writing its files.
+    """
+
+    completed_at: "datetime.datetime | None" = betterproto2.field(
+        12, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
+    )
+    """
+    When it completed.
+    """
+
+    failed_at: "datetime.datetime | None" = betterproto2.field(
+        13, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
+    )
+    """
+    When it failed validation.
+    """
+
+    expired_at: "datetime.datetime | None" = betterproto2.field(
+        14, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
+    )
+    """
+    When its window passed.
+    """
+
+    cancelling_at: "datetime.datetime | None" = betterproto2.field(
+        15, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
+    )
+    """
+    When its cancellation was asked for.
+    """
+
+    cancelled_at: "datetime.datetime | None" = betterproto2.field(
+        16, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
+    )
+    """
+    When it was cancelled.
+    """
+
+    request_counts: "BatchRequestCounts | None" = betterproto2.field(17, betterproto2.TYPE_MESSAGE, optional=True)
+    """
+    Lines by outcome.
+    """
+
+    errors: "list[BatchError]" = betterproto2.field(18, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    Why validation failed.
+    """
+
+    metadata: "dict[str, str]" = betterproto2.field(
+        19, betterproto2.TYPE_MAP, map_meta=betterproto2.map_meta(betterproto2.TYPE_STRING, betterproto2.TYPE_STRING)
+    )
+    """
+    As given in batch.create.
+    """
+
+    usage: "Usage | None" = betterproto2.field(20, betterproto2.TYPE_MESSAGE, optional=True)
+    """
+    Tokens of all its answered lines together.
+    """
+
+
+default_message_pool.register_message("iop", "BatchInfo", BatchInfo)
+
+
+@dataclass(eq=False, repr=False)
+class BatchRequestCounts(betterproto2.Message):
+    """
+    How many of a batch's lines ended how.
+    """
+
+    total: "int" = betterproto2.field(1, betterproto2.TYPE_UINT32)
+    """
+    Lines in the input file.
+    """
+
+    completed: "int" = betterproto2.field(2, betterproto2.TYPE_UINT32)
+    """
+    Lines answered (in the output file).
+    """
+
+    failed: "int" = betterproto2.field(3, betterproto2.TYPE_UINT32)
+    """
+    Lines that failed (in the error file).
+    """
+
+
+default_message_pool.register_message("iop", "BatchRequestCounts", BatchRequestCounts)
+
+
+@dataclass(eq=False, repr=False)
 class Caller(betterproto2.Message):
     """
     The identity a run is attributed to.
@@ -792,6 +1183,95 @@ class Envelope(betterproto2.Message):
     runs.listed: the answer to runs.list.
     """
 
+    file_create: "FileCreate | None" = betterproto2.field(32, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    file.create: an edge starts uploading a file to the worker.
+    """
+
+    file_chunk: "FileChunk | None" = betterproto2.field(33, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    file.chunk: the next bytes of an upload.
+    """
+
+    file_upload_progress: "FileUploadProgress | None" = betterproto2.field(
+        34, betterproto2.TYPE_MESSAGE, optional=True, group="body"
+    )
+    """
+    file.upload_progress: the answer to file.create and to each file.chunk but the last.
+    """
+
+    file_info: "FileInfo | None" = betterproto2.field(35, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    file.info: one file; the answer to the last file.chunk and to file.get.
+    """
+
+    file_get: "FileGet | None" = betterproto2.field(36, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    file.get: an edge asks for one file's description.
+    """
+
+    files_list: "FilesList | None" = betterproto2.field(37, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    files.list: an edge asks for a page of files.
+    """
+
+    files_listed: "FilesListed | None" = betterproto2.field(38, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    files.listed: the answer to files.list.
+    """
+
+    file_read: "FileRead | None" = betterproto2.field(39, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    file.read: an edge asks for a piece of a file's content.
+    """
+
+    file_data: "FileData | None" = betterproto2.field(40, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    file.data: the answer to file.read.
+    """
+
+    file_delete: "FileDelete | None" = betterproto2.field(41, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    file.delete: an edge deletes a file.
+    """
+
+    file_deleted: "FileDeleted | None" = betterproto2.field(42, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    file.deleted: the answer to file.delete.
+    """
+
+    batch_create: "BatchCreate | None" = betterproto2.field(43, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    batch.create: an edge creates a batch from an uploaded file.
+    """
+
+    batch_info: "BatchInfo | None" = betterproto2.field(44, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    batch.info: one batch; the answer to batch.create, batch.get and batch.cancel.
+    """
+
+    batch_get: "BatchGet | None" = betterproto2.field(45, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    batch.get: an edge asks for one batch.
+    """
+
+    batches_list: "BatchesList | None" = betterproto2.field(46, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    batches.list: an edge asks for a page of batches.
+    """
+
+    batches_listed: "BatchesListed | None" = betterproto2.field(
+        47, betterproto2.TYPE_MESSAGE, optional=True, group="body"
+    )
+    """
+    batches.listed: the answer to batches.list.
+    """
+
+    batch_cancel: "BatchCancel | None" = betterproto2.field(48, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    batch.cancel: an edge cancels a batch.
+    """
+
 
 default_message_pool.register_message("iop", "Envelope", Envelope)
 
@@ -842,6 +1322,273 @@ class Error(betterproto2.Message):
 
 
 default_message_pool.register_message("iop", "Error", Error)
+
+
+@dataclass(eq=False, repr=False)
+class FileChunk(betterproto2.Message):
+    """
+    file.chunk: the next bytes of an upload, in order. Answered by
+    file.upload_progress, the last one (last = true) by file.info once the file
+    is stored. Chunks stay well under the frame limit (the edge sends 256 KiB).
+    """
+
+    upload_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The upload, from file.upload_progress.
+    """
+
+    data: "bytes" = betterproto2.field(2, betterproto2.TYPE_BYTES)
+    """
+    The bytes.
+    """
+
+    last: "bool" = betterproto2.field(3, betterproto2.TYPE_BOOL)
+    """
+    True on the final chunk (which may be empty).
+    """
+
+
+default_message_pool.register_message("iop", "FileChunk", FileChunk)
+
+
+@dataclass(eq=False, repr=False)
+class FileCreate(betterproto2.Message):
+    """
+    The file and batch messages below are sent by an edge (or an admin) to the
+    worker, which keeps files and batch jobs (OpenAI's Files and Batch APIs).
+    Each request is answered by the message named in its comment, or by an
+    error: ERROR_CODE_MODEL_NOT_FOUND is never used here; an unknown id is
+    answered with ERROR_CODE_INVALID_ARGUMENT and param "file_id" or
+    "batch_id" (the edge answers 404), a refused value with
+    ERROR_CODE_INVALID_ARGUMENT and param naming it (400), a file over the
+    worker's size limit with ERROR_CODE_FRAME_TOO_LARGE (413).
+
+    file.create: start an upload. Answered by file.upload_progress (received 0),
+    then the content follows as file.chunk requests on the same connection.
+    """
+
+    filename: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The file's name, as the client gave it.
+    """
+
+    purpose: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    What it is for: "batch" (the only purpose the worker takes).
+    """
+
+    bytes: "int" = betterproto2.field(3, betterproto2.TYPE_UINT64)
+    """
+    Its size in bytes when the client said it; 0 when unknown.
+    """
+
+
+default_message_pool.register_message("iop", "FileCreate", FileCreate)
+
+
+@dataclass(eq=False, repr=False)
+class FileData(betterproto2.Message):
+    """
+    file.data: a piece of a file's content.
+    """
+
+    data: "bytes" = betterproto2.field(1, betterproto2.TYPE_BYTES)
+    """
+    The bytes from the offset asked for.
+    """
+
+    eof: "bool" = betterproto2.field(2, betterproto2.TYPE_BOOL)
+    """
+    True when they reach the end of the file.
+    """
+
+
+default_message_pool.register_message("iop", "FileData", FileData)
+
+
+@dataclass(eq=False, repr=False)
+class FileDelete(betterproto2.Message):
+    """
+    file.delete: delete a file. Answered by file.deleted.
+    """
+
+    file_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The file.
+    """
+
+
+default_message_pool.register_message("iop", "FileDelete", FileDelete)
+
+
+@dataclass(eq=False, repr=False)
+class FileDeleted(betterproto2.Message):
+    """
+    file.deleted: the answer to file.delete.
+    """
+
+    file_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The file.
+    """
+
+    deleted: "bool" = betterproto2.field(2, betterproto2.TYPE_BOOL)
+    """
+    True once it is gone.
+    """
+
+
+default_message_pool.register_message("iop", "FileDeleted", FileDeleted)
+
+
+@dataclass(eq=False, repr=False)
+class FileGet(betterproto2.Message):
+    """
+    file.get: one file's description. Answered by file.info.
+    """
+
+    file_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The file.
+    """
+
+
+default_message_pool.register_message("iop", "FileGet", FileGet)
+
+
+@dataclass(eq=False, repr=False)
+class FileInfo(betterproto2.Message):
+    """
+    file.info: a stored file, as OpenAI's file object describes it.
+    """
+
+    id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    "file-" and 24 letters and digits.
+    """
+
+    filename: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    The name it was uploaded with.
+    """
+
+    purpose: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    "batch" for uploads, "batch_output" for the output and error files of
+    batches.
+    """
+
+    bytes: "int" = betterproto2.field(4, betterproto2.TYPE_UINT64)
+    """
+    Its size in bytes.
+    """
+
+    created_at: "datetime.datetime | None" = betterproto2.field(
+        5, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
+    )
+    """
+    When it was stored.
+    """
+
+    expires_at: "datetime.datetime | None" = betterproto2.field(
+        6, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
+    )
+    """
+    When it will be deleted; unset: never.
+    """
+
+
+default_message_pool.register_message("iop", "FileInfo", FileInfo)
+
+
+@dataclass(eq=False, repr=False)
+class FileRead(betterproto2.Message):
+    """
+    file.read: a piece of a file's content. Answered by file.data.
+    """
+
+    file_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The file.
+    """
+
+    offset: "int" = betterproto2.field(2, betterproto2.TYPE_UINT64)
+    """
+    Where to start, in bytes.
+    """
+
+    length: "int" = betterproto2.field(3, betterproto2.TYPE_UINT32)
+    """
+    At most this many bytes; 0 means 256 KiB. The worker caps it at 1 MiB.
+    """
+
+
+default_message_pool.register_message("iop", "FileRead", FileRead)
+
+
+@dataclass(eq=False, repr=False)
+class FilesList(betterproto2.Message):
+    """
+    files.list: files, newest first. Answered by files.listed.
+    """
+
+    after: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    Only files after this one (a cursor: the last id of the previous page).
+    """
+
+    limit: "int" = betterproto2.field(2, betterproto2.TYPE_UINT32)
+    """
+    At most this many; 0 means 10000.
+    """
+
+    purpose: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    Only files with this purpose; empty: all.
+    """
+
+
+default_message_pool.register_message("iop", "FilesList", FilesList)
+
+
+@dataclass(eq=False, repr=False)
+class FilesListed(betterproto2.Message):
+    """
+    files.listed: a page of files.
+    """
+
+    files: "list[FileInfo]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    The files, newest first.
+    """
+
+    has_more: "bool" = betterproto2.field(2, betterproto2.TYPE_BOOL)
+    """
+    True when more follow the last one.
+    """
+
+
+default_message_pool.register_message("iop", "FilesListed", FilesListed)
+
+
+@dataclass(eq=False, repr=False)
+class FileUploadProgress(betterproto2.Message):
+    """
+    file.upload_progress: an upload is open and has taken this many bytes.
+    """
+
+    upload_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The upload's id, for its file.chunk requests.
+    """
+
+    received: "int" = betterproto2.field(2, betterproto2.TYPE_UINT64)
+    """
+    Bytes received so far.
+    """
+
+
+default_message_pool.register_message("iop", "FileUploadProgress", FileUploadProgress)
 
 
 @dataclass(eq=False, repr=False)

@@ -260,6 +260,54 @@ runs; its in-flight runs finish.
 """
 Global___NodeState: _TypeAlias = NodeState  # noqa: Y015
 
+class _BatchStatus:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _BatchStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BatchStatus.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    BATCH_STATUS_UNSPECIFIED: _BatchStatus.ValueType  # 0
+    """Not sent."""
+    BATCH_STATUS_VALIDATING: _BatchStatus.ValueType  # 1
+    """Its input file is being checked."""
+    BATCH_STATUS_FAILED: _BatchStatus.ValueType  # 2
+    """Its input file failed the checks; errors says why."""
+    BATCH_STATUS_IN_PROGRESS: _BatchStatus.ValueType  # 3
+    """Its lines are running."""
+    BATCH_STATUS_FINALIZING: _BatchStatus.ValueType  # 4
+    """Every line ended; the output and error files are being written."""
+    BATCH_STATUS_COMPLETED: _BatchStatus.ValueType  # 5
+    """Done: output_file_id (and error_file_id if any line failed) hold the results."""
+    BATCH_STATUS_EXPIRED: _BatchStatus.ValueType  # 6
+    """Its completion window passed; the files hold the lines done by then."""
+    BATCH_STATUS_CANCELLING: _BatchStatus.ValueType  # 7
+    """Cancelled: its running lines are being stopped."""
+    BATCH_STATUS_CANCELLED: _BatchStatus.ValueType  # 8
+    """Cancelled: the files hold the lines done before."""
+
+class BatchStatus(_BatchStatus, metaclass=_BatchStatusEnumTypeWrapper):
+    """A batch's status, as OpenAI names them."""
+
+BATCH_STATUS_UNSPECIFIED: BatchStatus.ValueType  # 0
+"""Not sent."""
+BATCH_STATUS_VALIDATING: BatchStatus.ValueType  # 1
+"""Its input file is being checked."""
+BATCH_STATUS_FAILED: BatchStatus.ValueType  # 2
+"""Its input file failed the checks; errors says why."""
+BATCH_STATUS_IN_PROGRESS: BatchStatus.ValueType  # 3
+"""Its lines are running."""
+BATCH_STATUS_FINALIZING: BatchStatus.ValueType  # 4
+"""Every line ended; the output and error files are being written."""
+BATCH_STATUS_COMPLETED: BatchStatus.ValueType  # 5
+"""Done: output_file_id (and error_file_id if any line failed) hold the results."""
+BATCH_STATUS_EXPIRED: BatchStatus.ValueType  # 6
+"""Its completion window passed; the files hold the lines done by then."""
+BATCH_STATUS_CANCELLING: BatchStatus.ValueType  # 7
+"""Cancelled: its running lines are being stopped."""
+BATCH_STATUS_CANCELLED: BatchStatus.ValueType  # 8
+"""Cancelled: the files hold the lines done before."""
+Global___BatchStatus: _TypeAlias = BatchStatus  # noqa: Y015
+
 @_typing.final
 class Envelope(_message.Message):
     """The unit of exchange. The message type is the name of the `body` oneof
@@ -298,6 +346,23 @@ class Envelope(_message.Message):
     POLICY_SHOWN_FIELD_NUMBER: _builtins.int
     RUNS_LIST_FIELD_NUMBER: _builtins.int
     RUNS_LISTED_FIELD_NUMBER: _builtins.int
+    FILE_CREATE_FIELD_NUMBER: _builtins.int
+    FILE_CHUNK_FIELD_NUMBER: _builtins.int
+    FILE_UPLOAD_PROGRESS_FIELD_NUMBER: _builtins.int
+    FILE_INFO_FIELD_NUMBER: _builtins.int
+    FILE_GET_FIELD_NUMBER: _builtins.int
+    FILES_LIST_FIELD_NUMBER: _builtins.int
+    FILES_LISTED_FIELD_NUMBER: _builtins.int
+    FILE_READ_FIELD_NUMBER: _builtins.int
+    FILE_DATA_FIELD_NUMBER: _builtins.int
+    FILE_DELETE_FIELD_NUMBER: _builtins.int
+    FILE_DELETED_FIELD_NUMBER: _builtins.int
+    BATCH_CREATE_FIELD_NUMBER: _builtins.int
+    BATCH_INFO_FIELD_NUMBER: _builtins.int
+    BATCH_GET_FIELD_NUMBER: _builtins.int
+    BATCHES_LIST_FIELD_NUMBER: _builtins.int
+    BATCHES_LISTED_FIELD_NUMBER: _builtins.int
+    BATCH_CANCEL_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Unique id of this envelope, chosen by its sender (a UUID or a counter
     unique within the connection).
@@ -412,6 +477,74 @@ class Envelope(_message.Message):
     def runs_listed(self) -> Global___RunsListed:
         """runs.listed: the answer to runs.list."""
 
+    @_builtins.property
+    def file_create(self) -> Global___FileCreate:
+        """file.create: an edge starts uploading a file to the worker."""
+
+    @_builtins.property
+    def file_chunk(self) -> Global___FileChunk:
+        """file.chunk: the next bytes of an upload."""
+
+    @_builtins.property
+    def file_upload_progress(self) -> Global___FileUploadProgress:
+        """file.upload_progress: the answer to file.create and to each file.chunk but the last."""
+
+    @_builtins.property
+    def file_info(self) -> Global___FileInfo:
+        """file.info: one file; the answer to the last file.chunk and to file.get."""
+
+    @_builtins.property
+    def file_get(self) -> Global___FileGet:
+        """file.get: an edge asks for one file's description."""
+
+    @_builtins.property
+    def files_list(self) -> Global___FilesList:
+        """files.list: an edge asks for a page of files."""
+
+    @_builtins.property
+    def files_listed(self) -> Global___FilesListed:
+        """files.listed: the answer to files.list."""
+
+    @_builtins.property
+    def file_read(self) -> Global___FileRead:
+        """file.read: an edge asks for a piece of a file's content."""
+
+    @_builtins.property
+    def file_data(self) -> Global___FileData:
+        """file.data: the answer to file.read."""
+
+    @_builtins.property
+    def file_delete(self) -> Global___FileDelete:
+        """file.delete: an edge deletes a file."""
+
+    @_builtins.property
+    def file_deleted(self) -> Global___FileDeleted:
+        """file.deleted: the answer to file.delete."""
+
+    @_builtins.property
+    def batch_create(self) -> Global___BatchCreate:
+        """batch.create: an edge creates a batch from an uploaded file."""
+
+    @_builtins.property
+    def batch_info(self) -> Global___BatchInfo:
+        """batch.info: one batch; the answer to batch.create, batch.get and batch.cancel."""
+
+    @_builtins.property
+    def batch_get(self) -> Global___BatchGet:
+        """batch.get: an edge asks for one batch."""
+
+    @_builtins.property
+    def batches_list(self) -> Global___BatchesList:
+        """batches.list: an edge asks for a page of batches."""
+
+    @_builtins.property
+    def batches_listed(self) -> Global___BatchesListed:
+        """batches.listed: the answer to batches.list."""
+
+    @_builtins.property
+    def batch_cancel(self) -> Global___BatchCancel:
+        """batch.cancel: an edge cancels a batch."""
+
     def __init__(
         self,
         *,
@@ -441,12 +574,29 @@ class Envelope(_message.Message):
         policy_shown: Global___PolicyShown | None = ...,
         runs_list: Global___RunsList | None = ...,
         runs_listed: Global___RunsListed | None = ...,
+        file_create: Global___FileCreate | None = ...,
+        file_chunk: Global___FileChunk | None = ...,
+        file_upload_progress: Global___FileUploadProgress | None = ...,
+        file_info: Global___FileInfo | None = ...,
+        file_get: Global___FileGet | None = ...,
+        files_list: Global___FilesList | None = ...,
+        files_listed: Global___FilesListed | None = ...,
+        file_read: Global___FileRead | None = ...,
+        file_data: Global___FileData | None = ...,
+        file_delete: Global___FileDelete | None = ...,
+        file_deleted: Global___FileDeleted | None = ...,
+        batch_create: Global___BatchCreate | None = ...,
+        batch_info: Global___BatchInfo | None = ...,
+        batch_get: Global___BatchGet | None = ...,
+        batches_list: Global___BatchesList | None = ...,
+        batches_listed: Global___BatchesListed | None = ...,
+        batch_cancel: Global___BatchCancel | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel_request", b"cancel_request", "capability_request", b"capability_request", "capability_response", b"capability_response", "error", b"error", "heartbeat", b"heartbeat", "node_drain", b"node_drain", "node_register", b"node_register", "node_registered", b"node_registered", "node_status", b"node_status", "nodes_drain", b"nodes_drain", "nodes_list", b"nodes_list", "nodes_listed", b"nodes_listed", "nodes_undrain", b"nodes_undrain", "operation_done", b"operation_done", "policy_applied", b"policy_applied", "policy_apply", b"policy_apply", "policy_show", b"policy_show", "policy_shown", b"policy_shown", "run_event", b"run_event", "run_request", b"run_request", "runs_list", b"runs_list", "runs_listed", b"runs_listed", "sent_at", b"sent_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch_cancel", b"batch_cancel", "batch_create", b"batch_create", "batch_get", b"batch_get", "batch_info", b"batch_info", "batches_list", b"batches_list", "batches_listed", b"batches_listed", "body", b"body", "cancel_request", b"cancel_request", "capability_request", b"capability_request", "capability_response", b"capability_response", "error", b"error", "file_chunk", b"file_chunk", "file_create", b"file_create", "file_data", b"file_data", "file_delete", b"file_delete", "file_deleted", b"file_deleted", "file_get", b"file_get", "file_info", b"file_info", "file_read", b"file_read", "file_upload_progress", b"file_upload_progress", "files_list", b"files_list", "files_listed", b"files_listed", "heartbeat", b"heartbeat", "node_drain", b"node_drain", "node_register", b"node_register", "node_registered", b"node_registered", "node_status", b"node_status", "nodes_drain", b"nodes_drain", "nodes_list", b"nodes_list", "nodes_listed", b"nodes_listed", "nodes_undrain", b"nodes_undrain", "operation_done", b"operation_done", "policy_applied", b"policy_applied", "policy_apply", b"policy_apply", "policy_show", b"policy_show", "policy_shown", b"policy_shown", "run_event", b"run_event", "run_request", b"run_request", "runs_list", b"runs_list", "runs_listed", b"runs_listed", "sent_at", b"sent_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel_request", b"cancel_request", "capability_request", b"capability_request", "capability_response", b"capability_response", "error", b"error", "heartbeat", b"heartbeat", "id", b"id", "in_reply_to", b"in_reply_to", "node_drain", b"node_drain", "node_register", b"node_register", "node_registered", b"node_registered", "node_status", b"node_status", "nodes_drain", b"nodes_drain", "nodes_list", b"nodes_list", "nodes_listed", b"nodes_listed", "nodes_undrain", b"nodes_undrain", "operation_done", b"operation_done", "policy_applied", b"policy_applied", "policy_apply", b"policy_apply", "policy_show", b"policy_show", "policy_shown", b"policy_shown", "run_event", b"run_event", "run_id", b"run_id", "run_request", b"run_request", "runs_list", b"runs_list", "runs_listed", b"runs_listed", "sent_at", b"sent_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_cancel", b"batch_cancel", "batch_create", b"batch_create", "batch_get", b"batch_get", "batch_info", b"batch_info", "batches_list", b"batches_list", "batches_listed", b"batches_listed", "body", b"body", "cancel_request", b"cancel_request", "capability_request", b"capability_request", "capability_response", b"capability_response", "error", b"error", "file_chunk", b"file_chunk", "file_create", b"file_create", "file_data", b"file_data", "file_delete", b"file_delete", "file_deleted", b"file_deleted", "file_get", b"file_get", "file_info", b"file_info", "file_read", b"file_read", "file_upload_progress", b"file_upload_progress", "files_list", b"files_list", "files_listed", b"files_listed", "heartbeat", b"heartbeat", "id", b"id", "in_reply_to", b"in_reply_to", "node_drain", b"node_drain", "node_register", b"node_register", "node_registered", b"node_registered", "node_status", b"node_status", "nodes_drain", b"nodes_drain", "nodes_list", b"nodes_list", "nodes_listed", b"nodes_listed", "nodes_undrain", b"nodes_undrain", "operation_done", b"operation_done", "policy_applied", b"policy_applied", "policy_apply", b"policy_apply", "policy_show", b"policy_show", "policy_shown", b"policy_shown", "run_event", b"run_event", "run_id", b"run_id", "run_request", b"run_request", "runs_list", b"runs_list", "runs_listed", b"runs_listed", "sent_at", b"sent_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["run_request", "run_event", "heartbeat", "cancel_request", "capability_request", "capability_response", "error", "node_register", "node_registered", "node_status", "node_drain", "nodes_list", "nodes_listed", "nodes_drain", "nodes_undrain", "operation_done", "policy_apply", "policy_applied", "policy_show", "policy_shown", "runs_list", "runs_listed"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["run_request", "run_event", "heartbeat", "cancel_request", "capability_request", "capability_response", "error", "node_register", "node_registered", "node_status", "node_drain", "nodes_list", "nodes_listed", "nodes_drain", "nodes_undrain", "operation_done", "policy_apply", "policy_applied", "policy_show", "policy_shown", "runs_list", "runs_listed", "file_create", "file_chunk", "file_upload_progress", "file_info", "file_get", "files_list", "files_listed", "file_read", "file_data", "file_delete", "file_deleted", "batch_create", "batch_info", "batch_get", "batches_list", "batches_listed", "batch_cancel"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -2208,3 +2358,708 @@ class LedgerAttempt(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LedgerAttempt: _TypeAlias = LedgerAttempt  # noqa: Y015
+
+@_typing.final
+class FileCreate(_message.Message):
+    """The file and batch messages below are sent by an edge (or an admin) to the
+    worker, which keeps files and batch jobs (OpenAI's Files and Batch APIs).
+    Each request is answered by the message named in its comment, or by an
+    error: ERROR_CODE_MODEL_NOT_FOUND is never used here; an unknown id is
+    answered with ERROR_CODE_INVALID_ARGUMENT and param "file_id" or
+    "batch_id" (the edge answers 404), a refused value with
+    ERROR_CODE_INVALID_ARGUMENT and param naming it (400), a file over the
+    worker's size limit with ERROR_CODE_FRAME_TOO_LARGE (413).
+
+    file.create: start an upload. Answered by file.upload_progress (received 0),
+    then the content follows as file.chunk requests on the same connection.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FILENAME_FIELD_NUMBER: _builtins.int
+    PURPOSE_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    filename: _builtins.str
+    """The file's name, as the client gave it."""
+    purpose: _builtins.str
+    """What it is for: "batch" (the only purpose the worker takes)."""
+    bytes: _builtins.int
+    """Its size in bytes when the client said it; 0 when unknown."""
+    def __init__(
+        self,
+        *,
+        filename: _builtins.str = ...,
+        purpose: _builtins.str = ...,
+        bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "filename", b"filename", "purpose", b"purpose"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FileCreate: _TypeAlias = FileCreate  # noqa: Y015
+
+@_typing.final
+class FileChunk(_message.Message):
+    """file.chunk: the next bytes of an upload, in order. Answered by
+    file.upload_progress, the last one (last = true) by file.info once the file
+    is stored. Chunks stay well under the frame limit (the edge sends 256 KiB).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    UPLOAD_ID_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    LAST_FIELD_NUMBER: _builtins.int
+    upload_id: _builtins.str
+    """The upload, from file.upload_progress."""
+    data: _builtins.bytes
+    """The bytes."""
+    last: _builtins.bool
+    """True on the final chunk (which may be empty)."""
+    def __init__(
+        self,
+        *,
+        upload_id: _builtins.str = ...,
+        data: _builtins.bytes = ...,
+        last: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "last", b"last", "upload_id", b"upload_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FileChunk: _TypeAlias = FileChunk  # noqa: Y015
+
+@_typing.final
+class FileUploadProgress(_message.Message):
+    """file.upload_progress: an upload is open and has taken this many bytes."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    UPLOAD_ID_FIELD_NUMBER: _builtins.int
+    RECEIVED_FIELD_NUMBER: _builtins.int
+    upload_id: _builtins.str
+    """The upload's id, for its file.chunk requests."""
+    received: _builtins.int
+    """Bytes received so far."""
+    def __init__(
+        self,
+        *,
+        upload_id: _builtins.str = ...,
+        received: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["received", b"received", "upload_id", b"upload_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FileUploadProgress: _TypeAlias = FileUploadProgress  # noqa: Y015
+
+@_typing.final
+class FileInfo(_message.Message):
+    """file.info: a stored file, as OpenAI's file object describes it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    FILENAME_FIELD_NUMBER: _builtins.int
+    PURPOSE_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """"file-" and 24 letters and digits."""
+    filename: _builtins.str
+    """The name it was uploaded with."""
+    purpose: _builtins.str
+    """"batch" for uploads, "batch_output" for the output and error files of
+    batches.
+    """
+    bytes: _builtins.int
+    """Its size in bytes."""
+    @_builtins.property
+    def created_at(self) -> _timestamp_pb2.Timestamp:
+        """When it was stored."""
+
+    @_builtins.property
+    def expires_at(self) -> _timestamp_pb2.Timestamp:
+        """When it will be deleted; unset: never."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        filename: _builtins.str = ...,
+        purpose: _builtins.str = ...,
+        bytes: _builtins.int = ...,
+        created_at: _timestamp_pb2.Timestamp | None = ...,
+        expires_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "expires_at", b"expires_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "created_at", b"created_at", "expires_at", b"expires_at", "filename", b"filename", "id", b"id", "purpose", b"purpose"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FileInfo: _TypeAlias = FileInfo  # noqa: Y015
+
+@_typing.final
+class FileGet(_message.Message):
+    """file.get: one file's description. Answered by file.info."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FILE_ID_FIELD_NUMBER: _builtins.int
+    file_id: _builtins.str
+    """The file."""
+    def __init__(
+        self,
+        *,
+        file_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_id", b"file_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FileGet: _TypeAlias = FileGet  # noqa: Y015
+
+@_typing.final
+class FilesList(_message.Message):
+    """files.list: files, newest first. Answered by files.listed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AFTER_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    PURPOSE_FIELD_NUMBER: _builtins.int
+    after: _builtins.str
+    """Only files after this one (a cursor: the last id of the previous page)."""
+    limit: _builtins.int
+    """At most this many; 0 means 10000."""
+    purpose: _builtins.str
+    """Only files with this purpose; empty: all."""
+    def __init__(
+        self,
+        *,
+        after: _builtins.str = ...,
+        limit: _builtins.int = ...,
+        purpose: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "limit", b"limit", "purpose", b"purpose"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FilesList: _TypeAlias = FilesList  # noqa: Y015
+
+@_typing.final
+class FilesListed(_message.Message):
+    """files.listed: a page of files."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FILES_FIELD_NUMBER: _builtins.int
+    HAS_MORE_FIELD_NUMBER: _builtins.int
+    has_more: _builtins.bool
+    """True when more follow the last one."""
+    @_builtins.property
+    def files(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileInfo]:
+        """The files, newest first."""
+
+    def __init__(
+        self,
+        *,
+        files: _abc.Iterable[Global___FileInfo] | None = ...,
+        has_more: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["files", b"files", "has_more", b"has_more"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FilesListed: _TypeAlias = FilesListed  # noqa: Y015
+
+@_typing.final
+class FileRead(_message.Message):
+    """file.read: a piece of a file's content. Answered by file.data."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FILE_ID_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    LENGTH_FIELD_NUMBER: _builtins.int
+    file_id: _builtins.str
+    """The file."""
+    offset: _builtins.int
+    """Where to start, in bytes."""
+    length: _builtins.int
+    """At most this many bytes; 0 means 256 KiB. The worker caps it at 1 MiB."""
+    def __init__(
+        self,
+        *,
+        file_id: _builtins.str = ...,
+        offset: _builtins.int = ...,
+        length: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_id", b"file_id", "length", b"length", "offset", b"offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FileRead: _TypeAlias = FileRead  # noqa: Y015
+
+@_typing.final
+class FileData(_message.Message):
+    """file.data: a piece of a file's content."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_FIELD_NUMBER: _builtins.int
+    EOF_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    """The bytes from the offset asked for."""
+    eof: _builtins.bool
+    """True when they reach the end of the file."""
+    def __init__(
+        self,
+        *,
+        data: _builtins.bytes = ...,
+        eof: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "eof", b"eof"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FileData: _TypeAlias = FileData  # noqa: Y015
+
+@_typing.final
+class FileDelete(_message.Message):
+    """file.delete: delete a file. Answered by file.deleted."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FILE_ID_FIELD_NUMBER: _builtins.int
+    file_id: _builtins.str
+    """The file."""
+    def __init__(
+        self,
+        *,
+        file_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_id", b"file_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FileDelete: _TypeAlias = FileDelete  # noqa: Y015
+
+@_typing.final
+class FileDeleted(_message.Message):
+    """file.deleted: the answer to file.delete."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FILE_ID_FIELD_NUMBER: _builtins.int
+    DELETED_FIELD_NUMBER: _builtins.int
+    file_id: _builtins.str
+    """The file."""
+    deleted: _builtins.bool
+    """True once it is gone."""
+    def __init__(
+        self,
+        *,
+        file_id: _builtins.str = ...,
+        deleted: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted", b"deleted", "file_id", b"file_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FileDeleted: _TypeAlias = FileDeleted  # noqa: Y015
+
+@_typing.final
+class BatchCreate(_message.Message):
+    """batch.create: run every line of an uploaded file as a request to one
+    endpoint. Answered by batch.info (status validating).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    INPUT_FILE_ID_FIELD_NUMBER: _builtins.int
+    ENDPOINT_FIELD_NUMBER: _builtins.int
+    COMPLETION_WINDOW_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
+    input_file_id: _builtins.str
+    """The uploaded file (purpose "batch"), one JSON request per line."""
+    endpoint: _builtins.str
+    """"/v1/chat/completions", "/v1/completions" or "/v1/embeddings"."""
+    completion_window: _builtins.str
+    """"24h", the only window OpenAI offers; the worker also takes other
+    durations ("30s", "10m", "2h").
+    """
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Up to 16 pairs, kept with the batch."""
+
+    def __init__(
+        self,
+        *,
+        input_file_id: _builtins.str = ...,
+        endpoint: _builtins.str = ...,
+        completion_window: _builtins.str = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_window", b"completion_window", "endpoint", b"endpoint", "input_file_id", b"input_file_id", "metadata", b"metadata"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchCreate: _TypeAlias = BatchCreate  # noqa: Y015
+
+@_typing.final
+class BatchRequestCounts(_message.Message):
+    """How many of a batch's lines ended how."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOTAL_FIELD_NUMBER: _builtins.int
+    COMPLETED_FIELD_NUMBER: _builtins.int
+    FAILED_FIELD_NUMBER: _builtins.int
+    total: _builtins.int
+    """Lines in the input file."""
+    completed: _builtins.int
+    """Lines answered (in the output file)."""
+    failed: _builtins.int
+    """Lines that failed (in the error file)."""
+    def __init__(
+        self,
+        *,
+        total: _builtins.int = ...,
+        completed: _builtins.int = ...,
+        failed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed", b"completed", "failed", b"failed", "total", b"total"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchRequestCounts: _TypeAlias = BatchRequestCounts  # noqa: Y015
+
+@_typing.final
+class BatchError(_message.Message):
+    """One reason a batch failed validation."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    PARAM_FIELD_NUMBER: _builtins.int
+    LINE_FIELD_NUMBER: _builtins.int
+    code: _builtins.str
+    """"invalid_json_line", "missing_required_parameter", "mismatched_endpoint",
+    "duplicate_custom_id", "empty_file", ...
+    """
+    message: _builtins.str
+    """What is wrong, for people."""
+    param: _builtins.str
+    """The field to blame, if one is."""
+    line: _builtins.int
+    """The input line (from 1); unset when the error is about the whole file."""
+    def __init__(
+        self,
+        *,
+        code: _builtins.str = ...,
+        message: _builtins.str = ...,
+        param: _builtins.str = ...,
+        line: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_line", b"_line", "line", b"line"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_line", b"_line", "code", b"code", "line", b"line", "message", b"message", "param", b"param"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__line: _TypeAlias = _typing.Literal["line"]  # noqa: Y015
+    _WhichOneofArgType__line: _TypeAlias = _typing.Literal["_line", b"_line"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__line) -> _WhichOneofReturnType__line | None: ...
+
+Global___BatchError: _TypeAlias = BatchError  # noqa: Y015
+
+@_typing.final
+class BatchInfo(_message.Message):
+    """batch.info: a batch, as OpenAI's batch object describes it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    ID_FIELD_NUMBER: _builtins.int
+    ENDPOINT_FIELD_NUMBER: _builtins.int
+    INPUT_FILE_ID_FIELD_NUMBER: _builtins.int
+    COMPLETION_WINDOW_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    OUTPUT_FILE_ID_FIELD_NUMBER: _builtins.int
+    ERROR_FILE_ID_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    IN_PROGRESS_AT_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    FINALIZING_AT_FIELD_NUMBER: _builtins.int
+    COMPLETED_AT_FIELD_NUMBER: _builtins.int
+    FAILED_AT_FIELD_NUMBER: _builtins.int
+    EXPIRED_AT_FIELD_NUMBER: _builtins.int
+    CANCELLING_AT_FIELD_NUMBER: _builtins.int
+    CANCELLED_AT_FIELD_NUMBER: _builtins.int
+    REQUEST_COUNTS_FIELD_NUMBER: _builtins.int
+    ERRORS_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """"batch_" and 24 letters and digits."""
+    endpoint: _builtins.str
+    """The endpoint every line goes to."""
+    input_file_id: _builtins.str
+    """The uploaded input file."""
+    completion_window: _builtins.str
+    """As given in batch.create."""
+    status: Global___BatchStatus.ValueType
+    """Where it stands."""
+    output_file_id: _builtins.str
+    """The file of answered lines, once written."""
+    error_file_id: _builtins.str
+    """The file of failed lines, once written (none when no line failed)."""
+    @_builtins.property
+    def created_at(self) -> _timestamp_pb2.Timestamp:
+        """When it was created."""
+
+    @_builtins.property
+    def in_progress_at(self) -> _timestamp_pb2.Timestamp:
+        """When its lines started running."""
+
+    @_builtins.property
+    def expires_at(self) -> _timestamp_pb2.Timestamp:
+        """When its completion window ends."""
+
+    @_builtins.property
+    def finalizing_at(self) -> _timestamp_pb2.Timestamp:
+        """When it started writing its files."""
+
+    @_builtins.property
+    def completed_at(self) -> _timestamp_pb2.Timestamp:
+        """When it completed."""
+
+    @_builtins.property
+    def failed_at(self) -> _timestamp_pb2.Timestamp:
+        """When it failed validation."""
+
+    @_builtins.property
+    def expired_at(self) -> _timestamp_pb2.Timestamp:
+        """When its window passed."""
+
+    @_builtins.property
+    def cancelling_at(self) -> _timestamp_pb2.Timestamp:
+        """When its cancellation was asked for."""
+
+    @_builtins.property
+    def cancelled_at(self) -> _timestamp_pb2.Timestamp:
+        """When it was cancelled."""
+
+    @_builtins.property
+    def request_counts(self) -> Global___BatchRequestCounts:
+        """Lines by outcome."""
+
+    @_builtins.property
+    def errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___BatchError]:
+        """Why validation failed."""
+
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """As given in batch.create."""
+
+    @_builtins.property
+    def usage(self) -> Global___Usage:
+        """Tokens of all its answered lines together."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        endpoint: _builtins.str = ...,
+        input_file_id: _builtins.str = ...,
+        completion_window: _builtins.str = ...,
+        status: Global___BatchStatus.ValueType = ...,
+        output_file_id: _builtins.str = ...,
+        error_file_id: _builtins.str = ...,
+        created_at: _timestamp_pb2.Timestamp | None = ...,
+        in_progress_at: _timestamp_pb2.Timestamp | None = ...,
+        expires_at: _timestamp_pb2.Timestamp | None = ...,
+        finalizing_at: _timestamp_pb2.Timestamp | None = ...,
+        completed_at: _timestamp_pb2.Timestamp | None = ...,
+        failed_at: _timestamp_pb2.Timestamp | None = ...,
+        expired_at: _timestamp_pb2.Timestamp | None = ...,
+        cancelling_at: _timestamp_pb2.Timestamp | None = ...,
+        cancelled_at: _timestamp_pb2.Timestamp | None = ...,
+        request_counts: Global___BatchRequestCounts | None = ...,
+        errors: _abc.Iterable[Global___BatchError] | None = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        usage: Global___Usage | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancelled_at", b"cancelled_at", "cancelling_at", b"cancelling_at", "completed_at", b"completed_at", "created_at", b"created_at", "expired_at", b"expired_at", "expires_at", b"expires_at", "failed_at", b"failed_at", "finalizing_at", b"finalizing_at", "in_progress_at", b"in_progress_at", "request_counts", b"request_counts", "usage", b"usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled_at", b"cancelled_at", "cancelling_at", b"cancelling_at", "completed_at", b"completed_at", "completion_window", b"completion_window", "created_at", b"created_at", "endpoint", b"endpoint", "error_file_id", b"error_file_id", "errors", b"errors", "expired_at", b"expired_at", "expires_at", b"expires_at", "failed_at", b"failed_at", "finalizing_at", b"finalizing_at", "id", b"id", "in_progress_at", b"in_progress_at", "input_file_id", b"input_file_id", "metadata", b"metadata", "output_file_id", b"output_file_id", "request_counts", b"request_counts", "status", b"status", "usage", b"usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchInfo: _TypeAlias = BatchInfo  # noqa: Y015
+
+@_typing.final
+class BatchGet(_message.Message):
+    """batch.get: one batch. Answered by batch.info."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BATCH_ID_FIELD_NUMBER: _builtins.int
+    batch_id: _builtins.str
+    """The batch."""
+    def __init__(
+        self,
+        *,
+        batch_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchGet: _TypeAlias = BatchGet  # noqa: Y015
+
+@_typing.final
+class BatchesList(_message.Message):
+    """batches.list: batches, newest first. Answered by batches.listed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AFTER_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    after: _builtins.str
+    """Only batches after this one (a cursor: the last id of the previous page)."""
+    limit: _builtins.int
+    """At most this many; 0 means 20. The worker caps it at 100."""
+    def __init__(
+        self,
+        *,
+        after: _builtins.str = ...,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "limit", b"limit"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchesList: _TypeAlias = BatchesList  # noqa: Y015
+
+@_typing.final
+class BatchesListed(_message.Message):
+    """batches.listed: a page of batches."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BATCHES_FIELD_NUMBER: _builtins.int
+    HAS_MORE_FIELD_NUMBER: _builtins.int
+    has_more: _builtins.bool
+    """True when more follow the last one."""
+    @_builtins.property
+    def batches(self) -> _containers.RepeatedCompositeFieldContainer[Global___BatchInfo]:
+        """The batches, newest first."""
+
+    def __init__(
+        self,
+        *,
+        batches: _abc.Iterable[Global___BatchInfo] | None = ...,
+        has_more: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches", b"batches", "has_more", b"has_more"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchesListed: _TypeAlias = BatchesListed  # noqa: Y015
+
+@_typing.final
+class BatchCancel(_message.Message):
+    """batch.cancel: stop a batch: no new lines start, running ones are cancelled,
+    and it ends cancelled with the lines done before. Answered by batch.info
+    (status cancelling, or already ended).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BATCH_ID_FIELD_NUMBER: _builtins.int
+    batch_id: _builtins.str
+    """The batch."""
+    def __init__(
+        self,
+        *,
+        batch_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchCancel: _TypeAlias = BatchCancel  # noqa: Y015
