@@ -4,6 +4,7 @@
     iop up [--dir DIR] [--port N] [--foreground] [--backend URL]   the whole platform; iop down stops it
     iop status                            what iop up started: processes, addresses, health
     iop edge --config edge.yaml           run an edge (the OpenAI-compatible API)
+    iop worker --config worker.yaml       run a worker (files and batch jobs)
     iop keys create NAME [--rpm N] [--tpm N] [--max-concurrent N] | ls | revoke NAME   the edge's API keys
     iop chat [--model M] [PROMPT]         talk to a model through the local edge; iop models lists them
     iop node --config node.yaml [--ready-file PATH]   run a node (iop node --dev: without a config)
@@ -73,6 +74,12 @@ def _status(args: argparse.Namespace) -> int:
 
 def _edge(args: argparse.Namespace) -> int:
     from iop_edge.main import run
+
+    return run(args.config, ready_file=args.ready_file, log_level=args.log_level)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from iop_worker.main import run
 
     return run(args.config, ready_file=args.ready_file, log_level=args.log_level)
 
@@ -183,6 +190,11 @@ def _parser() -> argparse.ArgumentParser:
     edge.add_argument("--config", type=Path, required=True, help="YAML settings (IOP_ variables override)")
     edge.add_argument("--ready-file", type=Path, metavar="PATH", help="written (pid, port as JSON) once it serves")
     edge.set_defaults(run=_edge)
+
+    worker = commands.add_parser("worker", parents=[common], help="run a worker: files and batch jobs")
+    worker.add_argument("--config", type=Path, required=True, help="YAML settings (IOP_ variables override)")
+    worker.add_argument("--ready-file", type=Path, metavar="PATH", help="written (pid, port as JSON) once it serves")
+    worker.set_defaults(run=_worker)
 
     _keys_parsers(commands, common, state_dir, state_help)
     _runs_parsers(commands, common, state_dir, state_help)

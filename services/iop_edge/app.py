@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP API: FastAPI routes over the control-plane connection pool.
 
-Each request is checked (:mod:`iop_edge.requests`), authenticated (an API key, unless
+(The Files and Batch APIs go to the worker instead: :mod:`iop_edge.files`, :mod:`iop_edge.batches`.)
+
+Each request is checked (:mod:`iop_wire.openai.requests`), authenticated (an API key, unless
 ``auth: none``), limited (the key's rpm, tpm and concurrency; the edge's ``max_in_flight``),
 submitted as one run (one per prompt for completions) whose caller is the key, and answered in
-OpenAI's shapes (:mod:`iop_edge.responses`). A streaming answer starts only once the run has
+OpenAI's shapes (:mod:`iop_wire.openai.responses`). A streaming answer starts only once the run has
 produced its first output or ended, so a run refused before any output (unknown model, queue
 full, no node) gets its proper status, not a 200 stream with an error in it; after that, an
 error is a final ``data: {"error": ...}`` event. A client that goes away, streaming or not,
@@ -26,42 +28,40 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from fastapi.telemetry import TelemetryConfig
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive, Scope, Send
 
-from iop_edge import requests as parse
-from iop_edge import responses as shape
-from iop_edge.errors import ApiError, from_event, from_iop
+from iop_edge.access import JSON, authenticate, error_response, read_body
+from iop_edge.batches import BatchRoutes
+from iop_edge.files import FileRoutes
 from iop_edge.keys import ApiKey, KeyStore, Lease, Limiter, LimitExceeded
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.settings import Settings
-from iop_edge.upstream import Upstream
+from iop_edge.upstream import Pool, Upstream
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import ConnectionClosed, IopError
+from iop_wire.openai import requests as parse
+from iop_wire.openai import responses as shape
+from iop_wire.openai.errors import ApiError, from_event, from_iop
 from iop_wire.runs import RunStream
 
 __all__ = ["Edge", "build_app"]
 
-_log = structlog.get_logger("iop.edge")
-_JSON = "application/json"
 _ANONYMOUS = "anonymous"
-_NO_KEY = (
-    "You didn't provide an API key. You need to provide your API key in an Authorization header using "
-    "Bearer auth (i.e. Authorization: Bearer YOUR_KEY). Create one with 'iop keys create NAME'."
-)
 
 
 @dataclass
 class Edge:
-    """What the routes share: settings, the control-plane pool, keys, limits, metrics."""
+    """What the routes share: settings, the control-plane and worker pools, keys, limits, metrics."""
 
     settings: Settings
     upstream: Upstream
     metrics: EdgeMetrics
+    worker: Pool | None = None
+    """The worker's pool (files and batches); None: those endpoints answer 503."""
     keys: KeyStore | None = None
     limiter: Limiter = field(default_factory=Limiter)
     started: int = field(default_factory=lambda: int(time.time()))
@@ -93,6 +93,8 @@ def build_app(edge: Edge) -> FastAPI:
     app.add_api_route("/v1/embeddings", api.embeddings, methods=["POST"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
+    FileRoutes(edge).register(app)
+    BatchRoutes(edge).register(app)
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/ready", api.ready, methods=["GET"])
     app.add_api_route("/metrics", api.prometheus, methods=["GET"])
@@ -100,12 +102,12 @@ def build_app(edge: Edge) -> FastAPI:
     @app.exception_handler(404)
     async def _not_found(request: Request, exc: Exception) -> Response:
         error = ApiError(404, f"Invalid URL ({request.method} {request.url.path})", code="unknown_url")
-        return Response(error.content(), status_code=404, media_type=_JSON)
+        return Response(error.content(), status_code=404, media_type=JSON)
 
     @app.exception_handler(405)
     async def _wrong_method(request: Request, exc: Exception) -> Response:
         error = ApiError(405, f"Method not allowed ({request.method} {request.url.path})", code="method_not_allowed")
-        return Response(error.content(), status_code=405, media_type=_JSON)
+        return Response(error.content(), status_code=405, media_type=JSON)
 
     return app
 
@@ -338,44 +340,22 @@ class _Api:
     def _json(self, call: _Call, body: dict[str, Any], complete: pb.RunComplete) -> Response:
         overhead = (time.perf_counter() - call.received) * 1000 - complete.timings.generation.ToNanoseconds() / 1e6
         headers = {"x-iop-overhead-ms": f"{max(overhead, 0.0):.3f}"}
-        return Response(shape.json_bytes(body), media_type=_JSON, headers=headers)
+        return Response(shape.json_bytes(body), media_type=JSON, headers=headers)
 
     def _error(self, call: _Call, error: ApiError) -> Response:
-        if error.status >= 500 or error.status == 429:
-            _log.info("request failed", run_id=call.run_id, status=error.status, reason=error.message)
-        return Response(error.content(), status_code=error.status, media_type=_JSON, headers=error.headers())
+        return error_response(error, call.run_id)
 
     # -- checks -------------------------------------------------------------------------------
 
     def _authenticate(self, request: Request) -> ApiKey | None:
-        keys = self.edge.keys
-        if keys is None:
-            return None
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise ApiError(401, _NO_KEY)
-        key = keys.authenticate(token.strip())
-        if key is None:
-            shown = token[:6] + "*" * 4 + token[-4:] if len(token) > 12 else "*" * len(token)
-            message = f"Incorrect API key provided: {shown}. Keys are made with 'iop keys create NAME'."
-            raise ApiError(401, message, code="invalid_api_key")
-        return key
+        return authenticate(self.edge.keys, request)
 
     async def _body(self, request: Request) -> bytes:
-        limit = self.settings.http.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
+        try:
+            return await read_body(request, self.settings.http.max_body_bytes)
+        except ApiError:
             self.metrics.refused.labels("body_size").inc()
-            raise ApiError(413, f"the request body is {declared} bytes, over this edge's limit of {limit}")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                self.metrics.refused.labels("body_size").inc()
-                raise ApiError(413, f"the request body is over this edge's limit of {limit} bytes")
-            chunks.append(chunk)
-        return b"".join(chunks)
+            raise
 
     # -- models, health, metrics --------------------------------------------------------------
 
@@ -400,7 +380,7 @@ class _Api:
         except ApiError as error:
             return self._error(_Call("models", time.perf_counter(), "", None), error)
         body = {"object": "list", "data": [self._model_object(name) for name in sorted(models)]}
-        return Response(shape.json_bytes(body), media_type=_JSON)
+        return Response(shape.json_bytes(body), media_type=JSON)
 
     async def model(self, request: Request, model_id: str) -> Response:
         """GET /v1/models/{id}."""
@@ -412,11 +392,11 @@ class _Api:
                 raise ApiError(404, message, param="model", code="model_not_found")
         except ApiError as error:
             return self._error(_Call("model", time.perf_counter(), "", None), error)
-        return Response(shape.json_bytes(self._model_object(model_id)), media_type=_JSON)
+        return Response(shape.json_bytes(self._model_object(model_id)), media_type=JSON)
 
     async def health(self) -> Response:
         """GET /health: the process serves HTTP."""
-        return Response(b'{"status":"ok"}', media_type=_JSON)
+        return Response(b'{"status":"ok"}', media_type=JSON)
 
     async def ready(self) -> Response:
         """GET /ready: the control-plane is reachable and serves at least one model."""
@@ -434,7 +414,7 @@ class _Api:
                 reason = "no model is served: no node is ready"
         body = {"status": "not ready" if reason else "ready", "reason": reason or None, "models": len(models)}
         body["control_plane_connections"] = upstream.connected
-        return Response(shape.json_bytes(body), status_code=503 if reason else 200, media_type=_JSON)
+        return Response(shape.json_bytes(body), status_code=503 if reason else 200, media_type=JSON)
 
     async def prometheus(self) -> Response:
         """GET /metrics: Prometheus exposition of the edge (and its wire connections)."""

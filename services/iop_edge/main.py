@@ -4,7 +4,7 @@ uvicorn runs the FastAPI app on uvloop with httptools (HTTP/1.1), on a socket bo
 a port in use is one line naming it. Start-up problems end the process with exit code 2 and one
 line on stderr naming the setting. ``--ready-file PATH`` is written once it serves (JSON: pid,
 port) and removed when it stops. SIGTERM stops taking connections, lets requests in progress
-finish (uvicorn's graceful shutdown), then closes the control-plane connections.
+finish (uvicorn's graceful shutdown), then closes the control-plane and worker connections.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from iop_edge.app import Edge, build_app
 from iop_edge.keys import KeyStore
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.settings import ConfigError, Settings, StartError, load_settings
-from iop_edge.upstream import Upstream
+from iop_edge.upstream import Upstream, worker_pool
 from iop_wire.logs import configure
 from iop_wire.metrics import expose
 from iop_wire.settings import Problem, bind_error, loop_factory, write_ready_file
@@ -87,7 +87,8 @@ def _bind(settings: Settings) -> socket.socket:
 async def _serve(settings: Settings, ready_file: Path | None) -> int:
     metrics = EdgeMetrics()
     expose(metrics.registry)
-    edge = Edge(settings=settings, upstream=Upstream(settings), metrics=metrics)
+    worker = worker_pool(settings)
+    edge = Edge(settings=settings, upstream=Upstream(settings), metrics=metrics, worker=worker)
     if settings.auth == "keys":
         edge.keys = KeyStore(settings.keys_path)
         try:
@@ -122,20 +123,27 @@ async def _serve(settings: Settings, ready_file: Path | None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, server.stop)
     edge.upstream.start()
+    worker.start()
     port = sock.getsockname()[1]
     try:
         serving = asyncio.ensure_future(server.serve(sockets=[sock]))
         while not server.started and not serving.done():  # noqa: ASYNC110 - uvicorn sets a flag, no event
             await asyncio.sleep(0.01)
         if server.started:
-            _log.info("edge started", port=port, control_plane=edge.upstream.address, auth=settings.auth)
+            _log.info(
+                "edge started",
+                port=port,
+                control_plane=edge.upstream.address,
+                worker=worker.address or None,
+                auth=settings.auth,
+            )
             if ready_file is not None:
                 write_ready_file(ready_file, port=port)
         await serving
     finally:
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)  # noqa: ASYNC240 - one unlink while stopping
-        await edge.upstream.aclose()
+        await asyncio.gather(edge.upstream.aclose(), worker.aclose())
         if edge.keys is not None:
             await edge.keys.aclose()
         sock.close()

@@ -43,6 +43,8 @@ class HttpSettings(_Section):
     """HTTP connections open at once (uvicorn's limit_concurrency: more get 503)."""
     keep_alive: float = Field(5.0, gt=0)
     """Seconds an idle keep-alive connection stays open."""
+    max_file_bytes: int = Field(512 * 1024 * 1024, ge=1)
+    """Largest file POST /v1/files takes (streamed to the worker, never held); a larger one is answered 413."""
 
 
 class UpstreamSettings(ControlPlaneAddress):
@@ -55,6 +57,15 @@ class UpstreamSettings(ControlPlaneAddress):
     """Seconds a capability answer (GET /v1/models) is reused."""
 
 
+class WorkerSettings(ControlPlaneAddress):
+    """The worker that keeps files and batches (POST /v1/files, /v1/batches), over mTLS connections."""
+
+    address: str | None = None
+    """``host:port`` of the worker; unset: the file and batch endpoints answer 503."""
+    connections: int = Field(1, ge=1, le=64)
+    """Connections in the pool; requests are spread over those that are up (an upload keeps to one)."""
+
+
 class Settings(BaseSettings):
     """Everything ``iop edge`` reads at start-up."""
 
@@ -62,12 +73,13 @@ class Settings(BaseSettings):
 
     http: HttpSettings = HttpSettings()
     control_plane: UpstreamSettings = UpstreamSettings()
+    worker: WorkerSettings = WorkerSettings()
     tls: TlsSettings = TlsSettings()
-    """The edge's certificate (role edge) for the control-plane, and the CA that signed it."""
+    """The edge's certificate (role edge) for the control-plane and the worker, and the CA that signed it."""
     connection: ConnectionSettings = ConnectionSettings()
-    """Limits of the connections to the control-plane."""
+    """Limits of the connections to the control-plane and the worker."""
     heartbeat_interval: float = Field(30.0, gt=0)
-    """Seconds between heartbeats on the control-plane connections."""
+    """Seconds between heartbeats on the control-plane and worker connections."""
     auth: Literal["keys", "none"] = "keys"
     """keys: every request needs an API key from ``keys_path``; none: no keys (local development only)."""
     keys_path: Path = Path(".iop/edge-keys.db")

@@ -533,9 +533,10 @@ class Connection:
     async def _handle(self, handler: MessageHandler, envelope: pb.Envelope) -> None:
         try:
             await handler(Inbound(self, envelope))
-        except IopError as exc:  # the handler refused it: say so, and go on
+        except IopError as exc:  # the handler refused it: say so (the whole error: param, retry_after), go on
             if not self.closed:
-                await self._reject(envelope, exc.code, exc.message, run_id=exc.run_id, retryable=exc.retryable)
+                self._log.warning("rejected envelope", reason=exc.message, code=code_name(exc.code))
+                await self.send(error_envelope(exc, in_reply_to=envelope.id))
         except ConnectionClosed:
             return
         except Exception:  # noqa: BLE001 - answer with an error; the connection goes on

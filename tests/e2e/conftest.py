@@ -97,6 +97,8 @@ class Stack:
     key: str
     nodes: dict[str, Process] = field(default_factory=dict)
     opened: list[openai.OpenAI | httpx.Client] = field(default_factory=list)
+    worker: Process | None = None
+    """The worker, when the stack has one."""
 
     @property
     def certs(self) -> Path:
@@ -213,8 +215,10 @@ def running_stack(
     *,
     control_plane: dict[str, Any] | None = None,
     edge_settings: dict[str, Any] | None = None,
+    worker: dict[str, Any] | None = None,
 ) -> Iterator[Stack]:
-    """Control-plane, then the nodes (id -> routes) and the edge; stopped (SIGTERM) on the way out.
+    """Control-plane, then the nodes (id -> routes), a worker when ``worker`` is given (its extra
+    settings), and the edge; stopped (SIGTERM) on the way out.
 
     ``control_plane`` and ``edge_settings`` add settings to their configs.
     """
@@ -253,6 +257,24 @@ def running_stack(
             )
             started[node_id] = _spawn(root, node_id, "node", config)
             stopping.callback(started[node_id].stop)
+        worker_settings: dict[str, Any] = {}
+        worker_process: Process | None = None
+        if worker is not None:
+            worker_config = _write(
+                root / "worker.yaml",
+                {
+                    "listen": {"host": "127.0.0.1", "port": 0},
+                    "tls": _tls(certs, "worker"),
+                    "control_plane": {**upstream, "reconnect_initial": 0.05},
+                    "store": {"path": str(root / "worker.db")},
+                    "heartbeat_interval": 0.5,
+                    **worker,
+                },
+            )
+            worker_process = _spawn(root, "worker", "worker", worker_config)
+            stopping.callback(worker_process.stop)
+            worker_port = int(worker_process.wait_ready()["port"])
+            worker_settings = {"worker": {"address": f"127.0.0.1:{worker_port}", "server_name": "localhost"}}
         edge_config = _write(
             root / "edge.yaml",
             {
@@ -261,6 +283,7 @@ def running_stack(
                 "tls": _tls(certs, "edge"),
                 "auth": "keys",
                 "keys_path": str(root / "edge-keys.db"),
+                **worker_settings,
                 **(edge_settings or {}),
             },
         )
@@ -268,7 +291,7 @@ def running_stack(
         stopping.callback(edge.stop)
         for process in started.values():
             process.wait_ready()
-        stack = Stack(root, cp_port, int(edge.wait_ready()["port"]), key, started)
+        stack = Stack(root, cp_port, int(edge.wait_ready()["port"]), key, started, worker=worker_process)
         models = {route["model"] for routes in nodes.values() for route in routes}
         stopping.callback(stack.close)
         wait_for(lambda: models <= stack.served(), START_TIMEOUT, 0.05, f"the edge serving {sorted(models)}")

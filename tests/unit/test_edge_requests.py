@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 from google.protobuf import json_format
 
-from iop_edge.errors import STATUS, ApiError, from_iop
-from iop_edge.requests import chat_request, completion_request, embedding_request, parse_body
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import IopError
+from iop_wire.openai.errors import STATUS, ApiError, from_iop
+from iop_wire.openai.requests import chat_request, completion_request, embedding_request, parse_body
 
 _CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

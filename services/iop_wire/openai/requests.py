@@ -19,10 +19,10 @@ from typing import Any
 
 from google.protobuf.struct_pb2 import Struct
 
-from iop_edge.errors import ApiError
 from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire.openai.errors import ApiError
 
-__all__ = ["ChatRequest", "CompletionRequest", "EmbeddingRequest", "parse_body"]
+__all__ = ["ChatRequest", "CompletionRequest", "EmbeddingRequest", "kind_of", "known_fields", "parse_body", "required"]
 
 _ROLES = {
     "system": pb.ROLE_SYSTEM,
@@ -103,15 +103,15 @@ def parse_body(body: bytes) -> dict[str, Any]:
         )
         raise ApiError(400, message) from None
     if not isinstance(data, dict):
-        raise ApiError(400, f"the request body must be a JSON object, not {_kind(data)}")
+        raise ApiError(400, f"the request body must be a JSON object, not {kind_of(data)}")
     return data
 
 
 def chat_request(data: Mapping[str, Any], run_id: str) -> ChatRequest:
     """A chat completion request as a run.request (``data`` from :func:`parse_body`)."""
-    _known(data, _CHAT_FIELDS | _CARRIED | _IGNORED | _UNSUPPORTED)
+    known_fields(data, _CHAT_FIELDS | _CARRIED | _IGNORED | _UNSUPPORTED)
     request = pb.RunRequest(run_id=run_id, model=_model(data), kind=pb.RUN_KIND_CHAT)
-    messages = _required(data, "messages", list, "array")
+    messages = required(data, "messages", list, "array")
     if not messages:
         raise ApiError(400, "[] is too short - 'messages'", param="messages", code="empty_array")
     for index, message in enumerate(messages):
@@ -130,7 +130,7 @@ def chat_request(data: Mapping[str, Any], run_id: str) -> ChatRequest:
 
 def completion_request(data: Mapping[str, Any], run_id: str) -> CompletionRequest:
     """A text completion request: one run.request per prompt (``<run_id>-<index>`` past the first)."""
-    _known(data, _COMPLETION_FIELDS)
+    known_fields(data, _COMPLETION_FIELDS)
     model = _model(data)
     prompt = data.get("prompt")
     if isinstance(prompt, str):
@@ -166,7 +166,7 @@ def completion_request(data: Mapping[str, Any], run_id: str) -> CompletionReques
 
 def embedding_request(data: Mapping[str, Any], run_id: str) -> EmbeddingRequest:
     """An embeddings request as one run.request whose prompt holds each input."""
-    _known(data, _EMBEDDING_FIELDS)
+    known_fields(data, _EMBEDDING_FIELDS)
     model = _model(data)
     given = data.get("input")
     if isinstance(given, str):
@@ -198,7 +198,8 @@ def embedding_request(data: Mapping[str, Any], run_id: str) -> EmbeddingRequest:
 # -- fields ---------------------------------------------------------------------------------
 
 
-def _known(data: Mapping[str, Any], allowed: set[str] | frozenset[str]) -> None:
+def known_fields(data: Mapping[str, Any], allowed: set[str] | frozenset[str]) -> None:
+    """400 for a field OpenAI does not know (or one no IOP adapter honours)."""
     for name in data:
         if name not in allowed:
             raise ApiError(400, f"Unrecognized request argument supplied: {name}")
@@ -216,7 +217,8 @@ def _model(data: Mapping[str, Any]) -> str:
     return model
 
 
-def _required(data: Mapping[str, Any], name: str, kind: type, kind_name: str) -> Any:
+def required(data: Mapping[str, Any], name: str, kind: type, kind_name: str) -> Any:
+    """``data[name]``; 400 when missing or not of ``kind``."""
     if name not in data or data[name] is None:
         raise ApiError(400, f"Missing required parameter: '{name}'.", param=name, code="missing_required_parameter")
     return _typed(data[name], name, kind, kind_name)
@@ -234,7 +236,7 @@ def _typed(value: Any, name: str, kind: type, kind_name: str) -> Any:
     if not ok:
         raise ApiError(
             400,
-            f"Invalid type for '{name}': expected {_a(kind_name)}, but got {_kind(value)} instead.",
+            f"Invalid type for '{name}': expected {_a(kind_name)}, but got {kind_of(value)} instead.",
             param=name,
             code="invalid_type",
         )
@@ -299,7 +301,7 @@ def _sampling(
     elif stop is not None:
         raise ApiError(
             400,
-            f"Invalid type for 'stop': expected a string or an array of strings, but got {_kind(stop)} instead.",
+            f"Invalid type for 'stop': expected a string or an array of strings, but got {kind_of(stop)} instead.",
             param="stop",
             code="invalid_type",
         )
@@ -312,7 +314,7 @@ def _include_usage(data: Mapping[str, Any], stream: bool) -> bool:
     if not isinstance(options, dict):
         raise ApiError(
             400,
-            f"Invalid type for 'stream_options': expected an object, but got {_kind(options)} instead.",
+            f"Invalid type for 'stream_options': expected an object, but got {kind_of(options)} instead.",
             param="stream_options",
             code="invalid_type",
         )
@@ -352,7 +354,7 @@ def _message(message: Any, where: str) -> pb.ChatMessage:
     if not isinstance(message, dict):
         raise ApiError(
             400,
-            f"Invalid type for '{where}': expected an object, but got {_kind(message)} instead.",
+            f"Invalid type for '{where}': expected an object, but got {kind_of(message)} instead.",
             param=where,
             code="invalid_type",
         )
@@ -376,7 +378,7 @@ def _message(message: Any, where: str) -> pb.ChatMessage:
     elif content is not None:
         raise ApiError(
             400,
-            f"Invalid type for '{where}.content': expected a string or an array, but got {_kind(content)} instead.",
+            f"Invalid type for '{where}.content': expected a string or an array, but got {kind_of(content)} instead.",
             param=f"{where}.content",
             code="invalid_type",
         )
@@ -448,7 +450,8 @@ _KINDS: tuple[tuple[type, str], ...] = (
 )
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
+    """A JSON value's type as OpenAI's errors name it (``a string``, ``null``)."""
     if value is None:
         return "null"
     return next((name for kind, name in _KINDS if isinstance(value, kind)), "an object")

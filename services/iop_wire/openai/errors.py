@@ -2,7 +2,8 @@
 
 Every IOP error code maps to one HTTP status in one table (:data:`STATUS`); README, "The edge",
 prints it. An error found by the edge itself (bad JSON, a missing field, a bad key) is raised as
-:class:`ApiError`; one that comes back from the platform is turned into one by :func:`from_iop`.
+:class:`ApiError`; one that comes back from the platform is turned into one by :func:`from_iop`,
+or by :func:`from_worker` for the worker's answers, where an unknown file or batch id is a 404.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import math
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import IopError, code_name
 
-__all__ = ["STATUS", "ApiError", "from_event", "from_iop"]
+__all__ = ["STATUS", "ApiError", "from_event", "from_iop", "from_worker"]
 
 STATUS: dict[int, int] = {
     pb.ERROR_CODE_UNSPECIFIED: 500,
@@ -106,6 +107,22 @@ def from_iop(error: IopError | pb.Error) -> ApiError:
         code=code,
         retry_after=retry_after,
     )
+
+
+_OBJECTS = {"file_id": "File", "batch_id": "Batch"}
+"""The worker's ``param`` for an unknown id -> the object's name in OpenAI's 404 message."""
+
+
+def from_worker(error: IopError, object_id: str, *, param: str = "id") -> ApiError:
+    """The HTTP error for the worker's answer to a request about ``object_id``.
+
+    The worker refuses an unknown id with INVALID_ARGUMENT naming ``file_id`` or ``batch_id``;
+    OpenAI answers that with 404 ``No such File object: ID``.
+    """
+    kind = _OBJECTS.get(error.param)
+    if error.code == pb.ERROR_CODE_INVALID_ARGUMENT and kind is not None:
+        return ApiError(404, f"No such {kind} object: {object_id}", param=param)
+    return from_iop(error)
 
 
 def from_event(event: pb.RunEvent) -> ApiError:

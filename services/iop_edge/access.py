@@ -1,0 +1,75 @@
+"""What every route shares: the API key check and the one way an :class:`ApiError` becomes a response."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from fastapi import Request
+from fastapi.responses import Response
+
+from iop_edge.keys import ApiKey, KeyStore
+from iop_wire.openai.errors import ApiError
+from iop_wire.openai.responses import json_bytes
+
+if TYPE_CHECKING:
+    from iop_edge.app import Edge
+
+__all__ = ["JSON", "authenticate", "error_response", "read_body", "serve_json"]
+
+_log = structlog.get_logger("iop.edge")
+JSON = "application/json"
+_NO_KEY = (
+    "You didn't provide an API key. You need to provide your API key in an Authorization header using "
+    "Bearer auth (i.e. Authorization: Bearer YOUR_KEY). Create one with 'iop keys create NAME'."
+)
+
+
+def authenticate(keys: KeyStore | None, request: Request) -> ApiKey | None:
+    """The request's API key; 401 without a valid one (None when keys are off: ``auth: none``)."""
+    if keys is None:
+        return None
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise ApiError(401, _NO_KEY)
+    key = keys.authenticate(token.strip())
+    if key is None:
+        shown = token[:6] + "*" * 4 + token[-4:] if len(token) > 12 else "*" * len(token)
+        message = f"Incorrect API key provided: {shown}. Keys are made with 'iop keys create NAME'."
+        raise ApiError(401, message, code="invalid_api_key")
+    return key
+
+
+def error_response(error: ApiError, request_id: str = "") -> Response:
+    """``{"error": {...}}`` with the error's status (and Retry-After); server-side ones are logged."""
+    if error.status >= 500 or error.status == 429:
+        _log.info("request failed", run_id=request_id, status=error.status, reason=error.message)
+    return Response(error.content(), status_code=error.status, media_type=JSON, headers=error.headers())
+
+
+async def serve_json(
+    edge: Edge, route: str, request: Request, produce: Callable[[ApiKey | None], Awaitable[dict[str, Any]]]
+) -> Response:
+    """The request authenticated, then ``produce(key)``'s object as JSON, or its ApiError; counted."""
+    try:
+        response = Response(json_bytes(await produce(authenticate(edge.keys, request))), media_type=JSON)
+    except ApiError as error:
+        response = error_response(error)
+    edge.metrics.requests.labels(route, "", str(response.status_code)).inc()
+    return response
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole request body; 413 once it is over ``limit`` bytes (declared or read)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is {declared} bytes, over this edge's limit of {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body is over this edge's limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)

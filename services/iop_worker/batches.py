@@ -1,0 +1,262 @@
+"""Batches over IOP: create (checking every line of the input file), get, list, cancel.
+
+``batch.create`` reads the input file and checks each line as OpenAI's Batch API does: a JSON
+object with ``custom_id`` (unique in the file), ``method`` POST, ``url`` equal to the batch's
+endpoint and an object ``body``. A file with any bad line makes a ``failed`` batch whose
+``errors`` name each line (from 1); a good one is stored with its lines, ``in_progress``, in one
+transaction, and the engine (:mod:`iop_worker.engine`) runs it. A line's body is checked when it
+runs: a bad body fails that line alone (the error file), as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import structlog
+
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire import Inbound, IopError, MessageHandler
+from iop_worker.settings import BatchSettings
+from iop_worker.store import BatchRecord, BatchStatus, JobStore, LineRecord, RequestCounts, new_batch_id
+
+__all__ = ["ENDPOINTS", "Batches", "batch_info"]
+
+_log = structlog.get_logger("iop.worker")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+_WINDOW = re.compile(r"^(\d+)([smhd])$")
+_UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_MAX_ERRORS = 100
+"""Line errors kept per failed batch (a file of 50,000 bad lines says so in 100)."""
+_STATUSES = {
+    BatchStatus.VALIDATING: pb.BATCH_STATUS_VALIDATING,
+    BatchStatus.FAILED: pb.BATCH_STATUS_FAILED,
+    BatchStatus.IN_PROGRESS: pb.BATCH_STATUS_IN_PROGRESS,
+    BatchStatus.FINALIZING: pb.BATCH_STATUS_FINALIZING,
+    BatchStatus.COMPLETED: pb.BATCH_STATUS_COMPLETED,
+    BatchStatus.EXPIRED: pb.BATCH_STATUS_EXPIRED,
+    BatchStatus.CANCELLING: pb.BATCH_STATUS_CANCELLING,
+    BatchStatus.CANCELLED: pb.BATCH_STATUS_CANCELLED,
+}
+_TIMES = (
+    "created_at",
+    "in_progress_at",
+    "expires_at",
+    "finalizing_at",
+    "completed_at",
+    "failed_at",
+    "expired_at",
+    "cancelling_at",
+    "cancelled_at",
+)
+
+
+def batch_info(batch: BatchRecord, counts: RequestCounts) -> pb.BatchInfo:
+    """The wire form of a batch."""
+    info = pb.BatchInfo(
+        id=batch.id,
+        endpoint=batch.endpoint,
+        input_file_id=batch.input_file_id,
+        completion_window=batch.completion_window,
+        status=_STATUSES[batch.status],
+        output_file_id=batch.output_file_id or "",
+        error_file_id=batch.error_file_id or "",
+        request_counts=pb.BatchRequestCounts(total=counts.total, completed=counts.completed, failed=counts.failed),
+        metadata=batch.metadata,
+        usage=pb.Usage(prompt_tokens=batch.usage.prompt_tokens, completion_tokens=batch.usage.completion_tokens),
+    )
+    for name in _TIMES:
+        if (value := getattr(batch, name)) is not None:
+            getattr(info, name).FromSeconds(value)
+    for error in batch.errors:
+        item = info.errors.add(code=error["code"], message=error["message"], param=error.get("param") or "")
+        if error.get("line") is not None:
+            item.line = error["line"]
+    return info
+
+
+def window_seconds(window: str) -> int:
+    """Seconds of a completion window ("24h", "30m", "90s"); ValueError for anything else."""
+    match = _WINDOW.fullmatch(window)
+    if match is None or int(match[1]) <= 0:
+        raise ValueError(f"'{window}' is not a completion window: use 24h (or a duration such as 30m, 90s)")
+    return int(match[1]) * _UNIT[match[2]]
+
+
+class Batches:
+    """The batch message handlers."""
+
+    def __init__(self, store: JobStore, settings: BatchSettings, *, wake: Any = None) -> None:
+        self.store, self.settings = store, settings
+        self._wake = wake
+        """Called when a batch is created or cancelled: the engine looks for work at once."""
+
+    def handlers(self) -> dict[str, MessageHandler]:
+        """``{body field: handler}`` for an edge's (or admin's) connection."""
+        return {
+            "batch_create": self.create,
+            "batch_get": self.get,
+            "batches_list": self.listing,
+            "batch_cancel": self.cancel,
+        }
+
+    async def create(self, inbound: Inbound) -> None:
+        message = inbound.envelope.batch_create
+        if message.endpoint not in ENDPOINTS:
+            allowed = ", ".join(ENDPOINTS)
+            raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, f"endpoint must be one of {allowed}", param="endpoint")
+        try:
+            window = window_seconds(message.completion_window or "24h")
+        except ValueError as exc:
+            raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, str(exc), param="completion_window") from None
+        source = await self.store.get_file(message.input_file_id)
+        if source is None:
+            raise IopError(  # an unknown id names file_id: the edge answers 404
+                pb.ERROR_CODE_INVALID_ARGUMENT, f"No such File object: {message.input_file_id}", param="file_id"
+            )
+        if source.purpose != "batch":
+            raise IopError(
+                pb.ERROR_CODE_INVALID_ARGUMENT,
+                f"file {source.id} has purpose '{source.purpose}'; a batch needs a file uploaded with purpose 'batch'",
+                param="input_file_id",
+            )
+        now = int(time.time())
+        batch_id = new_batch_id()
+        lines, errors = await self._lines(batch_id, source.id, message.endpoint)
+        batch = BatchRecord(
+            id=batch_id,
+            endpoint=message.endpoint,
+            input_file_id=source.id,
+            completion_window=message.completion_window or "24h",
+            created_at=now,
+            expires_at=now + window,
+            metadata=dict(message.metadata),
+        )
+        if errors:
+            batch = _replace(batch, status=BatchStatus.FAILED, failed_at=now, errors=tuple(errors))
+            lines = []
+        else:
+            batch = _replace(batch, status=BatchStatus.IN_PROGRESS, in_progress_at=now)
+        await self.store.create_batch(batch, lines)
+        _log.info("batch created", batch_id=batch.id, lines=len(lines), status=str(batch.status), errors=len(errors))
+        if self._wake is not None:
+            self._wake()
+        await self._reply(inbound, batch)
+
+    async def get(self, inbound: Inbound) -> None:
+        await self._reply(inbound, await self._batch(inbound.envelope.batch_get.batch_id))
+
+    async def listing(self, inbound: Inbound) -> None:
+        message = inbound.envelope.batches_list
+        limit = min(message.limit or 20, 100)
+        batches, more = await self.store.list_batches(after=message.after or None, limit=limit)
+        infos = [batch_info(batch, await self.store.counts(batch.id)) for batch in batches]
+        await inbound.reply(pb.Envelope(batches_listed=pb.BatchesListed(batches=infos, has_more=more)))
+
+    async def cancel(self, inbound: Inbound) -> None:
+        batch = await self._batch(inbound.envelope.batch_cancel.batch_id)
+        open_statuses = (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
+        if await self.store.transition(batch.id, open_statuses, BatchStatus.CANCELLING, cancelling_at=int(time.time())):
+            cancelled = await self.store.cancel_pending(batch.id)
+            _log.info("batch cancelling", batch_id=batch.id, lines_not_started=cancelled)
+            if self._wake is not None:
+                self._wake()
+        await self._reply(inbound, await self._batch(batch.id))
+
+    async def _batch(self, batch_id: str) -> BatchRecord:
+        batch = await self.store.get_batch(batch_id) if batch_id else None
+        if batch is None:
+            raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, f"No such Batch object: {batch_id}", param="batch_id")
+        return batch
+
+    async def _reply(self, inbound: Inbound, batch: BatchRecord) -> None:
+        info = batch_info(batch, await self.store.counts(batch.id))
+        await inbound.reply(pb.Envelope(batch_info=info))
+
+    async def _lines(self, batch_id: str, file_id: str, endpoint: str) -> tuple[list[LineRecord], list[dict[str, Any]]]:
+        """The file's lines as batch lines, or the errors that fail the batch."""
+        lines: list[LineRecord] = []
+        errors: list[dict[str, Any]] = []
+        seen: set[str] = set()
+        number = 0
+        async for text in _text_lines(self.store, file_id):
+            number += 1
+            if not text.strip():
+                continue
+            problem, line = _check(text, number, endpoint, seen)
+            if problem is not None:
+                if len(errors) < _MAX_ERRORS:
+                    errors.append(problem)
+                continue
+            assert line is not None
+            lines.append(LineRecord(batch_id, len(lines), line[0], line[1]))
+            if len(lines) > self.settings.max_lines:
+                message = f"the file has more than {self.settings.max_lines} requests, this server's limit"
+                return [], [{"code": "too_many_requests", "message": message, "param": None, "line": None}]
+        if not lines and not errors:
+            errors.append(
+                {"code": "empty_file", "message": "the input file has no requests", "param": None, "line": None}
+            )
+        return lines, errors
+
+
+def _check(
+    text: str, number: int, endpoint: str, seen: set[str]
+) -> tuple[dict[str, Any] | None, tuple[str, str] | None]:
+    """A line's (custom_id, body JSON) or its error, OpenAI's codes."""
+    try:
+        request = json.loads(text)
+    except ValueError:
+        request = None
+    problem = _problem(request, number, endpoint, seen)
+    if problem is not None:
+        code, message, param = problem
+        return {"code": code, "message": message, "param": param, "line": number}, None
+    seen.add(request["custom_id"])
+    return None, (request["custom_id"], json.dumps(request["body"]))
+
+
+def _problem(request: Any, number: int, endpoint: str, seen: set[str]) -> tuple[str, str, str | None] | None:
+    """What is wrong with a parsed line, as (code, message, param); None when nothing is."""
+    if not isinstance(request, dict):
+        return "invalid_json_line", f"line {number} is not a JSON object", None
+    missing = next((name for name in ("custom_id", "method", "url", "body") if name not in request), None)
+    if missing is not None:
+        return "missing_required_parameter", f"line {number} has no '{missing}'", missing
+    custom_id = request["custom_id"]
+    checks: tuple[tuple[bool, str, str, str], ...] = (
+        (not isinstance(custom_id, str) or not custom_id, "invalid_request", "custom_id must be a string", "custom_id"),
+        (request["method"] != "POST", "invalid_method", "method must be POST", "method"),
+        (request["url"] != endpoint, "mismatched_endpoint", f"the line is for another endpoint than {endpoint}", "url"),
+        (not isinstance(request["body"], dict), "invalid_request", "body must be a JSON object", "body"),
+        (
+            custom_id in seen,
+            "duplicate_custom_id",
+            f"the custom_id '{custom_id}' is used by an earlier line",
+            "custom_id",
+        ),
+    )
+    for failed, code, message, param in checks:
+        if failed:
+            return code, f"line {number}: {message}", param
+    return None
+
+
+async def _text_lines(store: JobStore, file_id: str) -> AsyncIterator[str]:
+    """The file's lines as text (UTF-8), read chunk by chunk."""
+    pending = b""
+    async for chunk in store.read_file(file_id):
+        pending += chunk
+        *complete, pending = pending.split(b"\n")
+        for raw in complete:
+            yield raw.decode("utf-8", errors="replace")
+    if pending:
+        yield pending.decode("utf-8", errors="replace")
+
+
+def _replace(batch: BatchRecord, **fields: Any) -> BatchRecord:
+    return dataclasses.replace(batch, **fields)

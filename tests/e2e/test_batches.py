@@ -1,0 +1,148 @@
+"""OpenAI's Files and Batch APIs through the edge and the worker, with the official SDK."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from .conftest import MOCK_ROUTES, Stack, running_stack, wait_for
+from .openai_schema import validate
+
+ENDS = {"completed", "failed", "expired", "cancelled"}
+
+
+@pytest.fixture(scope="module")
+def batch_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    settings = {"batches": {"poll_interval": 0.05, "lease_seconds": 2.0}}
+    with running_stack(tmp_path_factory.mktemp("batches"), {"node-a": MOCK_ROUTES}, worker=settings) as stack:
+        yield stack
+
+
+def _jsonl(lines: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(line) + "\n" for line in lines).encode()
+
+
+def _upload(client: openai.OpenAI, lines: list[dict[str, Any]], name: str = "input.jsonl") -> str:
+    uploaded = client.files.create(file=(name, io.BytesIO(_jsonl(lines))), purpose="batch")
+    validate("OpenAIFile", uploaded.model_dump(mode="json", exclude_unset=True))
+    return uploaded.id
+
+
+def _wait(client: openai.OpenAI, batch_id: str, timeout: float = 30.0) -> Any:
+    def ended() -> Any:
+        batch = client.batches.retrieve(batch_id)
+        return batch if batch.status in ENDS else None
+
+    return wait_for(ended, timeout, 0.1, f"batch {batch_id} ending")
+
+
+def _lines(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body"),
+    [
+        (
+            "/v1/chat/completions",
+            {"model": "mock-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        ),
+        ("/v1/completions", {"model": "mock-small", "prompt": "once", "max_tokens": 3}),
+        ("/v1/embeddings", {"model": "mock-small", "input": "embed me"}),
+    ],
+)
+def test_a_batch_runs_every_line_once(batch_stack: Stack, endpoint: str, body: dict[str, Any]) -> None:
+    client = batch_stack.client()
+    lines = [{"custom_id": f"req-{i}", "method": "POST", "url": endpoint, "body": body} for i in range(20)]
+    lines.append({"custom_id": "missing", "method": "POST", "url": endpoint, "body": {**body, "model": "no-such"}})
+    batch = client.batches.create(input_file_id=_upload(client, lines), endpoint=endpoint, completion_window="24h")  # type: ignore[arg-type]
+    raw = client.batches.with_raw_response.retrieve(batch.id).http_response.json()
+    validate("Batch", raw)
+    done = _wait(client, batch.id)
+    validate("Batch", client.batches.with_raw_response.retrieve(batch.id).http_response.json())
+    assert done.status == "completed"
+    assert done.request_counts is not None
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (21, 20, 1)
+    output, errors = _lines(client, done.output_file_id), _lines(client, done.error_file_id)
+    assert sorted(line["custom_id"] for line in output) == sorted(f"req-{i}" for i in range(20))
+    assert [line["custom_id"] for line in errors] == ["missing"]
+    for line in output:
+        assert line["response"]["status_code"] == 200 and line["error"] is None
+        schema = {
+            "/v1/chat/completions": "CreateChatCompletionResponse",
+            "/v1/completions": "CreateCompletionResponse",
+            "/v1/embeddings": "CreateEmbeddingResponse",
+        }[endpoint]
+        validate(schema, line["response"]["body"])
+    assert errors[0]["response"]["status_code"] == 404 and errors[0]["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("line", "code"),
+    [
+        ("not json", "invalid_json_line"),
+        (json.dumps({"method": "POST", "url": "/v1/chat/completions", "body": {}}), "missing_required_parameter"),
+        (json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {}}), "mismatched_endpoint"),
+    ],
+)
+def test_a_bad_line_fails_the_batch_at_validation_naming_it(batch_stack: Stack, line: str, code: str) -> None:
+    client = batch_stack.client()
+    good = json.dumps({"custom_id": "ok", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m"}})
+    uploaded = client.files.create(file=("bad.jsonl", io.BytesIO(f"{good}\n{line}\n".encode())), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    done = _wait(client, batch.id)
+    assert done.status == "failed"
+    assert done.errors is not None and done.errors.data
+    assert (done.errors.data[0].code, done.errors.data[0].line) == (code, 2)
+    validate("Batch", client.batches.with_raw_response.retrieve(batch.id).http_response.json())
+
+
+def test_a_repeated_custom_id_fails_the_batch(batch_stack: Stack) -> None:
+    client = batch_stack.client()
+    line = {"custom_id": "same", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "mock-small"}}
+    batch = client.batches.create(
+        input_file_id=_upload(client, [line, line]), endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    done = _wait(client, batch.id)
+    assert done.status == "failed" and done.errors is not None
+    assert [(error.code, error.line) for error in done.errors.data] == [("duplicate_custom_id", 2)]
+
+
+def test_a_missing_file_is_404_and_a_cancel_keeps_the_finished_lines(batch_stack: Stack) -> None:
+    client = batch_stack.client()
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
+    body = {"model": "mock-slow", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40}  # 2 s each
+    lines = [{"custom_id": f"s-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body} for i in range(200)]
+    batch = client.batches.create(
+        input_file_id=_upload(client, lines), endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    time.sleep(0.5)
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled")
+    done = _wait(client, batch.id)
+    assert done.status == "cancelled"
+    assert done.request_counts is not None and done.request_counts.completed < 200
+
+
+def test_files_list_retrieve_content_and_delete(batch_stack: Stack, tmp_path: Path) -> None:
+    client = batch_stack.client()
+    data = b"".join(b'{"n": %d}\n' % i for i in range(50_000))  # ~550 KB: several chunks each way
+    uploaded = client.files.create(file=("big.jsonl", io.BytesIO(data)), purpose="batch")
+    assert uploaded.bytes == len(data)
+    assert client.files.retrieve(uploaded.id).filename == "big.jsonl"
+    assert client.files.content(uploaded.id).content == data
+    listed = client.with_options().files.list()
+    assert uploaded.id in [item.id for item in listed.data]
+    assert client.files.delete(uploaded.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(uploaded.id)

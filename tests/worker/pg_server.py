@@ -1,0 +1,100 @@
+"""A throwaway PostgreSQL server for tests: initdb and pg_ctl in a temporary folder, on a loopback port.
+
+PostgreSQL refuses to run as root, so as root the server runs as the ``postgres`` user (Debian's
+package creates it), else as ``nobody``, in a folder that user owns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE = "postgresql"  # the Debian package with initdb and pg_ctl
+_USER = "iop"
+
+
+@dataclass(frozen=True)
+class PgServer:
+    """A running server: its port, and the URL of a database on it."""
+
+    port: int
+
+    def url(self, database: str = "postgres") -> str:
+        """The URL of ``database`` as the trusted superuser."""
+        return f"postgresql://{_USER}@127.0.0.1:{self.port}/{database}"
+
+
+def find_binaries() -> Path | None:
+    """The folder holding initdb and pg_ctl (PATH first, then Debian's /usr/lib/postgresql/*/bin), or None."""
+    initdb = shutil.which("initdb")
+    if initdb and shutil.which("pg_ctl"):
+        return Path(initdb).resolve().parent
+    candidates = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"), key=lambda path: path.parent.parent.name)
+    for candidate in reversed(candidates):  # the newest version
+        if (candidate.parent / "pg_ctl").exists():
+            return candidate.parent
+    return None
+
+
+@contextlib.contextmanager
+def pg_server(binaries: Path) -> Iterator[PgServer]:
+    """Start a server in a new temporary folder; stop it and delete the folder on exit."""
+    run_as = _server_user()
+    folder = Path(tempfile.mkdtemp(prefix="iop-pg-"))
+    data = folder / "data"
+    try:
+        if run_as is not None:
+            os.chown(folder, run_as.pw_uid, run_as.pw_gid)
+        _run(run_as, binaries / "initdb", "-D", data, "-A", "trust", "-U", _USER, "--no-sync", "-E", "UTF8")
+        port = _free_port()
+        options = f"-p {port} -k {folder} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
+        log = folder / "server.log"
+        _run(run_as, binaries / "pg_ctl", "-D", data, "-l", log, "-o", options, "-w", "-t", "30", "start")
+        try:
+            yield PgServer(port)
+        finally:
+            _run(run_as, binaries / "pg_ctl", "-D", data, "-m", "fast", "-w", "stop")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _server_user() -> pwd.struct_passwd | None:
+    """The user to run the server as: None (ourselves) unless we are root."""
+    if os.geteuid() != 0:
+        return None
+    for name in ("postgres", "nobody"):
+        with contextlib.suppress(KeyError):
+            return pwd.getpwnam(name)
+    raise RuntimeError("running as root, and neither a 'postgres' nor a 'nobody' user exists to run PostgreSQL")
+
+
+def _run(user: pwd.struct_passwd | None, *command: str | Path) -> None:
+    """Run a PostgreSQL tool (as ``user``); RuntimeError with its output if it fails."""
+    done = subprocess.run(
+        [str(part) for part in command],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+        cwd="/",  # the server user may not be allowed into ours
+        user=None if user is None else user.pw_uid,
+        group=None if user is None else user.pw_gid,
+        extra_groups=None if user is None else [],
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{Path(command[0]).name} failed ({done.returncode}): {done.stdout}{done.stderr}")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
