@@ -1,10 +1,12 @@
 """The files ``iop up`` writes in its state folder, and the errors and look-ups it shares.
 
 On first start: development certificates, ``control-plane.yaml``, ``node.yaml`` (mock models, or
-one route per model of a ``--backend``) and ``edge.yaml`` with their ports (the customary one,
-else a free one), and the API key ``local``. Later starts keep the files and only set values in
-place (``set_value``), the rest of each file as the user left it. Also here: ``Refused`` (one
-line for stderr and the exit code) and the small HTTP helpers the other ``up`` modules use.
+one route per model of a ``--backend``), ``worker.yaml`` and ``edge.yaml`` with their ports (the
+customary one, else a free one), and the API key ``local``. Later starts keep the files and only
+set values in place (``set_value``; an ``edge.yaml`` of an older ``up`` gets its ``worker``
+section appended, ``add_section``), the rest of each file as the user left it. Also here:
+``Refused`` (one line for stderr and the exit code) and the small HTTP helpers the other ``up``
+modules use.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from iop_wire.certs import init_dir
 
 CONTROL_PLANE_PORT = 7400
 EDGE_PORT = 8000
+WORKER_PORT = 7402
 _NODE_METRICS_PORT = 9464  # Prometheus' customary port for a node's metrics
 _CONTROL_PLANE_METRICS_PORT = 9465
+_WORKER_METRICS_PORT = 9466
 HTTP_TIMEOUT = 5.0
 
 
@@ -53,8 +57,9 @@ def prepare(state: Path, port: int | None, backend: str | None) -> None:
     if routes is not None or not node.exists():
         node.write_text(yaml.safe_dump(_node_config(state, control_plane, routes), sort_keys=False))
         print(f"wrote {node} ({'models of ' + str(backend) if routes else 'mock models'}; edit it to add routes)")
-    _prepare_edge(state, control_plane, port)
-    for config in (node, state / "edge.yaml"):  # up points them at the control-plane it started
+    worker = _prepare_worker(state, control_plane)
+    _prepare_edge(state, control_plane, port, worker)
+    for config in (node, state / "worker.yaml", state / "edge.yaml"):  # up points them at the control-plane it started
         if _yaml_node(config, ("control_plane", "address")) is None:
             raise Refused(
                 f"{config} has no control_plane.address (written by an older 'iop up'?): "
@@ -77,13 +82,28 @@ def _prepare_control_plane(state: Path) -> int:
     return port
 
 
-def _prepare_edge(state: Path, control_plane: int, port: int | None) -> None:
+def _prepare_worker(state: Path, control_plane: int) -> int:
+    config = state / "worker.yaml"
+    if not config.exists():
+        port = _default_or_free(WORKER_PORT, "the worker")
+        config.write_text(yaml.safe_dump(_worker_config(state, control_plane, port), sort_keys=False))
+        print(f"wrote {config}")
+        return port
+    port = _port_of(config, ("listen", "port"), WORKER_PORT)
+    if port and not _free(port):
+        raise Refused(f"127.0.0.1:{port} (listen.port of {config}) is in use", 2)
+    return port
+
+
+def _prepare_edge(state: Path, control_plane: int, port: int | None, worker: int) -> None:
     config = state / "edge.yaml"
     if not config.exists():
         chosen = _default_or_free(EDGE_PORT, "the edge") if port is None else port
-        config.write_text(yaml.safe_dump(_edge_config(state, control_plane, chosen), sort_keys=False))
+        config.write_text(yaml.safe_dump(_edge_config(state, control_plane, chosen, worker), sort_keys=False))
         print(f"wrote {config}")
         return
+    if yaml_value(config, ("worker", "address")) is None:  # an older up's edge.yaml: no worker yet
+        add_section(config, "worker", _worker_address(worker))
     if port is not None:
         set_value(config, ("http", "port"), port)
     configured = _port_of(config, ("http", "port"), EDGE_PORT)
@@ -144,14 +164,29 @@ def _node_config(state: Path, control_plane: int, routes: list[dict[str, Any]] |
     }
 
 
-def _edge_config(state: Path, control_plane: int, port: int) -> dict[str, object]:
+def _worker_config(state: Path, control_plane: int, port: int) -> dict[str, object]:
+    return {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "tls": _tls(state, "worker"),
+        "control_plane": {"address": f"127.0.0.1:{control_plane}", "server_name": "localhost"},
+        "store": {"path": str((state / "worker.db").resolve())},
+        "metrics_port": _WORKER_METRICS_PORT if _free(_WORKER_METRICS_PORT) else 0,
+    }
+
+
+def _edge_config(state: Path, control_plane: int, port: int, worker: int) -> dict[str, object]:
     return {
         "http": {"host": "127.0.0.1", "port": port},
         "control_plane": {"address": f"127.0.0.1:{control_plane}", "server_name": "localhost"},
+        "worker": _worker_address(worker),
         "tls": _tls(state, "edge"),
         "auth": "keys",
         "keys_path": str((state / "edge-keys.db").resolve()),
     }
+
+
+def _worker_address(port: int) -> dict[str, object]:
+    return {"address": f"127.0.0.1:{port}", "server_name": "localhost"}
 
 
 def _backend_routes(backend: str) -> list[dict[str, Any]]:
@@ -223,6 +258,20 @@ def set_value(config: Path, keys: tuple[str, str], value: int | str) -> None:
         written = str(value) if isinstance(value, int) else json.dumps(value)
         config.write_text(text[: node.start_mark.index] + written + text[node.end_mark.index :])
         print(f"{config}: {name} {node.value} -> {value}")
+
+
+def add_section(config: Path, section: str, values: dict[str, object]) -> None:
+    """Append ``section`` with ``values`` to ``config``, the rest untouched; Refused if it has one already."""
+    try:
+        tree = yaml.compose(config.read_text(), Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        raise Refused(f"{config} is not YAML: {str(exc).splitlines()[0]}", 2) from None
+    if isinstance(tree, yaml.MappingNode) and any(key.value == section for key, _ in tree.value):
+        raise Refused(f"{config} has a {section} section without {section}.address: add one, or remove it", 2)
+    text = config.read_text()
+    block = yaml.safe_dump({section: values}, sort_keys=False)
+    config.write_text(text + ("" if not text or text.endswith("\n") else "\n") + block)
+    print(f"{config}: added {section} ({', '.join(f'{k} {v}' for k, v in values.items())})")
 
 
 # --- small helpers -------------------------------------------------------------------------------------

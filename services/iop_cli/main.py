@@ -14,6 +14,7 @@
     iop runs ls|show ... --control-plane [HOST:PORT]   the control-plane's run ledger (admin cert)
     iop nodes ls [--json] | drain NODE [--reason R] | undrain NODE   operate a control-plane (admin cert)
     iop policy show | apply FILE          the control-plane's policy in force; replace it
+    iop batches ls [--limit N] [--json] | show ID [--json] | cancel ID   a worker's batches (admin cert)
     iop version, iop --version
 
 ``--log-level`` goes before or after the command; for ``iop node``, ``iop control-plane``,
@@ -143,6 +144,14 @@ def _ops(args: argparse.Namespace) -> int:
     return code
 
 
+def _batches(args: argparse.Namespace) -> int:
+    from iop_cli import batches
+
+    action = getattr(batches, args.batches_action)
+    code: int = asyncio.run(action(args))
+    return code
+
+
 def _version(args: argparse.Namespace) -> int:
     print(f"iop {version('iop')}")
     return 0
@@ -199,6 +208,7 @@ def _parser() -> argparse.ArgumentParser:
     _keys_parsers(commands, common, state_dir, state_help)
     _runs_parsers(commands, common, state_dir, state_help)
     _ops_parsers(commands, common, state_dir)
+    _batches_parsers(commands, common, state_dir)
 
     commands.add_parser("version", help="print the version").set_defaults(run=_version)
     return parser
@@ -345,6 +355,37 @@ def _ops_parsers(
     apply = policy_commands.add_parser("apply", parents=[admin], help="validate FILE and put it in force")
     apply.add_argument("file", type=Path, metavar="FILE")
     apply.set_defaults(run=_ops, ops_action="policy_apply")
+
+
+def _batches_parsers(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser, state_dir: Path
+) -> None:
+    """``iop batches ls|show|cancel``: admin requests to a worker."""
+    admin = argparse.ArgumentParser(add_help=False, parents=[common])
+    admin.add_argument(
+        "--worker",
+        default=os.environ.get("IOP_WORKER"),
+        metavar="HOST:PORT",
+        help="the worker (default: $IOP_WORKER, else the one 'iop up' started in --dir, else 127.0.0.1:7402)",
+    )
+    admin.add_argument("--dir", type=Path, default=state_dir, help="state folder (default: $IOP_STATE_DIR, else .iop)")
+    admin.add_argument("--certs", type=Path, metavar="DIR", help="admin.crt, admin.key, ca.crt (default: STATE/certs)")
+    admin.add_argument(
+        "--server-name", default="localhost", metavar="NAME", help="its certificate name (default localhost)"
+    )
+    batches = commands.add_parser("batches", help="a worker's batch jobs (admin certificate)")
+    batches_commands = batches.add_subparsers(dest="batches_command", required=True)
+    ls = batches_commands.add_parser("ls", parents=[admin], help="the newest batches, their status and progress")
+    ls.add_argument("--limit", type=int, default=20, help="at most this many, newest first (default 20, at most 100)")
+    ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ls.set_defaults(run=_batches, batches_action="batches_ls")
+    show = batches_commands.add_parser("show", parents=[admin], help="one batch: status, counts, progress")
+    show.add_argument("batch_id", metavar="ID")
+    show.add_argument("--json", action="store_true", help="print JSON instead of text")
+    show.set_defaults(run=_batches, batches_action="batches_show")
+    cancel = batches_commands.add_parser("cancel", parents=[admin], help="stop a batch; lines done so far are kept")
+    cancel.add_argument("batch_id", metavar="ID")
+    cancel.set_defaults(run=_batches, batches_action="batches_cancel")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

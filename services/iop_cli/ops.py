@@ -10,6 +10,9 @@ Each command dials the control-plane (``--control-plane HOST:PORT``, default
 Exit codes: 0 done; 1 the control-plane refused the operation (an unknown node, say);
 2 it could not be asked (unreachable, certificate refused, a file missing) or, for
 ``policy apply``, the policy is invalid (the control-plane's one line, naming the key, is printed).
+
+``ask``, ``guarded`` and ``Failed`` also serve ``iop batches`` (``iop_cli.batches``), which asks a
+worker the same way.
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ from iop_wire.tls import TlsConfig
 
 __all__ = [
     "DEFAULT_CONTROL_PLANE",
+    "Failed",
+    "ask",
+    "guarded",
+    "iso",
     "nodes_drain",
     "nodes_ls",
     "nodes_undrain",
@@ -54,7 +61,7 @@ _STATES = {
 _CANNOT_ASK = frozenset({pb.ERROR_CODE_PERMISSION_DENIED, pb.ERROR_CODE_UNAUTHENTICATED})
 
 
-class _Failed(Exception):
+class Failed(Exception):
     """One line for stderr, and the exit code."""
 
     def __init__(self, message: str, code: int, error: int = pb.ERROR_CODE_UNSPECIFIED) -> None:
@@ -64,50 +71,51 @@ class _Failed(Exception):
 
 async def nodes_ls(args: argparse.Namespace) -> int:
     """Every node the control-plane knows, as a table or JSON."""
-    return await _guarded(args, "nodes", _nodes_ls)
+    return await guarded(args, "nodes", _nodes_ls)
 
 
 async def nodes_drain(args: argparse.Namespace) -> int:
     """No new runs to the node; its runs in flight finish."""
-    return await _guarded(args, "nodes", _nodes_drain)
+    return await guarded(args, "nodes", _nodes_drain)
 
 
 async def nodes_undrain(args: argparse.Namespace) -> int:
     """Runs go to the node again (once it is connected)."""
-    return await _guarded(args, "nodes", _nodes_undrain)
+    return await guarded(args, "nodes", _nodes_undrain)
 
 
 async def policy_show(args: argparse.Namespace) -> int:
     """The policy in force: a comment line (version, source, time), then its YAML."""
-    return await _guarded(args, "policy", _policy_show)
+    return await guarded(args, "policy", _policy_show)
 
 
 async def policy_apply(args: argparse.Namespace) -> int:
     """Send a policy file; prints the version now in force."""
-    return await _guarded(args, "policy", _policy_apply)
+    return await guarded(args, "policy", _policy_apply)
 
 
 async def runs_ls(args: argparse.Namespace) -> int:
     """Runs from the control-plane's ledger, newest first, as a table or JSON."""
-    return await _guarded(args, "runs", _runs_ls)
+    return await guarded(args, "runs", _runs_ls)
 
 
 async def runs_show(args: argparse.Namespace) -> int:
     """Every field of one run from the control-plane's ledger, with its attempts."""
-    return await _guarded(args, "runs", _runs_show)
+    return await guarded(args, "runs", _runs_show)
 
 
-async def _guarded(args: argparse.Namespace, command: str, action: Any) -> int:
+async def guarded(args: argparse.Namespace, command: str, action: Any) -> int:
+    """Run ``action(args)``; a ``Failed`` becomes one line on stderr (``iop COMMAND: ...``) and its code."""
     try:
         code: int = await action(args)
-    except _Failed as exc:
+    except Failed as exc:
         print(f"iop {command}: {exc}", file=sys.stderr)
         return exc.code
     return code
 
 
 async def _nodes_ls(args: argparse.Namespace) -> int:
-    listed = (await _ask(args, pb.Envelope(nodes_list=pb.NodesList()))).nodes_listed
+    listed = (await ask(args, pb.Envelope(nodes_list=pb.NodesList()))).nodes_listed
     now = time.time()
     nodes = [_node_dict(node, now) for node in listed.nodes]
     if args.json:
@@ -121,19 +129,19 @@ async def _nodes_ls(args: argparse.Namespace) -> int:
 
 async def _nodes_drain(args: argparse.Namespace) -> int:
     drain = pb.NodesDrain(node_id=args.node, reason=args.reason or "")
-    print((await _ask(args, pb.Envelope(nodes_drain=drain))).operation_done.message)
+    print((await ask(args, pb.Envelope(nodes_drain=drain))).operation_done.message)
     return 0
 
 
 async def _nodes_undrain(args: argparse.Namespace) -> int:
     undrain = pb.NodesUndrain(node_id=args.node, reason=args.reason or "")
-    print((await _ask(args, pb.Envelope(nodes_undrain=undrain))).operation_done.message)
+    print((await ask(args, pb.Envelope(nodes_undrain=undrain))).operation_done.message)
     return 0
 
 
 async def _policy_show(args: argparse.Namespace) -> int:
-    shown = (await _ask(args, pb.Envelope(policy_show=pb.PolicyShow()))).policy_shown
-    loaded = _iso(shown.loaded_at.ToNanoseconds() / 1e9) if shown.HasField("loaded_at") else "-"
+    shown = (await ask(args, pb.Envelope(policy_show=pb.PolicyShow()))).policy_shown
+    loaded = iso(shown.loaded_at.ToNanoseconds() / 1e9) if shown.HasField("loaded_at") else "-"
     print(f"# policy version {shown.version}, from {shown.source or '-'}, in force since {loaded}")
     if shown.yaml:
         print(shown.yaml, end="" if shown.yaml.endswith("\n") else "\n")
@@ -148,30 +156,30 @@ async def _policy_apply(args: argparse.Namespace) -> int:
         text = path.read_text(encoding="utf-8")  # noqa: ASYNC240 - one small file, before dialing
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise _Failed(f"cannot read {path}: {reason}", 2) from None
+        raise Failed(f"cannot read {path}: {reason}", 2) from None
     apply = pb.PolicyApply(yaml=text, source=str(path))
     try:
-        applied = (await _ask(args, pb.Envelope(policy_apply=apply))).policy_applied
-    except _Failed as exc:
+        applied = (await ask(args, pb.Envelope(policy_apply=apply))).policy_applied
+    except Failed as exc:
         if exc.error != pb.ERROR_CODE_INVALID_ARGUMENT:
             raise
-        raise _Failed(f"{path} refused: {exc}", 2) from None
+        raise Failed(f"{path} refused: {exc}", 2) from None
     print(f"policy {applied.version} in force (from {path})")
     return 0
 
 
 async def _runs_ls(args: argparse.Namespace) -> int:
     if args.status and args.status not in STATUSES:
-        raise _Failed(f"unknown status {args.status!r}; valid: {', '.join(STATUSES)}", 2)
+        raise Failed(f"unknown status {args.status!r}; valid: {', '.join(STATUSES)}", 2)
     if not 1 <= args.limit <= MAX_LIST:
-        raise _Failed(f"--limit must be from 1 to {MAX_LIST}, not {args.limit}", 2)
+        raise Failed(f"--limit must be from 1 to {MAX_LIST}, not {args.limit}", 2)
     query = pb.RunsList(status=args.status or "", model=args.model or "", node_id=args.node or "", limit=args.limit)
     if args.since:
         try:
             query.since.FromDatetime(parse_since(args.since))
         except ValueError as exc:
-            raise _Failed(str(exc), 2) from None
-    listed = (await _ask(args, pb.Envelope(runs_list=query))).runs_listed
+            raise Failed(str(exc), 2) from None
+    listed = (await ask(args, pb.Envelope(runs_list=query))).runs_listed
     runs = [_run_dict(run) for run in listed.runs]
     print(json.dumps(runs, indent=2) if args.json else _runs_table(runs))
     if listed.more:
@@ -180,7 +188,7 @@ async def _runs_ls(args: argparse.Namespace) -> int:
 
 
 async def _runs_show(args: argparse.Namespace) -> int:
-    listed = (await _ask(args, pb.Envelope(runs_list=pb.RunsList(run_id=args.run_id, limit=1)))).runs_listed
+    listed = (await ask(args, pb.Envelope(runs_list=pb.RunsList(run_id=args.run_id, limit=1)))).runs_listed
     if not listed.runs:
         print(f"iop runs: no run {args.run_id!r} in the control-plane's ledger", file=sys.stderr)
         return 1
@@ -197,35 +205,36 @@ async def _runs_show(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _ask(args: argparse.Namespace, envelope: pb.Envelope) -> pb.Envelope:
-    """Dial the control-plane as an admin, send one request, return its answer."""
-    host, port = _address(args.control_plane)
+async def ask(args: argparse.Namespace, envelope: pb.Envelope, *, service: str = "control-plane") -> pb.Envelope:
+    """Dial ``service`` (at its ``--SERVICE HOST:PORT`` option) as an admin, send one request, return its answer."""
+    option = service.replace("-", "_")
+    host, port = _address(getattr(args, option), f"--{service}")
     tls = _admin_tls(args.certs or args.dir / "certs")
-    where = f"{host}:{port}"
+    where = f"the {service} at {host}:{port}"
     try:
         connection = await dial(host, port, tls=tls, server_hostname=args.server_name, timeout=_TIMEOUT)
     except IopError as exc:
-        raise _Failed(f"the control-plane at {where} refused the connection: {exc.message}", 2) from None
+        raise Failed(f"{where} refused the connection: {exc.message}", 2) from None
     except TimeoutError:
-        raise _Failed(f"cannot reach the control-plane at {where}: timed out", 2) from None
+        raise Failed(f"cannot reach {where}: timed out", 2) from None
     except ConnectionRefusedError:
-        raise _Failed(f"cannot reach the control-plane at {where}: connection refused", 2) from None
+        raise Failed(f"cannot reach {where}: connection refused", 2) from None
     except OSError as exc:
-        raise _Failed(f"cannot reach the control-plane at {where}: {exc.strerror or exc}", 2) from None
+        raise Failed(f"cannot reach {where}: {exc.strerror or exc}", 2) from None
     try:
         return await connection.request(envelope, timeout=_TIMEOUT)
     except IopError as exc:
-        raise _Failed(exc.message, 2 if exc.code in _CANNOT_ASK else 1, exc.code) from None
+        raise Failed(exc.message, 2 if exc.code in _CANNOT_ASK else 1, exc.code) from None
     except TimeoutError:
-        raise _Failed(f"the control-plane at {where} did not answer in {_TIMEOUT:g}s", 2) from None
+        raise Failed(f"{where} did not answer in {_TIMEOUT:g}s", 2) from None
     finally:
         await connection.close("done")
 
 
-def _address(value: str) -> tuple[str, int]:
+def _address(value: str, option: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise _Failed(f"--control-plane must be HOST:PORT, not {value!r}", 2)
+        raise Failed(f"{option} must be HOST:PORT, not {value!r}", 2)
     return host.strip("[]"), int(port)
 
 
@@ -233,7 +242,7 @@ def _admin_tls(certs: Path) -> TlsConfig:
     files = {name: certs / name for name in ("admin.crt", "admin.key", "ca.crt")}
     for path in files.values():
         if not path.is_file():
-            raise _Failed(f"no {path} (pass --certs DIR, or create it with 'iop certs init {certs}')", 2)
+            raise Failed(f"no {path} (pass --certs DIR, or create it with 'iop certs init {certs}')", 2)
     return TlsConfig(enabled=True, cert=files["admin.crt"], key=files["admin.key"], ca=files["ca.crt"])
 
 
@@ -257,10 +266,10 @@ def _node_dict(node: pb.NodeInfo, now: float) -> dict[str, Any]:
         "labels": dict(node.labels),
         "in_flight": node.in_flight,
         "capacity": node.capacity,
-        "last_heartbeat": _iso(heartbeat) if heartbeat is not None else None,
+        "last_heartbeat": iso(heartbeat) if heartbeat is not None else None,
         "last_heartbeat_age_s": round(max(0.0, now - heartbeat), 3) if heartbeat is not None else None,
         "address": node.address,
-        "first_seen": _iso(first_seen) if first_seen is not None else None,
+        "first_seen": iso(first_seen) if first_seen is not None else None,
     }
 
 
@@ -290,7 +299,7 @@ def _table(nodes: list[dict[str, Any]]) -> str:
 def _run_dict(run: pb.LedgerRun) -> dict[str, Any]:
     return {
         "run_id": run.run_id,
-        "received_at": _iso(run.received_at.ToNanoseconds() / 1e9, "milliseconds"),
+        "received_at": iso(run.received_at.ToNanoseconds() / 1e9, "milliseconds"),
         "requester": run.requester,
         "connection": run.connection,
         "caller": run.caller,
@@ -357,5 +366,6 @@ def _text(value: object) -> str:
     return "-" if value is None or value == "" else str(value)
 
 
-def _iso(seconds: float, timespec: str = "seconds") -> str:
+def iso(seconds: float, timespec: str = "seconds") -> str:
+    """``seconds`` since the epoch as ISO 8601 in UTC."""
     return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat(timespec=timespec)

@@ -1,7 +1,7 @@
 """The platform's processes: spawn each with its log, wait for its ready file, stop them in order.
 
-``Platform`` is what one ``iop up`` started: it spawns ``iop control-plane``, ``iop node`` and
-``iop edge``, writes their pid files, waits for their ready files and the edge's ``GET /ready``,
+``Platform`` is what one ``iop up`` started: it spawns ``iop control-plane``, ``iop node``,
+``iop worker`` and ``iop edge``, writes their pid files, waits for their ready files and the edge's ``GET /ready``,
 relays their output in ``--foreground`` and stops them. The rest reads what a running platform
 left in the state folder (pid and ready files) and stops a process by its pid, for ``iop down``
 and ``iop status``.
@@ -25,7 +25,7 @@ from typing import IO, Any
 
 from iop_cli.configs import HTTP_TIMEOUT, Refused, set_value
 
-SERVICES = ("control-plane", "node", "edge")
+SERVICES = ("control-plane", "node", "worker", "edge")
 _START_TIMEOUT = 30.0
 STOP_TIMEOUT = 60.0
 _LOG_TAIL = 2000
@@ -65,13 +65,15 @@ class Platform:
         self.readers: list[threading.Thread] = []
 
     def start(self) -> dict[str, dict[str, Any]]:
-        """Start all three and wait until the edge serves a model; what each wrote to its ready file."""
-        control_plane, node, edge = services(self.state)
+        """Start all four and wait until the edge serves a model; what each wrote to its ready file."""
+        control_plane, node, worker, edge = services(self.state)
         started = {"control-plane": self._start(control_plane)}
         address = f"127.0.0.1:{started['control-plane']['port']}"
-        for config in (node.file(".yaml"), edge.file(".yaml")):
+        for config in (node.file(".yaml"), worker.file(".yaml"), edge.file(".yaml")):
             set_value(config, ("control_plane", "address"), address)
         self._spawn(node)
+        started["worker"] = self._start(worker)  # the edge is pointed at the port it took
+        set_value(edge.file(".yaml"), ("worker", "address"), f"127.0.0.1:{started['worker']['port']}")
         self._spawn(edge)
         started["node"] = self._wait(node)
         started["edge"] = self._wait(edge)
@@ -132,7 +134,7 @@ class Platform:
         return Refused(f"the {service.name} {what} within {_START_TIMEOUT:.0f} s; the end of {log}:\n{tail}", 1)
 
     def stop(self) -> None:
-        """SIGTERM the edge, the node, then the control-plane, each waited for (SIGKILL if it hangs)."""
+        """SIGTERM the edge, the worker, the node, then the control-plane, each waited for (SIGKILL if it hangs)."""
         for name in reversed(SERVICES):
             process = self.processes.get(name)
             if process is None:

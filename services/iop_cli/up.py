@@ -1,20 +1,24 @@
 """``iop up`` / ``iop down`` / ``iop status``: the whole platform on this machine.
 
-``up`` starts three processes with mTLS between them: ``iop control-plane``, one ``iop node``
-registered with it (no listener of its own) and ``iop edge``, the OpenAI-compatible HTTP API. On
-first start it creates, in the state folder ``DIR``: development certificates (``DIR/certs``),
+``up`` starts four processes with mTLS between them: ``iop control-plane``, one ``iop node``
+registered with it (no listener of its own), ``iop worker`` (OpenAI's Files and Batches: its
+lines run through the control-plane) and ``iop edge``, the OpenAI-compatible HTTP API. On first
+start it creates, in the state folder ``DIR``: development certificates (``DIR/certs``),
 ``control-plane.yaml`` (port 7400, else a free one, printed), ``node.yaml`` (mock models
-``mock-small`` and ``mock-fast``), ``edge.yaml`` (HTTP port 8000, else a free one, printed; auth
-by API keys in ``edge-keys.db``) and an API key named ``local`` whose secret is kept in
-``DIR/api-key`` (0600). Existing files are kept, except that ``--port`` sets ``http.port`` in
-``edge.yaml`` and the node's and edge's ``control_plane.address`` follow the control-plane's port.
-Metrics are on in every generated config (the edge serves them on its HTTP port).
+``mock-small`` and ``mock-fast``), ``worker.yaml`` (port 7402, else a free one; jobs in
+``worker.db``), ``edge.yaml`` (HTTP port 8000, else a free one, printed; auth by API keys in
+``edge-keys.db``; its ``worker`` section names the worker) and an API key named ``local`` whose
+secret is kept in ``DIR/api-key`` (0600). Existing files are kept, except that ``--port`` sets
+``http.port`` in ``edge.yaml``, the node's, worker's and edge's ``control_plane.address`` follow
+the control-plane's port, and the edge's ``worker.address`` the worker's (an ``edge.yaml`` of an
+older ``up`` without a ``worker`` section gets one appended). Metrics are on in every generated
+config (the edge serves them on its HTTP port).
 
 ``--backend URL`` rewrites ``node.yaml`` with one route per model of an OpenAI-compatible server
 (``GET URL/v1/models``, adapter ``vllm``), or with ``ollama:URL`` of an Ollama server
 (``GET URL/api/tags``, adapter ``ollama``); a backend that cannot be asked is one line, exit 2.
 
-Start order: control-plane, then node and edge; each has 30 s to write its ready file
+Start order: control-plane, then node and worker, then the edge; each has 30 s to write its ready file
 (``DIR/<service>.ready``), then the edge's ``GET /ready`` must answer 200 (a model is served).
 A service that fails stops the others; its log's end is printed and the exit code is 1. Logs
 are ``DIR/<service>.log`` (the previous start's kept as ``.log.1``), pids ``DIR/<service>.pid``.
@@ -24,14 +28,15 @@ running state folder ``up`` says so, prints the base URL and key and changes not
 ``--port`` asks for another port; exit 1 if only part of the platform runs). Once up it prints ``base URL: ...``,
 ``API key: ...``, a three-line OpenAI SDK example and the commands to go on, then returns; with
 ``--foreground`` it stays attached, prints every service's output prefixed ``control-plane | ``,
-``node | ``, ``edge | `` (also written to the logs), and Ctrl-C (or SIGTERM) stops all three,
+``node | ``, ``worker | ``, ``edge | `` (also written to the logs), and Ctrl-C (or SIGTERM) stops all,
 exit 0; if one exits by itself the others are stopped, exit 1.
 
-``down`` sends SIGTERM to the edge, the node, then the control-plane, waits for each and prints
+``down`` sends SIGTERM to the edge, the worker, the node, then the control-plane, waits for each and prints
 it stopped; pid files of processes that are gone are removed with a word. ``status`` prints
 SERVICE, PID, ADDRESS, HEALTH per service (``--json``: a list of objects): the control-plane is
 healthy once its ready file is written, the node when the control-plane (asked over mTLS with the
-admin certificate) lists it ready, the edge when ``GET /health`` answers 200; exit 0 if all are.
+admin certificate) lists it ready, the worker when it answers a ``batches.list`` (asked the same
+way), the edge when ``GET /health`` answers 200; exit 0 if all are.
 
 This module holds the three commands and what they print; the files ``up`` writes are
 ``iop_cli.configs``'s, the processes it starts and stops ``iop_cli.platform``'s.
@@ -169,7 +174,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def _print_started(state: Path, started: dict[str, dict[str, Any]], foreground: bool) -> None:
-    control_plane, node, edge = started["control-plane"], started["node"], started["edge"]
+    control_plane, node, worker, edge = (started[name] for name in SERVICES)
     base = f"http://127.0.0.1:{edge['port']}/v1"
     key = _read_key(state)
     models = _served_models(base, key)
@@ -177,6 +182,7 @@ def _print_started(state: Path, started: dict[str, dict[str, Any]], foreground: 
         f"control-plane at 127.0.0.1:{control_plane['port']} (mTLS), pid {control_plane['pid']}"
         + _metrics(control_plane),
         f"node {node.get('node_id', 'local-node')} registered with it, pid {node['pid']}" + _metrics(node),
+        f"worker at 127.0.0.1:{worker['port']} (mTLS; files and batches), pid {worker['pid']}" + _metrics(worker),
         f"edge at http://127.0.0.1:{edge['port']}, pid {edge['pid']}, metrics http://127.0.0.1:{edge['port']}/metrics",
         f"models: {', '.join(models)}",
         "",
@@ -190,8 +196,9 @@ def _print_started(state: Path, started: dict[str, dict[str, Any]], foreground: 
         "",
         f"chat: {iop_command('chat', *_dir_args(state), 'hello')}",
         f"status: {iop_command('status', *_dir_args(state))}",
-        f"logs: {state / 'control-plane.log'}, {state / 'node.log'}, {state / 'edge.log'}",
+        f"logs: {', '.join(str(state / f'{name}.log') for name in SERVICES)}",
         f"run history: {iop_command('runs', 'ls', *_dir_args(state))}",
+        f"batches: {iop_command('batches', 'ls', *_dir_args(state))}",
         "stop: Ctrl-C" if foreground else f"stop: {iop_command('down', *_dir_args(state))}",
     ]
     say("\n".join(lines))
@@ -260,6 +267,9 @@ def _status_row(service: Service) -> dict[str, Any]:
         case "node":
             state = _node_state(service.state, str(ready.get("node_id", "")))
             return {**row, "address": f"registered as {ready.get('node_id')}", "health": state, "up": state == "ready"}
+        case "worker":
+            health = _worker_health(int(ready["port"]), service.state / "certs")
+            return {**row, "address": f"127.0.0.1:{ready['port']}", "health": health, "up": health == "ok"}
         case _:
             code = http_status(f"http://127.0.0.1:{ready['port']}/health")
             health = "ok" if code == 200 else f"HTTP {code}" if code else "not answering"
@@ -272,21 +282,32 @@ def _node_state(state: Path, node_id: str) -> str:
     if not control_plane:
         return "no control-plane"
     try:
-        listed = asyncio.run(_nodes_list(int(control_plane["port"]), state / "certs"))
+        listed = asyncio.run(
+            _admin_ask(int(control_plane["port"]), state / "certs", pb.Envelope(nodes_list=pb.NodesList()))
+        )
     except Exception as exc:  # noqa: BLE001 - any failure to ask is shown, not raised
         return f"unknown ({reason(exc)})"
     names = {pb.NODE_STATE_READY: "ready", pb.NODE_STATE_UNAVAILABLE: "unavailable", pb.NODE_STATE_DRAINING: "draining"}
-    for node in listed.nodes:
+    for node in listed.nodes_listed.nodes:
         if node.node_id == node_id:
             return names.get(node.state, "unspecified")
     return "not registered"
 
 
-async def _nodes_list(port: int, certs: Path) -> pb.NodesListed:
+def _worker_health(port: int, certs: Path) -> str:
+    """ "ok" once the worker answers a batches.list (asked over mTLS as an admin)."""
+    try:
+        asyncio.run(_admin_ask(port, certs, pb.Envelope(batches_list=pb.BatchesList(limit=1))))
+    except Exception as exc:  # noqa: BLE001 - any failure to ask is shown, not raised
+        return f"not answering ({reason(exc)})"
+    return "ok"
+
+
+async def _admin_ask(port: int, certs: Path, request: pb.Envelope) -> pb.Envelope:
+    """One request to a service on 127.0.0.1:``port``, over mTLS as an admin; its answer."""
     tls = TlsConfig(enabled=True, cert=certs / "admin.crt", key=certs / "admin.key", ca=certs / "ca.crt")
     connection = await dial("127.0.0.1", port, tls=tls, server_hostname="localhost", timeout=HTTP_TIMEOUT)
     try:
-        answer = await connection.request(pb.Envelope(nodes_list=pb.NodesList()), timeout=HTTP_TIMEOUT)
+        return await connection.request(request, timeout=HTTP_TIMEOUT)
     finally:
         await connection.close("status done")
-    return answer.nodes_listed

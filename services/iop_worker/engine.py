@@ -8,7 +8,9 @@ cancelled has its lines that run here cancelled; one whose lines have all ended 
 conditional, so of several workers one finalizes). Then it leases lines up to ``concurrency``
 and runs each in a task: the line's body becomes a run (priority ``batches.priority``, the
 batch's deadline), submitted to the control-plane; a retryable failure (the queue full, no node,
-a node lost) is tried again after a pause, up to ``attempts``; the outcome is written with
+a node lost, or a model no node serves in the first seconds after (re)connecting, while the nodes
+dial a restarted control-plane back) is tried again after a pause, up to ``attempts``; a run cut
+off by the batch's deadline leaves its line to the expiry (in neither file); the outcome is written with
 ``finish``, which is fenced by the lease, so a line whose lease this worker lost is written by
 the worker that took it and by no one else. Leases are renewed while lines run.
 
@@ -30,7 +32,7 @@ from typing import Any
 import structlog
 
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_wire import ConnectionClosed, IopError, code_name
+from iop_wire import Connection, ConnectionClosed, IopError, code_name
 from iop_wire.dialer import KeepConnected
 from iop_wire.openai import errors as http
 from iop_wire.openai import requests as parse
@@ -61,6 +63,9 @@ _RETRYABLE = frozenset(
     }
 )
 _FILE_CHUNK = 256 * 1024
+_SETTLING = 5.0
+"""Seconds after the worker (re)connects to the control-plane during which "no node serves the model"
+is retried: a control-plane that just (re)started has not yet heard from the nodes dialing back."""
 
 
 class _Retry(Exception):
@@ -69,6 +74,10 @@ class _Retry(Exception):
     def __init__(self, error: pb.Error, wait: float) -> None:
         super().__init__(error.message)
         self.error, self.wait = error, wait
+
+
+class _CutOff(Exception):
+    """The line's run passed its deadline, the batch's window: the line is left to the expiry, in no file."""
 
 
 class Engine:
@@ -89,6 +98,9 @@ class Engine:
         self.running: dict[LineKey, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
         self._takeovers = 0
+        self._connection: Connection | None = None
+        """The control-plane connection lines last ran on, and since when (monotonic seconds)."""
+        self._connected_at = 0.0
 
     def wake(self) -> None:
         """Look for work now (a batch was created or cancelled, a line ended)."""
@@ -238,7 +250,11 @@ class Engine:
             batch = await self.store.get_batch(line.batch_id)
             if batch is None:
                 return
-            status, result, usage = await self._attempts(batch, line)
+            try:
+                status, result, usage = await self._attempts(batch, line)
+            except _CutOff:  # pending again, so the expiry marks it cancelled like the lines not yet started
+                await self.store.release(self.owner, [line.key])
+                return
             if await self.store.finish(self.owner, line.batch_id, line.line, status, result, usage):
                 self.metrics.lines.labels(str(status)).inc()
                 self.metrics.line_seconds.observe(time.monotonic() - started)
@@ -280,6 +296,8 @@ class Engine:
             run.deadline.FromSeconds(batch.expires_at)
         try:
             connection = await self.control_plane.connected(timeout=5.0)
+            if connection is not self._connection:
+                self._connection, self._connected_at = connection, time.monotonic()
             stream = await connection.open_run(run, urgent=False)
         except (TimeoutError, ConnectionClosed, IopError) as exc:
             raise _Retry(pb.Error(code=pb.ERROR_CODE_UNAVAILABLE, message=f"no control-plane: {exc}"), 1.0) from None
@@ -302,11 +320,18 @@ class Engine:
                 )
             elif kind == "error":
                 error = event.error
-                if error.code in _RETRYABLE or error.retryable:
+                if error.code == pb.ERROR_CODE_DEADLINE_EXCEEDED and batch.expires_at is not None:
+                    raise _CutOff
+                if error.code in _RETRYABLE or error.retryable or self._settling(error):
                     wait = error.retry_after.ToTimedelta().total_seconds() if error.HasField("retry_after") else 0.5
                     raise _Retry(error, max(wait, 0.05))
                 return LineStatus.FAILED, _error_line(line, request_id, error), Usage()
         raise _Retry(pb.Error(code=pb.ERROR_CODE_NODE_LOST, message="the run ended without a result"), 0.5)
+
+    def _settling(self, error: pb.Error) -> bool:
+        """An unknown model just after connecting: the nodes serving it may not have dialed back yet."""
+        fresh = time.monotonic() - self._connected_at < _SETTLING
+        return error.code == pb.ERROR_CODE_MODEL_NOT_FOUND and fresh
 
 
 def _run_request(

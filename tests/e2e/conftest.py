@@ -55,6 +55,8 @@ class Process:
     name: str
     root: Path
     popen: subprocess.Popen[bytes]
+    service: str = ""
+    """The ``iop`` subcommand it runs, for :meth:`restart`."""
 
     @property
     def log(self) -> Path:
@@ -86,6 +88,13 @@ class Process:
         self.popen.kill()
         self.popen.wait(timeout=10)
 
+    def restart(self) -> dict[str, Any]:
+        """Start it again with the same config (same port, same store) once it has ended; its ready file."""
+        assert self.popen.poll() is not None, f"{self.name} is still running"
+        self.ready_file.unlink(missing_ok=True)  # a killed process leaves its ready file behind
+        self.popen = _spawn(self.root, self.name, self.service, self.root / f"{self.name}.yaml").popen
+        return self.wait_ready()
+
 
 @dataclass
 class Stack:
@@ -99,6 +108,10 @@ class Stack:
     opened: list[openai.OpenAI | httpx.Client] = field(default_factory=list)
     worker: Process | None = None
     """The worker, when the stack has one."""
+    more_workers: list[Process] = field(default_factory=list)
+    """Workers started by :meth:`add_worker`, stopped with the stack."""
+    control_plane: Process | None = None
+    """The control-plane process (its port is pinned in its config: a restart binds ``cp_port`` again)."""
 
     @property
     def certs(self) -> Path:
@@ -132,10 +145,19 @@ class Stack:
         return client
 
     def close(self) -> None:
-        """Close every client handed out."""
+        """Close every client handed out; stop the workers added by :meth:`add_worker`."""
         for client in self.opened:
             client.close()
         self.opened.clear()
+        for process in self.more_workers:
+            process.stop()
+
+    def add_worker(self, name: str, settings: dict[str, Any]) -> Process:
+        """Another worker on this control-plane (the edge does not talk to it), ready."""
+        upstream = {"address": f"127.0.0.1:{self.cp_port}", "server_name": "localhost"}
+        process = _start_worker(self.root, name, upstream, settings)
+        self.more_workers.append(process)
+        return process
 
     def node_db(self, node_id: str) -> Path:
         return self.root / f"{node_id}.db"
@@ -201,11 +223,41 @@ def _write(path: Path, data: dict[str, Any]) -> Path:
 def _spawn(root: Path, name: str, service: str, config: Path) -> Process:
     ready = root / f"{name}.ready"
     command = [*IOP, service, "--config", str(config), "--ready-file", str(ready)]
-    with (root / f"{name}.log").open("wb") as log:
+    with (root / f"{name}.log").open("ab") as log:  # appended: a restarted process keeps the first one's log
         popen = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
         )
-    return Process(name, root, popen)
+    return Process(name, root, popen, service)
+
+
+def _pin_port(config: Path, section: str, port: int) -> None:
+    """Write the port a process picked (it was started with port 0) into its config, so a restart binds it again."""
+    data = yaml.safe_load(config.read_text())
+    data[section]["port"] = port
+    _write(config, data)
+
+
+def _start_worker(root: Path, name: str, upstream: dict[str, Any], settings: dict[str, Any]) -> Process:
+    """A worker (``settings`` added to its config), ready, its port pinned in its config."""
+    config = _write(
+        root / f"{name}.yaml",
+        {
+            "worker_id": name,
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "tls": _tls(root / "certs", "worker"),
+            "control_plane": {**upstream, "reconnect_initial": 0.05},
+            "store": {"path": str(root / f"{name}.db")},
+            "heartbeat_interval": 0.5,
+            **settings,
+        },
+    )
+    process = _spawn(root, name, "worker", config)
+    try:
+        _pin_port(config, "listen", int(process.wait_ready()["port"]))
+    except BaseException:
+        process.stop()
+        raise
+    return process
 
 
 @contextmanager
@@ -240,6 +292,7 @@ def running_stack(
         cp = _spawn(root, "control-plane", "control-plane", cp_config)
         stopping.callback(cp.stop)
         cp_port = int(cp.wait_ready()["port"])
+        _pin_port(cp_config, "listen", cp_port)
         upstream = {"address": f"127.0.0.1:{cp_port}", "server_name": "localhost"}
         started: dict[str, Process] = {}
         for node_id, routes in nodes.items():
@@ -260,20 +313,9 @@ def running_stack(
         worker_settings: dict[str, Any] = {}
         worker_process: Process | None = None
         if worker is not None:
-            worker_config = _write(
-                root / "worker.yaml",
-                {
-                    "listen": {"host": "127.0.0.1", "port": 0},
-                    "tls": _tls(certs, "worker"),
-                    "control_plane": {**upstream, "reconnect_initial": 0.05},
-                    "store": {"path": str(root / "worker.db")},
-                    "heartbeat_interval": 0.5,
-                    **worker,
-                },
-            )
-            worker_process = _spawn(root, "worker", "worker", worker_config)
+            worker_process = _start_worker(root, "worker", upstream, worker)
             stopping.callback(worker_process.stop)
-            worker_port = int(worker_process.wait_ready()["port"])
+            worker_port = yaml.safe_load((root / "worker.yaml").read_text())["listen"]["port"]
             worker_settings = {"worker": {"address": f"127.0.0.1:{worker_port}", "server_name": "localhost"}}
         edge_config = _write(
             root / "edge.yaml",
@@ -291,7 +333,8 @@ def running_stack(
         stopping.callback(edge.stop)
         for process in started.values():
             process.wait_ready()
-        stack = Stack(root, cp_port, int(edge.wait_ready()["port"]), key, started, worker=worker_process)
+        edge_port = int(edge.wait_ready()["port"])
+        stack = Stack(root, cp_port, edge_port, key, started, worker=worker_process, control_plane=cp)
         models = {route["model"] for routes in nodes.values() for route in routes}
         stopping.callback(stack.close)
         wait_for(lambda: models <= stack.served(), START_TIMEOUT, 0.05, f"the edge serving {sorted(models)}")

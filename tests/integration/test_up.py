@@ -1,6 +1,6 @@
 """``iop up`` / ``down`` / ``status`` / ``chat`` / ``models``: the whole platform as real processes.
 
-One platform (control-plane, node, edge over mTLS) is started for the module and shared by the
+One platform (control-plane, node, worker, edge over mTLS) is started for the module and shared by the
 tests that only use it; the tests that start their own stop it before they end.
 """
 
@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 IOP = [sys.executable, "-m", "iop_cli.main"]
-SERVICES = ("control-plane", "node", "edge")
+SERVICES = ("control-plane", "node", "worker", "edge")
 # No state folder or key from the environment: each test names its own folder.
 ENV = {k: v for k, v in os.environ.items() if k not in ("IOP_STATE_DIR", "IOP_API_KEY")}
 
@@ -88,8 +88,8 @@ def test_up_prints_the_base_url_the_key_and_an_sdk_example(platform: tuple[Path,
     assert "from openai import OpenAI" in printed
     assert f'client = OpenAI(base_url="{base}", api_key="{key}")' in printed
     metrics = re.findall(r"metrics (http://127\.0\.0\.1:\d+/metrics)", printed)
-    assert len(metrics) == 3  # on in every generated config
-    for url, family in zip(metrics, ("iop_control_plane_", "iop_node_", "iop_edge_"), strict=True):
+    assert len(metrics) == 4  # on in every generated config
+    for url, family in zip(metrics, ("iop_control_plane_", "iop_node_", "iop_worker_", "iop_edge_"), strict=True):
         with urllib.request.urlopen(url, timeout=10) as answer:  # noqa: S310 - our own services on loopback
             assert family in answer.read().decode(), url
 
@@ -104,7 +104,36 @@ def test_the_official_openai_sdk_gets_an_answer(platform: tuple[Path, str]) -> N
     client.close()
 
 
-def test_status_lists_three_healthy_services(platform: tuple[Path, str]) -> None:
+def test_a_batch_runs_through_the_worker_up_started(platform: tuple[Path, str]) -> None:
+    from openai import OpenAI
+
+    state, printed = platform
+    client = OpenAI(base_url=_printed(printed, "base URL"), api_key=_printed(printed, "API key"), max_retries=0)
+    body = {"model": "mock-small", "messages": [{"role": "user", "content": "hi"}]}
+    lines = "".join(
+        json.dumps({"custom_id": f"line-{n}", "method": "POST", "url": "/v1/chat/completions", "body": body}) + "\n"
+        for n in range(5)
+    )
+    uploaded = client.files.create(file=("five.jsonl", lines.encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 30
+    while batch.status not in ("completed", "failed", "cancelled", "expired") and time.monotonic() < deadline:
+        time.sleep(0.2)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed", batch
+    assert batch.request_counts is not None and batch.request_counts.completed == 5
+    assert batch.output_file_id is not None
+    answers = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+    assert sorted(answer["custom_id"] for answer in answers) == [f"line-{n}" for n in range(5)]
+    assert all(answer["response"]["status_code"] == 200 for answer in answers)
+    client.close()
+    assert yaml.safe_load((state / "edge.yaml").read_text())["worker"] == {
+        "address": f"127.0.0.1:{json.loads((state / 'worker.ready').read_text())['port']}",
+        "server_name": "localhost",
+    }
+
+
+def test_status_lists_four_healthy_services(platform: tuple[Path, str]) -> None:
     state, _ = platform
     table = _iop("status", "--dir", str(state))
     assert table.returncode == 0, table.stdout + table.stderr
@@ -114,6 +143,8 @@ def test_status_lists_three_healthy_services(platform: tuple[Path, str]) -> None
     assert [row["service"] for row in rows] == list(SERVICES)
     assert all(row["up"] for row in rows), rows
     assert {row["service"]: row["pid"] for row in rows} == _pids(state)
+    worker = next(row for row in rows if row["service"] == "worker")
+    assert worker["health"] == "ok" and re.fullmatch(r"127\.0\.0\.1:\d+", worker["address"]), worker
 
 
 def test_chat_streams_an_answer_to_a_prompt_or_to_stdin(platform: tuple[Path, str]) -> None:
@@ -186,7 +217,7 @@ def test_down_stops_every_process(state: Path) -> None:
     assert set(pids) == set(SERVICES) and all(_alive(pid) for pid in pids.values())
     stopped = _iop("down", "--dir", str(state))
     assert stopped.returncode == 0, stopped.stderr
-    assert [line.split()[0] for line in stopped.stdout.splitlines()] == ["edge", "node", "control-plane"]
+    assert [line.split()[0] for line in stopped.stdout.splitlines()] == ["edge", "worker", "node", "control-plane"]
     assert _wait_gone(list(pids.values())) == []
     assert _pids(state) == {}
     assert _iop("status", "--dir", str(state)).returncode == 1
@@ -225,7 +256,7 @@ def test_foreground_prefixes_every_line_and_ctrl_c_stops_it_all(state: Path) -> 
                 break
             lines.append(line)
         assert any(line.startswith("base URL: ") for line in lines), "".join(lines)
-        assert {line.split(" | ")[0] for line in lines if " | " in line} >= {"control-plane", "node", "edge"}
+        assert {line.split(" | ")[0] for line in lines if " | " in line} >= {"control-plane", "node", "worker", "edge"}
         pids = _pids(state)
         assert set(pids) == set(SERVICES)
         up.send_signal(signal.SIGINT)
@@ -297,3 +328,19 @@ def test_a_node_config_of_an_older_up_is_named_not_started(tmp_path: Path) -> No
     assert refused.stderr.count("\n") == 1 and "node.yaml has no control_plane.address" in refused.stderr
     assert (state / "node.yaml").read_text() == "node_id: mine\nlisten: {port: 7401}\n"
     assert _pids(state) == {}
+
+
+def test_an_edge_config_of_an_older_up_gets_the_worker_appended(state: Path) -> None:
+    started = _iop("up", "--dir", str(state), "--port", "0")
+    assert started.returncode == 0, started.stdout + started.stderr
+    assert _iop("down", "--dir", str(state)).returncode == 0
+    edge = state / "edge.yaml"
+    older = {key: value for key, value in yaml.safe_load(edge.read_text()).items() if key != "worker"}
+    edge.write_text(yaml.safe_dump(older, sort_keys=False) + "# my notes\n")
+    again = _iop("up", "--dir", str(state), "--port", "0")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"{edge}: added worker" in again.stdout
+    config = yaml.safe_load(edge.read_text())
+    assert config["worker"]["address"] == f"127.0.0.1:{json.loads((state / 'worker.ready').read_text())['port']}"
+    assert "# my notes\n" in edge.read_text()
+    assert _iop("status", "--dir", str(state)).returncode == 0
