@@ -31,7 +31,7 @@ from iop_control_plane.store import AuditStore
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import EventSink, Handler, Inbound, IopError, Listener, MessageHandler, PeerIdentity, Role
 from iop_wire.metrics import expose
-from iop_wire.settings import bind_error
+from iop_wire.settings import EventLoop, bind_error
 
 __all__ = ["ControlPlaneApp", "build_control_plane", "read_policy"]
 
@@ -70,6 +70,16 @@ class ControlPlaneApp:
     listener: Listener | None = None
     metrics_port: int | None = None
     _stack: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
+
+    @property
+    def log_level(self) -> str:
+        """The settings' log level (what ``iop_wire.settings.run_service`` configures)."""
+        return self.settings.log_level
+
+    @property
+    def event_loop(self) -> EventLoop:
+        """The settings' event loop."""
+        return self.settings.event_loop
 
     async def __aenter__(self) -> ControlPlaneApp:
         return await self.start()

@@ -12,35 +12,23 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import sys
 from pathlib import Path
 
 from iop_control_plane.bootstrap import ControlPlaneApp, build_control_plane
-from iop_control_plane.settings import ConfigError, StartError, load_settings
-from iop_wire.logs import configure
-from iop_wire.settings import loop_factory, write_ready_file
+from iop_control_plane.settings import load_settings
+from iop_wire.settings import run_service, write_ready_file
 
 __all__ = ["run"]
 
 
 def run(config: Path, *, ready_file: Path | None = None, log_level: str | None = None) -> int:
     """Start the control-plane described by ``config``; returns the exit code (2 when it cannot start)."""
-    try:
-        settings = load_settings(config)
-        app = build_control_plane(settings)
-    except ConfigError as exc:
-        return _fail(f"bad config: {exc.located(config)}")
-    configure(log_level or settings.log_level)
-    try:
-        with asyncio.Runner(loop_factory=loop_factory(settings.event_loop)) as runner:
-            return runner.run(_serve(app, ready_file))
-    except StartError as exc:
-        return _fail(str(exc.located(config)))
+    return run_service("control-plane", config, _load, lambda app: _serve(app, ready_file), log_level=log_level)
 
 
-def _fail(message: str) -> int:
-    print(f"iop control-plane: {message}", file=sys.stderr)
-    return 2
+def _load(config: Path) -> ControlPlaneApp:
+    """The control-plane built from its settings (and policy file); ConfigError names the key."""
+    return build_control_plane(load_settings(config))
 
 
 async def _serve(app: ControlPlaneApp, ready_file: Path | None) -> int:

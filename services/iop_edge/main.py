@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import signal
 import socket
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,11 +22,10 @@ import uvicorn
 from iop_edge.app import Edge, build_app
 from iop_edge.keys import KeyStore
 from iop_edge.metrics import EdgeMetrics
-from iop_edge.settings import ConfigError, Settings, StartError, load_settings
+from iop_edge.settings import Settings, StartError, load_settings
 from iop_edge.upstream import Upstream, worker_pool
-from iop_wire.logs import configure
 from iop_wire.metrics import expose
-from iop_wire.settings import Problem, bind_error, loop_factory, write_ready_file
+from iop_wire.settings import Problem, bind_error, run_service, write_ready_file
 
 __all__ = ["run"]
 
@@ -36,16 +34,9 @@ _log = structlog.get_logger("iop.edge")
 
 def run(config: Path, *, ready_file: Path | None = None, log_level: str | None = None) -> int:
     """Start the edge described by ``config``; returns the exit code (2 when it cannot start)."""
-    try:
-        settings = load_settings(config)
-    except ConfigError as exc:
-        return _fail(f"bad config: {exc.located(config)}")
-    configure(log_level or settings.log_level)
-    try:
-        with asyncio.Runner(loop_factory=loop_factory(settings.event_loop)) as runner:
-            return runner.run(_serve(settings, ready_file))
-    except StartError as exc:
-        return _fail(str(exc.located(config)))
+    return run_service(
+        "edge", config, load_settings, lambda settings: _serve(settings, ready_file), log_level=log_level
+    )
 
 
 class _Server(uvicorn.Server):
@@ -64,11 +55,6 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
-def _fail(message: str) -> int:
-    print(f"iop edge: {message}", file=sys.stderr)
-    return 2
-
-
 def _bind(settings: Settings) -> socket.socket:
     http = settings.http
     family = socket.AF_INET6 if ":" in http.host else socket.AF_INET
@@ -85,6 +71,7 @@ def _bind(settings: Settings) -> socket.socket:
 
 
 async def _serve(settings: Settings, ready_file: Path | None) -> int:
+    sock = _bind(settings)  # first: a port in use is the only line printed
     metrics = EdgeMetrics()
     expose(metrics.registry)
     worker = worker_pool(settings)
@@ -94,7 +81,11 @@ async def _serve(settings: Settings, ready_file: Path | None) -> int:
         try:
             await edge.keys.open()
         except OSError as exc:
+            sock.close()
             raise StartError([Problem("keys_path", f"cannot open {settings.keys_path}: {exc}")]) from None
+        except StartError:
+            sock.close()
+            raise
         if not len(edge.keys):
             _log.warning(
                 "no API keys",
@@ -105,7 +96,6 @@ async def _serve(settings: Settings, ready_file: Path | None) -> int:
             "AUTHENTICATION IS OFF",
             reason="auth: none: every request is served without an API key; for local development only",
         )
-    sock = _bind(settings)
     server = _Server(
         uvicorn.Config(
             build_app(edge),

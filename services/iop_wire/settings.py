@@ -15,10 +15,11 @@ import errno
 import json
 import os
 import socket
-from collections.abc import Callable, Mapping, Sequence
+import sys
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePath
-from typing import Any, Literal, Self, TypeVar, get_args, get_origin
+from typing import Any, Literal, Protocol, Self, TypeVar, get_args, get_origin
 
 import yaml
 from cryptography import x509
@@ -30,6 +31,7 @@ from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSett
 from iop_wire.connection import ConnectionConfig
 from iop_wire.endpoint import ListenerConfig
 from iop_wire.framing import DEFAULT_MAX_FRAME_SIZE
+from iop_wire.logs import configure
 from iop_wire.tls import Role, TlsConfig, server_context
 
 __all__ = [
@@ -49,6 +51,7 @@ __all__ = [
     "one_line",
     "problems",
     "resolve_paths",
+    "run_service",
     "write_ready_file",
 ]
 
@@ -444,3 +447,44 @@ def loop_factory(name: EventLoop) -> Callable[[], asyncio.AbstractEventLoop] | N
 
         return uvloop.new_event_loop
     return None
+
+
+class _Service(Protocol):
+    """What a service's settings (or app) tell run_service."""
+
+    @property
+    def log_level(self) -> str: ...
+
+    @property
+    def event_loop(self) -> EventLoop: ...
+
+
+_S = TypeVar("_S", bound=_Service)
+
+
+def run_service(
+    command: str,
+    config: Path,
+    load: Callable[[Path], _S],
+    serve: Callable[[_S], Coroutine[Any, Any, int]],
+    *,
+    log_level: str | None = None,
+) -> int:
+    """A service process from its config to its exit code: load the settings (ConfigError: one line
+    on stderr, exit 2), configure logging (``log_level`` overrides the settings'), then ``serve``
+    on the settings' event loop (StartError: one line naming the setting, exit 2).
+
+    ``load`` may build more than the settings (a policy, an app) as long as it raises ConfigError.
+    """
+    try:
+        settings = load(config)
+    except ConfigError as exc:
+        print(f"iop {command}: bad config: {exc.located(config)}", file=sys.stderr)
+        return 2
+    configure(log_level or settings.log_level)
+    try:
+        with asyncio.Runner(loop_factory=loop_factory(settings.event_loop)) as runner:
+            return runner.run(serve(settings))
+    except StartError as exc:
+        print(f"iop {command}: {exc.located(config)}", file=sys.stderr)
+        return 2

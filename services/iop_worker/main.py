@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import signal
 import ssl
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,14 +25,13 @@ from prometheus_client import start_http_server
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import EventSink, Handler, IopError, Listener, PeerIdentity, Role
 from iop_wire.dialer import Backoff, KeepConnected, Target
-from iop_wire.logs import configure
 from iop_wire.metrics import expose
-from iop_wire.settings import bind_error, loop_factory, write_ready_file
+from iop_wire.settings import bind_error, run_service, write_ready_file
 from iop_worker.batches import Batches
 from iop_worker.engine import Engine
 from iop_worker.files import Files
 from iop_worker.metrics import WorkerMetrics
-from iop_worker.settings import ConfigError, Problem, Settings, StartError, load_settings
+from iop_worker.settings import Problem, Settings, StartError, load_settings
 from iop_worker.store import JobStore
 
 __all__ = ["run"]
@@ -44,21 +42,9 @@ _ROLES = frozenset({Role.EDGE, Role.ADMIN})
 
 def run(config: Path, *, ready_file: Path | None = None, log_level: str | None = None) -> int:
     """Start the worker described by ``config``; returns the exit code (2 when it cannot start)."""
-    try:
-        settings = load_settings(config)
-    except ConfigError as exc:
-        return _fail(f"bad config: {exc.located(config)}")
-    configure(log_level or settings.log_level)
-    try:
-        with asyncio.Runner(loop_factory=loop_factory(settings.event_loop)) as runner:
-            return runner.run(_serve(settings, ready_file))
-    except StartError as exc:
-        return _fail(str(exc.located(config)))
-
-
-def _fail(message: str) -> int:
-    print(f"iop worker: {message}", file=sys.stderr)
-    return 2
+    return run_service(
+        "worker", config, load_settings, lambda settings: _serve(settings, ready_file), log_level=log_level
+    )
 
 
 def open_store(settings: Settings) -> JobStore:
