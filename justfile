@@ -94,3 +94,4 @@ bench:
     python tests/bench/control_plane_bench.py
     python tests/bench/detection_bench.py
     python tests/bench/edge_bench.py
+    python tests/bench/batch_bench.py

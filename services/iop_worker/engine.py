@@ -135,8 +135,13 @@ class Engine:
     async def step(self) -> None:
         """Look after the open batches, then lease lines to fill the free slots."""
         now = int(time.time())
+        pending = 0
         for batch in await self.store.unfinished_batches():
             await self._look_after(batch, now)
+            if batch.status is BatchStatus.IN_PROGRESS:
+                pending += (await self.store.counts(batch.id)).unfinished
+        self.metrics.pending.set(pending)
+        self.metrics.running.set(len(self.running))
         free = self.settings.concurrency - len(self.running)
         if free <= 0:
             return
