@@ -47,6 +47,7 @@ from iop_worker.store import (
     LineKey,
     LineRecord,
     LineStatus,
+    Outcome,
     Usage,
     new_file_id,
 )
@@ -63,6 +64,8 @@ _RETRYABLE = frozenset(
     }
 )
 _FILE_CHUNK = 256 * 1024
+_COUNT_EVERY = 2.0
+"""Seconds between counts of the pending lines (a gauge)."""
 _SETTLING = 5.0
 """Seconds after the worker (re)connects to the control-plane during which "no node serves the model"
 is retried: a control-plane that just (re)started has not yet heard from the nodes dialing back."""
@@ -98,6 +101,13 @@ class Engine:
         self.running: dict[LineKey, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
         self._takeovers = 0
+        self._batches: dict[str, BatchRecord] = {}
+        """The open batches as the last step saw them (a line needs only their id, endpoint and window,
+        which never change): one query a step instead of one a line."""
+        self._outcomes: list[tuple[Outcome, asyncio.Future[bool]]] = []
+        """Finished lines not yet written: written together, one transaction for all that ended meanwhile."""
+        self._writing: asyncio.Task[None] | None = None
+        self._counted_at = 0.0
         self._connection: Connection | None = None
         """The control-plane connection lines last ran on, and since when (monotonic seconds)."""
         self._connected_at = 0.0
@@ -135,13 +145,15 @@ class Engine:
     async def step(self) -> None:
         """Look after the open batches, then lease lines to fill the free slots."""
         now = int(time.time())
-        pending = 0
-        for batch in await self.store.unfinished_batches():
+        batches = await self.store.unfinished_batches()
+        self._batches = {batch.id: batch for batch in batches}
+        for batch in batches:
             await self._look_after(batch, now)
-            if batch.status is BatchStatus.IN_PROGRESS:
-                pending += (await self.store.counts(batch.id)).unfinished
-        self.metrics.pending.set(pending)
         self.metrics.running.set(len(self.running))
+        if time.monotonic() - self._counted_at >= _COUNT_EVERY:  # counting lines costs: not every step
+            self._counted_at = time.monotonic()
+            counts = [await self.store.counts(b.id) for b in batches if b.status is BatchStatus.IN_PROGRESS]
+            self.metrics.pending.set(sum(count.unfinished for count in counts))
         free = self.settings.concurrency - len(self.running)
         if free <= 0:
             return
@@ -178,6 +190,7 @@ class Engine:
             return
         if (
             batch.status is BatchStatus.IN_PROGRESS
+            and not any(key[0] == batch.id for key in self.running)  # unfinished while its lines run here
             and (await self.store.counts(batch.id)).unfinished == 0
             and await self.store.transition(
                 batch.id, (BatchStatus.IN_PROGRESS,), BatchStatus.FINALIZING, finalizing_at=now
@@ -252,7 +265,7 @@ class Engine:
     async def _run_line(self, line: LineRecord) -> None:
         started = time.monotonic()
         try:
-            batch = await self.store.get_batch(line.batch_id)
+            batch = self._batches.get(line.batch_id) or await self.store.get_batch(line.batch_id)
             if batch is None:
                 return
             try:
@@ -260,7 +273,7 @@ class Engine:
             except _CutOff:  # pending again, so the expiry marks it cancelled like the lines not yet started
                 await self.store.release(self.owner, [line.key])
                 return
-            if await self.store.finish(self.owner, line.batch_id, line.line, status, result, usage):
+            if await self._finish((line.batch_id, line.line, status, result, usage)):
                 self.metrics.lines.labels(str(status)).inc()
                 self.metrics.line_seconds.observe(time.monotonic() - started)
             else:
@@ -273,6 +286,28 @@ class Engine:
         finally:
             self.running.pop(line.key, None)
             self.wake()
+
+    async def _finish(self, outcome: Outcome) -> bool:
+        """Record a line's outcome with those of the lines ending meanwhile; False if its lease was lost."""
+        written: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._outcomes.append((outcome, written))
+        if self._writing is None or self._writing.done():
+            self._writing = asyncio.create_task(self._write_outcomes(), name="iop-worker-finish")
+        return await written
+
+    async def _write_outcomes(self) -> None:
+        while self._outcomes:
+            outcomes, self._outcomes = self._outcomes, []
+            try:
+                done = await self.store.finish_many(self.owner, [outcome for outcome, _ in outcomes])
+            except Exception as exc:  # noqa: BLE001 - every waiting line sees the store's error
+                for _, written in outcomes:
+                    if not written.done():
+                        written.set_exception(exc)
+                continue
+            for (_, written), ok in zip(outcomes, done, strict=True):
+                if not written.done():
+                    written.set_result(ok)
 
     async def _attempts(self, batch: BatchRecord, line: LineRecord) -> tuple[LineStatus, str, Usage]:
         """Run the line, trying again after retryable failures; its outcome and output line."""

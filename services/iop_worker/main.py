@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import ssl
 from collections.abc import Callable
@@ -93,6 +94,7 @@ async def _refuse_run(request: pb.RunRequest, sink: EventSink) -> None:
 
 
 async def _serve(settings: Settings, ready_file: Path | None) -> int:
+    os.nice(settings.nice)  # batch lines yield the CPU to interactive runs: priority orders only queued runs
     metrics = WorkerMetrics()
     expose(metrics.registry)
     store = open_store(settings)

@@ -30,6 +30,7 @@ from iop_worker.store import (
     LineKey,
     LineRecord,
     LineStatus,
+    Outcome,
     RequestCounts,
     Usage,
     batch_from_row,
@@ -244,6 +245,19 @@ class PgJobStore:
                 return False
             await conn.execute(_ADD_USAGE, *Usage(*usage), batch_id)
         return True
+
+    async def finish_many(self, owner: str, outcomes: Sequence[Outcome]) -> list[bool]:
+        """``finish`` for several lines in one transaction; for each, whether ``owner`` still leased it."""
+        written: list[bool] = []
+        usage: dict[str, Usage] = {}
+        async with self._connections().acquire() as conn, conn.transaction():
+            for batch_id, line, status, result, used in outcomes:
+                written.append(_changed(await conn.execute(_FINISH, str(status), result, batch_id, line, owner)) > 0)
+                if written[-1]:
+                    total = usage.get(batch_id, Usage())
+                    usage[batch_id] = Usage(*(a + b for a, b in zip(total, used, strict=True)))
+            await conn.executemany(_ADD_USAGE, [(*Usage(*used), batch_id) for batch_id, used in usage.items()])
+        return written
 
     async def release(self, owner: str, keys: Sequence[LineKey]) -> int:
         """Give ``owner``'s leases on ``keys`` back (pending again); how many."""

@@ -91,6 +91,9 @@ class Settings(BaseSettings):
     """Port of the /metrics HTTP server on 127.0.0.1; unset disables it, 0 picks a free one."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     event_loop: EventLoop = "uvloop"
+    nice: int = Field(10, ge=0, le=19)
+    """Niceness the process adds to its own at start: on a machine shared with the edge,
+    control-plane and nodes, the batch's CPU comes after interactive traffic's (0 leaves it)."""
 
     @model_validator(mode="after")
     def _has_control_plane(self) -> Settings:

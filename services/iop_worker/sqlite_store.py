@@ -35,6 +35,7 @@ from iop_worker.store import (
     LineKey,
     LineRecord,
     LineStatus,
+    Outcome,
     RequestCounts,
     Usage,
     batch_from_row,
@@ -278,6 +279,21 @@ class SqliteJobStore:
                 return False
             await db.execute(_ADD_USAGE, (*Usage(*usage), batch_id))
         return True
+
+    async def finish_many(self, owner: str, outcomes: Sequence[Outcome]) -> list[bool]:
+        """``finish`` for several lines in one transaction; for each, whether ``owner`` still leased it."""
+        written: list[bool] = []
+        usage: dict[str, Usage] = {}
+        async with self._transaction() as db:
+            for batch_id, line, status, result, used in outcomes:
+                params = {"status": str(status), "result": result, "batch_id": batch_id, "line": line, "owner": owner}
+                cursor = await db.execute(_FINISH, params)
+                written.append(cursor.rowcount > 0)
+                if written[-1]:
+                    total = usage.get(batch_id, Usage())
+                    usage[batch_id] = Usage(*(a + b for a, b in zip(total, used, strict=True)))
+            await db.executemany(_ADD_USAGE, [(*Usage(*used), batch_id) for batch_id, used in usage.items()])
+        return written
 
     async def release(self, owner: str, keys: Sequence[LineKey]) -> int:
         """Give ``owner``'s leases on ``keys`` back (pending again); how many."""

@@ -59,6 +59,10 @@ def new_batch_id() -> str:
     return "batch_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
 
 
+Outcome = tuple[str, int, "LineStatus", str, "Usage"]
+"""A finished line: batch id, line, status, result and usage."""
+
+
 class BatchStatus(enum.StrEnum):
     """A batch's status, as OpenAI names them."""
 
@@ -256,6 +260,10 @@ class JobStore(Protocol):
         self, owner: str, batch_id: str, line: int, status: LineStatus, result: str, usage: Usage
     ) -> bool:
         """Record a line's outcome and add its usage to the batch, only if ``owner`` still leases it."""
+        ...
+
+    async def finish_many(self, owner: str, outcomes: Sequence[Outcome]) -> list[bool]:
+        """``finish`` for several lines in one transaction; for each, whether ``owner`` still leased it."""
         ...
 
     async def release(self, owner: str, keys: Sequence[LineKey]) -> int:

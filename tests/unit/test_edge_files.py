@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from e2e.openai_schema import validate
 from openai.types import Batch, FileDeleted, FileObject
 
 from iop_edge.app import Edge, build_app
@@ -24,7 +25,6 @@ from iop_edge.upstream import Upstream
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import IopError
 from iop_wire.openai.errors import ApiError, from_worker
-from tests.e2e.openai_schema import validate
 
 _BOUNDARY = "iop-test-boundary"
 _FORM = f"multipart/form-data; boundary={_BOUNDARY}"
