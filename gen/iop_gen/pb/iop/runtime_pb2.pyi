@@ -2364,9 +2364,8 @@ class FileCreate(_message.Message):
     """The file and batch messages below are sent by an edge (or an admin) to the
     worker, which keeps files and batch jobs (OpenAI's Files and Batch APIs).
     Each request is answered by the message named in its comment, or by an
-    error: ERROR_CODE_MODEL_NOT_FOUND is never used here; an unknown id is
-    answered with ERROR_CODE_INVALID_ARGUMENT and param "file_id" or
-    "batch_id" (the edge answers 404), a refused value with
+    error: an unknown id with ERROR_CODE_INVALID_ARGUMENT and param "file_id"
+    or "batch_id" (the edge answers 404), a refused value with
     ERROR_CODE_INVALID_ARGUMENT and param naming it (400), a file over the
     worker's size limit with ERROR_CODE_FRAME_TOO_LARGE (413).
 
