@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,3 +147,37 @@ def test_files_list_retrieve_content_and_delete(batch_stack: Stack, tmp_path: Pa
     assert client.files.delete(uploaded.id).deleted
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(uploaded.id)
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def test_a_100_mb_upload_streams_through_the_edge(batch_stack: Stack) -> None:
+    """The edge holds a chunk or two of an upload, never the file: its memory grows by far less than 50 MB."""
+    pid = int(json.loads((batch_stack.root / "edge.ready").read_text())["pid"])
+    before = _rss_mb(pid)
+    peak = before
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, _rss_mb(pid))
+            time.sleep(0.01)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    size = 100 * 1024 * 1024
+    try:
+        client = batch_stack.client(timeout=120.0)
+        uploaded = client.files.create(file=("big.jsonl", io.BytesIO(b"x" * size)), purpose="batch")
+    finally:
+        done.set()
+        sampler.join()
+    assert uploaded.bytes == size
+    assert peak - before < 50, f"the edge grew from {before:.0f} MB to {peak:.0f} MB"
+    assert client.files.delete(uploaded.id).deleted
