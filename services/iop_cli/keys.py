@@ -15,6 +15,7 @@ import sqlite3
 import sys
 from pathlib import Path
 
+from iop_cli.shell import state_file
 from iop_edge.keys import KeyInfo, create_key, list_keys, revoke_key
 from iop_edge.settings import ConfigError, load_settings
 
@@ -85,15 +86,14 @@ def _fail(message: str) -> int:
 
 def _key_file(args: argparse.Namespace) -> tuple[Path, str]:
     """The key file, and where that choice came from (for the message when it is missing)."""
-    if args.db is not None:
-        return Path(args.db), "--db"
-    config: Path | None = args.config
-    if config is None and (args.dir / "edge.yaml").is_file():
-        config = args.dir / "edge.yaml"
-    if config is None:
-        return args.dir / "edge-keys.db", f"state folder {args.dir}"
     try:
-        return load_settings(config).keys_path, f"keys_path of {config}"
+        return state_file(
+            args,
+            config_name="edge.yaml",
+            default="edge-keys.db",
+            setting="keys_path",
+            read=lambda config: load_settings(config).keys_path,
+        )
     except ConfigError as exc:
         raise _Refused(f"bad config: {exc}") from None
 

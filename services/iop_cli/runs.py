@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+from iop_cli.shell import state_file
 from iop_node.domain import RunRecord, RunStatus
 from iop_node.history import format_record, format_table, parse_since
 from iop_node.settings import ConfigError, load_settings
@@ -70,15 +71,14 @@ def _fail(message: str) -> int:
 
 def _history_file(args: argparse.Namespace) -> tuple[Path, str]:
     """The history file to read, and where that choice came from (for the message when it is missing)."""
-    if args.db is not None:
-        return Path(args.db), "--db"
-    config: Path | None = args.config
-    if config is None and (args.dir / "node.yaml").is_file():
-        config = args.dir / "node.yaml"
-    if config is None:
-        return args.dir / "node-runs.db", f"state folder {args.dir}"
     try:
-        return load_settings(config).store_path, f"store_path of {config}"
+        return state_file(
+            args,
+            config_name="node.yaml",
+            default="node-runs.db",
+            setting="store_path",
+            read=lambda config: load_settings(config).store_path,
+        )
     except ConfigError as exc:
         raise _Refused(f"bad config: {exc}") from None
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import shlex
 import shutil
 import sys
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["iop_command"]
+__all__ = ["iop_command", "state_file"]
 
 
 def iop_command(*args: str) -> str:
@@ -58,3 +60,22 @@ def _same(one: str | Path | None, other: str | Path | None) -> bool:
         return os.path.samefile(one, other)
     except OSError:
         return False
+
+
+def state_file(
+    args: argparse.Namespace, *, config_name: str, default: str, setting: str, read: Callable[[Path], Path]
+) -> tuple[Path, str]:
+    """The file a command reads, and where that choice came from (for the message when it is missing).
+
+    ``--db FILE``; else ``setting`` of ``--config`` (``read`` takes it from the config, raising
+    its ConfigError); else that of ``DIR/config_name`` when the state folder has one; else
+    ``DIR/default``.
+    """
+    if args.db is not None:
+        return Path(args.db), "--db"
+    config: Path | None = args.config
+    if config is None and (args.dir / config_name).is_file():
+        config = args.dir / config_name
+    if config is None:
+        return args.dir / default, f"state folder {args.dir}"
+    return read(config), f"{setting} of {config}"

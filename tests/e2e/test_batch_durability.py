@@ -12,18 +12,16 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import os
 import re
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import httpx2 as httpx
 import openai
 import pytest
-from worker.pg_server import PACKAGE, PgServer, find_binaries, pg_server
+from worker.pg_server import create_database, pg_server, required_binaries
 
 from .conftest import Stack, running_stack, wait_for
 
@@ -180,23 +178,8 @@ def test_a_cancel_stops_the_running_lines_and_keeps_the_finished_ones(durable: S
 @pytest.fixture(scope="module")
 def postgres_url() -> Iterator[str]:
     """A fresh database on a PostgreSQL server of this module's own."""
-    binaries = find_binaries()
-    if binaries is None:
-        reason = f"PostgreSQL's initdb and pg_ctl are not installed (Debian: apt-get install {PACKAGE})"
-        if os.environ.get("IOP_BACKENDS_REQUIRED") == "1":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    with pg_server(binaries) as server:
-        yield server.url(asyncio.run(_new_database(server, "batches")))
-
-
-async def _new_database(server: PgServer, name: str) -> str:
-    conn = await asyncpg.connect(server.url())
-    try:
-        await conn.execute(f"CREATE DATABASE {name}")
-    finally:
-        await conn.close()
-    return name
+    with pg_server(required_binaries()) as server:
+        yield server.url(asyncio.run(create_database(server, "batches")))
 
 
 def _metric(stack: Stack, worker: str, name: str) -> float:

@@ -12,13 +12,12 @@ import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
-import asyncpg
 import pytest
 
 from iop_worker.pg_store import PgJobStore
 from iop_worker.sqlite_store import SqliteJobStore
 from iop_worker.store import JobStore
-from worker.pg_server import PACKAGE, PgServer, find_binaries, pg_server
+from worker.pg_server import PgServer, create_database, pg_server, required_binaries
 
 StoreFactory = Callable[[], Awaitable[JobStore]]
 _databases = itertools.count()
@@ -27,13 +26,7 @@ _databases = itertools.count()
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[PgServer]:
     """A PostgreSQL server for the whole session."""
-    binaries = find_binaries()
-    if binaries is None:
-        reason = f"PostgreSQL's initdb and pg_ctl are not installed (Debian: apt-get install {PACKAGE})"
-        if os.environ.get("IOP_BACKENDS_REQUIRED") == "1":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    with pg_server(binaries) as server:
+    with pg_server(required_binaries()) as server:
         yield server
 
 
@@ -48,7 +41,7 @@ async def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIte
 
     else:
         server: PgServer = request.getfixturevalue("postgres")
-        url = server.url(await _new_database(server))
+        url = server.url(await create_database(server, f"t_{os.getpid()}_{next(_databases)}"))
 
         def build() -> JobStore:
             return PgJobStore(url, max_connections=4)
@@ -70,13 +63,3 @@ async def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIte
 async def store(make_store: StoreFactory) -> JobStore:
     """One open store on a fresh file or database."""
     return await make_store()
-
-
-async def _new_database(server: PgServer) -> str:
-    name = f"t_{os.getpid()}_{next(_databases)}"
-    conn = await asyncpg.connect(server.url())
-    try:
-        await conn.execute(f"CREATE DATABASE {name}")
-    finally:
-        await conn.close()
-    return name

@@ -17,6 +17,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import asyncpg
+import pytest
+
 PACKAGE = "postgresql"  # the Debian package with initdb and pg_ctl
 _USER = "iop"
 
@@ -42,6 +45,28 @@ def find_binaries() -> Path | None:
         if (candidate.parent / "pg_ctl").exists():
             return candidate.parent
     return None
+
+
+def required_binaries() -> Path:
+    """The binaries' folder; without them the test is skipped, naming the package (failed in CI,
+    where ``IOP_BACKENDS_REQUIRED=1``)."""
+    binaries = find_binaries()
+    if binaries is None:
+        reason = f"PostgreSQL's initdb and pg_ctl are not installed (Debian: apt-get install {PACKAGE})"
+        if os.environ.get("IOP_BACKENDS_REQUIRED") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return binaries
+
+
+async def create_database(server: PgServer, name: str) -> str:
+    """Create the database ``name`` on ``server``; its name."""
+    connection = await asyncpg.connect(server.url())
+    try:
+        await connection.execute(f"CREATE DATABASE {name}")
+    finally:
+        await connection.close()
+    return name
 
 
 @contextlib.contextmanager
