@@ -121,6 +121,11 @@ class AdmissionQueue(Generic[T]):
                 del self._queues[model]
         return served
 
+    def ahead(self, model: str, priority: int) -> bool:
+        """Whether a waiter of ``model`` with ``priority`` or higher is queued (a new run goes behind it)."""
+        queue = self._queues.get(model)
+        return queue is not None and queue[0].priority >= priority  # an empty queue is deleted
+
     def depth(self, model: str) -> int:
         """Waiters in ``model``'s queue."""
         return len(self._queues.get(model, ()))

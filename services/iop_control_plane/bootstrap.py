@@ -185,6 +185,7 @@ def build_control_plane(settings: Settings, *, policy: PolicyInForce | None = No
         attempts=settings.attempts,
         queue_size=settings.queue_size,
         queue_timeout=settings.queue_timeout,
+        background_yield=settings.background_yield,
     )
     registry.on_more_room(runs.wake)  # a node registered, reported or was made ready: admit waiters
     return ControlPlaneApp(

@@ -33,6 +33,12 @@ class ControlPlaneMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.background_yields = Counter(
+            "iop_control_plane_background_yields_total",
+            "Background runs (priority < 0) that arrived to find interactive runs awaiting their first output"
+            " on every node with room, and waited.",
+            registry=self.registry,
+        )
         self.node_lost = Counter(
             "iop_control_plane_node_lost_runs_total",
             "Runs ended with NODE_LOST: their node was lost after output.",

@@ -117,6 +117,9 @@ class NodeView:
     """What it serves, by model name."""
     reason: str = "registered"
     """Why it is in its state."""
+    awaiting_first_output: int = 0
+    """Interactive runs (priority >= 0) this control-plane sent the node that have not yet sent
+    their first output: background runs are held back from the node while there are any."""
 
 
 class Registry:

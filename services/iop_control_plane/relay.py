@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import time
+from collections.abc import Callable
 
 import structlog
 
@@ -75,6 +76,7 @@ class RunRelay:
         attempts: int = 3,
         queue_size: int = 256,
         queue_timeout: float = 30.0,
+        background_yield: float = 1.0,
     ) -> None:
         self.scheduler = scheduler
         self.sessions = sessions
@@ -85,6 +87,9 @@ class RunRelay:
         """Runs waiting for a slot, per model; runs in progress per caller."""
         self.queue_timeout = queue_timeout
         """Seconds a run without a deadline may wait in the queue."""
+        self.background_yield = background_yield
+        """Seconds at most a background run is held back from nodes with interactive runs awaiting a first output."""
+        self._held: asyncio.TimerHandle | None = None
         metrics.watch_queue(self.queue)
 
     def attempts(self, model: str) -> int:
@@ -110,17 +115,22 @@ class RunRelay:
     async def _run(self, request: pb.RunRequest, sink: EventSink, caller: str, entry: LedgerEntry) -> pb.RunEvent:
         log = _log.bind(run_id=request.run_id, requester=sink.connection_id, caller=caller)
         session = request.metadata.get("session") or None
-        admitted = await self._admit(request, caller, session, log)
+        priority = self.priority(request, caller)
+        admitted = await self._admit(request, caller, priority, session, log)
         if isinstance(admitted, Decision) and admitted.node_id is None:
             admitted = _refusal(admitted)
         if isinstance(admitted, IopError):
             await sink.error(admitted)
             return pb.RunEvent(error=error_message(admitted))
         try:
-            return await self._serve(request, sink, caller, session, admitted, entry=entry, log=log)
+            return await self._serve(request, sink, caller, session, admitted, priority=priority, entry=entry, log=log)
         finally:
             self.queue.ended(caller)
             self.wake()
+
+    def priority(self, request: pb.RunRequest, caller: str) -> int:
+        """The run's priority: the request's, else the policy's for its model and caller (below 0: background)."""
+        return request.priority or self.scheduler.policy.priority_for(request.model, caller)
 
     def _caller_limit(self, caller: str) -> int | None:
         return self.scheduler.policy.caller_limit(caller)  # the policy in force now: it may be reloaded
@@ -141,17 +151,28 @@ class RunRelay:
         caller: str,
         log: structlog.typing.FilteringBoundLogger,
         exclude: set[str] | None = None,
+        *,
+        priority: int,
     ) -> Decision:
-        decision = self.scheduler.choose(model, session=session, caller=caller, exclude=exclude or frozenset())
+        background = priority < 0 and self.background_yield > 0
+        decision = self.scheduler.choose(
+            model, session=session, caller=caller, exclude=exclude or frozenset(), background=background
+        )
         log.debug("decision", outcome=decision.outcome, policy=decision.policy, reason=decision.reason)
         self.metrics.decisions.labels(decision.policy, decision.outcome).inc()
+        if decision.yielded:
+            self.metrics.background_yields.inc()
         return decision
 
     def _place_waiter(self, waiter: Waiter[Decision]) -> Decision | None:
         assert isinstance(waiter, _Queued)
+        held = time.monotonic() - waiter.since
+        background = waiter.priority < 0 and held < self.background_yield
         decision = self.scheduler.choose(
-            waiter.model, session=waiter.session, caller=waiter.caller, exclude=waiter.exclude
+            waiter.model, session=waiter.session, caller=waiter.caller, exclude=waiter.exclude, background=background
         )
+        if decision.yielded and self._held is None:  # placed anyway once held for background_yield
+            self._held = asyncio.get_running_loop().call_later(self.background_yield - held, self._hold_ended)
         if decision.outcome == "all_busy":
             return None
         self.metrics.decisions.labels(decision.policy, decision.outcome).inc()
@@ -159,18 +180,44 @@ class RunRelay:
             self.queue.started(waiter.caller)
         return decision
 
+    def _hold_ended(self) -> None:
+        self._held = None
+        self.wake()
+
+    def _awaiting_first_output(self, node_id: str) -> Callable[[], None]:
+        """Count an interactive run on ``node_id`` until the returned function is called (once counts)."""
+        node = self.scheduler.registry.nodes.get(node_id)
+        if node is None:
+            return lambda: None
+        node.awaiting_first_output += 1
+
+        def arrived() -> None:
+            nonlocal node
+            if node is not None:
+                node.awaiting_first_output -= 1
+                if not node.awaiting_first_output:
+                    self.wake()  # background runs held back from the node may go
+                node = None
+
+        return arrived
+
     async def _admit(
-        self, request: pb.RunRequest, caller: str, session: str | None, log: structlog.typing.FilteringBoundLogger
+        self,
+        request: pb.RunRequest,
+        caller: str,
+        priority: int,
+        session: str | None,
+        log: structlog.typing.FilteringBoundLogger,
     ) -> Decision | IopError:
         """A decision for the run's first attempt, placed or refused, waiting in the queue if it must."""
         model = request.model
-        if not self.queue.depth(model) and self.queue.may_start(caller):
-            decision = self._choose(model, session, caller, log)
+        if not self.queue.ahead(model, priority) and self.queue.may_start(caller):
+            decision = self._choose(model, session, caller, log, priority=priority)
             if decision.outcome != "all_busy":
                 if decision.node_id is not None:
                     self.queue.started(caller)
                 return decision
-        return await self._wait(request, model, caller, session, log)
+        return await self._wait(request, model, caller, session, log, priority=priority)
 
     async def _wait(
         self,
@@ -180,10 +227,10 @@ class RunRelay:
         session: str | None,
         log: structlog.typing.FilteringBoundLogger,
         *,
+        priority: int,
         exclude: frozenset[str] = frozenset(),
     ) -> Decision | IopError:
         """Wait in ``model``'s queue for a slot (a failover: on a node not in ``exclude``)."""
-        priority = request.priority or self.scheduler.policy.priority_for(request.model, caller)
         waiter = _Queued(model, caller, priority, time.monotonic(), session, exclude=exclude)
         timeout = self._timeout(request)
         if timeout <= 0 or not self.queue.offer(waiter):
@@ -239,6 +286,7 @@ class RunRelay:
         session: str | None,
         decision: Decision,
         *,
+        priority: int,
         entry: LedgerEntry,
         log: structlog.typing.FilteringBoundLogger,
     ) -> pb.RunEvent:
@@ -247,9 +295,11 @@ class RunRelay:
         last: _Terminal | None = None
         for attempt in range(1, self.attempts(request.model) + 1):
             if attempt > 1:
-                decision = self._choose(decision.model, session, caller, log, exclude=tried)
+                decision = self._choose(decision.model, session, caller, log, exclude=tried, priority=priority)
                 if decision.outcome == "all_busy":  # the others are full: wait for one, within the deadline
-                    waited = await self._wait(request, decision.model, caller, session, log, exclude=frozenset(tried))
+                    waited = await self._wait(
+                        request, decision.model, caller, session, log, priority=priority, exclude=frozenset(tried)
+                    )
                     if isinstance(waited, IopError):
                         break
                     decision = waited
@@ -258,7 +308,7 @@ class RunRelay:
             node_id = decision.node_id
             assert node_id is not None
             tried.add(node_id)
-            terminal, lost = await self._attempt(request, sink, caller, decision, entry)
+            terminal, lost = await self._attempt(request, sink, caller, decision, entry, priority=priority)
             if terminal[0].WhichOneof("event") == "complete":
                 await sink.forward(*terminal)
                 return terminal[0]
@@ -276,9 +326,20 @@ class RunRelay:
         return last[0]
 
     async def _attempt(
-        self, request: pb.RunRequest, sink: EventSink, caller: str, decision: Decision, entry: LedgerEntry
+        self,
+        request: pb.RunRequest,
+        sink: EventSink,
+        caller: str,
+        decision: Decision,
+        entry: LedgerEntry,
+        *,
+        priority: int,
     ) -> tuple[_Terminal, bool]:
-        """Open the run on the decision's node and relay it: (its terminal event, whether the node was lost)."""
+        """Open the run on the decision's node and relay it: (its terminal event, whether the node was lost).
+
+        An interactive run (priority >= 0) counts as awaiting its first output on the node until
+        then: background runs are held back from the node meanwhile (``Scheduler.choose``).
+        """
         assert decision.node_id is not None
         node_id = decision.node_id
         record = Attempt(node_id, decision.model, time.monotonic(), outcome="cancelled")
@@ -290,12 +351,13 @@ class RunRelay:
         upstream.model = decision.model
         upstream.caller.id = caller
         connection = self.sessions.connection(node_id)
+        first_output = self._awaiting_first_output(node_id) if priority >= 0 else None
         try:
             if connection is None:
                 raise IopError(pb.ERROR_CODE_UNAVAILABLE, f"node {node_id} has no connection")
             stream = await connection.open_run(upstream)
             async with asyncio.timeout(_remaining(request)):  # None: no deadline
-                terminal = await relay(stream, sink)  # cancelled at the deadline: the node's run is too
+                terminal = await relay(stream, sink, first_output=first_output)  # the deadline cancels the node's run
         except TimeoutError:
             exc = IopError(pb.ERROR_CODE_DEADLINE_EXCEEDED, f"the run's deadline passed on node {node_id}")
             exc.run_id = request.run_id
@@ -305,6 +367,8 @@ class RunRelay:
             terminal = (pb.RunEvent(error=error_message(exc)), b"")
         finally:
             record.ended = time.monotonic()
+            if first_output is not None:
+                first_output()
             self.scheduler.registry.finished(node_id, decision.model)
             self.wake()
         lost = connection is None or connection.closed

@@ -50,6 +50,9 @@ class Decision:
     """One line for the debug log."""
     route: str | None = None
     """The alias or route the request named, if any."""
+    yielded: bool = False
+    """all_busy because a background run yields: the candidates with a free slot each have
+    interactive runs awaiting their first output."""
 
 
 class Scheduler:
@@ -73,22 +76,27 @@ class Scheduler:
         session: str | None = None,
         caller: str | None = None,
         exclude: Set[str] = frozenset(),
+        background: bool = False,
     ) -> Decision:
         """A node for a run of ``model`` (a model, an alias or a route).
 
         ``labels`` are required of the node on top of the policy's; ``session`` (else ``caller``) is
         the key of session affinity, and ``session`` alone keeps a route's pick of model; ``exclude``
         names the nodes a failover already tried (a retry passes ``Decision.model`` back as ``model``).
+        A ``background`` run yields: it is not placed on a node with interactive runs awaiting
+        their first output (``NodeView.awaiting_first_output``), and is all_busy (``yielded``)
+        when every candidate with room has some.
         """
+        key = session or caller
         targets = self._targets(model, session)
         if targets is None:
-            return self._place(model, labels, session or caller, exclude)
-        first = self._place(targets[0], labels, session or caller, exclude, route=model)
+            return self._place(model, labels, key, exclude, background=background)
+        first = self._place(targets[0], labels, key, exclude, route=model, background=background)
         if first.outcome == "placed":
             return first
         busy = first if first.outcome == "all_busy" else None
         for target in targets[1:]:  # the weighted pick is full or has no candidate: the others, heaviest first
-            decision = self._place(target, labels, session or caller, exclude, route=model)
+            decision = self._place(target, labels, key, exclude, route=model, background=background)
             if decision.outcome == "placed":
                 return decision
             busy = busy or (decision if decision.outcome == "all_busy" else None)
@@ -124,7 +132,14 @@ class Scheduler:
         return chosen
 
     def _place(
-        self, model: str, labels: Mapping[str, str] | None, key: str | None, exclude: Set[str], route: str | None = None
+        self,
+        model: str,
+        labels: Mapping[str, str] | None,
+        key: str | None,
+        exclude: Set[str],
+        route: str | None = None,
+        *,
+        background: bool = False,
     ) -> Decision:
         policy, wanted = self.policy.policy_for(model), self._constraints(model)
         if labels:
@@ -133,7 +148,18 @@ class Scheduler:
         if pool is None:
             return Decision(None, model, policy, "unknown_model", f"no registered node serves {model!r}", route)
         accept = (lambda view: view.node.node_id not in exclude) if exclude else None
-        view, policy, how = self._pick(pool, policy, accept, key)
+        if background:
+            view, policy, how = self._pick(pool, policy, _unprompted(accept), key)
+            if view is None or not view.free:
+                held, _, _ = self._pick(pool, policy, _free(accept), key)
+                if held is not None:  # room there, but interactive runs come first
+                    waiting = held.node.awaiting_first_output
+                    why = f"{held.node.node_id} has room, and {waiting} interactive run(s) awaiting a first output"
+                    return Decision(None, model, policy, "all_busy", why, route, yielded=True)
+                if view is None:  # every candidate has interactive runs waiting, and none has room
+                    view, policy, how = self._pick(pool, policy, accept, key)
+        else:
+            view, policy, how = self._pick(pool, policy, accept, key)
         if view is None:
             return Decision(None, model, policy, "no_candidate", self._why_none(model, pool, wanted), route)
         where = f"{view.node.node_id} at {view.load}/{view.capacity}"
@@ -175,3 +201,17 @@ class Scheduler:
             shown = ", ".join(f"{name}={value}" for name, value in wanted)
             return f"none of {len(everyone)} candidate(s) for {model!r} has labels {shown}"
         return f"all {len(pool)} candidate(s) for {model!r} that fit already tried"
+
+
+def _unprompted(accept: Accept) -> Accept:
+    """``accept``, and no interactive run awaiting its first output on the node."""
+    if accept is None:
+        return lambda view: not view.node.awaiting_first_output
+    return lambda view: not view.node.awaiting_first_output and accept(view)
+
+
+def _free(accept: Accept) -> Accept:
+    """``accept``, and a free slot."""
+    if accept is None:
+        return lambda view: view.free
+    return lambda view: view.free and accept(view)

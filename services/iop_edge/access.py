@@ -26,6 +26,15 @@ _NO_KEY = (
 )
 
 
+ANONYMOUS = "anonymous"
+"""The caller of requests when keys are off (``auth: none``)."""
+
+
+def caller_of(key: ApiKey | None) -> str:
+    """Who a request is for: its key's name (runs, files and batches are attributed to it)."""
+    return key.name if key is not None else ANONYMOUS
+
+
 def authenticate(keys: KeyStore | None, request: Request) -> ApiKey | None:
     """The request's API key; 401 without a valid one (None when keys are off: ``auth: none``)."""
     if keys is None:

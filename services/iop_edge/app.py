@@ -34,7 +34,7 @@ from fastapi.telemetry import TelemetryConfig
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive, Scope, Send
 
-from iop_edge.access import JSON, authenticate, error_response, read_body
+from iop_edge.access import JSON, authenticate, caller_of, error_response, read_body
 from iop_edge.batches import BatchRoutes
 from iop_edge.files import FileRoutes
 from iop_edge.keys import ApiKey, KeyStore, Lease, Limiter, LimitExceeded
@@ -49,8 +49,6 @@ from iop_wire.openai.errors import ApiError, from_event, from_iop
 from iop_wire.runs import RunStream
 
 __all__ = ["Edge", "build_app"]
-
-_ANONYMOUS = "anonymous"
 
 
 @dataclass
@@ -233,7 +231,7 @@ class _Api:
     def _prepared(self, call: _Call, run: pb.RunRequest) -> pb.RunRequest:
         """The run with its caller (the key) and deadline; the key's limits taken (429 over them)."""
         key = call.key
-        run.caller.id = key.name if key is not None else _ANONYMOUS
+        run.caller.id = caller_of(key)
         if key is not None:
             run.caller.api_key_id = key.key_id
         run.deadline.FromNanoseconds(time.time_ns() + int(self.settings.request_timeout * 1e9))

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from iop_edge.access import read_body, serve_json
+from iop_edge.access import caller_of, read_body, serve_json
 from iop_edge.files import list_object, page_limit, seconds
 from iop_edge.keys import ApiKey
 from iop_edge.worker import Worker
@@ -157,7 +157,9 @@ class BatchRoutes:
             body = await read_body(request, self.edge.settings.http.max_body_bytes)
             batch = batch_request(parse.parse_body(body))
             ask = pb.Envelope(batch_create=batch)
-            reply = await self.worker.ask(ask, "batch_info", about=batch.input_file_id, param="input_file_id")
+            reply = await self.worker.ask(
+                ask, "batch_info", caller=caller_of(key), about=batch.input_file_id, param="input_file_id"
+            )
             return batch_object(reply.batch_info)
 
         return await serve_json(self.edge, "batches.create", request, create)
@@ -169,7 +171,7 @@ class BatchRoutes:
             query = request.query_params
             listing = pb.BatchesList(after=query.get("after", ""))
             listing.limit = page_limit(query.get("limit"), 20, _MAX_BATCHES_LIMIT)
-            reply = await self.worker.ask(pb.Envelope(batches_list=listing), "batches_listed")
+            reply = await self.worker.ask(pb.Envelope(batches_list=listing), "batches_listed", caller=caller_of(key))
             batches = [batch_object(info) for info in reply.batches_listed.batches]
             return list_object(batches, has_more=reply.batches_listed.has_more)
 
@@ -180,7 +182,9 @@ class BatchRoutes:
 
         async def describe(key: ApiKey | None) -> dict[str, Any]:
             get = pb.Envelope(batch_get=pb.BatchGet(batch_id=batch_id))
-            return batch_object((await self.worker.ask(get, "batch_info", about=batch_id)).batch_info)
+            return batch_object(
+                (await self.worker.ask(get, "batch_info", caller=caller_of(key), about=batch_id)).batch_info
+            )
 
         return await serve_json(self.edge, "batches.retrieve", request, describe)
 
@@ -189,6 +193,8 @@ class BatchRoutes:
 
         async def cancel(key: ApiKey | None) -> dict[str, Any]:
             ask = pb.Envelope(batch_cancel=pb.BatchCancel(batch_id=batch_id))
-            return batch_object((await self.worker.ask(ask, "batch_info", about=batch_id)).batch_info)
+            return batch_object(
+                (await self.worker.ask(ask, "batch_info", caller=caller_of(key), about=batch_id)).batch_info
+            )
 
         return await serve_json(self.edge, "batches.cancel", request, cancel)

@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from iop_edge.access import authenticate, error_response, serve_json
+from iop_edge.access import authenticate, caller_of, error_response, serve_json
 from iop_edge.forms import CHUNK_SIZE, Field, FileBytes, FileEnd, FileStart, FormEvent, UploadForm
 from iop_edge.keys import ApiKey
 from iop_edge.worker import STORE_TIMEOUT, Worker
@@ -86,7 +86,7 @@ class FileRoutes:
         """POST /v1/files: the upload streamed to the worker."""
 
         async def upload(key: ApiKey | None) -> dict[str, Any]:
-            return file_object(await self._upload(request))
+            return file_object(await self._upload(request, caller_of(key)))
 
         return await serve_json(self.edge, "files.create", request, upload)
 
@@ -99,7 +99,7 @@ class FileRoutes:
                 raise ApiError(400, "this server lists files newest first only: order must be 'desc'", param="order")
             listing = pb.FilesList(after=query.get("after", ""), purpose=query.get("purpose", ""))
             listing.limit = page_limit(query.get("limit"), 10_000, _MAX_FILES_LIMIT)
-            reply = await self.worker.ask(pb.Envelope(files_list=listing), "files_listed")
+            reply = await self.worker.ask(pb.Envelope(files_list=listing), "files_listed", caller=caller_of(key))
             files = [file_object(info) for info in reply.files_listed.files]
             return list_object(files, has_more=reply.files_listed.has_more)
 
@@ -110,7 +110,9 @@ class FileRoutes:
 
         async def describe(key: ApiKey | None) -> dict[str, Any]:
             get = pb.Envelope(file_get=pb.FileGet(file_id=file_id))
-            return file_object((await self.worker.ask(get, "file_info", about=file_id)).file_info)
+            return file_object(
+                (await self.worker.ask(get, "file_info", caller=caller_of(key), about=file_id)).file_info
+            )
 
         return await serve_json(self.edge, "files.retrieve", request, describe)
 
@@ -119,7 +121,7 @@ class FileRoutes:
 
         async def delete(key: ApiKey | None) -> dict[str, Any]:
             ask = pb.Envelope(file_delete=pb.FileDelete(file_id=file_id))
-            deleted = (await self.worker.ask(ask, "file_deleted", about=file_id)).file_deleted
+            deleted = (await self.worker.ask(ask, "file_deleted", caller=caller_of(key), about=file_id)).file_deleted
             return {"id": deleted.file_id or file_id, "object": "file", "deleted": deleted.deleted}
 
         return await serve_json(self.edge, "files.delete", request, delete)
@@ -128,15 +130,15 @@ class FileRoutes:
         """GET /v1/files/{file_id}/content: the bytes, read from the worker as they are sent."""
         requests = self.edge.metrics.requests
         try:
-            authenticate(self.edge.keys, request)
-            first = await self._read(file_id, 0)  # an unknown file is a 404 before any header leaves
+            caller = caller_of(authenticate(self.edge.keys, request))
+            first = await self._read(file_id, 0, caller)  # an unknown file is a 404 before any header leaves
         except ApiError as error:
             requests.labels("files.content", "", str(error.status)).inc()
             return error_response(error)
         requests.labels("files.content", "", "200").inc()
-        return StreamingResponse(self._content(file_id, first), media_type="application/octet-stream")
+        return StreamingResponse(self._content(file_id, first, caller), media_type="application/octet-stream")
 
-    async def _content(self, file_id: str, data: pb.FileData) -> AsyncIterator[bytes]:
+    async def _content(self, file_id: str, data: pb.FileData, caller: str) -> AsyncIterator[bytes]:
         offset = 0
         while True:
             yield data.data
@@ -145,22 +147,22 @@ class FileRoutes:
                 return
             if not data.data:  # no progress and no end: stop rather than ask forever
                 raise ApiError(502, "the worker sent an empty piece before the end of the file", code="backend_error")
-            data = await self._read(file_id, offset)
+            data = await self._read(file_id, offset, caller)
 
-    async def _read(self, file_id: str, offset: int) -> pb.FileData:
+    async def _read(self, file_id: str, offset: int, caller: str) -> pb.FileData:
         read = pb.Envelope(file_read=pb.FileRead(file_id=file_id, offset=offset, length=CHUNK_SIZE))
-        return (await self.worker.ask(read, "file_data", about=file_id)).file_data
+        return (await self.worker.ask(read, "file_data", caller=caller, about=file_id)).file_data
 
     # -- uploads --------------------------------------------------------------------------------
 
-    async def _upload(self, request: Request) -> pb.FileInfo:
+    async def _upload(self, request: Request, caller: str) -> pb.FileInfo:
         limit = self.edge.settings.http.max_file_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit + _FORM_SLACK:
             self.edge.metrics.refused.labels("file_size").inc()
             raise ApiError(413, f"the request body is {declared} bytes, over this edge's file limit of {limit}")
         form = UploadForm(request.headers.get("content-type", ""))
-        upload = _Upload(self.worker, limit)
+        upload = _Upload(self.worker, limit, caller)
         try:
             async for piece in request.stream():
                 for event in form.feed(piece):
@@ -178,8 +180,8 @@ class FileRoutes:
 class _Upload:
     """One upload's progress: the form's events turned into the worker's requests."""
 
-    def __init__(self, worker: Worker, limit: int) -> None:
-        self.worker, self.limit = worker, limit
+    def __init__(self, worker: Worker, limit: int, caller: str) -> None:
+        self.worker, self.limit, self.caller = worker, limit, caller
         self.purpose: str | None = None
         self.connection: Connection | None = None
         self.upload_id = ""
@@ -215,15 +217,17 @@ class _Upload:
             raise ApiError(400, message, param="purpose")
         self.connection = self.worker.connection()  # every chunk of an upload goes on this one
         create = pb.Envelope(file_create=pb.FileCreate(filename=filename, purpose=self.purpose))
-        reply = await self.worker.ask(create, "file_upload_progress", connection=self.connection)
+        reply = await self.worker.ask(create, "file_upload_progress", caller=self.caller, connection=self.connection)
         self.upload_id = reply.file_upload_progress.upload_id
 
     async def _send(self, data: bytes, *, last: bool = False) -> pb.Envelope:
         self._count(0 if last else len(data))
         chunk = pb.Envelope(file_chunk=pb.FileChunk(upload_id=self.upload_id, data=data, last=last))
         if last:
-            return await self.worker.ask(chunk, "file_info", connection=self.connection, timeout=STORE_TIMEOUT)
-        return await self.worker.ask(chunk, "file_upload_progress", connection=self.connection)
+            return await self.worker.ask(
+                chunk, "file_info", caller=self.caller, connection=self.connection, timeout=STORE_TIMEOUT
+            )
+        return await self.worker.ask(chunk, "file_upload_progress", caller=self.caller, connection=self.connection)
 
     def _count(self, size: int) -> None:
         self.received += size

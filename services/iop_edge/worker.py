@@ -42,17 +42,21 @@ class Worker:
         request: pb.Envelope,
         answer: str,
         *,
+        caller: str,
         about: str = "",
         param: str = "id",
         connection: Connection | None = None,
         timeout: float = REQUEST_TIMEOUT,
     ) -> pb.Envelope:
-        """Send ``request`` (on ``connection``, else any that is up) and return its ``answer`` envelope.
+        """Send ``request`` for ``caller`` (on ``connection``, else any that is up) and return its ``answer`` envelope.
+
+        The worker shows ``caller`` only its own files and batches.
 
         ``about`` is the file or batch id the request names, for the 404 of an unknown one
         (``param`` names the request field it came from).
         """
         connection = connection or self.connection()
+        request.caller = caller
         try:
             reply = await connection.request(request, timeout)
         except ConnectionClosed:

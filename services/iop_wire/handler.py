@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_wire.runs import EventSink
-from iop_wire.tls import PeerIdentity
+from iop_wire.tls import PeerIdentity, acting_caller
 
 if TYPE_CHECKING:
     from iop_wire.connection import Connection
@@ -88,6 +88,11 @@ class Inbound:
     def peer(self) -> PeerIdentity:
         """Who sent it, from its certificate."""
         return self.connection.peer
+
+    @property
+    def caller(self) -> str:
+        """Who the request is for: the envelope's ``caller`` from a peer that acts for others, else the peer."""
+        return acting_caller(self.peer, self.envelope.caller)
 
     async def reply(self, envelope: pb.Envelope) -> None:
         """Send ``envelope`` as the answer (its ``in_reply_to`` is set to this envelope's id)."""

@@ -411,12 +411,15 @@ def _bytes_field(number: int, value: bytes) -> bytes:
 _string_field = _bytes_field
 
 
-async def relay(stream: RunStream, sink: EventSink) -> tuple[pb.RunEvent, bytes]:
+async def relay(
+    stream: RunStream, sink: EventSink, *, first_output: Callable[[], None] | None = None
+) -> tuple[pb.RunEvent, bytes]:
     """Forward ``stream``'s events into ``sink`` until its terminal event, returned unforwarded.
 
     The caller decides what the terminal event means: forward it (``sink.forward``), or try
     the run elsewhere when it failed before any output (``sink.outputs == 0``). If the task
     is cancelled (the requester cancelled or went away), the run is cancelled upstream too.
+    ``first_output`` is called once, when the run's first output has been forwarded.
     """
     as_received = stream.codec == "proto"  # only protobuf bytes can be forwarded as they are
     try:
@@ -430,6 +433,9 @@ async def relay(stream: RunStream, sink: EventSink) -> tuple[pb.RunEvent, bytes]
             if event.WhichOneof("event") in TERMINAL_EVENTS:
                 return event, body
             await sink.forward(event, body)
+            if first_output is not None and sink.outputs:
+                first_output()
+                first_output = None
     except asyncio.CancelledError:
         stream.cancel_nowait(sink.cancel_reason or "cancelled by the requester")
         raise

@@ -21,6 +21,7 @@ import structlog
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import Inbound, IopError, MessageHandler
+from iop_worker.files import Files, owner, scope, sees
 from iop_worker.settings import BatchSettings
 from iop_worker.store import BatchRecord, BatchStatus, JobStore, LineRecord, RequestCounts, new_batch_id
 
@@ -90,8 +91,8 @@ def window_seconds(window: str) -> int:
 class Batches:
     """The batch message handlers."""
 
-    def __init__(self, store: JobStore, settings: BatchSettings, *, wake: Any = None) -> None:
-        self.store, self.settings = store, settings
+    def __init__(self, store: JobStore, settings: BatchSettings, files: Files, *, wake: Any = None) -> None:
+        self.store, self.settings, self.files = store, settings, files
         self._wake = wake
         """Called when a batch is created or cancelled: the engine looks for work at once."""
 
@@ -113,11 +114,7 @@ class Batches:
             window = window_seconds(message.completion_window or "24h")
         except ValueError as exc:
             raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, str(exc), param="completion_window") from None
-        source = await self.store.get_file(message.input_file_id)
-        if source is None:
-            raise IopError(  # an unknown id names file_id: the edge answers 404
-                pb.ERROR_CODE_INVALID_ARGUMENT, f"No such File object: {message.input_file_id}", param="file_id"
-            )
+        source = await self.files.visible(inbound, message.input_file_id)  # unknown: names file_id, a 404 at the edge
         if source.purpose != "batch":
             raise IopError(
                 pb.ERROR_CODE_INVALID_ARGUMENT,
@@ -135,6 +132,7 @@ class Batches:
             created_at=now,
             expires_at=now + window,
             metadata=dict(message.metadata),
+            caller=owner(inbound),
         )
         if errors:
             batch = _replace(batch, status=BatchStatus.FAILED, failed_at=now, errors=tuple(errors))
@@ -148,28 +146,28 @@ class Batches:
         await self._reply(inbound, batch)
 
     async def get(self, inbound: Inbound) -> None:
-        await self._reply(inbound, await self._batch(inbound.envelope.batch_get.batch_id))
+        await self._reply(inbound, await self._batch(inbound, inbound.envelope.batch_get.batch_id))
 
     async def listing(self, inbound: Inbound) -> None:
         message = inbound.envelope.batches_list
         limit = min(message.limit or 20, 100)
-        batches, more = await self.store.list_batches(after=message.after or None, limit=limit)
+        batches, more = await self.store.list_batches(after=message.after or None, limit=limit, caller=scope(inbound))
         infos = [batch_info(batch, await self.store.counts(batch.id)) for batch in batches]
         await inbound.reply(pb.Envelope(batches_listed=pb.BatchesListed(batches=infos, has_more=more)))
 
     async def cancel(self, inbound: Inbound) -> None:
-        batch = await self._batch(inbound.envelope.batch_cancel.batch_id)
+        batch = await self._batch(inbound, inbound.envelope.batch_cancel.batch_id)
         open_statuses = (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
         if await self.store.transition(batch.id, open_statuses, BatchStatus.CANCELLING, cancelling_at=int(time.time())):
             cancelled = await self.store.cancel_pending(batch.id)
             _log.info("batch cancelling", batch_id=batch.id, lines_not_started=cancelled)
             if self._wake is not None:
                 self._wake()
-        await self._reply(inbound, await self._batch(batch.id))
+        await self._reply(inbound, await self._batch(inbound, batch.id))
 
-    async def _batch(self, batch_id: str) -> BatchRecord:
+    async def _batch(self, inbound: Inbound, batch_id: str) -> BatchRecord:
         batch = await self.store.get_batch(batch_id) if batch_id else None
-        if batch is None:
+        if batch is None or not sees(batch.caller, scope(inbound)):
             raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, f"No such Batch object: {batch_id}", param="batch_id")
         return batch
 

@@ -108,6 +108,8 @@ class Engine:
         """Finished lines not yet written: written together, one transaction for all that ended meanwhile."""
         self._writing: asyncio.Task[None] | None = None
         self._counted_at = 0.0
+        self._refill = max(1, settings.concurrency // 4)
+        """Free slots that make a line's end start a step (lease): fewer wait for the poll."""
         self._connection: Connection | None = None
         """The control-plane connection lines last ran on, and since when (monotonic seconds)."""
         self._connected_at = 0.0
@@ -247,7 +249,7 @@ class Engine:
             if not lines and name.endswith("_error.jsonl"):
                 ids.append(None)
                 continue
-            record = FileRecord(new_file_id(), name, "batch_output", 0, now)
+            record = FileRecord(new_file_id(), name, "batch_output", 0, now, caller=batch.caller)
             stored = await self.store.put_file(record, _jsonl(lines))
             ids.append(stored.id)
         return ids[0], ids[1]
@@ -285,7 +287,8 @@ class Engine:
             await self.store.release(self.owner, [line.key])
         finally:
             self.running.pop(line.key, None)
-            self.wake()
+            if len(self.running) <= self.settings.concurrency - self._refill:
+                self.wake()  # lease the free slots together: a query per few lines, not one a line
 
     async def _finish(self, outcome: Outcome) -> bool:
         """Record a line's outcome with those of the lines ending meanwhile; False if its lease was lost."""
@@ -331,7 +334,8 @@ class Engine:
         except http.ApiError as refused:
             return LineStatus.FAILED, _failed_line(line, request_id, refused), Usage()
         run.priority = self.settings.priority
-        run.caller.id = f"batch:{batch.id}"
+        run.caller.id = batch.caller or f"batch:{batch.id}"  # the key that made the batch: policy and ledger see it
+        run.metadata["batch_id"] = batch.id
         if batch.expires_at is not None:
             run.deadline.FromSeconds(batch.expires_at)
         try:

@@ -22,20 +22,41 @@ from dataclasses import dataclass, field
 import structlog
 
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_wire import Inbound, IopError, MessageHandler
+from iop_wire import Inbound, IopError, MessageHandler, Role
 from iop_worker.store import FileRecord, JobStore, new_file_id
 
-__all__ = ["Files", "file_info"]
+__all__ = ["Files", "file_info", "owner", "scope", "sees"]
 
 _log = structlog.get_logger("iop.worker")
 _IDLE = 60.0
 """Seconds an upload may wait for its next chunk."""
+_UPLOAD_MAX = 3600.0
+"""Seconds an upload may take in all; a slower one is dropped."""
+_SWEEP_EVERY = 600.0
+"""Seconds between looks for uploads that a dead worker left half written."""
 _MAX_UPLOADS = 64
 """Uploads open at once; more are refused (RESOURCE_EXHAUSTED)."""
 _READ_DEFAULT, _READ_MAX = 256 * 1024, 1024 * 1024
 _READERS = 16
 """Downloads whose position is kept."""
 _END = b""
+
+
+def scope(inbound: Inbound) -> str | None:
+    """Whose files and batches a request sees: its caller's (``Inbound.caller``); an admin naming none, everyone's."""
+    if inbound.peer.role is Role.ADMIN and not inbound.envelope.caller:
+        return None
+    return inbound.caller
+
+
+def owner(inbound: Inbound) -> str:
+    """Whose a file or batch the request creates is: its caller (an admin's own name when it names none)."""
+    return inbound.caller
+
+
+def sees(caller: str, seen_by: str | None) -> bool:
+    """Whether a file or batch of ``caller`` is seen by a request whose scope is ``seen_by``."""
+    return seen_by is None or caller == seen_by
 
 
 def file_info(record: FileRecord) -> pb.FileInfo:
@@ -57,6 +78,7 @@ class _Upload:
     received: int = 0
     writer: asyncio.Task[FileRecord] | None = None
     idle: asyncio.TimerHandle | None = None
+    deadline: asyncio.TimerHandle | None = None
 
 
 class Files:
@@ -95,17 +117,20 @@ class Files:
             raise _too_large(self.max_bytes)
         if len(self._uploads) >= _MAX_UPLOADS:
             raise IopError(pb.ERROR_CODE_RESOURCE_EXHAUSTED, f"{_MAX_UPLOADS} uploads are in progress", retryable=True)
-        record = FileRecord(new_file_id(), message.filename or "upload.jsonl", "batch", 0, int(time.time()))
+        name = message.filename or "upload.jsonl"
+        record = FileRecord(new_file_id(), name, "batch", 0, int(time.time()), caller=owner(inbound))
         upload = _Upload(f"up-{secrets.token_hex(8)}", record)
         upload.writer = asyncio.create_task(self.store.put_file(record, _chunks(upload.queue)))
         self._uploads[upload.id] = upload
         self._touch(upload)
+        loop = asyncio.get_running_loop()
+        upload.deadline = loop.call_later(_UPLOAD_MAX, self._drop, upload, f"open for over {_UPLOAD_MAX:g} s")
         await inbound.reply(pb.Envelope(file_upload_progress=pb.FileUploadProgress(upload_id=upload.id)))
 
     async def chunk(self, inbound: Inbound) -> None:
         message = inbound.envelope.file_chunk
         upload = self._uploads.get(message.upload_id)
-        if upload is None:
+        if upload is None or not sees(upload.record.caller, scope(inbound)):
             raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, f"no upload {message.upload_id!r}", param="upload_id")
         upload.received += len(message.data)
         if upload.received > self.max_bytes:
@@ -121,28 +146,27 @@ class Files:
             return
         await _put(upload, _END)
         del self._uploads[upload.id]
-        if upload.idle is not None:
-            upload.idle.cancel()
+        _stop_timers(upload)
         stored = await upload.writer
         _log.info("file stored", file_id=stored.id, bytes=stored.bytes, filename=stored.filename)
         await inbound.reply(pb.Envelope(file_info=file_info(stored)))
 
     async def get(self, inbound: Inbound) -> None:
-        record = await self._file(inbound.envelope.file_get.file_id)
+        record = await self.visible(inbound, inbound.envelope.file_get.file_id)
         await inbound.reply(pb.Envelope(file_info=file_info(record)))
 
     async def listing(self, inbound: Inbound) -> None:
         message = inbound.envelope.files_list
         limit = min(message.limit or 10_000, 10_000)
         records, more = await self.store.list_files(
-            after=message.after or None, limit=limit, purpose=message.purpose or None
+            after=message.after or None, limit=limit, purpose=message.purpose or None, caller=scope(inbound)
         )
         listed = pb.FilesListed(files=[file_info(record) for record in records], has_more=more)
         await inbound.reply(pb.Envelope(files_listed=listed))
 
     async def read(self, inbound: Inbound) -> None:
         message = inbound.envelope.file_read
-        record = await self._file(message.file_id)
+        record = await self.visible(inbound, message.file_id)
         length = min(message.length or _READ_DEFAULT, _READ_MAX)
         data = await self._piece(record, message.offset, length)
         eof = message.offset + len(data) >= record.bytes
@@ -150,13 +174,14 @@ class Files:
 
     async def delete(self, inbound: Inbound) -> None:
         file_id = inbound.envelope.file_delete.file_id
-        await self._file(file_id)
+        await self.visible(inbound, file_id)
         deleted = await self.store.delete_file(file_id)
         await inbound.reply(pb.Envelope(file_deleted=pb.FileDeleted(file_id=file_id, deleted=deleted)))
 
-    async def _file(self, file_id: str) -> FileRecord:
+    async def visible(self, inbound: Inbound, file_id: str) -> FileRecord:
+        """The file, if the request's caller may see it; else the error of an unknown one (a 404 at the edge)."""
         record = await self.store.get_file(file_id) if file_id else None
-        if record is None:
+        if record is None or not sees(record.caller, scope(inbound)):
             raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, f"No such File object: {file_id}", param="file_id")
         return record
 
@@ -200,11 +225,32 @@ class Files:
     def _drop(self, upload: _Upload, reason: str) -> None:
         if self._uploads.pop(upload.id, None) is None:
             return
-        if upload.idle is not None:
-            upload.idle.cancel()
+        _stop_timers(upload)
         if upload.writer is not None:
             upload.writer.cancel()
         _log.warning("upload dropped", upload_id=upload.id, received=upload.received, reason=reason)
+
+    async def sweep(self) -> int:
+        """Delete uploads a dead worker left half written (every live one ends within ``_UPLOAD_MAX``)."""
+        dropped = await self.store.drop_uploads(int(time.time() - 2 * _UPLOAD_MAX))
+        if dropped:
+            _log.warning("half-written uploads deleted", files=dropped, older_than=2 * _UPLOAD_MAX)
+        return dropped
+
+    async def sweep_forever(self) -> None:
+        """:meth:`sweep` now and every ``_SWEEP_EVERY`` seconds; a failure is logged and tried again."""
+        while True:
+            try:
+                await self.sweep()
+            except Exception as exc:  # noqa: BLE001 - the store may be down for a while: keep serving
+                _log.warning("upload sweep failed", error=str(exc))
+            await asyncio.sleep(_SWEEP_EVERY)
+
+
+def _stop_timers(upload: _Upload) -> None:
+    for timer in (upload.idle, upload.deadline):
+        if timer is not None:
+            timer.cancel()
 
 
 async def _put(upload: _Upload, data: bytes) -> None:

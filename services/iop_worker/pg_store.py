@@ -23,6 +23,7 @@ from iop_worker.store import (
     LINE_COLUMNS,
     OPEN_BATCH_STATUSES,
     SCHEMA,
+    SCHEMA_VERSION,
     UPLOADING,
     BatchRecord,
     BatchStatus,
@@ -39,12 +40,12 @@ from iop_worker.store import (
     file_from_row,
     line_from_row,
     line_row,
+    migrations,
     rechunk,
 )
 
 __all__ = ["SCHEMA_VERSION", "PgJobStore"]
 
-SCHEMA_VERSION = 1
 _RESULTS_PAGE = 500  # finished lines read per query by results()
 _SCHEMA_LOCK = 0x10B_3070  # the advisory lock key held while creating the schema
 _NOW = "extract(epoch from statement_timestamp())::float8"  # unix seconds by the server's clock, one per statement
@@ -152,11 +153,12 @@ class PgJobStore:
         return None if row is None else file_from_row(row)
 
     async def list_files(
-        self, *, after: str | None = None, limit: int = 20, purpose: str | None = None
+        self, *, after: str | None = None, limit: int = 20, purpose: str | None = None, caller: str | None = None
     ) -> tuple[list[FileRecord], bool]:
-        """Files newest first, starting after the file ``after``; and whether more follow."""
-        sql = _FILES + "WHERE status != $3 AND ($4::text IS NULL OR purpose = $4) " + _PAGE.format(table="files")
-        rows = await self._connections().fetch(sql, after, limit + 1, UPLOADING, purpose)
+        """Files (of ``caller``; None: everyone's) newest first, after the file ``after``; and whether more follow."""
+        where = "WHERE status != $3 AND ($4::text IS NULL OR purpose = $4) AND ($5::text IS NULL OR caller = $5) "
+        sql = _FILES + where + _PAGE.format(table="files")
+        rows = await self._connections().fetch(sql, after, limit + 1, UPLOADING, purpose, caller)
         return [file_from_row(row) for row in rows[:limit]], len(rows) > limit
 
     async def read_file(self, file_id: str) -> AsyncIterator[bytes]:
@@ -168,6 +170,16 @@ class PgJobStore:
         while (data := await pool.fetchval(sql, file_id, seq)) is not None:
             yield bytes(data)
             seq += 1
+
+    async def drop_uploads(self, started_before: int) -> int:
+        """Delete files still being written that were started before ``started_before``, with their content."""
+        stale = "SELECT id FROM files WHERE status = $1 AND created_at < $2"
+        async with self._connections().acquire() as conn, conn.transaction():
+            await conn.execute(f"DELETE FROM file_chunks WHERE file_id IN ({stale})", UPLOADING, started_before)  # noqa: S608
+            status = await conn.execute(
+                "DELETE FROM files WHERE status = $1 AND created_at < $2", UPLOADING, started_before
+            )
+            return _changed(status)
 
     async def delete_file(self, file_id: str) -> bool:
         """Delete a file and its content; whether it existed."""
@@ -188,10 +200,12 @@ class PgJobStore:
         row = await self._connections().fetchrow(_BATCHES + "WHERE id = $1", batch_id)
         return None if row is None else batch_from_row(row)
 
-    async def list_batches(self, *, after: str | None = None, limit: int = 20) -> tuple[list[BatchRecord], bool]:
-        """Batches newest first, starting after the batch ``after``; and whether more follow."""
-        sql = _BATCHES + "WHERE true " + _PAGE.format(table="batches")
-        rows = await self._connections().fetch(sql, after, limit + 1)
+    async def list_batches(
+        self, *, after: str | None = None, limit: int = 20, caller: str | None = None
+    ) -> tuple[list[BatchRecord], bool]:
+        """Batches (of ``caller``; None: everyone's) newest first, after ``after``; and whether more follow."""
+        sql = _BATCHES + "WHERE ($3::text IS NULL OR caller = $3) " + _PAGE.format(table="batches")
+        rows = await self._connections().fetch(sql, after, limit + 1, caller)
         return [batch_from_row(row) for row in rows[:limit]], len(rows) > limit
 
     async def update_batch(self, batch_id: str, **fields: Any) -> BatchRecord | None:
@@ -309,10 +323,14 @@ async def _create_tables(conn: asyncpg.pool.PoolConnectionProxy[asyncpg.Record])
     version = await conn.fetchval("SELECT max(version) FROM iop_worker_schema")
     if version is not None and version > SCHEMA_VERSION:
         raise RuntimeError(f"job store schema version {version} is newer than this worker's {SCHEMA_VERSION}")
+    for statement in migrations(version or 0):
+        await conn.execute(statement)
     for statement in SCHEMA:
         await conn.execute(statement.format(blob="bytea", real="double precision", int="bigint"))
     if version is None:
         await conn.execute("INSERT INTO iop_worker_schema (version) VALUES ($1)", SCHEMA_VERSION)
+    elif version < SCHEMA_VERSION:
+        await conn.execute("UPDATE iop_worker_schema SET version = $1", SCHEMA_VERSION)
 
 
 def _changed(status: str) -> int:

@@ -91,9 +91,23 @@ class Settings(BaseSettings):
     """Port of the /metrics HTTP server on 127.0.0.1; unset disables it, 0 picks a free one."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     event_loop: EventLoop = "uvloop"
-    nice: int = Field(10, ge=0, le=19)
-    """Niceness the process adds to its own at start: on a machine shared with the edge,
-    control-plane and nodes, the batch's CPU comes after interactive traffic's (0 leaves it)."""
+    nice: int | Literal["idle"] = "idle"
+    """The worker's CPU priority on a machine shared with the edge, control-plane and nodes:
+    "idle" (SCHED_IDLE: the batch uses only CPU time nothing else wants), or a niceness to add
+    to the process's own (0 leaves it)."""
+
+    @field_validator("nice", mode="before")
+    @classmethod
+    def _idle_or_niceness(cls, value: object) -> int | str:
+        if value == "idle":
+            return "idle"
+        try:
+            nice = int(str(value))
+        except ValueError:
+            nice = -1
+        if not 0 <= nice <= 19 or isinstance(value, (bool, float)):
+            raise ValueError(f"{value!r} is neither 'idle' nor a niceness from 0 to 19")
+        return nice
 
     @model_validator(mode="after")
     def _has_control_plane(self) -> Settings:

@@ -28,6 +28,7 @@ from iop_worker.store import (
     LINE_COLUMNS,
     OPEN_BATCH_STATUSES,
     SCHEMA,
+    SCHEMA_VERSION,
     UPLOADING,
     BatchRecord,
     BatchStatus,
@@ -44,6 +45,7 @@ from iop_worker.store import (
     file_from_row,
     line_from_row,
     line_row,
+    migrations,
     rechunk,
 )
 
@@ -51,7 +53,6 @@ __all__ = ["SCHEMA_VERSION", "SqliteJobStore"]
 
 _log = structlog.get_logger("iop.worker.store")
 
-SCHEMA_VERSION = 1
 _RESULTS_PAGE = 500  # finished lines read per query by results()
 
 # The SQL below names columns from the records' fields, never input, so S608 does not apply.
@@ -164,11 +165,12 @@ class SqliteJobStore:
         return file_from_row(rows[0]) if rows else None
 
     async def list_files(
-        self, *, after: str | None = None, limit: int = 20, purpose: str | None = None
+        self, *, after: str | None = None, limit: int = 20, purpose: str | None = None, caller: str | None = None
     ) -> tuple[list[FileRecord], bool]:
-        """Files newest first, starting after the file ``after``; and whether more follow."""
-        sql = _FILES + "WHERE status != :uploading AND (:purpose IS NULL OR purpose = :purpose) " + _page("files")
-        params = {"uploading": UPLOADING, "purpose": purpose, "after": after, "limit": limit + 1}
+        """Files (of ``caller``; None: everyone's) newest first, after the file ``after``; and whether more follow."""
+        where = "WHERE status != :uploading AND (:purpose IS NULL OR purpose = :purpose) "
+        sql = _FILES + where + "AND (:caller IS NULL OR caller = :caller) " + _page("files")
+        params = {"uploading": UPLOADING, "purpose": purpose, "caller": caller, "after": after, "limit": limit + 1}
         rows = [file_from_row(row) for row in await self._fetch(sql, params)]
         return rows[:limit], len(rows) > limit
 
@@ -180,6 +182,16 @@ class SqliteJobStore:
         while rows := await self._fetch("SELECT data FROM file_chunks WHERE file_id = ? AND seq = ?", (file_id, seq)):
             yield bytes(rows[0][0])
             seq += 1
+
+    async def drop_uploads(self, started_before: int) -> int:
+        """Delete files still being written that were started before ``started_before``, with their content."""
+        stale = "SELECT id FROM files WHERE status = ? AND created_at < ?"
+        async with self._transaction() as db:
+            await db.execute(f"DELETE FROM file_chunks WHERE file_id IN ({stale})", (UPLOADING, started_before))  # noqa: S608
+            cursor = await db.execute(
+                "DELETE FROM files WHERE status = ? AND created_at < ?", (UPLOADING, started_before)
+            )
+            return cursor.rowcount
 
     async def delete_file(self, file_id: str) -> bool:
         """Delete a file and its content; whether it existed."""
@@ -201,10 +213,13 @@ class SqliteJobStore:
         rows = await self._fetch(_BATCHES + "WHERE id = ?", (batch_id,))
         return batch_from_row(rows[0]) if rows else None
 
-    async def list_batches(self, *, after: str | None = None, limit: int = 20) -> tuple[list[BatchRecord], bool]:
-        """Batches newest first, starting after the batch ``after``; and whether more follow."""
-        sql = _BATCHES + "WHERE 1 " + _page("batches")
-        rows = [batch_from_row(row) for row in await self._fetch(sql, {"after": after, "limit": limit + 1})]
+    async def list_batches(
+        self, *, after: str | None = None, limit: int = 20, caller: str | None = None
+    ) -> tuple[list[BatchRecord], bool]:
+        """Batches (of ``caller``; None: everyone's) newest first, after ``after``; and whether more follow."""
+        sql = _BATCHES + "WHERE (:caller IS NULL OR caller = :caller) " + _page("batches")
+        params = {"caller": caller, "after": after, "limit": limit + 1}
+        rows = [batch_from_row(row) for row in await self._fetch(sql, params)]
         return rows[:limit], len(rows) > limit
 
     async def update_batch(self, batch_id: str, **fields: Any) -> BatchRecord | None:
@@ -354,6 +369,8 @@ async def _create_schema(db: aiosqlite.Connection) -> None:
         ((version,),) = await db.execute_fetchall("PRAGMA user_version")
         if version > SCHEMA_VERSION:
             raise RuntimeError(f"job store schema version {version} is newer than this worker's {SCHEMA_VERSION}")
+        for statement in migrations(version):
+            await db.execute(statement)
         for statement in SCHEMA:
             await db.execute(statement.format(blob="BLOB", real="REAL", int="INTEGER"))
         await db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")

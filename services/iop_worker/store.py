@@ -133,6 +133,8 @@ class FileRecord:
     """Unix seconds."""
     status: str = "processed"
     expires_at: int | None = None
+    caller: str = ""
+    """Whose it is: the caller the edge acted for (an API key's name); only that caller sees it."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -159,6 +161,8 @@ class BatchRecord:
     errors: tuple[dict[str, Any], ...] = ()
     """Batch-level errors, each ``{code, message, param, line}``."""
     metadata: dict[str, str] = dataclasses.field(default_factory=dict)
+    caller: str = ""
+    """Whose it is (as ``FileRecord.caller``); its lines run with it as their caller."""
     usage: Usage = dataclasses.field(default_factory=Usage)
     """Summed by ``finish`` over the batch's finished lines."""
 
@@ -211,13 +215,18 @@ class JobStore(Protocol):
         ...
 
     async def list_files(
-        self, *, after: str | None = None, limit: int = 20, purpose: str | None = None
+        self, *, after: str | None = None, limit: int = 20, purpose: str | None = None, caller: str | None = None
     ) -> tuple[list[FileRecord], bool]:
-        """Files newest first, starting after the file ``after``; and whether more follow."""
+        """Files (of ``caller``; None: everyone's) newest first, after ``after``; and whether more follow."""
         ...
 
     def read_file(self, file_id: str) -> AsyncIterator[bytes]:
         """A file's content, chunk by chunk (nothing for an unknown file)."""
+        ...
+
+    async def drop_uploads(self, started_before: int) -> int:
+        """Delete the files still being written that were started before ``started_before`` (unix
+        seconds), with their content: uploads of a worker that died. How many."""
         ...
 
     async def delete_file(self, file_id: str) -> bool:
@@ -232,8 +241,10 @@ class JobStore(Protocol):
         """A batch, or None."""
         ...
 
-    async def list_batches(self, *, after: str | None = None, limit: int = 20) -> tuple[list[BatchRecord], bool]:
-        """Batches newest first, starting after the batch ``after``; and whether more follow."""
+    async def list_batches(
+        self, *, after: str | None = None, limit: int = 20, caller: str | None = None
+    ) -> tuple[list[BatchRecord], bool]:
+        """Batches (of ``caller``; None: everyone's) newest first, after ``after``; and whether more follow."""
         ...
 
     async def update_batch(self, batch_id: str, **fields: Any) -> BatchRecord | None:
@@ -294,7 +305,7 @@ LINE_COLUMNS = tuple(field.name for field in dataclasses.fields(LineRecord))
 _BATCH_FIELDS = tuple(field.name for field in dataclasses.fields(BatchRecord) if field.name != "usage")
 BATCH_COLUMNS = (*_BATCH_FIELDS, *Usage._fields)
 # What update_batch and transition may set (usage only grows, through finish).
-UPDATABLE = frozenset(_BATCH_FIELDS) - {"id", "endpoint", "input_file_id", "completion_window", "created_at"}
+UPDATABLE = frozenset(_BATCH_FIELDS) - {"id", "endpoint", "input_file_id", "completion_window", "created_at", "caller"}
 UPLOADING = "uploading"  # a file's status while put_file writes it: hidden from get_file and list_files
 
 
@@ -370,13 +381,35 @@ async def rechunk(chunks: AsyncIterable[bytes], size: int = CHUNK_SIZE) -> Async
         yield bytes(pending)
 
 
+SCHEMA_VERSION = 2
+"""1: the first tables; 2: files and batches have a caller."""
+MIGRATIONS: dict[int, tuple[str, ...]] = {
+    2: (
+        "ALTER TABLE files ADD COLUMN caller TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE batches ADD COLUMN caller TEXT NOT NULL DEFAULT ''",
+    ),
+}
+"""The statements that bring a store written at the version before each key to that version
+(run before SCHEMA, which then only adds what is missing). Rows from before version 2 have
+the caller '' and are seen by admins only."""
+
+
+def migrations(version: int) -> list[str]:
+    """The statements that bring a store at ``version`` to SCHEMA_VERSION (none for 0: a new store)."""
+    if not version:
+        return []
+    return [statement for target in range(version + 1, SCHEMA_VERSION + 1) for statement in MIGRATIONS.get(target, ())]
+
+
 # The tables, for both stores: {blob}, {real} and {int} are the backend's names for those types.
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS files (
     id TEXT PRIMARY KEY, filename TEXT NOT NULL, purpose TEXT NOT NULL,
-    bytes {int} NOT NULL, created_at {int} NOT NULL, status TEXT NOT NULL, expires_at {int}
+    bytes {int} NOT NULL, created_at {int} NOT NULL, status TEXT NOT NULL, expires_at {int},
+    caller TEXT NOT NULL DEFAULT ''
 )""",
     "CREATE INDEX IF NOT EXISTS files_created ON files (created_at, id)",
+    "CREATE INDEX IF NOT EXISTS files_caller ON files (caller, created_at, id)",
     """CREATE TABLE IF NOT EXISTS file_chunks (
     file_id TEXT NOT NULL, seq {int} NOT NULL, data {blob} NOT NULL, PRIMARY KEY (file_id, seq)
 )""",
@@ -388,10 +421,12 @@ SCHEMA = (
     output_file_id TEXT, error_file_id TEXT,
     errors TEXT NOT NULL DEFAULT '[]',  -- JSON list of {{code, message, param, line}}
     metadata TEXT NOT NULL DEFAULT '{{}}',  -- JSON object of strings
+    caller TEXT NOT NULL DEFAULT '',
     prompt_tokens {int} NOT NULL DEFAULT 0, completion_tokens {int} NOT NULL DEFAULT 0,
     total_tokens {int} NOT NULL DEFAULT 0
 )""",
     "CREATE INDEX IF NOT EXISTS batches_created ON batches (created_at, id)",
+    "CREATE INDEX IF NOT EXISTS batches_caller ON batches (caller, created_at, id)",
     "CREATE INDEX IF NOT EXISTS batches_status ON batches (status)",
     """CREATE TABLE IF NOT EXISTS lines (
     batch_id TEXT NOT NULL, line {int} NOT NULL, custom_id TEXT NOT NULL, body TEXT NOT NULL,

@@ -181,3 +181,51 @@ def test_a_100_mb_upload_streams_through_the_edge(batch_stack: Stack) -> None:
     assert uploaded.bytes == size
     assert peak - before < 50, f"the edge grew from {before:.0f} MB to {peak:.0f} MB"
     assert client.files.delete(uploaded.id).deleted
+
+
+def test_files_and_batches_belong_to_the_key_that_made_them(batch_stack: Stack) -> None:
+    """Another key sees none of them: not in its lists, and a 404 for each id, as for an unknown one."""
+    alice = batch_stack.client(batch_stack.new_key("alice"))
+    bob = batch_stack.client(batch_stack.new_key("bob"))
+    for client in (alice, bob):  # the edge reads new keys within about a second
+        wait_for(lambda client=client: _authenticates(client), 5.0, 0.1, "the new keys")
+    body = {"model": "mock-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    lines = [{"custom_id": f"a-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body} for i in range(3)]
+    file_id = _upload(alice, lines)
+    batch = alice.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    done = _wait(alice, batch.id)
+    assert done.status == "completed" and done.output_file_id is not None
+    output = done.output_file_id
+
+    assert not {file_id, output} & {item.id for item in bob.files.list().data}
+    assert batch.id not in {item.id for item in bob.batches.list().data}
+    refused = {
+        "files.retrieve": lambda: bob.files.retrieve(file_id),
+        "files.content": lambda: bob.files.content(file_id),
+        "output content": lambda: bob.files.content(output),
+        "files.delete": lambda: bob.files.delete(file_id),
+        "batches.retrieve": lambda: bob.batches.retrieve(batch.id),
+        "batches.cancel": lambda: bob.batches.cancel(batch.id),
+        "batches.create": lambda: bob.batches.create(
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+        ),
+    }
+    for name, call in refused.items():
+        with pytest.raises(openai.NotFoundError) as caught:
+            call()
+        assert caught.value.status_code == 404, name
+
+    assert alice.files.retrieve(file_id).id == file_id  # bob's delete took nothing
+    assert {file_id, output} <= {item.id for item in alice.files.list().data}
+    assert batch.id in {item.id for item in alice.batches.list().data}
+    assert sorted(line["custom_id"] for line in _lines(alice, output)) == ["a-0", "a-1", "a-2"]
+    ran = [record for record in batch_stack.runs("node-a") if record["caller"] == "alice"]
+    assert len(ran) == 3  # the lines ran as alice's runs: her policy and usage on every node
+
+
+def _authenticates(client: openai.OpenAI) -> bool:
+    try:
+        client.models.list()
+    except openai.AuthenticationError:
+        return False
+    return True

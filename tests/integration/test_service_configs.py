@@ -1,4 +1,4 @@
-"""A bad config of `iop edge` or `iop worker` is one line naming the key, exit 2; a port in use too."""
+"""A bad config of `iop edge`, `iop worker` or `iop control-plane` is one line naming the key, exit 2; a port in use too."""
 
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ def _run(service: str, config: Path) -> subprocess.CompletedProcess[str]:
         ("edge", "control_plane: {address: cp.internal}\n", "control_plane.address"),
         ("worker", "batches: {concurrency: 0}\n", "batches.concurrency"),
         ("worker", "store: {url: mysql://db}\n", "store.url"),
+        ("worker", "nice: lowest\n", "nice"),
+        ("worker", "nice: 25\n", "nice"),
+        ("control-plane", "background_yield: -1\n", "background_yield"),
     ],
 )
 def test_a_bad_value_is_one_line_naming_its_key(tmp_path: Path, service: str, text: str, key: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import itertools
+import time
 from pathlib import Path
 
 import structlog
@@ -130,18 +131,24 @@ def test_retry_after_follows_the_drain_rate() -> None:
 # The relay's waiting, with a registry and no node: a placed run is ended by hand.
 
 
-def _relay(*, size: int = 4, timeout: float = 5.0, policy: str = "") -> tuple[RunRelay, Registry]:
+def _relay(
+    *, size: int = 4, timeout: float = 5.0, policy: str = "", background_yield: float = 1.0
+) -> tuple[RunRelay, Registry]:
     registry = Registry()
     registry.register("n1", [ModelLoad("m", capacity=1)])
     scheduler = Scheduler(registry, load_policy(policy))
     sessions = NodeSessions(registry, AuditStore(Path("unused.db")), heartbeat_interval=1.0)
-    relay = RunRelay(scheduler, sessions, ControlPlaneMetrics(registry), queue_size=size, queue_timeout=timeout)
+    metrics = ControlPlaneMetrics(registry)
+    relay = RunRelay(
+        scheduler, sessions, metrics, queue_size=size, queue_timeout=timeout, background_yield=background_yield
+    )
     return relay, registry
 
 
 def _admit(relay: RunRelay, caller: str = "c", **fields: object) -> asyncio.Task[Decision | IopError]:
     request = pb.RunRequest(run_id="r", model="m", **fields)  # type: ignore[arg-type]
-    return asyncio.create_task(relay._admit(request, caller, None, structlog.get_logger("test")))
+    priority = relay.priority(request, caller)
+    return asyncio.create_task(relay._admit(request, caller, priority, None, structlog.get_logger("test")))
 
 
 async def _end(relay: RunRelay, registry: Registry, decision: Decision, caller: str = "c") -> None:
@@ -226,3 +233,36 @@ async def test_relay_a_caller_over_its_limit_waits_while_others_run() -> None:
     await _end(relay, registry, first)
     assert _placed(await second).node_id == "n1"
     assert relay.queue.running == {"c": 1, "d": 1}
+
+
+async def test_relay_a_background_run_waits_for_interactive_first_outputs_on_its_node() -> None:
+    relay, registry = _relay()
+    registry.register("n1", [ModelLoad("m", capacity=4)])
+    interactive = _placed(await _admit(relay))
+    arrived = relay._awaiting_first_output("n1")  # as _attempt counts an interactive run until its first output
+    background = _admit(relay, priority=-10)
+    also = _admit(relay, priority=-10)
+    await _settle()
+    assert not background.done() and relay.queue.depth("m") == 2  # slots are free, yet they wait
+    assert _placed(await _admit(relay)).node_id == "n1"  # an interactive run does not wait behind them
+    yields = relay.metrics.registry.get_sample_value("iop_control_plane_background_yields_total")
+    assert yields == 1  # the first found every node with room prompted; the second queued behind it
+    arrived()
+    arrived()  # counted once, however often called
+    assert registry.nodes["n1"].awaiting_first_output == 0
+    assert _placed(await background).node_id == "n1" and _placed(await also).node_id == "n1"
+    await _end(relay, registry, interactive)
+
+
+async def test_relay_a_background_run_is_held_back_for_background_yield_at_most() -> None:
+    relay, registry = _relay(background_yield=0.1)
+    registry.register("n1", [ModelLoad("m", capacity=4)])
+    relay._awaiting_first_output("n1")  # an interactive run that never sends output
+    started = time.monotonic()
+    held = await asyncio.wait_for(_admit(relay, priority=-10), 2.0)
+    assert _placed(held).node_id == "n1"
+    assert 0.09 <= time.monotonic() - started < 1.0
+    never, _ = _relay(background_yield=0)  # 0: never held back
+    never.scheduler.registry.register("n1", [ModelLoad("m", capacity=4)])
+    never._awaiting_first_output("n1")
+    assert _placed(await asyncio.wait_for(_admit(never, priority=-10), 0.5)).node_id == "n1"

@@ -90,6 +90,44 @@ def test_every_candidate_full_is_all_busy_and_sends_nothing() -> None:
     assert _placed(scheduler.choose("m")) == "b"
 
 
+# Background runs yield to interactive runs awaiting their first output
+
+
+@pytest.mark.parametrize("policy", ["least-loaded", "round-robin", "session-affinity"])
+def test_a_background_run_goes_to_a_node_without_interactive_runs_awaiting_output(policy: str) -> None:
+    scheduler = _scheduler(f"defaults: {{policy: {policy}}}", a=4, b=4)
+    scheduler.registry.nodes["a"].awaiting_first_output = 1
+    placed = {_placed(scheduler.choose("m", background=True, session=f"s{i}")) for i in range(3)}
+    assert placed == {"b"}
+    interactive = {_placed(scheduler.choose("m", session=f"s{i}")) for i in range(5)}
+    assert "a" in interactive  # interactive runs are not held back
+
+
+def test_a_background_run_waits_while_every_node_with_room_has_interactive_runs_awaiting_output() -> None:
+    scheduler = _scheduler(a=1, b=4)
+    nodes = scheduler.registry.nodes
+    assert _placed(scheduler.choose("m")) in {"a", "b"}
+    nodes["a"].awaiting_first_output = nodes["b"].awaiting_first_output = 1
+    decision = scheduler.choose("m", background=True)
+    assert (decision.outcome, decision.node_id, decision.yielded) == ("all_busy", None, True)
+    assert "awaiting a first output" in decision.reason
+    assert sum(view.load for node in nodes.values() for view in node.models.values()) == 1  # nothing sent
+    nodes["b"].awaiting_first_output = 0
+    assert _placed(scheduler.choose("m", background=True)) == "b"
+
+
+def test_a_background_run_is_all_busy_without_yielding_when_no_node_has_room() -> None:
+    scheduler = _scheduler(a=1)
+    _placed(scheduler.choose("m"))
+    scheduler.registry.nodes["a"].awaiting_first_output = 1
+    decision = scheduler.choose("m", background=True)
+    assert (decision.outcome, decision.yielded) == ("all_busy", False)
+    assert "full" in decision.reason
+    scheduler.registry.nodes["a"].awaiting_first_output = 0
+    assert scheduler.choose("m", background=True).outcome == "all_busy"
+    assert scheduler.choose("other", background=True).outcome == "unknown_model"
+
+
 def test_the_heap_stays_bounded_however_often_loads_change() -> None:
     scheduler = _scheduler(a=4, b=4, c=4)
     for _ in range(10_000):

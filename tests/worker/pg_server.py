@@ -29,6 +29,8 @@ class PgServer:
     """A running server: its port, and the URL of a database on it."""
 
     port: int
+    data: Path | None = None
+    """The server's data folder (its postmaster.pid names the server's process)."""
 
     def url(self, database: str = "postgres") -> str:
         """The URL of ``database`` as the trusted superuser."""
@@ -84,7 +86,7 @@ def pg_server(binaries: Path) -> Iterator[PgServer]:
         log = folder / "server.log"
         _run(run_as, binaries / "pg_ctl", "-D", data, "-l", log, "-o", options, "-w", "-t", "30", "start")
         try:
-            yield PgServer(port)
+            yield PgServer(port, data)
         finally:
             _run(run_as, binaries / "pg_ctl", "-D", data, "-m", "fast", "-w", "stop")
     finally:

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
+import asyncpg
 import pytest
 
+from iop_worker.pg_store import PgJobStore
+from iop_worker.sqlite_store import SqliteJobStore
 from iop_worker.store import (
     CHUNK_SIZE,
     BatchRecord,
@@ -136,6 +141,97 @@ async def test_files_list_newest_first_in_pages(store: JobStore) -> None:
     page, more = await store.list_files(limit=10, purpose="batch")
     assert [file.id for file in page] == [records[3].id, records[1].id] and not more
     assert await store.list_files(after="file-unknown", limit=10) == ([], False)
+
+
+async def test_uploads_left_half_written_are_dropped_by_age(store: JobStore) -> None:
+    """A worker killed mid-upload leaves a hidden, half-written file: drop_uploads deletes it once old enough."""
+    release = asyncio.Event()
+    written = [asyncio.Event(), asyncio.Event()]
+
+    async def stuck(first: asyncio.Event) -> AsyncIterator[bytes]:
+        yield b"x" * (CHUNK_SIZE + 1)
+        first.set()  # asked for more: the first whole chunk is stored
+        await release.wait()
+        yield b"y"
+
+    old, new = file_record(created_at=100), file_record(created_at=int(time.time()))
+    writers = [
+        asyncio.create_task(store.put_file(record, stuck(event)))
+        for record, event in zip((old, new), written, strict=True)
+    ]
+    await asyncio.wait_for(asyncio.gather(*(event.wait() for event in written)), 10)
+    assert await store.drop_uploads(started_before=1_000) == 1
+    assert await store.drop_uploads(started_before=1_000) == 0
+    writers[0].cancel()  # the dead worker's writer, gone
+    release.set()
+    stored = await writers[1]
+    assert stored.bytes == CHUNK_SIZE + 2
+    assert await store.get_file(old.id) is None and await read_all(store, old.id) == []
+    assert [file.id for file in (await store.list_files())[0]] == [new.id]
+
+
+async def test_files_and_batches_list_by_caller(store: JobStore) -> None:
+    files = {caller: dataclasses.replace(file_record(), caller=caller) for caller in ("alice", "bob")}
+    for record in files.values():
+        await store.put_file(record, chunked(b"x", 1))
+    batches = {}
+    for caller in ("alice", "bob"):
+        batch, lines = new_batch(1)
+        batches[caller] = dataclasses.replace(batch, caller=caller)
+        await store.create_batch(batches[caller], lines)
+    for caller in ("alice", "bob"):
+        assert [file.id for file in (await store.list_files(caller=caller))[0]] == [files[caller].id]
+        assert [batch.id for batch in (await store.list_batches(caller=caller))[0]] == [batches[caller].id]
+        got = await store.get_file(files[caller].id)
+        assert got is not None and got.caller == caller
+        assert await store.get_batch(batches[caller].id) == batches[caller]
+    assert len((await store.list_files())[0]) == 2 and len((await store.list_batches())[0]) == 2
+    assert await store.list_files(caller="carol") == ([], False)
+    assert await store.list_batches(caller="carol") == ([], False)
+
+
+async def test_a_store_from_before_callers_gets_them_on_open(make_store: StoreFactory) -> None:
+    """A store written at schema version 1 (no callers) is brought to the current version; its rows are an admin's."""
+    store = await make_store()
+    record = await store.put_file(dataclasses.replace(file_record(), caller="alice"), chunked(b"x", 1))
+    batch, lines = new_batch(1)
+    await store.create_batch(dataclasses.replace(batch, caller="alice"), lines)
+    await _back_to_version_1(store)
+    await store.aclose()
+
+    store = await make_store()
+    files, _ = await store.list_files()
+    assert [(file.id, file.caller) for file in files] == [(record.id, "")]
+    assert await store.list_files(caller="alice") == ([], False)
+    got = await store.get_batch(batch.id)
+    assert got is not None and got.caller == ""
+    await store.put_file(dataclasses.replace(file_record(), caller="bob"), chunked(b"y", 1))
+    assert len((await store.list_files(caller="bob"))[0]) == 1
+    await store.aclose()
+    store = await make_store()  # opening a current store again changes nothing
+    assert len((await store.list_files())[0]) == 2
+
+
+async def _back_to_version_1(store: JobStore) -> None:
+    """Drop what version 2 added, as a worker of version 1 left its store."""
+    drop = [
+        "DROP INDEX files_caller",
+        "DROP INDEX batches_caller",
+        "ALTER TABLE files DROP COLUMN caller",
+        "ALTER TABLE batches DROP COLUMN caller",
+    ]
+    if isinstance(store, SqliteJobStore):
+        with sqlite3.connect(store.path) as db:
+            for statement in [*drop, "PRAGMA user_version = 1"]:
+                db.execute(statement)
+        return
+    assert isinstance(store, PgJobStore)
+    connection = await asyncpg.connect(store.url)
+    try:
+        for statement in [*drop, "UPDATE iop_worker_schema SET version = 1"]:
+            await connection.execute(statement)
+    finally:
+        await connection.close()
 
 
 async def test_a_deleted_file_is_gone(store: JobStore) -> None:

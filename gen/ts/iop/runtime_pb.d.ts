@@ -71,6 +71,18 @@ export declare type Envelope = Message<"iop.Envelope"> & {
   inReplyTo: string;
 
   /**
+   * On a files.* or batches.* request: the caller the sender acts for (an
+   * edge names the API key's caller). Files and batches belong to it: only
+   * requests for the same caller see them. Honoured only from a peer whose
+   * certificate's role acts for others (edge, worker, control-plane); from
+   * an admin, empty means every caller's. run.request names its caller in
+   * RunRequest.caller instead.
+   *
+   * @generated from field: string caller = 5;
+   */
+  caller: string;
+
+  /**
    * The inner message; exactly one is set.
    *
    * @generated from oneof iop.Envelope.body

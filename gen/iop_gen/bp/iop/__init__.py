@@ -1056,6 +1056,16 @@ class Envelope(betterproto2.Message):
     policy.show; an error may answer any request).
     """
 
+    caller: "str" = betterproto2.field(5, betterproto2.TYPE_STRING)
+    """
+    On a files.* or batches.* request: the caller the sender acts for (an
+    edge names the API key's caller). Files and batches belong to it: only
+    requests for the same caller see them. Honoured only from a peer whose
+    certificate's role acts for others (edge, worker, control-plane); from
+    an admin, empty means every caller's. run.request names its caller in
+    RunRequest.caller instead.
+    """
+
     run_request: "RunRequest | None" = betterproto2.field(10, betterproto2.TYPE_MESSAGE, optional=True, group="body")
     """
     run.request: start an inference run (client -> node, control-plane -> node).

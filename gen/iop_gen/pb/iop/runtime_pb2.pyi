@@ -324,6 +324,7 @@ class Envelope(_message.Message):
     RUN_ID_FIELD_NUMBER: _builtins.int
     SENT_AT_FIELD_NUMBER: _builtins.int
     IN_REPLY_TO_FIELD_NUMBER: _builtins.int
+    CALLER_FIELD_NUMBER: _builtins.int
     RUN_REQUEST_FIELD_NUMBER: _builtins.int
     RUN_EVENT_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
@@ -382,6 +383,14 @@ class Envelope(_message.Message):
     nodes.listed answers nodes.list; operation.done answers nodes.drain and
     nodes.undrain; policy.applied answers policy.apply; policy.shown answers
     policy.show; an error may answer any request).
+    """
+    caller: _builtins.str
+    """On a files.* or batches.* request: the caller the sender acts for (an
+    edge names the API key's caller). Files and batches belong to it: only
+    requests for the same caller see them. Honoured only from a peer whose
+    certificate's role acts for others (edge, worker, control-plane); from
+    an admin, empty means every caller's. run.request names its caller in
+    RunRequest.caller instead.
     """
     @_builtins.property
     def sent_at(self) -> _timestamp_pb2.Timestamp:
@@ -552,6 +561,7 @@ class Envelope(_message.Message):
         run_id: _builtins.str = ...,
         sent_at: _timestamp_pb2.Timestamp | None = ...,
         in_reply_to: _builtins.str = ...,
+        caller: _builtins.str = ...,
         run_request: Global___RunRequest | None = ...,
         run_event: Global___RunEvent | None = ...,
         heartbeat: Global___Heartbeat | None = ...,
@@ -594,7 +604,7 @@ class Envelope(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["batch_cancel", b"batch_cancel", "batch_create", b"batch_create", "batch_get", b"batch_get", "batch_info", b"batch_info", "batches_list", b"batches_list", "batches_listed", b"batches_listed", "body", b"body", "cancel_request", b"cancel_request", "capability_request", b"capability_request", "capability_response", b"capability_response", "error", b"error", "file_chunk", b"file_chunk", "file_create", b"file_create", "file_data", b"file_data", "file_delete", b"file_delete", "file_deleted", b"file_deleted", "file_get", b"file_get", "file_info", b"file_info", "file_read", b"file_read", "file_upload_progress", b"file_upload_progress", "files_list", b"files_list", "files_listed", b"files_listed", "heartbeat", b"heartbeat", "node_drain", b"node_drain", "node_register", b"node_register", "node_registered", b"node_registered", "node_status", b"node_status", "nodes_drain", b"nodes_drain", "nodes_list", b"nodes_list", "nodes_listed", b"nodes_listed", "nodes_undrain", b"nodes_undrain", "operation_done", b"operation_done", "policy_applied", b"policy_applied", "policy_apply", b"policy_apply", "policy_show", b"policy_show", "policy_shown", b"policy_shown", "run_event", b"run_event", "run_request", b"run_request", "runs_list", b"runs_list", "runs_listed", b"runs_listed", "sent_at", b"sent_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_cancel", b"batch_cancel", "batch_create", b"batch_create", "batch_get", b"batch_get", "batch_info", b"batch_info", "batches_list", b"batches_list", "batches_listed", b"batches_listed", "body", b"body", "cancel_request", b"cancel_request", "capability_request", b"capability_request", "capability_response", b"capability_response", "error", b"error", "file_chunk", b"file_chunk", "file_create", b"file_create", "file_data", b"file_data", "file_delete", b"file_delete", "file_deleted", b"file_deleted", "file_get", b"file_get", "file_info", b"file_info", "file_read", b"file_read", "file_upload_progress", b"file_upload_progress", "files_list", b"files_list", "files_listed", b"files_listed", "heartbeat", b"heartbeat", "id", b"id", "in_reply_to", b"in_reply_to", "node_drain", b"node_drain", "node_register", b"node_register", "node_registered", b"node_registered", "node_status", b"node_status", "nodes_drain", b"nodes_drain", "nodes_list", b"nodes_list", "nodes_listed", b"nodes_listed", "nodes_undrain", b"nodes_undrain", "operation_done", b"operation_done", "policy_applied", b"policy_applied", "policy_apply", b"policy_apply", "policy_show", b"policy_show", "policy_shown", b"policy_shown", "run_event", b"run_event", "run_id", b"run_id", "run_request", b"run_request", "runs_list", b"runs_list", "runs_listed", b"runs_listed", "sent_at", b"sent_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_cancel", b"batch_cancel", "batch_create", b"batch_create", "batch_get", b"batch_get", "batch_info", b"batch_info", "batches_list", b"batches_list", "batches_listed", b"batches_listed", "body", b"body", "caller", b"caller", "cancel_request", b"cancel_request", "capability_request", b"capability_request", "capability_response", b"capability_response", "error", b"error", "file_chunk", b"file_chunk", "file_create", b"file_create", "file_data", b"file_data", "file_delete", b"file_delete", "file_deleted", b"file_deleted", "file_get", b"file_get", "file_info", b"file_info", "file_read", b"file_read", "file_upload_progress", b"file_upload_progress", "files_list", b"files_list", "files_listed", b"files_listed", "heartbeat", b"heartbeat", "id", b"id", "in_reply_to", b"in_reply_to", "node_drain", b"node_drain", "node_register", b"node_register", "node_registered", b"node_registered", "node_status", b"node_status", "nodes_drain", b"nodes_drain", "nodes_list", b"nodes_list", "nodes_listed", b"nodes_listed", "nodes_undrain", b"nodes_undrain", "operation_done", b"operation_done", "policy_applied", b"policy_applied", "policy_apply", b"policy_apply", "policy_show", b"policy_show", "policy_shown", b"policy_shown", "run_event", b"run_event", "run_id", b"run_id", "run_request", b"run_request", "runs_list", b"runs_list", "runs_listed", b"runs_listed", "sent_at", b"sent_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["run_request", "run_event", "heartbeat", "cancel_request", "capability_request", "capability_response", "error", "node_register", "node_registered", "node_status", "node_drain", "nodes_list", "nodes_listed", "nodes_drain", "nodes_undrain", "operation_done", "policy_apply", "policy_applied", "policy_show", "policy_shown", "runs_list", "runs_listed", "file_create", "file_chunk", "file_upload_progress", "file_info", "file_get", "files_list", "files_listed", "file_read", "file_data", "file_delete", "file_deleted", "batch_create", "batch_info", "batch_get", "batches_list", "batches_listed", "batch_cancel"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
