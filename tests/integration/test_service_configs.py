@@ -1,4 +1,4 @@
-"""A bad config of `iop edge`, `iop worker` or `iop control-plane` is one line naming the key, exit 2; a port in use too."""
+"""A bad config of `iop edge`, `iop worker`, `iop control-plane`: one line naming the key, exit 2; a port taken too."""
 
 from __future__ import annotations
 
