@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -70,15 +71,22 @@ async def serve_json(
     return response
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole request body; 413 once it is over ``limit`` bytes (declared or read)."""
+async def read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The whole request body; 413 once it is over ``limit`` bytes (declared or read), 408 when it
+    has not all arrived ``timeout`` seconds after the handler started reading it."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is {declared} bytes, over this edge's limit of {limit}")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"the request body is over this edge's limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"the request body is over this edge's limit of {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        _log.warning("request body too slow", path=request.url.path, received=size, timeout=timeout)
+        message = f"the request body did not arrive within {timeout:g} s (http.body_timeout); {size} bytes came"
+        raise ApiError(408, message, code="timeout") from None
     return b"".join(chunks)

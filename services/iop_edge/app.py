@@ -349,10 +349,11 @@ class _Api:
         return authenticate(self.edge.keys, request)
 
     async def _body(self, request: Request) -> bytes:
+        http = self.settings.http
         try:
-            return await read_body(request, self.settings.http.max_body_bytes)
-        except ApiError:
-            self.metrics.refused.labels("body_size").inc()
+            return await read_body(request, http.max_body_bytes, http.body_timeout)
+        except ApiError as error:
+            self.metrics.refused.labels("body_timeout" if error.status == 408 else "body_size").inc()
             raise
 
     # -- models, health, metrics --------------------------------------------------------------

@@ -154,7 +154,8 @@ class BatchRoutes:
         """POST /v1/batches."""
 
         async def create(key: ApiKey | None) -> dict[str, Any]:
-            body = await read_body(request, self.edge.settings.http.max_body_bytes)
+            http = self.edge.settings.http
+            body = await read_body(request, http.max_body_bytes, http.body_timeout)
             batch = batch_request(parse.parse_body(body))
             ask = pb.Envelope(batch_create=batch)
             reply = await self.worker.ask(

@@ -20,6 +20,7 @@ import structlog
 import uvicorn
 
 from iop_edge.app import Edge, build_app
+from iop_edge.head_timeout import header_timeout_protocol
 from iop_edge.keys import KeyStore
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.settings import Settings, StartError, load_settings
@@ -100,7 +101,7 @@ async def _serve(settings: Settings, ready_file: Path | None) -> int:
         uvicorn.Config(
             build_app(edge),
             loop="none",
-            http="httptools",
+            http=header_timeout_protocol(settings.http.header_timeout, metrics),
             lifespan="off",
             log_config=None,
             access_log=False,

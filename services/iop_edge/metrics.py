@@ -38,7 +38,8 @@ class EdgeMetrics:
         self.in_flight = Gauge("iop_edge_requests_in_flight", "Requests being served.", registry=self.registry)
         self.refused = Counter(
             "iop_edge_refused_total",
-            "Requests refused by an edge limit, by limit (in_flight, body_size, rpm, tpm, max_concurrent).",
+            "Requests refused by an edge limit, by limit (in_flight, body_size, rpm, tpm, max_concurrent,"
+            " file_size, header_timeout, body_timeout).",
             ["limit"],
             registry=self.registry,
         )

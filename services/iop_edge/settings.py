@@ -43,6 +43,12 @@ class HttpSettings(_Section):
     """HTTP connections open at once (uvicorn's limit_concurrency: more get 503)."""
     keep_alive: float = Field(5.0, gt=0)
     """Seconds an idle keep-alive connection stays open."""
+    body_timeout: float = Field(60.0, gt=0)
+    """Seconds a JSON request body may take to arrive in full; a slower one is answered 408.
+    (A file upload is bounded by the worker instead: 60 s between chunks, an hour in all.)"""
+    header_timeout: float = Field(10.0, gt=0)
+    """Seconds a request's head (request line and headers) may take to arrive, from the
+    connection's opening or the request's first byte; a slower client's connection is closed."""
     max_file_bytes: int = Field(512 * 1024 * 1024, ge=1)
     """Largest file POST /v1/files takes (streamed to the worker, never held); a larger one is answered 413."""
 

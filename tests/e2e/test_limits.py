@@ -1,11 +1,14 @@
-"""The platform's limits as HTTP: a full queue is 429 with Retry-After, a passed deadline is 504."""
+"""The platform's limits as HTTP: a full queue is 429 with Retry-After, a passed deadline is 504,
+a request head that takes too long closes its connection."""
 
 from __future__ import annotations
 
+import itertools
+import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,14 +27,17 @@ ONE_SLOT = [
 ]
 
 
-@pytest.fixture
-def one_slot(tmp_path: Path) -> Iterator[Stack]:
-    """One node with one slot; the control-plane queues no run; the edge gives a request 1 s."""
+SLOW_CLIENTS = {"header_timeout": 1.0, "body_timeout": 1.0}
+
+
+@pytest.fixture(scope="module")
+def one_slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """One node with one slot; the control-plane queues no run; the edge gives a request 1 s, its head and body 1 s."""
     with running_stack(
-        tmp_path / "stack",
+        tmp_path_factory.mktemp("limits") / "stack",
         {"node-a": ONE_SLOT},
         control_plane={"queue_size": 0},
-        edge_settings={"request_timeout": 1.0},
+        edge_settings={"request_timeout": 1.0, "http": {"host": "127.0.0.1", "port": 0, **SLOW_CLIENTS}},
     ) as stack:
         yield stack
 
@@ -68,3 +74,71 @@ def test_a_full_queue_is_429_with_retry_after_and_a_passed_deadline_504(one_slot
     late = holding["response"]
     _error(late, 504, "timeout")  # the run outlived request_timeout: ended by its deadline
     assert time.monotonic() - started < 5
+
+
+def _refused(stack: Stack, limit: str) -> float:
+    with stack.http() as http:
+        text = http.get(stack.base_url.removesuffix("/v1") + "/metrics").text
+    for line in text.splitlines():
+        if line.startswith(f'iop_edge_refused_total{{limit="{limit}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def _closed_after(sock: socket.socket, trickle: bytes) -> float:
+    """Seconds until the edge closes ``sock``, sending ``trickle`` a byte every 0.1 s meanwhile."""
+    started = time.monotonic()
+    sock.settimeout(0.1)
+    for byte in itertools.cycle(trickle or b"\0"):
+        try:
+            if trickle:
+                sock.send(bytes([byte]))
+            if sock.recv(1024) == b"":
+                return time.monotonic() - started
+        except TimeoutError:
+            pass
+        except (ConnectionResetError, BrokenPipeError):
+            return time.monotonic() - started
+        if time.monotonic() - started > 10:
+            raise AssertionError("the edge kept a slow client's connection for 10 s")
+    raise AssertionError("unreachable")
+
+
+def test_a_request_head_slower_than_header_timeout_closes_its_connection(one_slot: Stack) -> None:
+    before = _refused(one_slot, "header_timeout")
+    address = ("127.0.0.1", one_slot.edge_port)
+    with socket.create_connection(address) as silent, socket.create_connection(address) as trickler:
+        head = b"GET /health HTTP/1.1\r\nhost: x\r\n" + b"x-pad: " + b"a" * 200
+        trickled = _closed_after(trickler, head)  # a byte every 0.1 s: the head never completes in 1 s
+        assert 0.9 <= trickled < 3.0
+        assert _closed_after(silent, b"") < 3.0  # connected and said nothing (opened before: already past 1 s)
+        with one_slot.http() as http:  # everyone else is served meanwhile
+            assert http.get(one_slot.base_url.removesuffix("/v1") + "/health").status_code == 200
+    assert _refused(one_slot, "header_timeout") == before + 2
+
+
+def test_a_request_body_slower_than_body_timeout_is_408(one_slot: Stack) -> None:
+    before = _refused(one_slot, "body_timeout")
+    body = json.dumps(_chat()).encode()
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"authorization: Bearer {one_slot.key}\r\ncontent-length: {len(body)}\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", one_slot.edge_port)) as sock:
+        sock.sendall(head.encode() + body[:10])  # the rest never comes
+        started = time.monotonic()
+        sock.settimeout(10)
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            piece = sock.recv(65536)
+            if not piece:
+                break
+            answer += piece
+    waited = time.monotonic() - started
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert status_line.startswith(b"HTTP/1.1 408"), answer
+    error = json.loads(rest.partition(b"\r\n\r\n")[2])
+    validate("ErrorResponse", error)
+    assert error["error"]["code"] == "timeout" and "body_timeout" in error["error"]["message"]
+    assert 0.9 <= waited < 3.0
+    assert _refused(one_slot, "body_timeout") == before + 1
