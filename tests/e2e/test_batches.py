@@ -107,6 +107,28 @@ def test_a_bad_line_fails_the_batch_at_validation_naming_it(batch_stack: Stack, 
     validate("Batch", client.batches.with_raw_response.retrieve(batch.id).http_response.json())
 
 
+def test_a_wrong_purpose_is_a_400_naming_it(batch_stack: Stack) -> None:
+    client = batch_stack.client()
+    with pytest.raises(openai.BadRequestError) as upload:
+        client.files.create(file=("in.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")
+    assert upload.value.status_code == 400 and upload.value.body["param"] == "purpose"  # type: ignore[index]
+    body = {"model": "mock-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    line = {"custom_id": "only", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    done = _wait(
+        client,
+        client.batches.create(
+            input_file_id=_upload(client, [line]), endpoint="/v1/chat/completions", completion_window="24h"
+        ).id,
+    )
+    assert done.output_file_id is not None
+    with pytest.raises(openai.BadRequestError) as create:  # an output file (purpose batch_output) as input
+        client.batches.create(
+            input_file_id=done.output_file_id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+    assert create.value.status_code == 400 and create.value.body["param"] == "input_file_id"  # type: ignore[index]
+    validate("ErrorResponse", {"error": create.value.body})
+
+
 def test_a_repeated_custom_id_fails_the_batch(batch_stack: Stack) -> None:
     client = batch_stack.client()
     line = {"custom_id": "same", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "mock-small"}}
