@@ -85,6 +85,9 @@ def test_a_batch_runs_every_line_once(batch_stack: Stack, endpoint: str, body: d
         }[endpoint]
         validate(schema, line["response"]["body"])
     assert errors[0]["response"]["status_code"] == 404 and errors[0]["error"]["message"]
+    listed = client.batches.with_raw_response.list(limit=100).http_response.json()
+    validate("ListBatchesResponse", listed)
+    assert batch.id in [item["id"] for item in listed["data"]]
 
 
 @pytest.mark.parametrize(
@@ -164,9 +167,13 @@ def test_files_list_retrieve_content_and_delete(batch_stack: Stack, tmp_path: Pa
     assert uploaded.bytes == len(data)
     assert client.files.retrieve(uploaded.id).filename == "big.jsonl"
     assert client.files.content(uploaded.id).content == data
-    listed = client.with_options().files.list()
-    assert uploaded.id in [item.id for item in listed.data]
-    assert client.files.delete(uploaded.id).deleted
+    listed = client.files.with_raw_response.list().http_response.json()
+    validate("ListFilesResponse", listed)
+    assert uploaded.id in [item["id"] for item in listed["data"]]
+    validate("OpenAIFile", client.files.with_raw_response.retrieve(uploaded.id).http_response.json())
+    deleted = client.files.with_raw_response.delete(uploaded.id).http_response.json()
+    validate("DeleteFileResponse", deleted)
+    assert deleted["deleted"] is True
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(uploaded.id)
 
