@@ -9,7 +9,9 @@ Rows, per store: lines/s of a BATCH_LINES-line chat batch, timed from ``POST /v1
 status ``completed`` (validation, every line run at priority -10, the output file written);
 CPU per line of each service over that time (PostgreSQL's own processes not counted);
 interactive streaming TTFT p50 with nothing else running, and while a second such batch is in
-progress (checked after the measurement), and their ratio. Prints a table; asserts nothing.
+progress (checked after the measurement), and their ratio; for PostgreSQL that ratio once more
+with the server's processes moved to idle CPU priority (a stand-in for a server on a machine of
+its own). Prints a table; asserts nothing.
 """
 
 from __future__ import annotations
