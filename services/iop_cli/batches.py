@@ -19,29 +19,18 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any
 
 from iop_cli.ops import Failed, ask, guarded, iso
 from iop_cli.platform import read_ready
 from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire.messages import BATCH_TIMES
 
 __all__ = ["DEFAULT_WORKER", "batches_cancel", "batches_ls", "batches_show", "default_worker"]
 
 DEFAULT_WORKER = "127.0.0.1:7402"
 _MAX_LIST = 100  # the worker's cap on one page
 _BAR = 20
-_Time = Literal[
-    "created_at",
-    "in_progress_at",
-    "expires_at",
-    "finalizing_at",
-    "completed_at",
-    "failed_at",
-    "expired_at",
-    "cancelling_at",
-    "cancelled_at",
-]
-_TIMES: tuple[_Time, ...] = get_args(_Time)
 _ENDED = frozenset({"completed", "failed", "expired", "cancelled"})
 
 
@@ -86,7 +75,7 @@ async def _show(args: argparse.Namespace) -> int:
         print(json.dumps(batch, indent=2))
         return 0
     counts = batch["request_counts"]
-    for key in ("id", "status", "endpoint", "input_file_id", "output_file_id", "error_file_id", *_TIMES):
+    for key in ("id", "status", "endpoint", "input_file_id", "output_file_id", "error_file_id", *BATCH_TIMES):
         if batch[key] is not None:
             print(f"{key}: {batch[key]}")
     done = counts["completed"] + counts["failed"]
@@ -135,7 +124,7 @@ def batch_dict(batch: pb.BatchInfo) -> dict[str, Any]:
         "output_file_id": batch.output_file_id or None,
         "error_file_id": batch.error_file_id or None,
         "completion_window": batch.completion_window,
-        **{name: _time(batch, name) for name in _TIMES},
+        **{name: _time(batch, name) for name in BATCH_TIMES},
         "request_counts": {
             "total": batch.request_counts.total,
             "completed": batch.request_counts.completed,
@@ -175,8 +164,9 @@ def _duration(seconds: float) -> str:
     return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
 
 
-def _time(batch: pb.BatchInfo, name: _Time) -> str | None:
-    return iso(getattr(batch, name).ToNanoseconds() / 1e9) if batch.HasField(name) else None
+def _time(batch: pb.BatchInfo, name: str) -> str | None:
+    timestamp = getattr(batch, name)
+    return iso(timestamp.ToNanoseconds() / 1e9) if timestamp.seconds or timestamp.nanos else None  # unset: zero
 
 
 def _table(batches: list[dict[str, Any]]) -> str:

@@ -15,12 +15,13 @@ import json
 import socket
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from iop_wire.certs import init_dir
+from iop_wire.certs import init_dir, tls_section
 
 CONTROL_PLANE_PORT = 7400
 EDGE_PORT = 8000
@@ -70,26 +71,29 @@ def prepare(state: Path, port: int | None, backend: str | None) -> None:
 
 
 def _prepare_control_plane(state: Path) -> int:
-    config = state / "control-plane.yaml"
-    if not config.exists():
-        port = _default_or_free(CONTROL_PLANE_PORT, "the control-plane")
-        config.write_text(yaml.safe_dump(_control_plane_config(state, port), sort_keys=False))
-        print(f"wrote {config}")
-        return port
-    port = _port_of(config, ("listen", "port"), CONTROL_PLANE_PORT)
-    if port and not _free(port):
-        raise Refused(f"127.0.0.1:{port} (listen.port of {config}) is in use", 2)
-    return port
+    return _prepare_listener(
+        state / "control-plane.yaml",
+        CONTROL_PLANE_PORT,
+        "the control-plane",
+        lambda port: _control_plane_config(state, port),
+    )
 
 
 def _prepare_worker(state: Path, control_plane: int) -> int:
-    config = state / "worker.yaml"
+    return _prepare_listener(
+        state / "worker.yaml", WORKER_PORT, "the worker", lambda port: _worker_config(state, control_plane, port)
+    )
+
+
+def _prepare_listener(config: Path, default: int, who: str, write: Callable[[int], dict[str, object]]) -> int:
+    """The port of a service listening at ``listen.port``: its config written if missing (``default``,
+    or a free port when that is taken), else read from it; Refused when the configured port is taken."""
     if not config.exists():
-        port = _default_or_free(WORKER_PORT, "the worker")
-        config.write_text(yaml.safe_dump(_worker_config(state, control_plane, port), sort_keys=False))
+        port = _default_or_free(default, who)
+        config.write_text(yaml.safe_dump(write(port), sort_keys=False))
         print(f"wrote {config}")
         return port
-    port = _port_of(config, ("listen", "port"), WORKER_PORT)
+    port = _port_of(config, ("listen", "port"), default)
     if port and not _free(port):
         raise Refused(f"127.0.0.1:{port} (listen.port of {config}) is in use", 2)
     return port
@@ -127,13 +131,7 @@ def _default_or_free(port: int, who: str) -> int:
 
 
 def _tls(state: Path, role: str) -> dict[str, object]:
-    certs = (state / "certs").resolve()
-    return {
-        "enabled": True,
-        "cert": str(certs / f"{role}.crt"),
-        "key": str(certs / f"{role}.key"),
-        "ca": str(certs / "ca.crt"),
-    }
+    return tls_section(state / "certs", role)
 
 
 def _control_plane_config(state: Path, port: int) -> dict[str, object]:

@@ -186,6 +186,7 @@ def build_control_plane(settings: Settings, *, policy: PolicyInForce | None = No
         queue_size=settings.queue_size,
         queue_timeout=settings.queue_timeout,
         background_yield=settings.background_yield,
+        registration_grace=settings.registration_grace,
     )
     registry.on_more_room(runs.wake)  # a node registered, reported or was made ready: admit waiters
     return ControlPlaneApp(

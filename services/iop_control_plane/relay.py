@@ -77,6 +77,7 @@ class RunRelay:
         queue_size: int = 256,
         queue_timeout: float = 30.0,
         background_yield: float = 1.0,
+        registration_grace: float = 0.0,
     ) -> None:
         self.scheduler = scheduler
         self.sessions = sessions
@@ -90,6 +91,9 @@ class RunRelay:
         self.background_yield = background_yield
         """Seconds at most a background run is held back from nodes with interactive runs awaiting a first output."""
         self._held: asyncio.TimerHandle | None = None
+        self.registration_grace = registration_grace
+        """Seconds after start a model served before the restart is UNAVAILABLE, not MODEL_NOT_FOUND."""
+        self._started = time.monotonic()
         metrics.watch_queue(self.queue)
 
     def attempts(self, model: str) -> int:
@@ -118,7 +122,7 @@ class RunRelay:
         priority = self.priority(request, caller)
         admitted = await self._admit(request, caller, priority, session, log)
         if isinstance(admitted, Decision) and admitted.node_id is None:
-            admitted = _refusal(admitted)
+            admitted = self._refusal(admitted)
         if isinstance(admitted, IopError):
             await sink.error(admitted)
             return pb.RunEvent(error=error_message(admitted))
@@ -127,6 +131,19 @@ class RunRelay:
         finally:
             self.queue.ended(caller)
             self.wake()
+
+    def _refusal(self, decision: Decision) -> IopError:
+        """Why a run placed nowhere is refused: a model nodes served before a restart is UNAVAILABLE
+        (retryable) for ``registration_grace`` seconds, while they dial back."""
+        since = time.monotonic() - self._started
+        recent = since < self.registration_grace and decision.model in self.sessions.store.served_before
+        if decision.outcome == "unknown_model" and recent:
+            message = (
+                f"no node serves {decision.model!r} yet: the control-plane started {since:.0f} s ago"
+                " and the nodes that served it are registering again"
+            )
+            return IopError(pb.ERROR_CODE_UNAVAILABLE, message, retryable=True, retry_after=_RETRY_AFTER)
+        return _refusal(decision)
 
     def priority(self, request: pb.RunRequest, caller: str) -> int:
         """The run's priority: the request's, else the policy's for its model and caller (below 0: background)."""

@@ -71,6 +71,10 @@ class Settings(BaseSettings):
     """Runs that may wait for a slot, per model; one more is refused RESOURCE_EXHAUSTED (0: none wait)."""
     queue_timeout: float = Field(30.0, gt=0)
     """Seconds a run without a deadline may wait for a slot before RESOURCE_EXHAUSTED."""
+    registration_grace: float = Field(30.0, ge=0)
+    """Seconds after start during which a run for a model that nodes served before the restart
+    (the audit file says so), and none serves yet, is refused UNAVAILABLE (retryable, retry in
+    1 s) instead of MODEL_NOT_FOUND: its nodes may not have dialed back yet."""
     background_yield: float = Field(1.0, ge=0)
     """Seconds at most a background run (priority < 0: batch lines) is held back from nodes
     where interactive runs await their first output; past it, it is placed with them (0: never held)."""

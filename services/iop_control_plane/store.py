@@ -61,6 +61,8 @@ class AuditStore:
         self._last_drop_log = 0.0
         self.first_seen: dict[str, float] = {}
         """Node id -> when it first registered (from the file, across restarts)."""
+        self.served_before: frozenset[str] = frozenset()
+        """Models the nodes in the file served when they last registered (before this process started)."""
         self._db: sqlite3.Connection | None = None
         self._pending: list[_Write] = []
         self._wake = asyncio.Event()
@@ -71,8 +73,9 @@ class AuditStore:
     async def open(self) -> None:
         """Create the file and tables, read first-seen times, start the writer."""
         self._db = await asyncio.to_thread(self._connect)
-        rows = await asyncio.to_thread(self._db.execute("SELECT node_id, first_seen FROM nodes").fetchall)
-        self.first_seen = dict(rows)
+        rows = await asyncio.to_thread(self._db.execute("SELECT node_id, first_seen, models FROM nodes").fetchall)
+        self.first_seen = {node_id: first_seen for node_id, first_seen, _ in rows}
+        self.served_before = frozenset(model for *_, models in rows for model in json.loads(models))
         self._writer = asyncio.create_task(self._write_loop(), name="iop-audit")
 
     async def aclose(self) -> None:

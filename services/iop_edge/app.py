@@ -257,20 +257,14 @@ class _Api:
         self, request: Request, call: _Call, stream: RunStream, outcome: shape.Outcome
     ) -> tuple[pb.RunStart, pb.RunComplete]:
         """A run's events gathered until it ends; the run is cancelled if the client goes away first."""
-        start = pb.RunStart()
         async with self._departure(request, call, stream):
-            async for event in stream:
-                kind = event.WhichOneof("event")
-                if kind == "delta":
-                    shape.collect_delta(outcome, event.delta)
-                elif kind == "start":
-                    start = event.start
-                elif kind == "complete":
-                    call.tokens += event.complete.usage.prompt_tokens + event.complete.usage.completion_tokens
-                    return start, event.complete
-                elif kind == "error":
-                    raise from_event(event)
-        raise ApiError(502, "the run ended without a result", code="backend_error")
+            start, end = await shape.gather(stream, outcome)
+        if end is None:
+            raise ApiError(502, "the run ended without a result", code="backend_error")
+        if end.HasField("error"):
+            raise from_event(end)
+        call.tokens += end.complete.usage.prompt_tokens + end.complete.usage.completion_tokens
+        return start, end.complete
 
     async def _opening(
         self, request: Request, call: _Call, stream: RunStream

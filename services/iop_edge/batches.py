@@ -18,6 +18,7 @@ from iop_edge.files import list_object, page_limit, seconds
 from iop_edge.keys import ApiKey
 from iop_edge.worker import Worker
 from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire.messages import BATCH_TIMES
 from iop_wire.openai import requests as parse
 from iop_wire.openai.errors import ApiError
 
@@ -42,9 +43,6 @@ _STATUSES = {
     pb.BATCH_STATUS_CANCELLING: "cancelling",
     pb.BATCH_STATUS_CANCELLED: "cancelled",
 }
-_TIMES: tuple[str, ...] = ("in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at")
-_TIMES += ("expired_at", "cancelling_at", "cancelled_at")
-"""BatchInfo's optional timestamps, each sent as unix seconds or null."""
 _MAX_BATCHES_LIMIT = 100
 
 
@@ -104,9 +102,9 @@ def batch_object(info: pb.BatchInfo) -> dict[str, Any]:
         "status": _STATUSES.get(info.status, "validating"),
         "output_file_id": info.output_file_id or None,
         "error_file_id": info.error_file_id or None,
-        "created_at": seconds(info.created_at) or 0,
     }
-    body |= {name: seconds(getattr(info, name)) for name in _TIMES}
+    body |= {name: seconds(getattr(info, name)) for name in BATCH_TIMES}  # unix seconds, or null
+    body["created_at"] = body["created_at"] or 0  # the one OpenAI requires
     counts = info.request_counts
     body["request_counts"] = {"total": counts.total, "completed": counts.completed, "failed": counts.failed}
     body["metadata"] = dict(info.metadata) or None

@@ -21,7 +21,7 @@ from iop_edge.settings import Settings
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import IopError, Role
 from iop_wire.connection import Connection
-from iop_wire.dialer import Backoff, KeepConnected, Target
+from iop_wire.dialer import KeepConnected
 from iop_wire.runs import RunStream
 from iop_wire.settings import ControlPlaneAddress
 
@@ -46,18 +46,9 @@ class Pool:
         self._turn = itertools.count()
         if section.address is None:
             return
-        host, port = section.endpoint()
-        tls = settings.tls.config()
-        target = Target(
-            host,
-            port,
-            tls=tls,
-            server_hostname=section.server_name or host,
-            expect_roles={role} if tls.enabled else None,
-            connection=settings.connection.config(heartbeat_interval=settings.heartbeat_interval),
-        )
-        backoff = Backoff(section.reconnect_initial, section.reconnect_max)
-        self.links = [KeepConnected(target, backoff=backoff) for _ in range(connections)]
+        connection = settings.connection.config(heartbeat_interval=settings.heartbeat_interval)
+        target = section.target(settings.tls.config(), connection, role)
+        self.links = [KeepConnected(target, backoff=section.backoff()) for _ in range(connections)]
         self.address = target.address
 
     def start(self) -> None:

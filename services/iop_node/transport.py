@@ -13,7 +13,7 @@ import structlog
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.core import Node
 from iop_node.settings import ControlPlaneSettings
-from iop_wire import Backoff, ConnectionConfig, Handler, Inbound, IopError, KeepConnected, Role, Target, TlsConfig
+from iop_wire import ConnectionConfig, Handler, Inbound, IopError, KeepConnected, TlsConfig
 from iop_wire.connection import Connection
 
 __all__ = ["Registration", "node_handler"]
@@ -45,20 +45,11 @@ class Registration:
     """Keeps the node registered with its control-plane: dial, register, report, reconnect."""
 
     def __init__(self, node: Node, settings: ControlPlaneSettings, tls: TlsConfig, config: ConnectionConfig) -> None:
-        host, port = settings.endpoint()
-        target = Target(
-            host,
-            port,
-            tls=tls,
-            server_hostname=settings.server_name or host,
-            expect_roles={Role.CONTROL_PLANE} if tls.enabled else None,
-            connection=config,
-        )
         self.link = KeepConnected(
-            target,
+            settings.target(tls, config),
             self._register,
             handler=node_handler(node, control_plane=True),
-            backoff=Backoff(settings.reconnect_initial, settings.reconnect_max),
+            backoff=settings.backoff(),
         )
         self._node, self._settings, self._config = node, settings, config
         self._changed = asyncio.Event()

@@ -146,6 +146,18 @@ def _write_private(path: Path, data: bytes) -> None:
     os.chmod(path, 0o600)
 
 
+def tls_section(directory: Path, role: str) -> dict[str, object]:
+    """The ``tls`` section of a service's config for ``role``'s certificate in ``directory`` (as
+    :func:`init_dir` wrote it), with absolute paths."""
+    certs = directory.resolve()
+    return {
+        "enabled": True,
+        "cert": str(certs / f"{role}.crt"),
+        "key": str(certs / f"{role}.key"),
+        "ca": str(certs / "ca.crt"),
+    }
+
+
 def init_dir(directory: Path, *, extra_sans: Iterable[str] = ()) -> list[Path]:
     """Write a new CA and one certificate + key per role into ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)

@@ -12,12 +12,19 @@ from typing import Final
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.errors import IopError
 
-__all__ = ["MESSAGE_TYPES", "error_envelope", "error_message", "message_type"]
+__all__ = ["BATCH_TIMES", "MESSAGE_TYPES", "error_envelope", "error_message", "message_type"]
 
 #: Seed message-type name for each ``Envelope.body`` field.
 MESSAGE_TYPES: Final[dict[str, str]] = {
     field.name: field.name.replace("_", ".") for field in pb.Envelope.DESCRIPTOR.oneofs_by_name["body"].fields
 }
+
+#: ``BatchInfo``'s times, in the proto's order (``created_at`` first): OpenAI's Batch object has each.
+BATCH_TIMES: Final[tuple[str, ...]] = tuple(
+    field.name
+    for field in pb.BatchInfo.DESCRIPTOR.fields
+    if field.message_type is not None and field.message_type.full_name == "google.protobuf.Timestamp"
+)
 
 
 def message_type(envelope: pb.Envelope) -> str | None:

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource
 
 from iop_wire.connection import ConnectionConfig
+from iop_wire.dialer import Backoff, Target
 from iop_wire.endpoint import ListenerConfig
 from iop_wire.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_wire.logs import configure
@@ -205,6 +206,18 @@ class ControlPlaneAddress(Section):
         assert self.address is not None
         host, _, port = self.address.rpartition(":")
         return host.removeprefix("[").removesuffix("]") or "127.0.0.1", int(port)
+
+    def target(self, tls: TlsConfig, connection: ConnectionConfig, role: Role = Role.CONTROL_PLANE) -> Target:
+        """How to dial ``address``: with ``tls``, the peer's certificate checked for ``server_name`` and ``role``."""
+        host, port = self.endpoint()
+        expect = {role} if tls.enabled else None
+        return Target(
+            host, port, tls=tls, server_hostname=self.server_name or host, expect_roles=expect, connection=connection
+        )
+
+    def backoff(self) -> Backoff:
+        """The redial delays: ``reconnect_initial`` doubling up to ``reconnect_max``."""
+        return Backoff(self.reconnect_initial, self.reconnect_max)
 
 
 class ListenSettings(Section):

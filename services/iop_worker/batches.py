@@ -21,6 +21,7 @@ import structlog
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import Inbound, IopError, MessageHandler
+from iop_wire.messages import BATCH_TIMES
 from iop_worker.files import Files, owner, scope, sees
 from iop_worker.settings import BatchSettings
 from iop_worker.store import BatchRecord, BatchStatus, JobStore, LineRecord, RequestCounts, new_batch_id
@@ -43,17 +44,6 @@ _STATUSES = {
     BatchStatus.CANCELLING: pb.BATCH_STATUS_CANCELLING,
     BatchStatus.CANCELLED: pb.BATCH_STATUS_CANCELLED,
 }
-_TIMES = (
-    "created_at",
-    "in_progress_at",
-    "expires_at",
-    "finalizing_at",
-    "completed_at",
-    "failed_at",
-    "expired_at",
-    "cancelling_at",
-    "cancelled_at",
-)
 
 
 def batch_info(batch: BatchRecord, counts: RequestCounts) -> pb.BatchInfo:
@@ -70,7 +60,7 @@ def batch_info(batch: BatchRecord, counts: RequestCounts) -> pb.BatchInfo:
         metadata=batch.metadata,
         usage=pb.Usage(prompt_tokens=batch.usage.prompt_tokens, completion_tokens=batch.usage.completion_tokens),
     )
-    for name in _TIMES:
+    for name in BATCH_TIMES:
         if (value := getattr(batch, name)) is not None:
             getattr(info, name).FromSeconds(value)
     for error in batch.errors:

@@ -32,7 +32,7 @@ from typing import Any
 import structlog
 
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_wire import Connection, ConnectionClosed, IopError, code_name
+from iop_wire import ConnectionClosed, IopError, code_name
 from iop_wire.dialer import KeepConnected
 from iop_wire.openai import errors as http
 from iop_wire.openai import requests as parse
@@ -66,9 +66,6 @@ _RETRYABLE = frozenset(
 _FILE_CHUNK = 256 * 1024
 _COUNT_EVERY = 2.0
 """Seconds between counts of the pending lines (a gauge)."""
-_SETTLING = 5.0
-"""Seconds after the worker (re)connects to the control-plane during which "no node serves the model"
-is retried: a control-plane that just (re)started has not yet heard from the nodes dialing back."""
 
 
 class _Retry(Exception):
@@ -110,9 +107,6 @@ class Engine:
         self._counted_at = 0.0
         self._refill = max(1, settings.concurrency // 4)
         """Free slots that make a line's end start a step (lease): fewer wait for the poll."""
-        self._connection: Connection | None = None
-        """The control-plane connection lines last ran on, and since when (monotonic seconds)."""
-        self._connected_at = 0.0
 
     def wake(self) -> None:
         """Look for work now (a batch was created or cancelled, a line ended)."""
@@ -340,42 +334,29 @@ class Engine:
             run.deadline.FromSeconds(batch.expires_at)
         try:
             connection = await self.control_plane.connected(timeout=5.0)
-            if connection is not self._connection:
-                self._connection, self._connected_at = connection, time.monotonic()
             stream = await connection.open_run(run, urgent=False)
         except (TimeoutError, ConnectionClosed, IopError) as exc:
             raise _Retry(pb.Error(code=pb.ERROR_CODE_UNAVAILABLE, message=f"no control-plane: {exc}"), 1.0) from None
         outcome = shape.Outcome()
-        start = pb.RunStart()
-        async for event in stream:
-            kind = event.WhichOneof("event")
-            if kind == "delta":
-                shape.collect_delta(outcome, event.delta)
-            elif kind == "start":
-                start = event.start
-            elif kind == "complete":
-                usage = event.complete.usage
-                answer = build(start.model or run.model, outcome, event.complete)
-                total = usage.prompt_tokens + usage.completion_tokens
-                return (
-                    LineStatus.COMPLETED,
-                    _line(line, request_id, 200, answer),
-                    Usage(usage.prompt_tokens, usage.completion_tokens, total),
-                )
-            elif kind == "error":
-                error = event.error
-                if error.code == pb.ERROR_CODE_DEADLINE_EXCEEDED and batch.expires_at is not None:
-                    raise _CutOff
-                if error.code in _RETRYABLE or error.retryable or self._settling(error):
-                    wait = error.retry_after.ToTimedelta().total_seconds() if error.HasField("retry_after") else 0.5
-                    raise _Retry(error, max(wait, 0.05))
-                return LineStatus.FAILED, _error_line(line, request_id, error), Usage()
-        raise _Retry(pb.Error(code=pb.ERROR_CODE_NODE_LOST, message="the run ended without a result"), 0.5)
-
-    def _settling(self, error: pb.Error) -> bool:
-        """An unknown model just after connecting: the nodes serving it may not have dialed back yet."""
-        fresh = time.monotonic() - self._connected_at < _SETTLING
-        return error.code == pb.ERROR_CODE_MODEL_NOT_FOUND and fresh
+        start, end = await shape.gather(stream, outcome)
+        if end is None:
+            raise _Retry(pb.Error(code=pb.ERROR_CODE_NODE_LOST, message="the run ended without a result"), 0.5)
+        if end.HasField("error"):
+            error = end.error
+            if error.code == pb.ERROR_CODE_DEADLINE_EXCEEDED and batch.expires_at is not None:
+                raise _CutOff
+            if error.code in _RETRYABLE or error.retryable:  # a restarted control-plane: UNAVAILABLE while nodes return
+                wait = error.retry_after.ToTimedelta().total_seconds() if error.HasField("retry_after") else 0.5
+                raise _Retry(error, max(wait, 0.05))
+            return LineStatus.FAILED, _error_line(line, request_id, error), Usage()
+        usage = end.complete.usage
+        answer = build(start.model or run.model, outcome, end.complete)
+        total = usage.prompt_tokens + usage.completion_tokens
+        return (
+            LineStatus.COMPLETED,
+            _line(line, request_id, 200, answer),
+            Usage(usage.prompt_tokens, usage.completion_tokens, total),
+        )
 
 
 def _run_request(

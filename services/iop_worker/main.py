@@ -26,7 +26,7 @@ from prometheus_client import start_http_server
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import EventSink, Handler, IopError, Listener, PeerIdentity, Role
-from iop_wire.dialer import Backoff, KeepConnected, Target
+from iop_wire.dialer import KeepConnected
 from iop_wire.metrics import expose
 from iop_wire.settings import bind_error, run_service, write_ready_file
 from iop_worker.batches import Batches
@@ -63,17 +63,8 @@ def open_store(settings: Settings) -> JobStore:
 def _control_plane(settings: Settings) -> KeepConnected:
     """The worker's link to the control-plane (role worker), redialed with backoff."""
     cp = settings.control_plane
-    host, port = cp.endpoint()
-    tls = settings.tls.config()
-    target = Target(
-        host,
-        port,
-        tls=tls,
-        server_hostname=cp.server_name or host,
-        expect_roles={Role.CONTROL_PLANE} if tls.enabled else None,
-        connection=settings.connection.config(heartbeat_interval=settings.heartbeat_interval),
-    )
-    return KeepConnected(target, backoff=Backoff(cp.reconnect_initial, cp.reconnect_max))
+    connection = settings.connection.config(heartbeat_interval=settings.heartbeat_interval)
+    return KeepConnected(cp.target(settings.tls.config(), connection), backoff=cp.backoff())
 
 
 async def _listen(settings: Settings, handler_for: Callable[[PeerIdentity], Handler]) -> Listener:

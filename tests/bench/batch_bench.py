@@ -32,13 +32,13 @@ from typing import Any
 
 import aiohttp
 import yaml
-from control_plane_bench import IOP, _tls, _wait_ready
+from control_plane_bench import IOP, _wait_ready, stop
 from edge_bench import _until_ready
 from node_bench import _cpu_seconds
 from table import print_table
 
 from iop_edge.keys import create_key
-from iop_wire.certs import init_dir
+from iop_wire.certs import init_dir, tls_section
 
 sys.path.insert(0, str(Path(__file__).parent.parent))  # tests/: the PostgreSQL helper of the store suite
 from worker.pg_server import PgServer, find_binaries, pg_server
@@ -72,7 +72,7 @@ def _platform(state: Path, store: dict[str, Any]) -> Iterator[tuple[dict[str, in
         return _wait_ready(ready, processes[name])
 
     try:
-        cp = {"listen": {"port": 0}, "tls": _tls(certs, "control-plane"), "store_path": str(state / "cp.db")}
+        cp = {"listen": {"port": 0}, "tls": tls_section(certs, "control-plane"), "store_path": str(state / "cp.db")}
         cp_port = int(spawn("control-plane", {**cp, "queue_size": 4096})["port"])
         address = {"address": f"127.0.0.1:{cp_port}", "server_name": "localhost"}
         route = {
@@ -82,15 +82,15 @@ def _platform(state: Path, store: dict[str, Any]) -> Iterator[tuple[dict[str, in
             "queue_size": 4096,
             "options": {"tokens": 1},
         }
-        node = {"node_id": "node-0", "listen": {"enabled": False}, "tls": _tls(certs, "node"), "routes": [route]}
+        node = {"node_id": "node-0", "listen": {"enabled": False}, "tls": tls_section(certs, "node"), "routes": [route]}
         spawn("node", {**node, "store_path": str(state / "node.db"), "control_plane": address})
-        worker = {"listen": {"port": 0}, "tls": _tls(certs, "worker"), "control_plane": address, "store": store}
+        worker = {"listen": {"port": 0}, "tls": tls_section(certs, "worker"), "control_plane": address, "store": store}
         worker_port = int(spawn("worker", worker)["port"])
         edge = {
             "http": {"port": 0},
             "control_plane": address,
             "worker": {"address": f"127.0.0.1:{worker_port}", "server_name": "localhost"},
-            "tls": _tls(certs, "edge"),
+            "tls": tls_section(certs, "edge"),
             "auth": "keys",
             "keys_path": str(state / "keys.db"),
         }
@@ -99,13 +99,7 @@ def _platform(state: Path, store: dict[str, Any]) -> Iterator[tuple[dict[str, in
         _until_ready(edge_port)
         yield {name: process.pid for name, process in processes.items()}, edge_port, key
     finally:
-        for process in reversed(processes.values()):
-            process.terminate()
-        for process in processes.values():
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop(list(processes.values()))
 
 
 def _batch_file() -> bytes:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from node_bench import _cpu_seconds, _request
 from table import print_table
 
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_wire.certs import init_dir
+from iop_wire.certs import init_dir, tls_section
 from iop_wire.connection import Connection
 from iop_wire.endpoint import dial
 from iop_wire.logs import configure
@@ -42,19 +42,10 @@ TTFT_BLOCKS, TTFT_BLOCK = 10, 25  # 250 runs each way, in interleaved blocks
 _ids = itertools.count()
 
 
-def _tls(certs: Path, name: str) -> dict[str, object]:
-    return {
-        "enabled": True,
-        "cert": str(certs / f"{name}.crt"),
-        "key": str(certs / f"{name}.key"),
-        "ca": str(certs / "ca.crt"),
-    }
-
-
 def _cp_config(state: Path) -> Path:
     data = {
         "listen": {"port": 0},
-        "tls": _tls(state / "certs", "control-plane"),
+        "tls": tls_section(state / "certs", "control-plane"),
         "store_path": str(state / "cp.db"),
         "queue_size": 1024,
         "log_level": "warning",
@@ -86,7 +77,7 @@ def _node_config(state: Path, node_id: str, cp_port: int, *, listen: bool) -> Pa
     data = {
         "node_id": node_id,
         "listen": {"port": 0} if listen else {"enabled": False},
-        "tls": _tls(state / "certs", "node"),
+        "tls": tls_section(state / "certs", "node"),
         "store_path": str(state / f"{node_id}.db"),
         "log_level": "warning",
         "event_loop": "uvloop",
@@ -136,15 +127,20 @@ def _platform(state: Path) -> Iterator[tuple[int, int, int]]:
                 node_port = int(info["port"])
         yield cp.pid, cp_port, node_port
     finally:
-        for process in reversed(processes):
-            if process.poll() is None:
-                process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=15)
+        stop(processes)
+
+
+def stop(processes: Sequence[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM each process, the last started first; SIGKILL those still running 15 s later."""
+    for process in reversed(processes):
+        if process.poll() is None:
+            process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=15)
 
 
 async def _until_registered(admin: Connection) -> None:

@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 
 import yaml
-from control_plane_bench import IOP, _tls, _wait_ready
+from control_plane_bench import IOP, _wait_ready
 from table import print_table
 
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_wire.certs import init_dir
+from iop_wire.certs import init_dir, tls_section
 from iop_wire.connection import Connection
 from iop_wire.endpoint import dial
 from iop_wire.logs import configure
@@ -37,7 +37,7 @@ _POLL = 0.002
 def _configs(state: Path) -> Path:
     data = {
         "listen": {"port": 0},
-        "tls": _tls(state / "certs", "control-plane"),
+        "tls": tls_section(state / "certs", "control-plane"),
         "store_path": str(state / "cp.db"),
         "heartbeat_interval": INTERVAL,
         "log_level": "warning",
@@ -50,7 +50,7 @@ def _node_config(state: Path, cp_port: int) -> Path:
     data = {
         "node_id": "node-0",
         "listen": {"enabled": False},
-        "tls": _tls(state / "certs", "node"),
+        "tls": tls_section(state / "certs", "node"),
         "store_path": str(state / "node-0.db"),
         "heartbeat_interval": INTERVAL,
         "log_level": "warning",

@@ -29,12 +29,12 @@ from typing import Any
 
 import aiohttp
 import yaml
-from control_plane_bench import IOP, _tls, _wait_ready
+from control_plane_bench import IOP, _wait_ready, stop
 from node_bench import _cpu_seconds
 from table import print_table
 
 from iop_edge.keys import create_key
-from iop_wire.certs import init_dir
+from iop_wire.certs import init_dir, tls_section
 
 HERE = Path(__file__).parent
 LATENCY_BLOCKS, LATENCY_BLOCK = 8, 50
@@ -77,7 +77,7 @@ def _platform(state: Path, upstream: int) -> Iterator[tuple[dict[str, int], int,
 
     cp = {
         "listen": {"port": 0},
-        "tls": _tls(certs, "control-plane"),
+        "tls": tls_section(certs, "control-plane"),
         "store_path": str(state / "cp.db"),
         "queue_size": 4096,
         "log_level": "warning",
@@ -95,7 +95,7 @@ def _platform(state: Path, upstream: int) -> Iterator[tuple[dict[str, int], int,
         node = {
             "node_id": "node-0",
             "listen": {"enabled": False},
-            "tls": _tls(certs, "node"),
+            "tls": tls_section(certs, "node"),
             "store_path": str(state / "node.db"),
             "log_level": "warning",
             "control_plane": address,
@@ -105,7 +105,7 @@ def _platform(state: Path, upstream: int) -> Iterator[tuple[dict[str, int], int,
         edge = {
             "http": {"port": 0, "max_in_flight": 8192},
             "control_plane": address,
-            "tls": _tls(certs, "edge"),
+            "tls": tls_section(certs, "edge"),
             "auth": "keys",
             "keys_path": str(state / "keys.db"),
             "log_level": "warning",
@@ -115,13 +115,7 @@ def _platform(state: Path, upstream: int) -> Iterator[tuple[dict[str, int], int,
         _until_ready(edge_port)
         yield {name: process.pid for name, process in processes.items()}, edge_port, key
     finally:
-        for process in reversed(processes.values()):
-            process.terminate()
-        for process in processes.values():
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop(list(processes.values()))
 
 
 def _until_ready(port: int, timeout: float = 30.0) -> None:

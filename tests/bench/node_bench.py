@@ -21,7 +21,7 @@ import yaml
 from table import print_table
 
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_wire.certs import init_dir
+from iop_wire.certs import init_dir, tls_section
 from iop_wire.connection import Connection
 from iop_wire.endpoint import dial
 from iop_wire.logs import configure
@@ -37,12 +37,7 @@ def write_config(state: Path, routes: list[dict[str, object]]) -> Path:
     data = {
         "node_id": "bench",
         "listen": {"port": 0},
-        "tls": {
-            "enabled": True,
-            "cert": str(certs / "node.crt"),
-            "key": str(certs / "node.key"),
-            "ca": str(certs / "ca.crt"),
-        },
+        "tls": tls_section(certs, "node"),
         "store_path": str(state / "runs.db"),
         "log_level": "warning",
         "routes": routes,

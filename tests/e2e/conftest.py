@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from iop_edge.keys import create_key
-from iop_wire.certs import init_dir
+from iop_wire.certs import init_dir, tls_section
 
 IOP = [sys.executable, "-m", "iop_cli.main"]
 START_TIMEOUT = 30.0
@@ -206,13 +206,29 @@ class Stack:
         return {model["id"] for model in response.json().get("data", [])} if response.status_code == 200 else set()
 
 
-def _tls(certs: Path, role: str) -> dict[str, Any]:
-    return {
-        "enabled": True,
-        "cert": str(certs / f"{role}.crt"),
-        "key": str(certs / f"{role}.key"),
-        "ca": str(certs / "ca.crt"),
-    }
+ENDS = {"completed", "failed", "expired", "cancelled"}
+"""The statuses a batch ends in."""
+
+
+def batch_ended(client: openai.OpenAI, batch_id: str, timeout: float = 30.0) -> Any:
+    """The batch once it has ended (a status in ``ENDS``), asked every 0.1 s; errors of a worker or
+    control-plane restarting behind the edge count as not yet."""
+
+    def ended() -> Any:
+        try:
+            batch = client.batches.retrieve(batch_id)
+        except (openai.APIConnectionError, openai.InternalServerError, openai.APIStatusError):
+            return None  # the worker behind the edge is restarting
+        return batch if batch.status in ENDS else None
+
+    return wait_for(ended, timeout, 0.1, f"batch {batch_id} ending")
+
+
+def file_lines(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    """The JSON lines of an output or error file (none for no file)."""
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
 
 
 def _write(path: Path, data: dict[str, Any]) -> Path:
@@ -244,7 +260,7 @@ def _start_worker(root: Path, name: str, upstream: dict[str, Any], settings: dic
         {
             "worker_id": name,
             "listen": {"host": "127.0.0.1", "port": 0},
-            "tls": _tls(root / "certs", "worker"),
+            "tls": tls_section(root / "certs", "worker"),
             "control_plane": {**upstream, "reconnect_initial": 0.05},
             "store": {"path": str(root / f"{name}.db")},
             "heartbeat_interval": 0.5,
@@ -283,7 +299,7 @@ def running_stack(
             root / "control-plane.yaml",
             {
                 "listen": {"host": "127.0.0.1", "port": 0},
-                "tls": _tls(certs, "control-plane"),
+                "tls": tls_section(certs, "control-plane"),
                 "store_path": str(root / "control-plane.db"),
                 "heartbeat_interval": 0.5,
                 **(control_plane or {}),
@@ -302,7 +318,7 @@ def running_stack(
                     "node_id": node_id,
                     "listen": {"enabled": False},
                     "control_plane": {**upstream, "reconnect_initial": 0.05},
-                    "tls": _tls(certs, "node"),
+                    "tls": tls_section(certs, "node"),
                     "store_path": str(root / f"{node_id}.db"),
                     "heartbeat_interval": 0.5,
                     "routes": routes,
@@ -322,7 +338,7 @@ def running_stack(
             {
                 "http": {"host": "127.0.0.1", "port": 0},
                 "control_plane": {**upstream, "capabilities_ttl": 0},
-                "tls": _tls(certs, "edge"),
+                "tls": tls_section(certs, "edge"),
                 "auth": "keys",
                 "keys_path": str(root / "edge-keys.db"),
                 **worker_settings,

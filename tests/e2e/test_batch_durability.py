@@ -23,9 +23,8 @@ import openai
 import pytest
 from worker.pg_server import create_database, pg_server, required_binaries
 
-from .conftest import Stack, running_stack, wait_for
+from .conftest import Stack, batch_ended, file_lines, running_stack, wait_for
 
-ENDS = {"completed", "failed", "expired", "cancelled"}
 # 4 tokens at 40 per second: about 0.1 s a line, 16 at once per node.
 PACED = {
     "model": "mock-paced",
@@ -78,27 +77,10 @@ def _completed_at_least(client: openai.OpenAI, batch_id: str, count: int) -> Non
     wait_for(far_enough, 20.0, 0.05, f"{count} lines of {batch_id} done")
 
 
-def _ended(client: openai.OpenAI, batch_id: str, timeout: float = 30.0) -> Any:
-    def ended() -> Any:
-        try:
-            batch = client.batches.retrieve(batch_id)
-        except (openai.APIConnectionError, openai.InternalServerError, openai.APIStatusError):
-            return None  # the worker behind the edge is restarting
-        return batch if batch.status in ENDS else None
-
-    return wait_for(ended, timeout, 0.1, f"batch {batch_id} ending")
-
-
-def _lines(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
-    if file_id is None:
-        return []
-    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
-
-
 def _assert_exactly_once(client: openai.OpenAI, batch: Any, inputs: list[dict[str, Any]]) -> None:
     """Every input line is in the output or error file once; the counts agree with the files."""
     assert batch.status == "completed", batch
-    output, errors = _lines(client, batch.output_file_id), _lines(client, batch.error_file_id)
+    output, errors = file_lines(client, batch.output_file_id), file_lines(client, batch.error_file_id)
     seen = Counter(line["custom_id"] for line in output + errors)
     assert [custom_id for custom_id, times in seen.items() if times > 1] == []
     assert set(seen) == {line["custom_id"] for line in inputs}
@@ -115,7 +97,7 @@ def test_a_worker_killed_mid_batch_resumes_it_after_a_restart(durable: Stack) ->
     _completed_at_least(client, batch_id, 40)
     worker.kill()
     worker.restart()  # same config: same SQLite file, same port behind the edge
-    _assert_exactly_once(client, _ended(client, batch_id), inputs)
+    _assert_exactly_once(client, batch_ended(client, batch_id), inputs)
 
 
 def test_a_control_plane_killed_mid_batch_loses_no_line(durable: Stack) -> None:
@@ -127,7 +109,7 @@ def test_a_control_plane_killed_mid_batch_loses_no_line(durable: Stack) -> None:
     _completed_at_least(client, batch_id, 40)
     control_plane.kill()
     control_plane.restart()  # same port: the nodes, the worker and the edge dial it again
-    _assert_exactly_once(client, _ended(client, batch_id), inputs)
+    _assert_exactly_once(client, batch_ended(client, batch_id), inputs)
 
 
 def test_a_node_killed_mid_batch_loses_no_line(durable: Stack) -> None:
@@ -137,7 +119,7 @@ def test_a_node_killed_mid_batch_loses_no_line(durable: Stack) -> None:
     _completed_at_least(client, batch_id, 40)
     node.kill()
     try:
-        _assert_exactly_once(client, _ended(client, batch_id), inputs)
+        _assert_exactly_once(client, batch_ended(client, batch_id), inputs)
     finally:
         node.restart()
 
@@ -146,9 +128,9 @@ def test_a_batch_past_its_window_expires_with_the_lines_done(durable: Stack) -> 
     client = durable.client()
     inputs = _inputs(40, model="mock-crawl", prefix="slow")  # 8 at once, 1 s each: 5 s of work
     batch_id = _create(client, inputs, window="3s")
-    batch = _ended(client, batch_id)
+    batch = batch_ended(client, batch_id)
     assert batch.status == "expired" and batch.expired_at is not None
-    output, errors = _lines(client, batch.output_file_id), _lines(client, batch.error_file_id)
+    output, errors = file_lines(client, batch.output_file_id), file_lines(client, batch.error_file_id)
     done = [line["custom_id"] for line in output]
     assert len(done) == len(set(done)) == batch.request_counts.completed
     assert 0 < batch.request_counts.completed < len(inputs)
@@ -163,10 +145,10 @@ def test_a_cancel_stops_the_running_lines_and_keeps_the_finished_ones(durable: S
     batch_id = _create(client, inputs)
     _completed_at_least(client, batch_id, 1)
     client.batches.cancel(batch_id)
-    batch = _ended(client, batch_id, timeout=5.0)
+    batch = batch_ended(client, batch_id, timeout=5.0)
     assert batch.status == "cancelled" and batch.cancelled_at is not None
     wait_for(lambda: durable.running("mock-crawl") is None, 5.0, 0.05, "the running lines cancelled on the nodes")
-    output, errors = _lines(client, batch.output_file_id), _lines(client, batch.error_file_id)
+    output, errors = file_lines(client, batch.output_file_id), file_lines(client, batch.error_file_id)
     done = [line["custom_id"] for line in output]
     assert len(done) == len(set(done)) == batch.request_counts.completed
     assert 0 < batch.request_counts.completed < len(inputs)
@@ -204,6 +186,6 @@ def test_two_workers_on_postgresql_share_a_batch_and_survive_one_killed(postgres
         wait_for(lambda: _metric(stack, "worker-b", lines) >= 10, 20.0, 0.05, "worker-b finishing lines")
         assert client.batches.retrieve(batch_id).status == "in_progress"
         other.kill()  # with up to 8 lines leased: the survivor takes them once the leases lapse
-        _assert_exactly_once(client, _ended(client, batch_id), inputs)
+        _assert_exactly_once(client, batch_ended(client, batch_id), inputs)
         assert _metric(stack, "worker", lines) > 0
         assert _metric(stack, "worker", "iop_worker_lease_takeovers_total") > 0

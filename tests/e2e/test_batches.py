@@ -13,10 +13,8 @@ from typing import Any
 import openai
 import pytest
 
-from .conftest import MOCK_ROUTES, Stack, running_stack, wait_for
+from .conftest import MOCK_ROUTES, Stack, batch_ended, file_lines, running_stack, wait_for
 from .openai_schema import validate
-
-ENDS = {"completed", "failed", "expired", "cancelled"}
 
 
 @pytest.fixture(scope="module")
@@ -34,20 +32,6 @@ def _upload(client: openai.OpenAI, lines: list[dict[str, Any]], name: str = "inp
     uploaded = client.files.create(file=(name, io.BytesIO(_jsonl(lines))), purpose="batch")
     validate("OpenAIFile", uploaded.model_dump(mode="json", exclude_unset=True))
     return uploaded.id
-
-
-def _wait(client: openai.OpenAI, batch_id: str, timeout: float = 30.0) -> Any:
-    def ended() -> Any:
-        batch = client.batches.retrieve(batch_id)
-        return batch if batch.status in ENDS else None
-
-    return wait_for(ended, timeout, 0.1, f"batch {batch_id} ending")
-
-
-def _lines(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
-    if file_id is None:
-        return []
-    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
 
 
 @pytest.mark.parametrize(
@@ -68,12 +52,12 @@ def test_a_batch_runs_every_line_once(batch_stack: Stack, endpoint: str, body: d
     batch = client.batches.create(input_file_id=_upload(client, lines), endpoint=endpoint, completion_window="24h")  # type: ignore[arg-type]
     raw = client.batches.with_raw_response.retrieve(batch.id).http_response.json()
     validate("Batch", raw)
-    done = _wait(client, batch.id)
+    done = batch_ended(client, batch.id)
     validate("Batch", client.batches.with_raw_response.retrieve(batch.id).http_response.json())
     assert done.status == "completed"
     assert done.request_counts is not None
     assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (21, 20, 1)
-    output, errors = _lines(client, done.output_file_id), _lines(client, done.error_file_id)
+    output, errors = file_lines(client, done.output_file_id), file_lines(client, done.error_file_id)
     assert sorted(line["custom_id"] for line in output) == sorted(f"req-{i}" for i in range(20))
     assert [line["custom_id"] for line in errors] == ["missing"]
     for line in output:
@@ -103,7 +87,7 @@ def test_a_bad_line_fails_the_batch_at_validation_naming_it(batch_stack: Stack, 
     good = json.dumps({"custom_id": "ok", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m"}})
     uploaded = client.files.create(file=("bad.jsonl", io.BytesIO(f"{good}\n{line}\n".encode())), purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
-    done = _wait(client, batch.id)
+    done = batch_ended(client, batch.id)
     assert done.status == "failed"
     assert done.errors is not None and done.errors.data
     assert (done.errors.data[0].code, done.errors.data[0].line) == (code, 2)
@@ -117,7 +101,7 @@ def test_a_wrong_purpose_is_a_400_naming_it(batch_stack: Stack) -> None:
     assert upload.value.status_code == 400 and upload.value.body["param"] == "purpose"  # type: ignore[index]
     body = {"model": "mock-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     line = {"custom_id": "only", "method": "POST", "url": "/v1/chat/completions", "body": body}
-    done = _wait(
+    done = batch_ended(
         client,
         client.batches.create(
             input_file_id=_upload(client, [line]), endpoint="/v1/chat/completions", completion_window="24h"
@@ -138,7 +122,7 @@ def test_a_repeated_custom_id_fails_the_batch(batch_stack: Stack) -> None:
     batch = client.batches.create(
         input_file_id=_upload(client, [line, line]), endpoint="/v1/chat/completions", completion_window="24h"
     )
-    done = _wait(client, batch.id)
+    done = batch_ended(client, batch.id)
     assert done.status == "failed" and done.errors is not None
     assert [(error.code, error.line) for error in done.errors.data] == [("duplicate_custom_id", 2)]
 
@@ -155,7 +139,7 @@ def test_a_missing_file_is_404_and_a_cancel_keeps_the_finished_lines(batch_stack
     time.sleep(0.5)
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled")
-    done = _wait(client, batch.id)
+    done = batch_ended(client, batch.id)
     assert done.status == "cancelled"
     assert done.request_counts is not None and done.request_counts.completed < 200
 
@@ -222,7 +206,7 @@ def test_files_and_batches_belong_to_the_key_that_made_them(batch_stack: Stack) 
     lines = [{"custom_id": f"a-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body} for i in range(3)]
     file_id = _upload(alice, lines)
     batch = alice.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
-    done = _wait(alice, batch.id)
+    done = batch_ended(alice, batch.id)
     assert done.status == "completed" and done.output_file_id is not None
     output = done.output_file_id
 
@@ -247,7 +231,7 @@ def test_files_and_batches_belong_to_the_key_that_made_them(batch_stack: Stack) 
     assert alice.files.retrieve(file_id).id == file_id  # bob's delete took nothing
     assert {file_id, output} <= {item.id for item in alice.files.list().data}
     assert batch.id in {item.id for item in alice.batches.list().data}
-    assert sorted(line["custom_id"] for line in _lines(alice, output)) == ["a-0", "a-1", "a-2"]
+    assert sorted(line["custom_id"] for line in file_lines(alice, output)) == ["a-0", "a-1", "a-2"]
     ran = [record for record in batch_stack.runs("node-a") if record["caller"] == "alice"]
     assert len(ran) == 3  # the lines ran as alice's runs: her policy and usage on every node
 

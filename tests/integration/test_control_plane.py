@@ -184,6 +184,31 @@ async def test_no_node_for_the_model_is_refused_at_once(cp: ControlPlaneApp, pki
     assert events[0].sequence == 0
 
 
+async def test_after_a_restart_a_model_served_before_is_unavailable_until_its_node_returns(
+    pki: Pki, tmp_path: Path
+) -> None:
+    """A model the audit file says nodes served is UNAVAILABLE (retryable) for registration_grace
+    after a restart, not MODEL_NOT_FOUND: its nodes are still dialing back. Others are not found."""
+    async with build_control_plane(cp_settings(pki, tmp_path)) as first:
+        with node_processes(pki, tmp_path, _port(first), "node-a"):
+            await all_ready(first, "node-a")
+    async with build_control_plane(cp_settings(pki, tmp_path)) as restarted:
+        edge = await client(restarted, pki)
+        waiting = await asyncio.wait_for(collect(await edge.open_run(chat(model="mock-small"))), 5)
+        error = waiting[-1].error
+        assert (error.code, error.retryable) == (pb.ERROR_CODE_UNAVAILABLE, True)
+        assert error.retry_after.ToTimedelta().total_seconds() == 1 and "registering again" in error.message
+        never = await asyncio.wait_for(collect(await edge.open_run(chat(model="nobody-serves"))), 5)
+        assert never[-1].error.code == pb.ERROR_CODE_MODEL_NOT_FOUND
+        with node_processes(pki, tmp_path, _port(restarted), "node-a"):
+            await all_ready(restarted, "node-a")
+            assert kinds(await collect(await edge.open_run(chat(model="mock-small"))))[-1] == "complete"
+    async with build_control_plane(cp_settings(pki, tmp_path, registration_grace=0)) as impatient:
+        edge = await client(impatient, pki)
+        refused = await asyncio.wait_for(collect(await edge.open_run(chat(model="mock-small"))), 5)
+        assert refused[-1].error.code == pb.ERROR_CODE_MODEL_NOT_FOUND
+
+
 async def test_a_restarted_node_takes_its_place_and_is_audited(cp: ControlPlaneApp, pki: Pki, tmp_path: Path) -> None:
     with node_processes(pki, tmp_path, _port(cp), "node-a") as processes:
         await all_ready(cp, "node-a")

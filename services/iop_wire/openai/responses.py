@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import struct
+from collections.abc import AsyncIterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ __all__ = [
     "collect_delta",
     "completion_body",
     "embedding_body",
+    "gather",
     "json_bytes",
     "sse",
     "usage_body",
@@ -88,6 +90,21 @@ def collect_delta(outcome: Outcome, delta: pb.RunDelta) -> None:
         call["function"]["arguments"] += fragment.arguments
     outcome.logprobs.extend(_logprob(token) for token in delta.logprobs)
     outcome.embeddings.extend(delta.embeddings)
+
+
+async def gather(events: AsyncIterable[pb.RunEvent], outcome: Outcome) -> tuple[pb.RunStart, pb.RunEvent | None]:
+    """A run's outputs added to ``outcome`` until its end: (its start, the complete or error event;
+    None when the events stopped without one)."""
+    start = pb.RunStart()
+    async for event in events:
+        kind = event.WhichOneof("event")
+        if kind == "delta":
+            collect_delta(outcome, event.delta)
+        elif kind == "start":
+            start = event.start
+        elif kind in ("complete", "error"):
+            return start, event
+    return start, None
 
 
 def chat_body(run_id: str, created: int, model: str, outcome: Outcome, complete: pb.RunComplete) -> dict[str, Any]:
