@@ -31,6 +31,7 @@ from iop_control_plane.nodes import NodeSessions
 from iop_control_plane.scheduler import Decision, Scheduler
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import EventSink, IopError, acting_caller, code_name, relay
+from iop_wire.errors import Reason
 from iop_wire.messages import error_message
 
 __all__ = ["RunRelay"]
@@ -253,7 +254,9 @@ class RunRelay:
         if timeout <= 0 or not self.queue.offer(waiter):
             self.metrics.queue_refused.labels("full" if timeout > 0 else "deadline").inc()
             full = f"the queue for {model!r} is full ({self.queue.depth(model)} waiting)"
-            return self._exhausted(model, full if timeout > 0 else "the run's deadline has passed")
+            if timeout > 0:
+                return self._exhausted(model, full, reason=pb.ERROR_REASON_QUEUE_FULL)
+            return self._exhausted(model, "the run's deadline has passed")
         log.debug("queued", model=model, priority=priority, depth=self.queue.depth(model), timeout=timeout)
         self.wake()  # the waiters ahead may all be held by their callers' limits
         try:
@@ -291,9 +294,11 @@ class RunRelay:
             return (request.deadline.ToNanoseconds() - time.time_ns()) / 1e9
         return self.queue_timeout
 
-    def _exhausted(self, model: str, message: str) -> IopError:
+    def _exhausted(self, model: str, message: str, *, reason: Reason = pb.ERROR_REASON_UNSPECIFIED) -> IopError:
         retry_after = datetime.timedelta(seconds=self.queue.retry_after(model, time.monotonic()))
-        return IopError(pb.ERROR_CODE_RESOURCE_EXHAUSTED, message, retryable=True, retry_after=retry_after)
+        return IopError(
+            pb.ERROR_CODE_RESOURCE_EXHAUSTED, message, retryable=True, retry_after=retry_after, reason=reason
+        )
 
     async def _serve(
         self,

@@ -40,6 +40,7 @@ class Admission:
             raise IopError(
                 pb.ERROR_CODE_RESOURCE_EXHAUSTED,
                 f"model {self.model!r} is at capacity ({self.capacity} running, {self.queue_size} queued)",
+                reason=pb.ERROR_REASON_QUEUE_FULL,
             )
         entry = (-priority, next(self._order), asyncio.get_running_loop().create_future())
         heapq.heappush(self._waiting, entry)

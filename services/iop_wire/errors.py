@@ -25,11 +25,14 @@ __all__ = [
     "FrameError",
     "HandshakeError",
     "IopError",
+    "Reason",
     "code_name",
 ]
 
 Code: TypeAlias = pb.ErrorCode.ValueType
 """An ``ErrorCode`` value (``pb.ERROR_CODE_*``)."""
+Reason: TypeAlias = pb.ErrorReason.ValueType
+"""An ``ErrorReason`` value (``pb.ERROR_REASON_*``): which case of a code, where callers tell them apart."""
 
 _RETRYABLE = frozenset(
     {
@@ -61,6 +64,7 @@ class IopError(Exception):
         run_id: str = "",
         retry_after: datetime.timedelta | None = None,
         param: str = "",
+        reason: Reason = pb.ERROR_REASON_UNSPECIFIED,
     ) -> None:
         super().__init__(message)
         self.code: Code = code
@@ -71,6 +75,8 @@ class IopError(Exception):
         """How long to wait before retrying, when the sender can tell (RESOURCE_EXHAUSTED)."""
         self.param = param
         """The request field to blame, by its OpenAI name (INVALID_ARGUMENT)."""
+        self.reason: Reason = reason
+        """Which case of the code (a full queue or a caller's own limit, ...); decide by it, not by the message."""
 
     @property
     def name(self) -> str:
@@ -91,6 +97,7 @@ class IopError(Exception):
             run_id=error.run_id,
             retry_after=retry_after,
             param=error.param,
+            reason=error.reason,
         )
 
 

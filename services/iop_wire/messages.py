@@ -36,7 +36,12 @@ def message_type(envelope: pb.Envelope) -> str | None:
 def error_message(error: IopError) -> pb.Error:
     """The wire form of ``error``: the one place errors become ``Error`` messages."""
     message = pb.Error(
-        code=error.code, message=error.message, retryable=error.retryable, run_id=error.run_id, param=error.param
+        code=error.code,
+        message=error.message,
+        retryable=error.retryable,
+        run_id=error.run_id,
+        param=error.param,
+        reason=error.reason,
     )
     if error.retry_after is not None:
         message.retry_after.FromTimedelta(error.retry_after)

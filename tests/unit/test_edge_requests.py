@@ -137,9 +137,12 @@ def test_embeddings_take_strings_and_an_encoding() -> None:
 def test_every_iop_error_code_has_one_status_and_retry_after_travels() -> None:
     assert set(STATUS) == set(pb.ErrorCode.values())
     wait = datetime.timedelta(seconds=2.2)
-    full = IopError(pb.ERROR_CODE_RESOURCE_EXHAUSTED, "the queue for 'm' is full", retryable=True, retry_after=wait)
+    full = IopError(pb.ERROR_CODE_RESOURCE_EXHAUSTED, "no room", retry_after=wait, reason=pb.ERROR_REASON_QUEUE_FULL)
     error = from_iop(full)
     assert (error.status, error.code, error.headers()) == (429, "queue_full", {"retry-after": "3"})
+    # The reason decides, not the message's words.
+    limited = from_iop(IopError(pb.ERROR_CODE_RESOURCE_EXHAUSTED, "the queue is long", retry_after=wait))
+    assert limited.code == "rate_limit_exceeded"
     invalid = from_iop(IopError(pb.ERROR_CODE_INVALID_ARGUMENT, "no tools here", param="tools"))
     assert (invalid.status, invalid.param, invalid.type) == (400, "tools", "invalid_request_error")
     assert from_iop(IopError(pb.ERROR_CODE_UNAVAILABLE, "no node", retryable=True)).headers() == {"retry-after": "1"}

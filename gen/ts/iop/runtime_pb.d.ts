@@ -1455,6 +1455,15 @@ export declare type Error = Message<"iop.Error"> & {
    * @generated from field: string param = 6;
    */
   param: string;
+
+  /**
+   * Which case of the code this is, where callers treat the cases of one
+   * code differently (a full queue and a caller over its limit are both
+   * ERROR_CODE_RESOURCE_EXHAUSTED); unspecified when there is one case.
+   *
+   * @generated from field: iop.ErrorReason reason = 7;
+   */
+  reason: ErrorReason;
 };
 
 /**
@@ -3101,6 +3110,66 @@ export enum FinishReason {
 export declare const FinishReasonSchema: GenEnum<FinishReason>;
 
 /**
+ * The cases within an error code that callers tell apart. Decide by code and
+ * reason, never by the message's text.
+ *
+ * @generated from enum iop.ErrorReason
+ */
+export enum ErrorReason {
+  /**
+   * No particular case.
+   *
+   * @generated from enum value: ERROR_REASON_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * A queue of runs waiting for a slot is full (RESOURCE_EXHAUSTED).
+   *
+   * @generated from enum value: ERROR_REASON_QUEUE_FULL = 1;
+   */
+  QUEUE_FULL = 1,
+
+  /**
+   * The caller is over a limit of its own: rate, tokens or concurrency
+   * (RESOURCE_EXHAUSTED).
+   *
+   * @generated from enum value: ERROR_REASON_CALLER_LIMIT = 2;
+   */
+  CALLER_LIMIT = 2,
+
+  /**
+   * The run's reader did not keep up: the events buffered for it passed
+   * their bound, so the run alone was stopped (RESOURCE_EXHAUSTED).
+   *
+   * @generated from enum value: ERROR_REASON_SLOW_CONSUMER = 3;
+   */
+  SLOW_CONSUMER = 3,
+
+  /**
+   * The request, or one of its fields, is over a size or depth bound
+   * (INVALID_ARGUMENT).
+   *
+   * @generated from enum value: ERROR_REASON_TOO_LARGE = 4;
+   */
+  TOO_LARGE = 4,
+
+  /**
+   * The request cannot be carried as a run: it does not encode (a lone
+   * surrogate in a string, nesting deeper than the codec allows)
+   * (INVALID_ARGUMENT).
+   *
+   * @generated from enum value: ERROR_REASON_UNENCODABLE = 5;
+   */
+  UNENCODABLE = 5,
+}
+
+/**
+ * Describes the enum iop.ErrorReason.
+ */
+export declare const ErrorReasonSchema: GenEnum<ErrorReason>;
+
+/**
  * Error codes shared by every IOP service (mirrored by the services' error tree).
  *
  * @generated from enum iop.ErrorCode
@@ -3241,6 +3310,14 @@ export enum ErrorCode {
    * @generated from enum value: ERROR_CODE_NODE_LOST = 18;
    */
   NODE_LOST = 18,
+
+  /**
+   * The named object (a file, a batch, a node, a run) does not exist, or
+   * belongs to another caller; the two are not told apart.
+   *
+   * @generated from enum value: ERROR_CODE_NOT_FOUND = 19;
+   */
+  NOT_FOUND = 19,
 }
 
 /**

@@ -36,6 +36,7 @@ STATUS: dict[int, int] = {
     pb.ERROR_CODE_PROTOCOL_VIOLATION: 500,
     pb.ERROR_CODE_SHUTTING_DOWN: 503,
     pb.ERROR_CODE_NODE_LOST: 502,
+    pb.ERROR_CODE_NOT_FOUND: 404,
 }
 """HTTP status of each IOP error code (499: the client closed the request, as nginx counts it)."""
 
@@ -53,6 +54,12 @@ _CODES: dict[int, str] = {
     pb.ERROR_CODE_CANCELLED: "cancelled",
     pb.ERROR_CODE_FRAME_TOO_LARGE: "request_too_large",
 }
+_REASON_CODES: dict[int, str] = {
+    pb.ERROR_REASON_QUEUE_FULL: "queue_full",
+    pb.ERROR_REASON_SLOW_CONSUMER: "slow_consumer",
+    pb.ERROR_REASON_TOO_LARGE: "request_too_large",
+}
+"""OpenAI ``code`` for a reason that callers tell apart from the rest of its code."""
 
 
 class ApiError(Exception):
@@ -98,8 +105,7 @@ def from_iop(error: IopError | pb.Error) -> ApiError:
     if retry_after is None and status in (429, 503) and error.retryable:
         retry_after = 1.0
     code = _CODES.get(error.code)
-    if error.code == pb.ERROR_CODE_RESOURCE_EXHAUSTED and "queue" in error.message:
-        code = "queue_full"
+    code = _REASON_CODES.get(error.reason, code)
     return ApiError(
         status,
         error.message or code_name(error.code).lower(),

@@ -24,6 +24,7 @@ __all__ = (
     "Envelope",
     "Error",
     "ErrorCode",
+    "ErrorReason",
     "FileChunk",
     "FileCreate",
     "FileData",
@@ -271,6 +272,12 @@ class ErrorCode(betterproto2.Enum):
     to another node. Retryable: the requester may send the whole run again.
     """
 
+    NOT_FOUND = 19
+    """
+    The named object (a file, a batch, a node, a run) does not exist, or
+    belongs to another caller; the two are not told apart.
+    """
+
     @classmethod
     def betterproto_value_to_renamed_proto_names(cls) -> dict[int, str]:
         return {
@@ -293,6 +300,7 @@ class ErrorCode(betterproto2.Enum):
             16: "ERROR_CODE_PROTOCOL_VIOLATION",
             17: "ERROR_CODE_SHUTTING_DOWN",
             18: "ERROR_CODE_NODE_LOST",
+            19: "ERROR_CODE_NOT_FOUND",
         }
 
     @classmethod
@@ -317,6 +325,71 @@ class ErrorCode(betterproto2.Enum):
             "ERROR_CODE_PROTOCOL_VIOLATION": 16,
             "ERROR_CODE_SHUTTING_DOWN": 17,
             "ERROR_CODE_NODE_LOST": 18,
+            "ERROR_CODE_NOT_FOUND": 19,
+        }
+
+
+class ErrorReason(betterproto2.Enum):
+    """
+    The cases within an error code that callers tell apart. Decide by code and
+    reason, never by the message's text.
+    """
+
+    UNSPECIFIED = 0
+    """
+    No particular case.
+    """
+
+    QUEUE_FULL = 1
+    """
+    A queue of runs waiting for a slot is full (RESOURCE_EXHAUSTED).
+    """
+
+    CALLER_LIMIT = 2
+    """
+    The caller is over a limit of its own: rate, tokens or concurrency
+    (RESOURCE_EXHAUSTED).
+    """
+
+    SLOW_CONSUMER = 3
+    """
+    The run's reader did not keep up: the events buffered for it passed
+    their bound, so the run alone was stopped (RESOURCE_EXHAUSTED).
+    """
+
+    TOO_LARGE = 4
+    """
+    The request, or one of its fields, is over a size or depth bound
+    (INVALID_ARGUMENT).
+    """
+
+    UNENCODABLE = 5
+    """
+    The request cannot be carried as a run: it does not encode (a lone
+    surrogate in a string, nesting deeper than the codec allows)
+    (INVALID_ARGUMENT).
+    """
+
+    @classmethod
+    def betterproto_value_to_renamed_proto_names(cls) -> dict[int, str]:
+        return {
+            0: "ERROR_REASON_UNSPECIFIED",
+            1: "ERROR_REASON_QUEUE_FULL",
+            2: "ERROR_REASON_CALLER_LIMIT",
+            3: "ERROR_REASON_SLOW_CONSUMER",
+            4: "ERROR_REASON_TOO_LARGE",
+            5: "ERROR_REASON_UNENCODABLE",
+        }
+
+    @classmethod
+    def betterproto_renamed_proto_names_to_value(cls) -> dict[str, int]:
+        return {
+            "ERROR_REASON_UNSPECIFIED": 0,
+            "ERROR_REASON_QUEUE_FULL": 1,
+            "ERROR_REASON_CALLER_LIMIT": 2,
+            "ERROR_REASON_SLOW_CONSUMER": 3,
+            "ERROR_REASON_TOO_LARGE": 4,
+            "ERROR_REASON_UNENCODABLE": 5,
         }
 
 
@@ -1328,6 +1401,13 @@ class Error(betterproto2.Message):
     The request field the error is about, by its OpenAI name ("temperature",
     "messages[1].content", "tools"), with ERROR_CODE_INVALID_ARGUMENT; empty
     when no one field is to blame.
+    """
+
+    reason: "ErrorReason" = betterproto2.field(7, betterproto2.TYPE_ENUM, default_factory=lambda: ErrorReason(0))
+    """
+    Which case of the code this is, where callers treat the cases of one
+    code differently (a full queue and a caller over its limit are both
+    ERROR_CODE_RESOURCE_EXHAUSTED); unspecified when there is one case.
     """
 
 

@@ -126,6 +126,62 @@ FINISH_REASON_CONTENT_FILTER: FinishReason.ValueType  # 4
 """Content was filtered ("content_filter")."""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
+class _ErrorReason:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReason.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ERROR_REASON_UNSPECIFIED: _ErrorReason.ValueType  # 0
+    """No particular case."""
+    ERROR_REASON_QUEUE_FULL: _ErrorReason.ValueType  # 1
+    """A queue of runs waiting for a slot is full (RESOURCE_EXHAUSTED)."""
+    ERROR_REASON_CALLER_LIMIT: _ErrorReason.ValueType  # 2
+    """The caller is over a limit of its own: rate, tokens or concurrency
+    (RESOURCE_EXHAUSTED).
+    """
+    ERROR_REASON_SLOW_CONSUMER: _ErrorReason.ValueType  # 3
+    """The run's reader did not keep up: the events buffered for it passed
+    their bound, so the run alone was stopped (RESOURCE_EXHAUSTED).
+    """
+    ERROR_REASON_TOO_LARGE: _ErrorReason.ValueType  # 4
+    """The request, or one of its fields, is over a size or depth bound
+    (INVALID_ARGUMENT).
+    """
+    ERROR_REASON_UNENCODABLE: _ErrorReason.ValueType  # 5
+    """The request cannot be carried as a run: it does not encode (a lone
+    surrogate in a string, nesting deeper than the codec allows)
+    (INVALID_ARGUMENT).
+    """
+
+class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
+    """The cases within an error code that callers tell apart. Decide by code and
+    reason, never by the message's text.
+    """
+
+ERROR_REASON_UNSPECIFIED: ErrorReason.ValueType  # 0
+"""No particular case."""
+ERROR_REASON_QUEUE_FULL: ErrorReason.ValueType  # 1
+"""A queue of runs waiting for a slot is full (RESOURCE_EXHAUSTED)."""
+ERROR_REASON_CALLER_LIMIT: ErrorReason.ValueType  # 2
+"""The caller is over a limit of its own: rate, tokens or concurrency
+(RESOURCE_EXHAUSTED).
+"""
+ERROR_REASON_SLOW_CONSUMER: ErrorReason.ValueType  # 3
+"""The run's reader did not keep up: the events buffered for it passed
+their bound, so the run alone was stopped (RESOURCE_EXHAUSTED).
+"""
+ERROR_REASON_TOO_LARGE: ErrorReason.ValueType  # 4
+"""The request, or one of its fields, is over a size or depth bound
+(INVALID_ARGUMENT).
+"""
+ERROR_REASON_UNENCODABLE: ErrorReason.ValueType  # 5
+"""The request cannot be carried as a run: it does not encode (a lone
+surrogate in a string, nesting deeper than the codec allows)
+(INVALID_ARGUMENT).
+"""
+Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
+
 class _ErrorCode:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -175,6 +231,10 @@ class _ErrorCodeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorCode.V
     silent) after the run had produced output, so a relay could not move it
     to another node. Retryable: the requester may send the whole run again.
     """
+    ERROR_CODE_NOT_FOUND: _ErrorCode.ValueType  # 19
+    """The named object (a file, a batch, a node, a run) does not exist, or
+    belongs to another caller; the two are not told apart.
+    """
 
 class ErrorCode(_ErrorCode, metaclass=_ErrorCodeEnumTypeWrapper):
     """Error codes shared by every IOP service (mirrored by the services' error tree)."""
@@ -221,6 +281,10 @@ ERROR_CODE_NODE_LOST: ErrorCode.ValueType  # 18
 """The node running the run was lost (its connection closed or it fell
 silent) after the run had produced output, so a relay could not move it
 to another node. Retryable: the requester may send the whole run again.
+"""
+ERROR_CODE_NOT_FOUND: ErrorCode.ValueType  # 19
+"""The named object (a file, a batch, a node, a run) does not exist, or
+belongs to another caller; the two are not told apart.
 """
 Global___ErrorCode: _TypeAlias = ErrorCode  # noqa: Y015
 
@@ -1593,6 +1657,7 @@ class Error(_message.Message):
     RUN_ID_FIELD_NUMBER: _builtins.int
     RETRY_AFTER_FIELD_NUMBER: _builtins.int
     PARAM_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
     code: Global___ErrorCode.ValueType
     """What went wrong, from the code list shared by all services."""
     message: _builtins.str
@@ -1605,6 +1670,11 @@ class Error(_message.Message):
     """The request field the error is about, by its OpenAI name ("temperature",
     "messages[1].content", "tools"), with ERROR_CODE_INVALID_ARGUMENT; empty
     when no one field is to blame.
+    """
+    reason: Global___ErrorReason.ValueType
+    """Which case of the code this is, where callers treat the cases of one
+    code differently (a full queue and a caller over its limit are both
+    ERROR_CODE_RESOURCE_EXHAUSTED); unspecified when there is one case.
     """
     @_builtins.property
     def retry_after(self) -> _duration_pb2.Duration:
@@ -1622,10 +1692,11 @@ class Error(_message.Message):
         run_id: _builtins.str = ...,
         retry_after: _duration_pb2.Duration | None = ...,
         param: _builtins.str = ...,
+        reason: Global___ErrorReason.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["retry_after", b"retry_after"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "param", b"param", "retry_after", b"retry_after", "retryable", b"retryable", "run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "param", b"param", "reason", b"reason", "retry_after", b"retry_after", "retryable", b"retryable", "run_id", b"run_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
