@@ -24,20 +24,21 @@ import itertools
 import secrets
 import ssl
 import time
-from dataclasses import dataclass
-from types import TracebackType
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType, TracebackType
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.codec import Codec
+from iop_wire.config import ConnectionConfig
 from iop_wire.errors import Code, ConnectionClosed, DecodeError, FrameError, IopError, code_name
 from iop_wire.framing import FrameDecoder, encode_frame
-from iop_wire.handler import ConnectionConfig, Handler, Inbound, MessageHandler, RunHandler
 from iop_wire.liveness import Liveness, Verdict
 from iop_wire.logs import library_logger
 from iop_wire.messages import error_envelope, error_message
 from iop_wire.metrics import CONNECTIONS, LIMIT_HITS, PEERS_LOST, PROTOCOL_VIOLATIONS
 from iop_wire.runs import TERMINAL_EVENTS, EventSink, RunStream
-from iop_wire.tls import ANONYMOUS, PeerIdentity
+from iop_wire.tls import ANONYMOUS, PeerIdentity, acting_caller
 
 __all__ = ["Connection", "ConnectionConfig", "Handler", "Inbound", "MessageHandler", "RunHandler"]
 
@@ -45,6 +46,22 @@ _log = library_logger("iop.wire")  # silent below WARNING until the application 
 _FAIR_SHARE = 64  # frames handled from one read before other tasks get a turn
 _LOG_EVERY = 1.0  # seconds between log lines for one limit on one connection
 _PAUSE_POLL = 0.01  # seconds between looks at a paused connection's unsent bytes
+
+
+RunHandler = Callable[[pb.RunRequest, EventSink], Awaitable[None]]
+"""Executes one run.request, writing to the sink; cancelled when the run is."""
+MessageHandler = Callable[["Inbound"], Awaitable[None]]
+"""Handles one envelope of its type; an IopError it raises is sent back as the reply."""
+
+
+@dataclass(frozen=True, slots=True)
+class Handler:
+    """What this end serves on a connection: runs, and a function per other message type."""
+
+    run: RunHandler | None = None
+    """Serves run.request; None refuses runs with UNKNOWN_MESSAGE_TYPE."""
+    messages: Mapping[str, MessageHandler] = field(default_factory=lambda: MappingProxyType({}))
+    """``Envelope.body`` field name (``capability_request``, ``node_register``, ...) -> handler."""
 
 
 @dataclass(slots=True)
@@ -596,3 +613,26 @@ class Connection:
         code = pb.ERROR_CODE_DEADLINE_EXCEEDED if verdict.reason == "frame_timeout" else pb.ERROR_CODE_UNAVAILABLE
         # A peer that does not read gets nothing more: its socket is aborted, not closed politely.
         await self._shutdown(ConnectionClosed(message, code), notify_peer=True, abort=verdict.reason == "unread")
+
+
+@dataclass(frozen=True, slots=True)
+class Inbound:
+    """An envelope handed to a message handler, with the means to answer it."""
+
+    connection: Connection
+    envelope: pb.Envelope
+
+    @property
+    def peer(self) -> PeerIdentity:
+        """Who sent it, from its certificate."""
+        return self.connection.peer
+
+    @property
+    def caller(self) -> str:
+        """Who the request is for: the envelope's ``caller`` from a peer that acts for others, else the peer."""
+        return acting_caller(self.peer, self.envelope.caller)
+
+    async def reply(self, envelope: pb.Envelope) -> None:
+        """Send ``envelope`` as the answer (its ``in_reply_to`` is set to this envelope's id)."""
+        envelope.in_reply_to = self.envelope.id
+        await self.connection.send(envelope, urgent=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from iop_wire.handler import ConnectionConfig
+from iop_wire.config import ConnectionConfig
 
 __all__ = ["Liveness", "Verdict"]
 
