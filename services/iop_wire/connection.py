@@ -28,6 +28,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
 
+from google.protobuf.message import Error as ProtobufError
+
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.codec import Codec
 from iop_wire.config import ConnectionConfig
@@ -68,6 +70,11 @@ class Handler:
 class _Served:
     task: asyncio.Task[None]
     sink: EventSink
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 class Connection:
@@ -297,10 +304,39 @@ class Connection:
             raise IopError(pb.ERROR_CODE_PROTOCOL_VIOLATION, f"run {request.run_id} is already open")
         if self.closed:
             raise ConnectionClosed("connection is closed")
+        frame = self._run_request_frame(request)  # before anything is registered: a failure leaves nothing
         stream = RunStream(request.run_id, self.config.run_buffer, self.cancel_run, codec=self.codec.name)
         self._streams[request.run_id] = stream
-        await self.send(pb.Envelope(run_id=request.run_id, run_request=request), urgent=urgent)
+        try:
+            self._queue(frame, urgent=urgent)
+            await self._backpressure()
+        except BaseException:
+            if self._streams.get(request.run_id) is stream and not self.closed:
+                # Sent, but nobody will read it: the run is cancelled and its terminal event absorbed.
+                stream.cancel_nowait("the caller gave up while the run request was being sent")
+            elif self._streams.get(request.run_id) is stream:
+                del self._streams[request.run_id]
+            raise
         return stream
+
+    def _run_request_frame(self, request: pb.RunRequest) -> bytearray:
+        """The run.request framed, or INVALID_ARGUMENT: too large (TOO_LARGE) or not encodable (UNENCODABLE)."""
+        try:
+            return self.frame(pb.Envelope(run_id=request.run_id, run_request=request))
+        except FrameError as exc:
+            raise IopError(
+                pb.ERROR_CODE_INVALID_ARGUMENT,
+                f"run request is too large to send: {exc.message}",
+                run_id=request.run_id,
+                reason=pb.ERROR_REASON_TOO_LARGE,
+            ) from None
+        except (ValueError, RecursionError, ProtobufError) as exc:  # UnicodeEncodeError is a ValueError
+            raise IopError(
+                pb.ERROR_CODE_INVALID_ARGUMENT,
+                f"run request cannot be encoded: {_first_line(exc)}",
+                run_id=request.run_id,
+                reason=pb.ERROR_REASON_UNENCODABLE,
+            ) from None
 
     def cancel_run(self, run_id: str, reason: str) -> None:
         """Send cancel.request for ``run_id`` (without waiting for the socket)."""

@@ -14,6 +14,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
+from types import TracebackType
 from typing import Protocol
 
 from iop_gen.pb.iop import runtime_pb2 as pb
@@ -48,7 +49,11 @@ class _Sender(Protocol):
 
 
 class RunStream:
-    """The events of one run this end opened, in order; ends after complete or error."""
+    """The events of one run this end opened, in order; ends after complete or error.
+
+    ``async with await connection.open_run(request) as stream:`` cancels the run when the block
+    is left before its end (return, error or cancellation): whoever stops reading stops the run.
+    """
 
     def __init__(self, run_id: str, capacity: int, cancel: Callable[[str, str], None], *, codec: str = "proto") -> None:
         self.run_id = run_id
@@ -69,6 +74,16 @@ class RunStream:
 
     def __aiter__(self) -> RunStream:
         return self
+
+    async def __aenter__(self) -> RunStream:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        """Leaving the block before the run ended (return, error or cancellation) cancels the run."""
+        if not self.finished:
+            self.cancel_nowait("the caller stopped reading the run")
 
     async def __anext__(self) -> pb.RunEvent:
         return (await self.next_frame())[0]
