@@ -30,8 +30,9 @@ class ConnectionConfig:
     """Runs the peer may have this end serve at once; more are refused RESOURCE_EXHAUSTED."""
     max_requests: int = 64
     """Message handlers (capability, node.*, ...) running at once for the peer."""
-    run_buffer: int = 256
-    """Events buffered per run on the receiving side before reading pauses."""
+    run_buffer_bytes: int = 4 * 1024 * 1024
+    """Bytes of one run's events kept for its reader; past it (and past one event) that run alone is
+    cancelled and its reader gets RESOURCE_EXHAUSTED, reason SLOW_CONSUMER."""
     write_buffer: int = 256 * 1024
     """Bytes gathered before they are written at once (otherwise at the end of the loop's turn)."""
     read_pause_bytes: int = 4 * 1024 * 1024

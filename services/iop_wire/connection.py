@@ -9,8 +9,10 @@ heartbeats itself and correlates replies to :meth:`Connection.request` by ``in_r
 Every resource the peer can make this end hold is bounded (see :class:`ConnectionConfig`):
 live runs it asks for, message handlers running for it, bytes waiting to be sent to it
 (reading pauses above ``read_pause_bytes``), the time a frame's body may take, and its
-silence. A watchdog timer, never behind a send, declares the peer dead when it has been
-silent, or has not read what we sent, for ``missed_heartbeats`` intervals.
+silence. The reader never waits for one run's reader: each run this end opened keeps up to
+``run_buffer_bytes`` of unread events, past which that run alone is cancelled (SLOW_CONSUMER).
+A watchdog timer, never behind a send, declares the peer dead when it has been silent, or has
+not read what we sent, for ``missed_heartbeats`` of its heartbeat intervals.
 
 Closing fails every run still open on it with a retryable error: runs this end reads get a
 synthetic error event; runs this end serves are cancelled, and on a graceful close the peer
@@ -305,7 +307,7 @@ class Connection:
         if self.closed:
             raise ConnectionClosed("connection is closed")
         frame = self._run_request_frame(request)  # before anything is registered: a failure leaves nothing
-        stream = RunStream(request.run_id, self.config.run_buffer, self.cancel_run, codec=self.codec.name)
+        stream = RunStream(request.run_id, self.cancel_run, codec=self.codec.name)
         self._streams[request.run_id] = stream
         try:
             self._queue(frame, urgent=urgent)
@@ -419,7 +421,7 @@ class Connection:
 
     @property
     def _reading_paused(self) -> bool:
-        """True while this end holds reading back (a full run stream, or the peer reads nothing)."""
+        """True while this end holds reading back (the peer reads nothing of what we send)."""
         return self._liveness.held
 
     async def _on_eof(self) -> None:
@@ -484,15 +486,24 @@ class Connection:
             stream.end(event, body)  # never waits: nothing may keep a run from ending
             return
         if stream.cancelled:
-            return  # its reader asked to stop; only the terminal event still matters
-        if stream.full:
-            self._liveness.held = True
-            try:
-                await stream.put(event, body)
-            finally:
-                self._liveness.resumed(self._loop.time())
-        else:
-            await stream.put(event, body)
+            return  # its reader asked to stop, or fell too far behind; only the terminal event still matters
+        # Never waits for the run's reader: one run that is not read must not stall the others.
+        stream.put_nowait(event, body)
+        if stream.buffered_bytes > self.config.run_buffer_bytes and stream.buffered > 1:
+            self._slow_consumer(stream)
+
+    def _slow_consumer(self, stream: RunStream) -> None:
+        """End one run whose reader is ``run_buffer_bytes`` behind: its reader gets the error, the peer a cancel."""
+        limit = self.config.run_buffer_bytes
+        self._limit_hit("slow_consumer", "run cancelled", run_id=stream.run_id, unread_bytes=stream.buffered_bytes)
+        error = IopError(
+            pb.ERROR_CODE_RESOURCE_EXHAUSTED,
+            f"run {stream.run_id} cancelled: its reader fell {stream.buffered_bytes} bytes behind "
+            f"(run_buffer_bytes is {limit})",
+            retryable=False,
+            reason=pb.ERROR_REASON_SLOW_CONSUMER,
+        )
+        stream.overflow(error, "the run's reader fell too far behind (slow consumer)")
 
     def _on_error(self, envelope: pb.Envelope, body: bytes) -> None:
         stream = self._streams.pop(envelope.run_id, None)

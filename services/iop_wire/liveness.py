@@ -7,8 +7,8 @@ the peer's announced one, capped at ``max_peer_interval``) or ``frame_timeout``:
 - unread: time since the peer last took any of the bytes we queued for it, while some wait;
 - a frame that started arriving and has not finished.
 
-None of them runs while this end itself holds reading back (a full run stream, or too many
-bytes unsent): the peer cannot be blamed for what we do not read. No I/O, no logging here.
+None of them runs while this end itself holds reading back (too many bytes unsent to the
+peer): the peer cannot be blamed for what we do not read. No I/O, no logging here.
 """
 
 from __future__ import annotations

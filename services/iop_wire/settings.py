@@ -166,6 +166,9 @@ class ConnectionSettings(Section):
     """Runs one connection may have in progress here; more are refused RESOURCE_EXHAUSTED."""
     max_requests: int = Field(64, ge=1)
     """Other requests (capabilities, node.*) answered at once per connection."""
+    run_buffer_bytes: int = Field(4 * 1024 * 1024, ge=64 * 1024)
+    """Bytes of one run's output kept while its reader is behind; past it that run alone is cancelled
+    (RESOURCE_EXHAUSTED, reason SLOW_CONSUMER)."""
     read_pause_bytes: int = Field(4 * 1024 * 1024, ge=64 * 1024)
     """Reading from a peer pauses while this many bytes wait to be sent to it."""
     flush_delay: float = Field(0.0, ge=0, le=0.05)
