@@ -22,6 +22,7 @@ first gets an error event for each.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import secrets
 import ssl
@@ -558,17 +559,22 @@ class Connection:
             self._served[run_id] = _Served(task, sink)
 
     async def _serve(self, run: RunHandler, request: pb.RunRequest, sink: EventSink) -> None:
+        error: IopError | None = None
         try:
             await run(request, sink)
             if not sink.finished:
-                await sink.error(IopError(pb.ERROR_CODE_INTERNAL, "run ended without complete or error"))
+                error = IopError(pb.ERROR_CODE_INTERNAL, "run ended without complete or error")
         except asyncio.CancelledError:
-            await sink.error(IopError(pb.ERROR_CODE_CANCELLED, sink.cancel_reason or "cancelled"))
+            error = IopError(pb.ERROR_CODE_CANCELLED, sink.cancel_reason or "cancelled")
         except IopError as exc:
-            await sink.error(exc)
+            error = exc
         except Exception:  # noqa: BLE001 - a handler's bug fails its run, not the connection
             self._log.exception("run handler failed", run_id=sink.run_id)
-            await sink.error(IopError(pb.ERROR_CODE_INTERNAL, "internal error"))
+            error = IopError(pb.ERROR_CODE_INTERNAL, "internal error")
+        try:
+            if error is not None:
+                with contextlib.suppress(ConnectionClosed):  # closing ended the run already: nothing to tell
+                    await sink.error(error)
         finally:
             served = self._served.get(sink.run_id)
             if served is not None and served.sink is sink:  # the id may already name a newer run
