@@ -18,12 +18,13 @@ class ConnectionConfig:
 
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     """Largest frame body accepted or sent, in bytes."""
-    heartbeat_interval: float = 30.0
-    """Seconds between heartbeats sent."""
+    heartbeat_interval: float = 5.0
+    """Seconds between heartbeats sent (told to the peer, which judges us by it)."""
     missed_heartbeats: int = 3
-    """Intervals of silence (or of our bytes left unread) after which the peer is dead."""
-    max_peer_interval: float = 120.0
-    """Largest heartbeat interval a peer may announce; a longer one is taken as this."""
+    """The peer's intervals of silence (or of our bytes left unread) after which it is dead."""
+    max_peer_interval: float = 10.0
+    """Largest heartbeat interval a peer may announce; a longer one is taken as this, so a silent
+    peer is dead within ``missed_heartbeats`` times this (30 s) whatever it announced."""
     frame_timeout: float = 30.0
     """Seconds a frame may take to arrive whole once its first byte came."""
     max_runs: int = 1024
@@ -46,5 +47,5 @@ class ConnectionConfig:
 
     @property
     def watch_tick(self) -> float:
-        """How often the watchdog looks: often enough to act within a tenth of any window."""
+        """How often the watchdog looks at most: see also the window, which is the peer's."""
         return min(1.0, self.heartbeat_interval / 4, self.frame_timeout / 4)

@@ -649,7 +649,13 @@ class Connection:
                 return
             next_beat += interval
             while (now := self._loop.time()) < next_beat:
-                await asyncio.sleep(min(self.config.watch_tick, next_beat - now))
+                # A peer beating faster than we do is looked at as often as its window needs.
+                nap = min(self.config.watch_tick, self._liveness.window / 6, next_beat - now)
+                await asyncio.sleep(nap)
+                late = self._loop.time() - now - nap
+                if late > nap:  # our own loop was blocked: what the peer sent meanwhile is not read yet
+                    self._liveness.excuse(late)
+                    continue
                 unsent = self._writer.transport.get_write_buffer_size()
                 verdict = self._liveness.check(self._loop.time(), written=self._written, unsent=unsent)
                 if verdict is not None:

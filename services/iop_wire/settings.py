@@ -158,8 +158,9 @@ class TlsSettings(Section):
 class ConnectionSettings(Section):
     """Per-connection limits (see ``iop_wire.connection.ConnectionConfig``)."""
 
-    max_peer_interval: float = Field(120.0, gt=0)
-    """Largest heartbeat interval a peer may announce, seconds."""
+    max_peer_interval: float = Field(10.0, gt=0)
+    """Largest heartbeat interval a peer may announce, seconds: a peer is judged by the interval it
+    announces (3 missed ones), capped at this, so a silent one is closed within 3 x this."""
     frame_timeout: float = Field(30.0, gt=0)
     """Seconds a frame may take to arrive whole once its first byte came."""
     max_runs: int = Field(1024, ge=1)
