@@ -39,7 +39,7 @@ from iop_wire.config import ConnectionConfig
 from iop_wire.errors import Code, ConnectionClosed, DecodeError, FrameError, IopError, code_name
 from iop_wire.framing import FrameDecoder, encode_frame
 from iop_wire.liveness import Liveness, Verdict
-from iop_wire.logs import library_logger
+from iop_wire.logs import RateLimitedLog, library_logger
 from iop_wire.messages import error_envelope, error_message
 from iop_wire.metrics import CONNECTIONS, LIMIT_HITS, PEERS_LOST, PROTOCOL_VIOLATIONS
 from iop_wire.runs import TERMINAL_EVENTS, EventSink, RunStream
@@ -119,7 +119,7 @@ class Connection:
         self._tasks: list[asyncio.Task[None]] = []
         self._loop = asyncio.get_running_loop()
         self._liveness = Liveness(config, self._loop.time())
-        self._limit_logs: dict[str, tuple[float, int]] = {}
+        self._limit_logs = RateLimitedLog(_LOG_EVERY)
         self._done = asyncio.Event()
         self._closing = asyncio.Event()
         self._log = _log.bind(peer=peer.name, role=peer.role, conn=label or self.id)
@@ -625,13 +625,7 @@ class Connection:
         self._rate_limited_log(name, event, **fields)
 
     def _rate_limited_log(self, name: str, event: str, **fields: object) -> None:
-        now = self._loop.time()
-        last, unlogged = self._limit_logs.get(name, (-_LOG_EVERY, 0))
-        if now - last < _LOG_EVERY:
-            self._limit_logs[name] = (last, unlogged + 1)
-            return
-        self._limit_logs[name] = (now, 0)
-        self._log.warning(event, reason=name.replace("_", " "), not_logged_since_last=unlogged, **fields)
+        self._limit_logs.warning(name, self._log, event, reason=name.replace("_", " "), **fields)
 
     # -- liveness ----------------------------------------------------------------------------
 

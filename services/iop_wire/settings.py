@@ -239,8 +239,13 @@ class ListenSettings(Section):
     """Connections open at once per certificate name."""
     max_handshakes: int = Field(64, ge=1)
     """TLS handshakes under way at once; more are closed at accept."""
+    max_handshakes_per_address: int = Field(16, ge=1)
+    """TLS handshakes under way at once from one source IP address; more from it are closed at
+    accept, so one address cannot take every handshake slot."""
     handshake_timeout: float = Field(10.0, gt=0)
     """Seconds a dialer has for the TLS handshake and the preface."""
+    first_byte_timeout: float = Field(3.0, gt=0)
+    """Seconds an accepted socket may send nothing (a TLS client says hello at once); then it is closed."""
 
     def config(
         self, tls: TlsSettings, connection: ConnectionConfig, allowed_roles: frozenset[Role] | None
@@ -255,6 +260,8 @@ class ListenSettings(Section):
             max_connections=self.max_connections,
             max_connections_per_peer=self.max_connections_per_peer,
             max_handshakes=self.max_handshakes,
+            max_handshakes_per_address=self.max_handshakes_per_address,
+            first_byte_timeout=self.first_byte_timeout,
             connection=connection,
         )
 
