@@ -327,19 +327,10 @@ class Connection:
         try:
             return self.frame(pb.Envelope(run_id=request.run_id, run_request=request))
         except FrameError as exc:
-            raise IopError(
-                pb.ERROR_CODE_INVALID_ARGUMENT,
-                f"run request is too large to send: {exc.message}",
-                run_id=request.run_id,
-                reason=pb.ERROR_REASON_TOO_LARGE,
-            ) from None
+            reason, why = pb.ERROR_REASON_TOO_LARGE, f"is too large to send: {exc.message}"
         except (ValueError, RecursionError, ProtobufError) as exc:  # UnicodeEncodeError is a ValueError
-            raise IopError(
-                pb.ERROR_CODE_INVALID_ARGUMENT,
-                f"run request cannot be encoded: {_first_line(exc)}",
-                run_id=request.run_id,
-                reason=pb.ERROR_REASON_UNENCODABLE,
-            ) from None
+            reason, why = pb.ERROR_REASON_UNENCODABLE, f"cannot be encoded: {_first_line(exc)}"
+        raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, f"run request {why}", run_id=request.run_id, reason=reason)
 
     def cancel_run(self, run_id: str, reason: str) -> None:
         """Send cancel.request for ``run_id`` (without waiting for the socket)."""

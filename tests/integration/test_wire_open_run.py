@@ -9,12 +9,16 @@ import pytest
 from conftest import EchoHandler, assert_eventually
 
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_wire.connection import ConnectionConfig
+from iop_wire.connection import Connection, ConnectionConfig
 from iop_wire.endpoint import Listener, dial
 from iop_wire.errors import IopError
 from iop_wire.tls import TlsConfig
 
 _SMALL_FRAMES = ConnectionConfig(max_frame_size=64 * 1024)
+
+
+async def _dial(server: Listener, edge_tls: TlsConfig) -> Connection:
+    return await dial("127.0.0.1", server.port, tls=edge_tls, server_hostname="localhost")
 
 
 def _nested(depth: int) -> dict[str, object]:
@@ -68,7 +72,7 @@ async def test_a_run_that_cannot_be_sent_stays_unregistered(
 async def test_leaving_the_block_early_cancels_the_run(
     server: Listener, edge_tls: TlsConfig, handler: EchoHandler
 ) -> None:
-    connection = await dial("127.0.0.1", server.port, tls=edge_tls, server_hostname="localhost")
+    connection = await _dial(server, edge_tls)
     async with await connection.open_run(pb.RunRequest(run_id="left", model="hang")) as stream:
         assert (await anext(stream)).WhichOneof("event") == "start"
     await assert_eventually(lambda: handler.cancelled == ["the caller stopped reading the run"])
@@ -79,7 +83,7 @@ async def test_leaving_the_block_early_cancels_the_run(
 async def test_leaving_the_block_on_an_error_cancels_the_run(
     server: Listener, edge_tls: TlsConfig, handler: EchoHandler
 ) -> None:
-    connection = await dial("127.0.0.1", server.port, tls=edge_tls, server_hostname="localhost")
+    connection = await _dial(server, edge_tls)
 
     async def read_then_fail() -> None:
         async with await connection.open_run(pb.RunRequest(run_id="broke", model="hang")) as stream:
@@ -95,7 +99,7 @@ async def test_leaving_the_block_on_an_error_cancels_the_run(
 async def test_a_run_read_to_its_end_is_not_cancelled(
     server: Listener, edge_tls: TlsConfig, handler: EchoHandler
 ) -> None:
-    connection = await dial("127.0.0.1", server.port, tls=edge_tls, server_hostname="localhost")
+    connection = await _dial(server, edge_tls)
     async with await connection.open_run(pb.RunRequest(run_id="whole", model="m")) as stream:
         kinds = [event.WhichOneof("event") async for event in stream]
     assert kinds[-1] == "complete"

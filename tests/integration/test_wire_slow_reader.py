@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 
+import pytest
 import structlog
 from conftest import EchoHandler, Pki, assert_eventually
 
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_wire.connection import ConnectionConfig, EventSink
+from iop_wire.connection import Connection, ConnectionConfig, EventSink
 from iop_wire.endpoint import Listener, ListenerConfig, dial
 from iop_wire.metrics import REGISTRY
 from iop_wire.runs import RunStream
@@ -61,73 +63,78 @@ async def _read_paced(stream: RunStream) -> tuple[float, pb.RunEvent]:
     return first, last
 
 
-async def _normal_runs(connection_open: object, count: int, tag: str) -> list[tuple[float, pb.RunEvent]]:
-    assert callable(connection_open)
-    streams = [
-        await connection_open(
-            pb.RunRequest(run_id=f"{tag}-{i}", model="paced", sampling=pb.Sampling(max_tokens=_NORMAL_TOKENS))
-        )
+async def _open(connection: Connection, model: str, tokens: int, count: int, tag: str) -> list[RunStream]:
+    sampling = pb.Sampling(max_tokens=tokens)
+    return [
+        await connection.open_run(pb.RunRequest(run_id=f"{tag}-{i}", model=model, sampling=sampling))
         for i in range(count)
     ]
+
+
+async def _unread_runs(connection: Connection) -> list[RunStream]:
+    """Two runs of a practically endless answer, opened and never read."""
+    return await _open(connection, "firehose", 10_000_000, 2, "unread")
+
+
+async def _normal_runs(connection: Connection, count: int, tag: str) -> list[tuple[float, pb.RunEvent]]:
+    streams = await _open(connection, "paced", _NORMAL_TOKENS, count, tag)
     async with asyncio.timeout(30):  # stalled behind an unread run (the bug) fails here, not in a hang
         return await asyncio.gather(*(_read_paced(stream) for stream in streams))
 
 
-async def test_an_unread_run_is_cancelled_alone_and_the_others_go_on(pki: Pki, edge_tls: TlsConfig) -> None:
-    handler = _PacedHandler()
+@pytest.fixture
+def handler() -> _PacedHandler:
+    return _PacedHandler()
+
+
+@pytest.fixture
+async def connection(pki: Pki, edge_tls: TlsConfig, handler: _PacedHandler) -> AsyncIterator[Connection]:
+    """A connection to a listener serving ``handler``, both with a 256 KiB run buffer."""
     config = ListenerConfig(tls=pki.config("n", Role.NODE), connection=_LIMITS)
     async with (
         Listener(config, handler.wire()) as listener,
-        dial("127.0.0.1", listener.port, tls=edge_tls, server_hostname="localhost", config=_LIMITS) as connection,
+        dial("127.0.0.1", listener.port, tls=edge_tls, server_hostname="localhost", config=_LIMITS) as connected,
     ):
-        alone = [event async for event in await connection.open_run(pb.RunRequest(run_id="baseline", model="paced"))]
-        assert alone[-1].WhichOneof("event") == "complete"
-        hits = _slow_consumer_hits()
-        with structlog.testing.capture_logs() as logs:
-            unread = [
-                await connection.open_run(
-                    pb.RunRequest(run_id=f"unread-{i}", model="firehose", sampling=pb.Sampling(max_tokens=10_000_000))
-                )
-                for i in range(2)
-            ]
-            results = await _normal_runs(connection.open_run, 8, "normal")
-            # The normal runs all completed, each with every token, while two runs went unread.
-            assert all(last.WhichOneof("event") == "complete" for _, last in results)
-            await assert_eventually(lambda: len(handler.cancelled) == 2, timeout=10)
-        # Each unread run ended with the slow-consumer error (after what was dropped), nothing else.
-        for stream in unread:
-            events = [event async for event in stream]
-            assert len(events) == 1, [e.WhichOneof("event") for e in events]
-            error = events[0].error
-            assert error.code == pb.ERROR_CODE_RESOURCE_EXHAUSTED and error.reason == pb.ERROR_REASON_SLOW_CONSUMER
-            assert stream.run_id in error.message and "behind" in error.message and not error.retryable
-            assert stream.buffered_bytes == 0
-        assert all("slow consumer" in reason for reason in handler.cancelled)
-        assert _slow_consumer_hits() - hits == 2
-        assert any(entry["event"] == "run cancelled" and entry["reason"] == "slow consumer" for entry in logs)
-        # Nothing is left of them once the server's terminal events came, and the connection serves on.
-        await assert_eventually(lambda: not connection._streams)
-        assert not connection.closed
-        again = await _normal_runs(connection.open_run, 1, "after")
-        assert again[0][1].WhichOneof("event") == "complete"
+        yield connected
 
 
-async def test_the_unread_runs_do_not_delay_the_first_tokens_of_others(pki: Pki, edge_tls: TlsConfig) -> None:
+async def test_an_unread_run_is_cancelled_alone_and_the_others_go_on(
+    handler: _PacedHandler, connection: Connection
+) -> None:
+    alone = [event async for event in await connection.open_run(pb.RunRequest(run_id="baseline", model="paced"))]
+    assert alone[-1].WhichOneof("event") == "complete"
+    hits = _slow_consumer_hits()
+    with structlog.testing.capture_logs() as logs:
+        unread = await _unread_runs(connection)
+        results = await _normal_runs(connection, 8, "normal")
+        # The normal runs all completed, each with every token, while two runs went unread.
+        assert all(last.WhichOneof("event") == "complete" for _, last in results)
+        await assert_eventually(lambda: len(handler.cancelled) == 2, timeout=10)
+    # Each unread run ended with the slow-consumer error (after what was dropped), nothing else.
+    for stream in unread:
+        events = [event async for event in stream]
+        assert len(events) == 1, [e.WhichOneof("event") for e in events]
+        error = events[0].error
+        assert error.code == pb.ERROR_CODE_RESOURCE_EXHAUSTED and error.reason == pb.ERROR_REASON_SLOW_CONSUMER
+        assert stream.run_id in error.message and "behind" in error.message and not error.retryable
+        assert stream.buffered_bytes == 0
+    assert all("slow consumer" in reason for reason in handler.cancelled)
+    assert _slow_consumer_hits() - hits == 2
+    assert any(entry["event"] == "run cancelled" and entry["reason"] == "slow consumer" for entry in logs)
+    # Nothing is left of them once the server's terminal events came, and the connection serves on.
+    await assert_eventually(lambda: not connection._streams)
+    assert not connection.closed
+    again = await _normal_runs(connection, 1, "after")
+    assert again[0][1].WhichOneof("event") == "complete"
+
+
+async def test_the_unread_runs_do_not_delay_the_first_tokens_of_others(connection: Connection) -> None:
     """Time to first token of 8 paced runs beside 2 unread firehoses stays within 2x of without them."""
-    handler = _PacedHandler()
-    config = ListenerConfig(tls=pki.config("n", Role.NODE), connection=_LIMITS)
-    async with (
-        Listener(config, handler.wire()) as listener,
-        dial("127.0.0.1", listener.port, tls=edge_tls, server_hostname="localhost", config=_LIMITS) as connection,
-    ):
-        await _normal_runs(connection.open_run, 8, "warm")
-        quiet = max(first for first, _ in await _normal_runs(connection.open_run, 8, "quiet"))
-        for i in range(2):
-            await connection.open_run(
-                pb.RunRequest(run_id=f"unread-{i}", model="firehose", sampling=pb.Sampling(max_tokens=10_000_000))
-            )
-        attacked = await _normal_runs(connection.open_run, 8, "attacked")
-        slowest = max(first for first, _ in attacked)
-        # 50 ms of margin: on a loaded machine a few ms of scheduling noise would dwarf the 2x.
-        assert slowest <= 2 * quiet + 0.05, (quiet, slowest)
-        assert all(last.WhichOneof("event") == "complete" for _, last in attacked)
+    await _normal_runs(connection, 8, "warm")
+    quiet = max(first for first, _ in await _normal_runs(connection, 8, "quiet"))
+    await _unread_runs(connection)
+    attacked = await _normal_runs(connection, 8, "attacked")
+    slowest = max(first for first, _ in attacked)
+    # 50 ms of margin: on a loaded machine a few ms of scheduling noise would dwarf the 2x.
+    assert slowest <= 2 * quiet + 0.05, (quiet, slowest)
+    assert all(last.WhichOneof("event") == "complete" for _, last in attacked)
