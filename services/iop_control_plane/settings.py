@@ -55,8 +55,9 @@ class Settings(BaseSettings):
     connection: ConnectionSettings = ConnectionSettings()
     """Limits every connection gets (runs, requests, frame time, unread bytes, heartbeat clamp)."""
     metrics: MetricsSettings = MetricsSettings()
-    heartbeat_interval: float = Field(30.0, gt=0)
-    """Seconds between heartbeats on every connection (told to nodes); a peer silent for 3 is dead."""
+    heartbeat_interval: float = Field(5.0, gt=0)
+    """Seconds between heartbeats on every connection: peers judge the control-plane by it (3
+    missed: dead). It judges each peer by the interval that peer announces (node: 1 s)."""
     max_frame_size: int = Field(DEFAULT_MAX_FRAME_SIZE, ge=1024)
     """Largest frame accepted, bytes."""
     store_path: Path = Path(".iop/control-plane.db")

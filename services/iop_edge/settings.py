@@ -84,7 +84,7 @@ class Settings(BaseSettings):
     """The edge's certificate (role edge) for the control-plane and the worker, and the CA that signed it."""
     connection: ConnectionSettings = ConnectionSettings()
     """Limits of the connections to the control-plane and the worker."""
-    heartbeat_interval: float = Field(30.0, gt=0)
+    heartbeat_interval: float = Field(5.0, gt=0)
     """Seconds between heartbeats on the control-plane and worker connections."""
     auth: Literal["keys", "none"] = "keys"
     """keys: every request needs an API key from ``keys_path``; none: no keys (local development only)."""

@@ -8,9 +8,10 @@ Layers, bottom up (each usable and testable without the ones above it):
 - ``tls`` and ``certs``: mTLS contexts, peer identity from certificates, certificate minting.
 - ``runs``: a run's two ends, the RunStream its caller reads and the EventSink its server
   writes, and :func:`relay`, which forwards a run from one connection to another.
-- ``handler``: what a connection serves (a run handler and ``{body field: handler}``) and its limits.
+- ``config``: :class:`ConnectionConfig`, every limit and timer of one connection.
 - ``liveness``: sans-IO clocks that decide when a peer is dead (silent, not reading, a cut frame).
-- ``connection``: one TCP connection carrying many runs both ways, heartbeats, bounds.
+- ``connection``: one TCP connection carrying many runs both ways, heartbeats, bounds, and
+  what it serves (:class:`Handler`: a run handler and ``{body field: handler}``).
 - ``endpoint``: :class:`Listener` and :func:`dial`, the preface (codec agreement), role checks.
 - ``dialer``: :class:`KeepConnected`, one connection kept open with backoff and jitter.
 - ``settings``: the TLS, listen and limit settings every service shares, and the YAML loader.

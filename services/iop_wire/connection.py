@@ -9,8 +9,10 @@ heartbeats itself and correlates replies to :meth:`Connection.request` by ``in_r
 Every resource the peer can make this end hold is bounded (see :class:`ConnectionConfig`):
 live runs it asks for, message handlers running for it, bytes waiting to be sent to it
 (reading pauses above ``read_pause_bytes``), the time a frame's body may take, and its
-silence. A watchdog timer, never behind a send, declares the peer dead when it has been
-silent, or has not read what we sent, for ``missed_heartbeats`` intervals.
+silence. The reader never waits for one run's reader: each run this end opened keeps up to
+``run_buffer_bytes`` of unread events, past which that run alone is cancelled (SLOW_CONSUMER).
+A watchdog timer, never behind a send, declares the peer dead when it has been silent, or has
+not read what we sent, for ``missed_heartbeats`` of its heartbeat intervals.
 
 Closing fails every run still open on it with a retryable error: runs this end reads get a
 synthetic error event; runs this end serves are cancelled, and on a graceful close the peer
@@ -20,24 +22,28 @@ first gets an error event for each.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import secrets
 import ssl
 import time
-from dataclasses import dataclass
-from types import TracebackType
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType, TracebackType
+
+from google.protobuf.message import Error as ProtobufError
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.codec import Codec
+from iop_wire.config import ConnectionConfig
 from iop_wire.errors import Code, ConnectionClosed, DecodeError, FrameError, IopError, code_name
 from iop_wire.framing import FrameDecoder, encode_frame
-from iop_wire.handler import ConnectionConfig, Handler, Inbound, MessageHandler, RunHandler
 from iop_wire.liveness import Liveness, Verdict
-from iop_wire.logs import library_logger
+from iop_wire.logs import RateLimitedLog, library_logger
 from iop_wire.messages import error_envelope, error_message
 from iop_wire.metrics import CONNECTIONS, LIMIT_HITS, PEERS_LOST, PROTOCOL_VIOLATIONS
 from iop_wire.runs import TERMINAL_EVENTS, EventSink, RunStream
-from iop_wire.tls import ANONYMOUS, PeerIdentity
+from iop_wire.tls import ANONYMOUS, PeerIdentity, acting_caller
 
 __all__ = ["Connection", "ConnectionConfig", "Handler", "Inbound", "MessageHandler", "RunHandler"]
 
@@ -47,10 +53,31 @@ _LOG_EVERY = 1.0  # seconds between log lines for one limit on one connection
 _PAUSE_POLL = 0.01  # seconds between looks at a paused connection's unsent bytes
 
 
+RunHandler = Callable[[pb.RunRequest, EventSink], Awaitable[None]]
+"""Executes one run.request, writing to the sink; cancelled when the run is."""
+MessageHandler = Callable[["Inbound"], Awaitable[None]]
+"""Handles one envelope of its type; an IopError it raises is sent back as the reply."""
+
+
+@dataclass(frozen=True, slots=True)
+class Handler:
+    """What this end serves on a connection: runs, and a function per other message type."""
+
+    run: RunHandler | None = None
+    """Serves run.request; None refuses runs with UNKNOWN_MESSAGE_TYPE."""
+    messages: Mapping[str, MessageHandler] = field(default_factory=lambda: MappingProxyType({}))
+    """``Envelope.body`` field name (``capability_request``, ``node_register``, ...) -> handler."""
+
+
 @dataclass(slots=True)
 class _Served:
     task: asyncio.Task[None]
     sink: EventSink
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 class Connection:
@@ -92,7 +119,7 @@ class Connection:
         self._tasks: list[asyncio.Task[None]] = []
         self._loop = asyncio.get_running_loop()
         self._liveness = Liveness(config, self._loop.time())
-        self._limit_logs: dict[str, tuple[float, int]] = {}
+        self._limit_logs = RateLimitedLog(_LOG_EVERY)
         self._done = asyncio.Event()
         self._closing = asyncio.Event()
         self._log = _log.bind(peer=peer.name, role=peer.role, conn=label or self.id)
@@ -280,10 +307,30 @@ class Connection:
             raise IopError(pb.ERROR_CODE_PROTOCOL_VIOLATION, f"run {request.run_id} is already open")
         if self.closed:
             raise ConnectionClosed("connection is closed")
-        stream = RunStream(request.run_id, self.config.run_buffer, self.cancel_run, codec=self.codec.name)
+        frame = self._run_request_frame(request)  # before anything is registered: a failure leaves nothing
+        stream = RunStream(request.run_id, self.cancel_run, codec=self.codec.name)
         self._streams[request.run_id] = stream
-        await self.send(pb.Envelope(run_id=request.run_id, run_request=request), urgent=urgent)
+        try:
+            self._queue(frame, urgent=urgent)
+            await self._backpressure()
+        except BaseException:
+            if self._streams.get(request.run_id) is stream and not self.closed:
+                # Sent, but nobody will read it: the run is cancelled and its terminal event absorbed.
+                stream.cancel_nowait("the caller gave up while the run request was being sent")
+            elif self._streams.get(request.run_id) is stream:
+                del self._streams[request.run_id]
+            raise
         return stream
+
+    def _run_request_frame(self, request: pb.RunRequest) -> bytearray:
+        """The run.request framed, or INVALID_ARGUMENT: too large (TOO_LARGE) or not encodable (UNENCODABLE)."""
+        try:
+            return self.frame(pb.Envelope(run_id=request.run_id, run_request=request))
+        except FrameError as exc:
+            reason, why = pb.ERROR_REASON_TOO_LARGE, f"is too large to send: {exc.message}"
+        except (ValueError, RecursionError, ProtobufError) as exc:  # UnicodeEncodeError is a ValueError
+            reason, why = pb.ERROR_REASON_UNENCODABLE, f"cannot be encoded: {_first_line(exc)}"
+        raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, f"run request {why}", run_id=request.run_id, reason=reason)
 
     def cancel_run(self, run_id: str, reason: str) -> None:
         """Send cancel.request for ``run_id`` (without waiting for the socket)."""
@@ -366,7 +413,7 @@ class Connection:
 
     @property
     def _reading_paused(self) -> bool:
-        """True while this end holds reading back (a full run stream, or the peer reads nothing)."""
+        """True while this end holds reading back (the peer reads nothing of what we send)."""
         return self._liveness.held
 
     async def _on_eof(self) -> None:
@@ -431,15 +478,24 @@ class Connection:
             stream.end(event, body)  # never waits: nothing may keep a run from ending
             return
         if stream.cancelled:
-            return  # its reader asked to stop; only the terminal event still matters
-        if stream.full:
-            self._liveness.held = True
-            try:
-                await stream.put(event, body)
-            finally:
-                self._liveness.resumed(self._loop.time())
-        else:
-            await stream.put(event, body)
+            return  # its reader asked to stop, or fell too far behind; only the terminal event still matters
+        # Never waits for the run's reader: one run that is not read must not stall the others.
+        stream.put_nowait(event, body)
+        if stream.buffered_bytes > self.config.run_buffer_bytes and stream.buffered > 1:
+            self._slow_consumer(stream)
+
+    def _slow_consumer(self, stream: RunStream) -> None:
+        """End one run whose reader is ``run_buffer_bytes`` behind: its reader gets the error, the peer a cancel."""
+        limit = self.config.run_buffer_bytes
+        self._limit_hit("slow_consumer", "run cancelled", run_id=stream.run_id, unread_bytes=stream.buffered_bytes)
+        error = IopError(
+            pb.ERROR_CODE_RESOURCE_EXHAUSTED,
+            f"run {stream.run_id} cancelled: its reader fell {stream.buffered_bytes} bytes behind "
+            f"(run_buffer_bytes is {limit})",
+            retryable=False,
+            reason=pb.ERROR_REASON_SLOW_CONSUMER,
+        )
+        stream.overflow(error, "the run's reader fell too far behind (slow consumer)")
 
     def _on_error(self, envelope: pb.Envelope, body: bytes) -> None:
         stream = self._streams.pop(envelope.run_id, None)
@@ -494,17 +550,22 @@ class Connection:
             self._served[run_id] = _Served(task, sink)
 
     async def _serve(self, run: RunHandler, request: pb.RunRequest, sink: EventSink) -> None:
+        error: IopError | None = None
         try:
             await run(request, sink)
             if not sink.finished:
-                await sink.error(IopError(pb.ERROR_CODE_INTERNAL, "run ended without complete or error"))
+                error = IopError(pb.ERROR_CODE_INTERNAL, "run ended without complete or error")
         except asyncio.CancelledError:
-            await sink.error(IopError(pb.ERROR_CODE_CANCELLED, sink.cancel_reason or "cancelled"))
+            error = IopError(pb.ERROR_CODE_CANCELLED, sink.cancel_reason or "cancelled")
         except IopError as exc:
-            await sink.error(exc)
+            error = exc
         except Exception:  # noqa: BLE001 - a handler's bug fails its run, not the connection
             self._log.exception("run handler failed", run_id=sink.run_id)
-            await sink.error(IopError(pb.ERROR_CODE_INTERNAL, "internal error"))
+            error = IopError(pb.ERROR_CODE_INTERNAL, "internal error")
+        try:
+            if error is not None:
+                with contextlib.suppress(ConnectionClosed):  # closing ended the run already: nothing to tell
+                    await sink.error(error)
         finally:
             served = self._served.get(sink.run_id)
             if served is not None and served.sink is sink:  # the id may already name a newer run
@@ -555,13 +616,7 @@ class Connection:
         self._rate_limited_log(name, event, **fields)
 
     def _rate_limited_log(self, name: str, event: str, **fields: object) -> None:
-        now = self._loop.time()
-        last, unlogged = self._limit_logs.get(name, (-_LOG_EVERY, 0))
-        if now - last < _LOG_EVERY:
-            self._limit_logs[name] = (last, unlogged + 1)
-            return
-        self._limit_logs[name] = (now, 0)
-        self._log.warning(event, reason=name.replace("_", " "), not_logged_since_last=unlogged, **fields)
+        self._limit_logs.warning(name, self._log, event, reason=name.replace("_", " "), **fields)
 
     # -- liveness ----------------------------------------------------------------------------
 
@@ -579,7 +634,13 @@ class Connection:
                 return
             next_beat += interval
             while (now := self._loop.time()) < next_beat:
-                await asyncio.sleep(min(self.config.watch_tick, next_beat - now))
+                # A peer beating faster than we do is looked at as often as its window needs.
+                nap = min(self.config.watch_tick, self._liveness.window / 6, next_beat - now)
+                await asyncio.sleep(nap)
+                late = self._loop.time() - now - nap
+                if late > nap:  # our own loop was blocked: what the peer sent meanwhile is not read yet
+                    self._liveness.excuse(late)
+                    continue
                 unsent = self._writer.transport.get_write_buffer_size()
                 verdict = self._liveness.check(self._loop.time(), written=self._written, unsent=unsent)
                 if verdict is not None:
@@ -596,3 +657,26 @@ class Connection:
         code = pb.ERROR_CODE_DEADLINE_EXCEEDED if verdict.reason == "frame_timeout" else pb.ERROR_CODE_UNAVAILABLE
         # A peer that does not read gets nothing more: its socket is aborted, not closed politely.
         await self._shutdown(ConnectionClosed(message, code), notify_peer=True, abort=verdict.reason == "unread")
+
+
+@dataclass(frozen=True, slots=True)
+class Inbound:
+    """An envelope handed to a message handler, with the means to answer it."""
+
+    connection: Connection
+    envelope: pb.Envelope
+
+    @property
+    def peer(self) -> PeerIdentity:
+        """Who sent it, from its certificate."""
+        return self.connection.peer
+
+    @property
+    def caller(self) -> str:
+        """Who the request is for: the envelope's ``caller`` from a peer that acts for others, else the peer."""
+        return acting_caller(self.peer, self.envelope.caller)
+
+    async def reply(self, envelope: pb.Envelope) -> None:
+        """Send ``envelope`` as the answer (its ``in_reply_to`` is set to this envelope's id)."""
+        envelope.in_reply_to = self.envelope.id
+        await self.connection.send(envelope, urgent=True)

@@ -26,7 +26,7 @@ from iop_wire.codec import CODECS, Codec, get_codec
 from iop_wire.connection import Connection, ConnectionConfig, Handler
 from iop_wire.errors import ConnectionClosed, FrameError, HandshakeError, IopError
 from iop_wire.framing import HEADER_SIZE, encode_frame
-from iop_wire.logs import library_logger
+from iop_wire.logs import RateLimitedLog, library_logger
 from iop_wire.messages import error_envelope
 from iop_wire.metrics import HANDSHAKES, LIMIT_HITS
 from iop_wire.tls import PeerIdentity, Role, TlsConfig, client_context, peer_identity, server_context
@@ -59,12 +59,17 @@ class ListenerConfig:
     """Certificate roles accepted; None accepts any verified certificate."""
     handshake_timeout: float = 10.0
     """Seconds a dialer has for the TLS handshake and the preface."""
+    first_byte_timeout: float = 3.0
+    """Seconds an accepted socket may stay silent before its first byte (a TLS hello comes at once)."""
     max_connections: int = 1024
     """Connections open at once (handshaking ones included); more are closed at accept."""
     max_connections_per_peer: int = 64
     """Connections open at once per certificate name (per address without TLS)."""
     max_handshakes: int = 64
     """TLS handshakes and prefaces under way at once; more are closed at accept."""
+    max_handshakes_per_address: int = 16
+    """Handshakes under way at once from one source IP address; more from it are closed at accept,
+    so one address cannot fill ``max_handshakes`` and starve everyone else."""
     connection: ConnectionConfig = field(default_factory=ConnectionConfig)
     """Limits and timers of each accepted connection."""
 
@@ -91,6 +96,9 @@ class Listener:
         self._handshaking: set[asyncio.Task[None]] = set()
         """The tasks among those still in their TLS handshake or preface."""
         self._per_peer: Counter[str] = Counter()
+        self._handshakes_from: Counter[str] = Counter()
+        """Handshakes under way, by source IP address."""
+        self._log_limiter = RateLimitedLog()
 
     @property
     def port(self) -> int:
@@ -155,42 +163,21 @@ class Listener:
                 _log.warning("accept failed", reason=str(exc))
                 await asyncio.sleep(0.1)
                 continue
-            log = _log.bind(remote=f"{address[0]}:{address[1]}" if address else "?")
-            if not self._admit(log):
+            host = str(address[0]) if address else "?"
+            remote = f"{host}:{address[1]}" if address else "?"
+            if not self._admit(host, remote):
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # reset, not FIN
                 conn.close()
                 continue
-            task = loop.create_task(self._accept(conn, log))
+            task = loop.create_task(self._accept(conn, host, _log.bind(remote=remote)))
             self._tasks.add(task)
             self._handshaking.add(task)  # counted from now: the next accept sees it
+            self._handshakes_from[host] += 1
             task.add_done_callback(self._tasks.discard)
             task.add_done_callback(self._handshaking.discard)
 
-    async def _accept(self, conn: socket.socket, log: structlog.typing.FilteringBoundLogger) -> None:
-        HANDSHAKES.inc()
-        writer = None
-        try:
-            async with asyncio.timeout(self.config.handshake_timeout):
-                reader, writer = await self._open(conn)
-                accepted = await self._handshake(reader, writer, log)
-        except (ssl.SSLError, ConnectionError, OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
-            if isinstance(exc, TimeoutError):
-                LIMIT_HITS.labels("handshake_timeout").inc()
-            log.warning("handshake failed", reason=_reason(exc))
-            if writer is not None:
-                writer.transport.abort()
-            else:
-                conn.close()
-            return
-        except asyncio.CancelledError:
-            if writer is not None:
-                writer.transport.abort()
-            else:
-                conn.close()
-            raise
-        finally:
-            HANDSHAKES.dec()
-            self._handshaking.discard(asyncio.current_task())
+    async def _accept(self, conn: socket.socket, host: str, log: structlog.typing.FilteringBoundLogger) -> None:
+        accepted = await self._accept_handshake(conn, host, log)
         if accepted is None:
             return
         connection, key = accepted
@@ -203,6 +190,36 @@ class Listener:
             if self._per_peer[key] <= 0:
                 del self._per_peer[key]
 
+    async def _accept_handshake(
+        self, conn: socket.socket, host: str, log: structlog.typing.FilteringBoundLogger
+    ) -> tuple[Connection, str] | None:
+        """The first byte, TLS and the preface, within their timeouts; None when refused or failed."""
+        HANDSHAKES.inc()
+        writer = None
+        try:
+            async with asyncio.timeout(self.config.handshake_timeout):
+                await _first_byte(conn, self.config.first_byte_timeout)
+                reader, writer = await self._open(conn)
+                return await self._handshake(reader, writer, log)
+        except (ssl.SSLError, ConnectionError, OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+            if isinstance(exc, _SilentSocket):
+                LIMIT_HITS.labels("first_byte_timeout").inc()
+            elif isinstance(exc, TimeoutError):
+                LIMIT_HITS.labels("handshake_timeout").inc()
+            # A peer can fail handshakes in a loop: logged at most once a second, with the count.
+            self._log_limiter.warning("handshake failed", log, "handshake failed", reason=_reason(exc))
+            _drop(conn, writer)
+            return None
+        except asyncio.CancelledError:
+            _drop(conn, writer)
+            raise
+        finally:
+            HANDSHAKES.dec()
+            self._handshaking.discard(asyncio.current_task())
+            self._handshakes_from[host] -= 1
+            if self._handshakes_from[host] <= 0:
+                del self._handshakes_from[host]
+
     async def _open(self, conn: socket.socket) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """The accepted socket as a stream pair, TLS done: a failed handshake raises here, to be logged."""
         loop = asyncio.get_running_loop()
@@ -214,17 +231,21 @@ class Listener:
         )
         return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
 
-    def _admit(self, log: structlog.typing.FilteringBoundLogger) -> bool:
-        """Refuse a new connection at once when the listener is full or too many handshakes run."""
+    def _admit(self, host: str, remote: str) -> bool:
+        """Refuse a new connection at once when the listener is full or too many handshakes run
+        (from its address, or in all)."""
         limit = None
         if len(self.connections) + len(self._handshaking) >= self.config.max_connections:
             limit, value = "connections", self.config.max_connections
+        elif self._handshakes_from[host] >= self.config.max_handshakes_per_address:
+            limit, value = "handshakes_per_address", self.config.max_handshakes_per_address
         elif len(self._handshaking) >= self.config.max_handshakes:
             limit, value = "handshakes", self.config.max_handshakes
         if limit is None:
             return True
         LIMIT_HITS.labels(limit).inc()
-        log.warning("connection refused", reason=f"{limit} limit reached", limit=value)
+        reason = f"{limit.replace('_', ' ')} limit reached"
+        self._log_limiter.warning(limit, _log, "connection refused", reason=reason, limit=value, remote=remote)
         return False
 
     async def _handshake(
@@ -278,6 +299,40 @@ class Listener:
         return connection.start(), key
 
 
+def _drop(conn: socket.socket, writer: asyncio.StreamWriter | None) -> None:
+    """Cut a connection whose handshake did not finish (no goodbye: there is no one to say it to)."""
+    if writer is not None:
+        writer.transport.abort()
+    else:
+        conn.close()
+
+
+class _SilentSocket(TimeoutError):
+    """The accepted socket sent nothing within ``first_byte_timeout``."""
+
+
+async def _first_byte(conn: socket.socket, timeout: float) -> None:
+    """Wait until ``conn`` has something to read (or is closed); _SilentSocket after ``timeout``.
+
+    Before any TLS state is allocated: a socket that never says hello costs a descriptor for
+    ``timeout`` seconds, not a handshake slot for ``handshake_timeout``.
+    """
+    loop = asyncio.get_running_loop()
+    readable: asyncio.Future[None] = loop.create_future()
+
+    def ready() -> None:
+        if not readable.done():
+            readable.set_result(None)
+
+    loop.add_reader(conn.fileno(), ready)
+    try:
+        await asyncio.wait_for(readable, timeout)
+    except TimeoutError:
+        raise _SilentSocket(f"no first byte within {timeout:g} s") from None
+    finally:
+        loop.remove_reader(conn.fileno())
+
+
 async def _read_preface(reader: asyncio.StreamReader) -> str | None:
     """The codec a dialer's preface asks for, or None if the first frame is no preface."""
     size = int.from_bytes(await reader.readexactly(HEADER_SIZE), "big")
@@ -310,6 +365,8 @@ def _reason(exc: BaseException) -> str:
         return f"{exc.reason}: {exc.verify_message}"
     if isinstance(exc, ssl.SSLError):
         return exc.reason or str(exc)
+    if isinstance(exc, _SilentSocket):
+        return str(exc)
     if isinstance(exc, TimeoutError):
         return "handshake timed out"
     if isinstance(exc, asyncio.IncompleteReadError):

@@ -10,11 +10,31 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 
 import structlog
 from structlog.typing import FilteringBoundLogger, Processor
 
-__all__ = ["configure", "library_logger"]
+__all__ = ["RateLimitedLog", "configure", "library_logger"]
+
+
+class RateLimitedLog:
+    """Warnings a peer can trigger in a loop: each key logged at most once per ``every`` seconds,
+    with ``not_logged_since_last``, the count of those held back since the last line."""
+
+    def __init__(self, every: float = 1.0) -> None:
+        self._every = every
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def warning(self, key: str, logger: FilteringBoundLogger, event: str, **fields: object) -> None:
+        """Log ``event`` unless ``key`` was logged less than ``every`` seconds ago (then count it)."""
+        now = time.monotonic()
+        last, unlogged = self._last.get(key, (-self._every, 0))
+        if now - last < self._every:
+            self._last[key] = (last, unlogged + 1)
+            return
+        self._last[key] = (now, 0)
+        logger.warning(event, not_logged_since_last=unlogged, **fields)
 
 
 def library_logger(name: str) -> FilteringBoundLogger:

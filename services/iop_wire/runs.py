@@ -14,6 +14,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
+from types import TracebackType
 from typing import Protocol
 
 from iop_gen.pb.iop import runtime_pb2 as pb
@@ -48,18 +49,21 @@ class _Sender(Protocol):
 
 
 class RunStream:
-    """The events of one run this end opened, in order; ends after complete or error."""
+    """The events of one run this end opened, in order; ends after complete or error.
 
-    def __init__(self, run_id: str, capacity: int, cancel: Callable[[str, str], None], *, codec: str = "proto") -> None:
+    ``async with await connection.open_run(request) as stream:`` cancels the run when the block
+    is left before its end (return, error or cancellation): whoever stops reading stops the run.
+    """
+
+    def __init__(self, run_id: str, cancel: Callable[[str, str], None], *, codec: str = "proto") -> None:
         self.run_id = run_id
         self.codec = codec
         """The codec the bodies of :meth:`next_frame` are in."""
         self._cancel = cancel
-        self._capacity = capacity
         self._events: deque[tuple[pb.RunEvent, bytes]] = deque()
         self._readable = asyncio.Event()
-        self._writable = asyncio.Event()
-        self._writable.set()
+        self.buffered_bytes = 0
+        """Frame bytes of the events that arrived and are not read yet."""
         self.finished = False
         """True once the terminal event was read."""
         self.ended = False
@@ -69,6 +73,16 @@ class RunStream:
 
     def __aiter__(self) -> RunStream:
         return self
+
+    async def __aenter__(self) -> RunStream:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        """Leaving the block before the run ended (return, error or cancellation) cancels the run."""
+        if not self.finished:
+            self.cancel_nowait("the caller stopped reading the run")
 
     async def __anext__(self) -> pb.RunEvent:
         return (await self.next_frame())[0]
@@ -84,22 +98,21 @@ class RunStream:
                 raise StopAsyncIteration
             self._readable.clear()
             await self._readable.wait()
-        item = self._events.popleft()
-        self._writable.set()
-        if item[0].WhichOneof("event") in TERMINAL_EVENTS:
-            self.finished = True
-        return item
+        return self._take()
 
     def next_nowait(self) -> pb.RunEvent | None:
         """The next event if it has arrived, else None: a reader that writes what is already here
         in one go (many deltas, one write) takes them without a wait each."""
         if not self._events:
             return None
+        return self._take()[0]
+
+    def _take(self) -> tuple[pb.RunEvent, bytes]:
         item = self._events.popleft()
-        self._writable.set()
+        self.buffered_bytes -= len(item[1])
         if item[0].WhichOneof("event") in TERMINAL_EVENTS:
             self.finished = True
-        return item[0]
+        return item
 
     async def cancel(self, reason: str = "cancelled by client") -> None:
         """Ask the serving end to stop this run; its terminal event still arrives, nothing else."""
@@ -114,35 +127,40 @@ class RunStream:
         """
         if self.cancelled or self.ended:
             return
+        self._drop_output()
+        self._cancel(self.run_id, reason)
+
+    def overflow(self, error: IopError, reason: str) -> None:
+        """Its reader fell too far behind: drop what waits, end with ``error``, cancel the run upstream."""
+        if self.cancelled or self.ended:
+            return
+        self._drop_output()
+        self.fail(error)
+        self._cancel(self.run_id, reason)
+
+    def _drop_output(self) -> None:
+        """Stop keeping output: drop what waits (only a terminal event stays) and anything later."""
         self.cancelled = True
         self._events = deque(item for item in self._events if item[0].WhichOneof("event") in TERMINAL_EVENTS)
-        self._writable.set()
-        self._cancel(self.run_id, reason)
+        self.buffered_bytes = sum(len(body) for _, body in self._events)
 
     @property
     def buffered(self) -> int:
         """Events that arrived and are not read yet."""
         return len(self._events)
 
-    @property
-    def full(self) -> bool:
-        """True while the reader is ``capacity`` events behind."""
-        return len(self._events) >= self._capacity
-
-    async def put(self, event: pb.RunEvent, body: bytes) -> None:
-        while self.full:
-            self._writable.clear()
-            await self._writable.wait()
+    def put_nowait(self, event: pb.RunEvent, body: bytes) -> None:
+        """Keep an event for the reader; never waits (the connection bounds :attr:`buffered_bytes`)."""
         self._events.append((event, body))
+        self.buffered_bytes += len(body)
         self._readable.set()
 
     def end(self, event: pb.RunEvent, body: bytes) -> None:
-        """Deliver the terminal event; it may exceed the capacity by this one event."""
+        """Deliver the terminal event: always kept, whatever is buffered (nothing may keep a run from ending)."""
         if self.ended:
             return
         self.ended = True
-        self._events.append((event, body))
-        self._readable.set()
+        self.put_nowait(event, body)
 
     def fail(self, error: IopError) -> None:
         """End the stream with ``error``."""

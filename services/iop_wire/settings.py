@@ -158,14 +158,18 @@ class TlsSettings(Section):
 class ConnectionSettings(Section):
     """Per-connection limits (see ``iop_wire.connection.ConnectionConfig``)."""
 
-    max_peer_interval: float = Field(120.0, gt=0)
-    """Largest heartbeat interval a peer may announce, seconds."""
+    max_peer_interval: float = Field(10.0, gt=0)
+    """Largest heartbeat interval a peer may announce, seconds: a peer is judged by the interval it
+    announces (3 missed ones), capped at this, so a silent one is closed within 3 x this."""
     frame_timeout: float = Field(30.0, gt=0)
     """Seconds a frame may take to arrive whole once its first byte came."""
     max_runs: int = Field(1024, ge=1)
     """Runs one connection may have in progress here; more are refused RESOURCE_EXHAUSTED."""
     max_requests: int = Field(64, ge=1)
     """Other requests (capabilities, node.*) answered at once per connection."""
+    run_buffer_bytes: int = Field(4 * 1024 * 1024, ge=64 * 1024)
+    """Bytes of one run's output kept while its reader is behind; past it that run alone is cancelled
+    (RESOURCE_EXHAUSTED, reason SLOW_CONSUMER)."""
     read_pause_bytes: int = Field(4 * 1024 * 1024, ge=64 * 1024)
     """Reading from a peer pauses while this many bytes wait to be sent to it."""
     flush_delay: float = Field(0.0, ge=0, le=0.05)
@@ -235,8 +239,13 @@ class ListenSettings(Section):
     """Connections open at once per certificate name."""
     max_handshakes: int = Field(64, ge=1)
     """TLS handshakes under way at once; more are closed at accept."""
+    max_handshakes_per_address: int = Field(16, ge=1)
+    """TLS handshakes under way at once from one source IP address; more from it are closed at
+    accept, so one address cannot take every handshake slot."""
     handshake_timeout: float = Field(10.0, gt=0)
     """Seconds a dialer has for the TLS handshake and the preface."""
+    first_byte_timeout: float = Field(3.0, gt=0)
+    """Seconds an accepted socket may send nothing (a TLS client says hello at once); then it is closed."""
 
     def config(
         self, tls: TlsSettings, connection: ConnectionConfig, allowed_roles: frozenset[Role] | None
@@ -251,6 +260,8 @@ class ListenSettings(Section):
             max_connections=self.max_connections,
             max_connections_per_peer=self.max_connections_per_peer,
             max_handshakes=self.max_handshakes,
+            max_handshakes_per_address=self.max_handshakes_per_address,
+            first_byte_timeout=self.first_byte_timeout,
             connection=connection,
         )
 

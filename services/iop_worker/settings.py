@@ -82,7 +82,7 @@ class Settings(BaseSettings):
     """The worker's certificate (role worker), for its listener and for the control-plane."""
     connection: ConnectionSettings = ConnectionSettings()
     control_plane: ControlPlaneAddress = ControlPlaneAddress(address="127.0.0.1:7400")
-    heartbeat_interval: float = Field(30.0, gt=0)
+    heartbeat_interval: float = Field(5.0, gt=0)
     store: StoreSettings = StoreSettings()
     batches: BatchSettings = BatchSettings()
     max_file_bytes: int = Field(512 * 1024 * 1024, ge=1024)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Callable
 
@@ -181,28 +180,21 @@ async def _until_steady(count: Callable[[], int], quiet: float = 0.2, timeout: f
 @pytest.mark.parametrize("yields", [False, True], ids=["busy-writer", "yielding-writer"])
 async def test_slow_reader_bounds_the_writer(pki: Pki, edge_tls: TlsConfig, yields: bool) -> None:
     handler = _YieldingHandler() if yields else EchoHandler()
-    small = ConnectionConfig(run_buffer=8, write_buffer=16 * 1024)
+    small = ConnectionConfig(run_buffer_bytes=64 * 1024, write_buffer=16 * 1024)
     listener = await Listener(ListenerConfig(tls=pki.config("n", Role.NODE), connection=small), handler.wire()).start()
     connection = await dial("127.0.0.1", listener.port, tls=edge_tls, server_hostname="localhost", config=small)
-    # Small kernel buffers, so that what the kernel holds does not hide our own buffering.
-    connection._writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)
     await assert_eventually(lambda: len(listener.connections) == 1)
     (served,) = listener.connections
-    served._writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 * 1024)
     stream = await connection.open_run(_request("firehose", tokens=1_000_000))
     await anext(stream)
+    # Its reader reads nothing more: once 64 KiB wait for it, the run is cancelled at the writer.
+    await assert_eventually(lambda: stream.ended and not served._served, timeout=10)
     stalled_at = await _until_steady(lambda: handler.sent)
-    # The claim under test is that nothing happens, so it takes a while to see: not a synchronisation.
-    await asyncio.sleep(0.5)
-    # The writer waits instead of producing a million deltas: what is in flight is bounded by
-    # fixed-size buffers (our write buffer, one read chunk, TLS records, the kernel's), ~1 MiB.
-    assert handler.sent == stalled_at < 50_000
-    assert served._out_bytes <= small.write_buffer + 1024
-    for _ in range(stalled_at):  # reading again lets the writer continue
-        assert (await anext(stream)).WhichOneof("event") == "delta"
-        if handler.sent > stalled_at:
-            break
-    assert handler.sent > stalled_at
+    # The writer stopped instead of producing its million deltas (one that never yields runs on
+    # until its socket fills and only then lets the cancel be read).
+    assert stalled_at < 500_000
+    last = [event async for event in stream][-1]
+    assert last.error.code == pb.ERROR_CODE_RESOURCE_EXHAUSTED and last.error.reason == pb.ERROR_REASON_SLOW_CONSUMER
     await connection.close()
     await listener.close()
 
@@ -215,7 +207,7 @@ async def test_role_not_allowed_is_refused_with_error(server: Listener, pki: Pki
 
 
 async def test_cancelled_stream_abandoned_by_its_reader_blocks_nothing(server: Listener, edge_tls: TlsConfig) -> None:
-    config = ConnectionConfig(run_buffer=4)
+    config = ConnectionConfig(run_buffer_bytes=64 * 1024)
     connection = await dial("127.0.0.1", server.port, tls=edge_tls, server_hostname="localhost", config=config)
     abandoned = await connection.open_run(_request("walked-away", tokens=100_000))
     await anext(abandoned)
@@ -230,10 +222,9 @@ async def test_cancelled_stream_abandoned_by_its_reader_blocks_nothing(server: L
 async def test_a_full_stream_still_ends_when_the_connection_closes(pki: Pki, edge_tls: TlsConfig) -> None:
     handler = EchoHandler()
     listener = await Listener(ListenerConfig(tls=pki.config("n", Role.NODE)), handler.wire()).start()
-    config = ConnectionConfig(run_buffer=2)
-    connection = await dial("127.0.0.1", listener.port, tls=edge_tls, server_hostname="localhost", config=config)
-    stream = await connection.open_run(_request("slow-reader", tokens=200_000))
-    await assert_eventually(lambda: connection._reading_paused)  # its reader fell behind: reading stopped
+    connection = await dial("127.0.0.1", listener.port, tls=edge_tls, server_hostname="localhost")
+    stream = await connection.open_run(_request("unread", model="hang"))
+    await assert_eventually(lambda: stream.buffered == 1)  # its start event waits for a reader
     await listener.close("going away")
     events = [e async for e in stream]  # reading again lets the connection see the close
     assert events[-1].WhichOneof("event") == "error" and events[-1].error.retryable

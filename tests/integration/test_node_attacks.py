@@ -430,7 +430,11 @@ async def test_300_by_4096_embedding_arrives_whole_and_in_order(pki: Pki, tmp_pa
 async def test_forty_trickled_frames_are_cut_off_after_the_frame_timeout(pki: Pki, tmp_path: Path) -> None:
     frame_timeout = 1.0
     # Liveness (3 x 2 s) is longer than the frame timeout: the frame's deadline is what bites.
-    config = _node_config(pki, tmp_path, heartbeat_interval=2, connection={"frame_timeout": frame_timeout})
+    # Forty handshakes at once from one address: more than one address may run by default.
+    listen = {"port": 0, "max_handshakes_per_address": 64}
+    config = _node_config(
+        pki, tmp_path, heartbeat_interval=2, listen=listen, connection={"frame_timeout": frame_timeout}
+    )
     async with _node(config) as node:
         timeouts_before = node.metric("iop_wire_limit_hits_total", limit="frame_timeout")
         lost_before = node.metric("iop_wire_peers_lost_total", reason="frame_timeout")

@@ -431,12 +431,12 @@ async def test_a_slow_reader_of_a_run_is_not_taken_for_a_slow_peer(pki: Pki, edg
         writer.write(stream[cut:])  # ... whose rest follows at once
 
     node = await _scripted_node(pki, script)
-    config = ConnectionConfig(heartbeat_interval=5.0, frame_timeout=0.3, run_buffer=2)
+    config = ConnectionConfig(heartbeat_interval=5.0, frame_timeout=0.3)
     port = node.sockets[0].getsockname()[1]
     async with dial("127.0.0.1", port, tls=edge_tls, server_hostname="localhost", config=config) as client:
         stream = await client.open_run(_request("r"))
         assert (await anext(stream)).WhichOneof("event") == "start"
-        await assert_eventually(lambda: client._reading_paused)  # our reader is behind, not the node
+        await assert_eventually(lambda: stream.buffered == 11)  # our reader is behind, not the node
         await asyncio.sleep(1.0)  # the reader takes its time (a slow downstream), longer than frame_timeout
         events = [event async for event in stream]
         assert not client.closed, client.close_error

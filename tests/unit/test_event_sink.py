@@ -159,12 +159,12 @@ async def test_relay_renumbers_into_the_requester_run_and_drops_a_second_start(c
             ],
         ]
     ):
-        stream = RunStream(f"node-side-{attempt}", 16, lambda run_id, reason: None)
+        stream = RunStream(f"node-side-{attempt}", lambda run_id, reason: None)
         for event, body in _received(f"node-side-{attempt}", events):
             if event.WhichOneof("event") == "error":
                 stream.end(event, body)
             else:
-                await stream.put(event, body)
+                stream.put_nowait(event, body)
         terminal, body = await relay(stream, sink)
         assert terminal.WhichOneof("event") == "error"
     await sink.forward(terminal, body)  # the last attempt's end is the requester's
@@ -179,7 +179,7 @@ async def test_relay_renumbers_into_the_requester_run_and_drops_a_second_start(c
 
 async def test_relay_cancels_upstream_when_the_requester_goes_away() -> None:
     cancelled: list[tuple[str, str]] = []
-    stream = RunStream("up", 16, lambda run_id, reason: cancelled.append((run_id, reason)))
+    stream = RunStream("up", lambda run_id, reason: cancelled.append((run_id, reason)))
     sink = EventSink(Recorder(), "down")
     sink.cancel_reason = "client went away"
     task = asyncio.create_task(relay(stream, sink))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from iop_wire.handler import ConnectionConfig
+from iop_wire.config import ConnectionConfig
 from iop_wire.liveness import Liveness
 
 CONFIG = ConnectionConfig(heartbeat_interval=1.0, missed_heartbeats=3, max_peer_interval=5.0, frame_timeout=2.0)

@@ -1208,10 +1208,10 @@ export declare type Timings = Message<"iop.Timings"> & {
 export declare const TimingsSchema: GenMessage<Timings>;
 
 /**
- * heartbeat: sent by both peers every interval (30 s by default). A peer from
- * which no whole frame arrived, or which read none of our bytes, for 3
- * intervals (the longer of both sides', the peer's capped by the receiver) is
- * declared dead and the connection closed.
+ * heartbeat: sent by both peers every interval (node 1 s, others 5 s by
+ * default). A peer from which no whole frame arrived, or which read none of
+ * our bytes, for 3 of ITS intervals (the one it announced here, capped by the
+ * receiver at 10 s by default) is declared dead and the connection closed.
  *
  * @generated from message iop.Heartbeat
  */
@@ -1521,7 +1521,8 @@ export declare type NodeRegistered = Message<"iop.NodeRegistered"> & {
   nodeId: string;
 
   /**
-   * The heartbeat interval the control-plane expects from the node.
+   * The control-plane's own heartbeat interval. It judges the node by the
+   * interval the node announces in its heartbeats (capped), not by this.
    *
    * @generated from field: google.protobuf.Duration heartbeat_interval = 2;
    */

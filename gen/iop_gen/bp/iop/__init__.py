@@ -1703,10 +1703,10 @@ default_message_pool.register_message("iop", "FunctionCall", FunctionCall)
 @dataclass(eq=False, repr=False)
 class Heartbeat(betterproto2.Message):
     """
-    heartbeat: sent by both peers every interval (30 s by default). A peer from
-    which no whole frame arrived, or which read none of our bytes, for 3
-    intervals (the longer of both sides', the peer's capped by the receiver) is
-    declared dead and the connection closed.
+    heartbeat: sent by both peers every interval (node 1 s, others 5 s by
+    default). A peer from which no whole frame arrived, or which read none of
+    our bytes, for 3 of ITS intervals (the one it announced here, capped by the
+    receiver at 10 s by default) is declared dead and the connection closed.
     """
 
     sequence: "int" = betterproto2.field(1, betterproto2.TYPE_UINT64)
@@ -2113,7 +2113,8 @@ class NodeRegistered(betterproto2.Message):
         2, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Duration, optional=True
     )
     """
-    The heartbeat interval the control-plane expects from the node.
+    The control-plane's own heartbeat interval. It judges the node by the
+    interval the node announces in its heartbeats (capped), not by this.
     """
 
 

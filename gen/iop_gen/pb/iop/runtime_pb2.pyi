@@ -1437,10 +1437,10 @@ Global___Timings: _TypeAlias = Timings  # noqa: Y015
 
 @_typing.final
 class Heartbeat(_message.Message):
-    """heartbeat: sent by both peers every interval (30 s by default). A peer from
-    which no whole frame arrived, or which read none of our bytes, for 3
-    intervals (the longer of both sides', the peer's capped by the receiver) is
-    declared dead and the connection closed.
+    """heartbeat: sent by both peers every interval (node 1 s, others 5 s by
+    default). A peer from which no whole frame arrived, or which read none of
+    our bytes, for 3 of ITS intervals (the one it announced here, capped by the
+    receiver at 10 s by default) is declared dead and the connection closed.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1750,7 +1750,9 @@ class NodeRegistered(_message.Message):
     """The node id as registered."""
     @_builtins.property
     def heartbeat_interval(self) -> _duration_pb2.Duration:
-        """The heartbeat interval the control-plane expects from the node."""
+        """The control-plane's own heartbeat interval. It judges the node by the
+        interval the node announces in its heartbeats (capped), not by this.
+        """
 
     def __init__(
         self,
