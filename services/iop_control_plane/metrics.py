@@ -46,7 +46,7 @@ class ControlPlaneMetrics:
         )
         self.queue_wait = Histogram(
             "iop_control_plane_queue_wait_seconds",
-            "Time runs waited in the admission queue, by how they left (admitted, deadline, cancelled).",
+            "Time runs waited in the admission queue, by how they left (admitted, deadline, caller_limit, cancelled).",
             ["outcome"],
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
             registry=self.registry,

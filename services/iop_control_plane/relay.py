@@ -266,6 +266,10 @@ class RunRelay:
             self._leave(waiter, log, "cancelled")
             raise
         if waiter.outcome is None:
+            if not (waiter.counted or self.queue.may_start(caller)):  # its own limit held it, not the nodes
+                self._leave(waiter, log, "caller_limit")
+                message = f"caller {caller!r} is at its policy's limit of runs in progress for {timeout:.3g} s"
+                return self._exhausted(model, message, reason=pb.ERROR_REASON_CALLER_LIMIT)
             self._leave(waiter, log, "deadline")
             return self._exhausted(model, f"no slot for {model!r} within {timeout:.3g} s; every node is busy")
         self._observe(waiter, log, "admitted")

@@ -153,9 +153,13 @@ async def test_drain_stops_new_runs_until_undrained(cp: ControlPlaneApp, pki: Pk
             assert events[0].start.node_id == "node-b" and kinds(events)[-1] == "complete"
         listed = (await admin.request(pb.Envelope(nodes_list=pb.NodesList()))).nodes_listed
         assert {n.node_id: n.state for n in listed.nodes}["node-a"] == pb.NODE_STATE_DRAINING
-        with pytest.raises(IopError) as unknown:
-            await admin.request(pb.Envelope(nodes_drain=pb.NodesDrain(node_id="nope")))
-        assert unknown.value.code == pb.ERROR_CODE_INVALID_ARGUMENT
+        for unknown_node in (
+            pb.Envelope(nodes_drain=pb.NodesDrain(node_id="nope")),
+            pb.Envelope(nodes_undrain=pb.NodesUndrain(node_id="nope")),
+        ):
+            with pytest.raises(IopError) as unknown:
+                await admin.request(unknown_node)
+            assert unknown.value.code == pb.ERROR_CODE_NOT_FOUND and "'nope'" in unknown.value.message
 
         await admin.request(pb.Envelope(nodes_undrain=pb.NodesUndrain(node_id="node-a")))
         streams = [await edge.open_run(chat(model="mock-slow")) for _ in range(2)]
