@@ -57,6 +57,12 @@ class ControlPlaneMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.names_refused = Counter(
+            "iop_control_plane_names_refused_total",
+            "Runs refused INVALID_ARGUMENT for a name over 256 characters, by field (model, caller, run_id).",
+            ["field"],
+            registry=self.registry,
+        )
         self.ledger_dropped = Counter(
             "iop_control_plane_ledger_dropped_total",
             "Runs not recorded in the ledger because its write backlog was full.",

@@ -116,6 +116,7 @@ class RunRelay:
         self.registration_grace = registration_grace
         """Seconds after start a model served before the restart is UNAVAILABLE, not MODEL_NOT_FOUND."""
         self._started = time.monotonic()
+        self._over_long_logged = 0.0
         metrics.watch_queue(self.queue)
 
     def attempts(self, model: str) -> int:
@@ -134,9 +135,8 @@ class RunRelay:
         store.run_started(entry)
         terminal: pb.RunEvent | None = None  # None: the requester went away
         try:
-            if (oversized := _oversized(request, caller)) is not None:
-                _log.info("run refused", reason=oversized.message, requester=sink.connection_id)
-                terminal = await _refuse(sink, oversized)
+            if (over_long := _over_long(request, caller)) is not None:
+                terminal = await self._refuse_over_long(sink, *over_long)
             else:
                 log = _log.bind(run_id=request.run_id, requester=sink.connection_id, caller=caller)
                 session = request.metadata.get("session") or None
@@ -146,6 +146,17 @@ class RunRelay:
             entry.outputs, entry.first_output = sink.outputs, sink.first_output_at
             entry.ending(terminal, sink.cancel_reason)
             store.run_ended(entry)
+
+    async def _refuse_over_long(self, sink: EventSink, field: str, name: str) -> pb.RunEvent:
+        """INVALID_ARGUMENT for a name over NAME_CHARS, shown clipped; counted, and logged at most once a second."""
+        self.metrics.names_refused.labels(field).inc()
+        message = f"{field} is {len(name)} characters, over the limit of {NAME_CHARS}: {clip(name, 64)!r}"
+        now = time.monotonic()
+        if now - self._over_long_logged >= 1.0:
+            self._over_long_logged = now
+            _log.warning("run refused", reason=message, requester=sink.connection_id, peer=sink.peer.name)
+        error = IopError(pb.ERROR_CODE_INVALID_ARGUMENT, message, param="model" if field == "model" else "")
+        return await _refuse(sink, error)
 
     async def _run(self, run: _Run) -> pb.RunEvent:
         admitted = await self._admit(run)
@@ -424,12 +435,11 @@ def _past(request: pb.RunRequest) -> bool:
     return request.HasField("deadline") and request.deadline.ToNanoseconds() <= time.time_ns()
 
 
-def _oversized(request: pb.RunRequest, caller: str) -> IopError | None:
-    """INVALID_ARGUMENT for a run whose model, caller or run id is over NAME_CHARS (shown clipped); else None."""
+def _over_long(request: pb.RunRequest, caller: str) -> tuple[str, str] | None:
+    """(field, name) of the run's first name over NAME_CHARS: model, caller or run id; None if none is."""
     for field, name in (("model", request.model), ("caller", caller), ("run_id", request.run_id)):
         if len(name) > NAME_CHARS:
-            message = f"{field} is {len(name)} characters, over the limit of {NAME_CHARS}: {clip(name, 64)!r}"
-            return IopError(pb.ERROR_CODE_INVALID_ARGUMENT, message, param="model" if field == "model" else "")
+            return field, name
     return None
 
 

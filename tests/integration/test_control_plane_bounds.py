@@ -4,10 +4,12 @@ INVALID_ARGUMENT, not echoed whole, and its ledger row holds the names clipped."
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import structlog
 from conftest import Pki, assert_eventually
 from cp_helpers import client, cp_settings
 from node_helpers import chat, collect, kinds
@@ -42,6 +44,7 @@ async def test_an_over_long_name_is_refused_clipped_and_stored_clipped(
     assert error.code == pb.ERROR_CODE_INVALID_ARGUMENT and error.param == ("model" if field == "model" else "")
     assert error.message.startswith(f"{field} is 1000000 characters, over the limit of {NAME_CHARS}")
     assert len(error.message) < 200
+    assert cp.metrics.registry.get_sample_value("iop_control_plane_names_refused_total", {"field": field}) == 1
     path, query = tmp_path / "cp.db", pb.RunsList(run_id="long")
     await assert_eventually(lambda: len(ledger.query(path, query).runs) == 1)  # the writer committed it
     admin = await client(cp, pki, "ops", Role.ADMIN)
@@ -50,3 +53,18 @@ async def test_an_over_long_name_is_refused_clipped_and_stored_clipped(
     stored = run.model if field == "model" else run.caller
     assert stored.startswith("m" * NAME_CHARS + "…[") and len(stored) < NAME_CHARS + 20
     assert run.ByteSize() < 2_000
+
+
+async def test_a_requester_sending_over_long_names_in_a_loop_is_logged_once_a_second(
+    cp: ControlPlaneApp, pki: Pki
+) -> None:
+    edge = await client(cp, pki)
+    began = time.monotonic()
+    with structlog.testing.capture_logs() as logs:
+        for number in range(50):
+            events = await collect(await edge.open_run(chat(model="m" * (NAME_CHARS + 1), run_id=f"r{number}")))
+            assert events[0].error.code == pb.ERROR_CODE_INVALID_ARGUMENT
+    took = time.monotonic() - began
+    refused = [log for log in logs if log["event"] == "run refused"]
+    assert 1 <= len(refused) <= took + 1  # one a second at most, however slow the machine
+    assert cp.metrics.registry.get_sample_value("iop_control_plane_names_refused_total", {"field": "model"}) == 50
