@@ -23,7 +23,7 @@ from prometheus_client import Counter
 
 from iop_control_plane import ledger
 from iop_control_plane.ledger import Attempt, LedgerEntry
-from iop_control_plane.text import clip
+from iop_control_plane.text import TEXT_CHARS, clip
 from iop_gen.pb.iop import runtime_pb2 as pb
 
 __all__ = ["AuditStore"]
@@ -64,23 +64,32 @@ _Write = tuple[str, tuple[object, ...]] | LedgerEntry | _Opened | _Placed
 _COMMIT_WINDOW = 0.02
 """Seconds the writer gathers writes before one commit: one thread hop and transaction for many runs."""
 _PRUNE_EVERY = 1000
-"""Runs recorded between two prunes of the ledger."""
+"""Runs (node state changes) recorded between two prunes of the ledger (of the state changes)."""
+_STATE_CHANGED = "INSERT INTO node_events VALUES (?, ?, ?, ?)"
 
 
 class AuditStore:
     """Nodes and their state changes; ``first_seen`` is kept in memory for ``nodes.list``."""
 
     def __init__(
-        self, path: Path, *, max_runs: int = 1_000_000, backlog: int = 10_000, dropped: Counter | None = None
+        self,
+        path: Path,
+        *,
+        max_runs: int = 1_000_000,
+        max_events: int = 100_000,
+        backlog: int = 10_000,
+        dropped: Counter | None = None,
     ) -> None:
         self.path = path
         self.max_runs = max_runs
         """Runs the ledger keeps; older ones are pruned."""
+        self.max_events = max_events
+        """Node state changes the audit keeps (a node reconnecting in a loop adds two a time); older ones are pruned."""
         self.backlog = backlog
         """Runs that may wait to be written; more are not recorded."""
         self._dropped = dropped
         self._queued_runs = 0
-        self._since_prune = 0
+        self._since_prune = self._events_since_prune = 0
         self._last_drop_log = 0.0
         self.first_seen: dict[str, float] = {}
         """Node id -> when it first registered (from the file, across restarts)."""
@@ -129,7 +138,7 @@ class AuditStore:
 
     def state_changed(self, node_id: str, state: str, reason: str) -> None:
         """A node changed state."""
-        self._queue("INSERT INTO node_events VALUES (?, ?, ?, ?)", (node_id, time.time(), state, reason))
+        self._queue(_STATE_CHANGED, (clip(node_id), time.time(), state, clip(reason, TEXT_CHARS)))
 
     def run_started(self, entry: LedgerEntry) -> None:
         """A run was received: note it in progress, unless the backlog is full (then it is not recorded)."""
@@ -226,6 +235,12 @@ class AuditStore:
                         ledger.placed(self._db, entry, number, attempt)
                     case (str() as sql, params):
                         self._db.execute(sql, params)
+                        if sql is _STATE_CHANGED:
+                            self._events_since_prune += 1
             if self._since_prune >= _PRUNE_EVERY:
                 self._since_prune = 0
                 ledger.prune(self._db, self.max_runs)
+            if self._events_since_prune >= _PRUNE_EVERY:
+                self._events_since_prune = 0
+                prune = "DELETE FROM node_events WHERE rowid <= (SELECT MAX(rowid) FROM node_events) - ?"
+                self._db.execute(prune, (self.max_events,))

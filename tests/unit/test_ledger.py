@@ -154,3 +154,16 @@ async def test_every_stored_string_is_clipped(tmp_path: Path) -> None:
         texts = (run.error_message, *(attempt.reason for attempt in run.attempts))
         assert all(len(text) < TEXT_CHARS + 100 for text in texts)
     assert runs[1].error_message.endswith(f"…[{1_000_000 - TEXT_CHARS} more]")
+
+
+async def test_node_state_changes_are_pruned_and_their_reasons_clipped(tmp_path: Path) -> None:
+    store = AuditStore(tmp_path / "cp.db", max_events=5)
+    await store.open()
+    for number in range(3000):  # a node that reconnects in a loop
+        store.state_changed("node-a", "ready" if number % 2 else "unavailable", f"change {number}")
+    store.state_changed("node-a", "draining", "r" * 1_000_000)
+    await store.aclose()
+    with contextlib.closing(sqlite3.connect(tmp_path / "cp.db")) as db:
+        reasons = [reason for (reason,) in db.execute("SELECT reason FROM node_events ORDER BY rowid")]
+    assert reasons[:4] == [f"change {number}" for number in range(2996, 3000)]  # the newest 5 kept
+    assert len(reasons) == 5 and reasons[-1].startswith("r" * TEXT_CHARS + "…[") and len(reasons[-1]) < TEXT_CHARS + 20
