@@ -107,8 +107,10 @@ class BusyNode:
     """A node written with the wire API: registers ``node_id``, then refuses every run RESOURCE_EXHAUSTED
     (retryable), noting the run ids it was sent."""
 
-    def __init__(self, node_id: str, model: str = "mock-small") -> None:
+    def __init__(self, node_id: str, model: str = "mock-small", *, certificate: str | None = None) -> None:
         self.node_id, self.model = node_id, model
+        self.certificate = certificate or node_id
+        """The name its certificate is issued to (the node id unless given)."""
         self.runs: list[str] = []
 
     async def run(self, request: pb.RunRequest, sink: EventSink) -> None:
@@ -120,7 +122,7 @@ class BusyNode:
         connection = await dial(
             "127.0.0.1",
             app.listener.port,
-            tls=pki.config(self.node_id, Role.NODE),
+            tls=pki.config(self.certificate, Role.NODE),
             server_hostname="localhost",
             handler=Handler(run=self.run),
             config=ConnectionConfig(heartbeat_interval=0.5),

@@ -1,5 +1,5 @@
-"""What a requester names is bounded: a run whose model or caller is over NAME_CHARS is refused with
-INVALID_ARGUMENT, not echoed whole, and its ledger row holds the names clipped."""
+"""What a peer names is bounded: a run whose model or caller is over NAME_CHARS is refused with
+INVALID_ARGUMENT, not echoed whole, and its ledger row holds the names clipped; so is a node id."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 import structlog
 from conftest import Pki, assert_eventually
-from cp_helpers import client, cp_settings
+from cp_helpers import BusyNode, client, cp_settings
 from node_helpers import chat, collect, kinds
 
 from iop_control_plane import ledger
 from iop_control_plane.bootstrap import ControlPlaneApp, build_control_plane
 from iop_control_plane.text import NAME_CHARS
 from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire.errors import IopError
 from iop_wire.tls import Role
 
 HUGE = "m" * 1_000_000
@@ -68,3 +69,12 @@ async def test_a_requester_sending_over_long_names_in_a_loop_is_logged_once_a_se
     refused = [log for log in logs if log["event"] == "run refused"]
     assert 1 <= len(refused) <= took + 1  # one a second at most, however slow the machine
     assert cp.metrics.registry.get_sample_value("iop_control_plane_names_refused_total", {"field": "model"}) == 50
+
+
+async def test_a_node_id_over_the_limit_is_refused_at_registration(cp: ControlPlaneApp, pki: Pki) -> None:
+    node = BusyNode("n" * (NAME_CHARS + 1), certificate="long-node")
+    with pytest.raises(IopError) as refused:
+        await node.register(cp, pki)
+    assert refused.value.code == pb.ERROR_CODE_INVALID_ARGUMENT
+    assert refused.value.message.endswith(f"not a node_id of {NAME_CHARS + 1} characters")
+    assert not cp.registry.nodes and not cp.sessions.store.first_seen
