@@ -7,6 +7,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
@@ -36,7 +37,7 @@ async def cp(pki: Pki, tmp_path: Path) -> AsyncIterator[ControlPlaneApp]:
     ids=["model", "caller"],
 )
 async def test_an_over_long_name_is_refused_clipped_and_stored_clipped(
-    cp: ControlPlaneApp, pki: Pki, tmp_path: Path, request_fields: dict[str, object], field: str
+    cp: ControlPlaneApp, pki: Pki, tmp_path: Path, request_fields: dict[str, Any], field: str
 ) -> None:
     edge = await client(cp, pki)  # an edge may name the caller it acts for
     events = await asyncio.wait_for(collect(await edge.open_run(chat(run_id="long", **request_fields))), 10)

@@ -148,8 +148,8 @@ async def test_every_stored_string_is_clipped(tmp_path: Path) -> None:
     runs = ledger.query(tmp_path / "cp.db", pb.RunsList()).runs
     assert len(runs) == 2 and sum(file.stat().st_size for file in tmp_path.glob("cp.db*")) < 100_000
     for run in runs:
-        names = (run.run_id, run.requester, run.connection, run.caller, run.model, run.node_id)
-        names += tuple(name for attempt in run.attempts for name in (attempt.node_id, attempt.model))
+        names = [run.run_id, run.requester, run.connection, run.caller, run.model, run.node_id]
+        names += [name for attempt in run.attempts for name in (attempt.node_id, attempt.model)]
         assert all(name.startswith("m" * NAME_CHARS + "…[") and len(name) < NAME_CHARS + 20 for name in names)
         texts = (run.error_message, *(attempt.reason for attempt in run.attempts))
         assert all(len(text) < TEXT_CHARS + 100 for text in texts)
