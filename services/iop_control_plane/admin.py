@@ -145,7 +145,7 @@ class Operations:
     def _node(self, node_id: str) -> NodeView:
         node = self.sessions.registry.nodes.get(node_id)
         if node is None:
-            raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, f"no node {node_id!r} is registered")
+            raise IopError(pb.ERROR_CODE_NOT_FOUND, f"no node {node_id!r} is registered")
         return node
 
     def _info(self, node: NodeView) -> pb.NodeInfo:

@@ -2,7 +2,13 @@
 
 A run's row is built in memory while it runs (:class:`LedgerEntry`) and handed to the audit
 store's writer when it ends, which commits it with whatever else is queued in one transaction,
-off the path that relays events. Rows beyond ``max_runs`` are pruned, oldest first. Read by
+off the path that relays events. Rows beyond ``max_runs`` are pruned, oldest first.
+
+A run in progress has a row in ``open_runs`` (written when it is received, its node set when
+it is placed), deleted in the transaction that writes its ledger row: a run that starts and
+ends within one commit window writes neither. Rows still open when the control-plane starts
+were in flight when it stopped without ending them (killed, crashed): :func:`recover` moves
+them to the ledger as ``interrupted``. Every string is clipped (:mod:`iop_control_plane.text`). Read by
 ``runs.list`` (admin; ``iop runs ls/show --control-plane``) from a connection of its own, in a
 thread: a long query never blocks the event loop or the writer (WAL).
 """
@@ -15,11 +21,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from iop_control_plane.text import TEXT_CHARS, clip
 from iop_gen.pb.iop import runtime_pb2 as pb
 
-__all__ = ["MAX_LIST", "STATUSES", "Attempt", "LedgerEntry", "insert", "prune", "query"]
+__all__ = ["MAX_LIST", "STATUSES", "Attempt", "LedgerEntry", "insert", "opened", "placed", "prune", "query", "recover"]
 
-STATUSES = ("completed", "failed", "cancelled")
+STATUSES = ("completed", "failed", "cancelled", "interrupted")
 """A run's final status in the ledger."""
 MAX_LIST = 1000
 """Most runs one runs.list returns."""
@@ -38,7 +45,13 @@ CREATE TABLE IF NOT EXISTS run_attempts (
     outcome TEXT NOT NULL, reason TEXT NOT NULL, started_after REAL NOT NULL, duration REAL NOT NULL,
     PRIMARY KEY (run, attempt));
 CREATE INDEX IF NOT EXISTS run_attempts_by_node ON run_attempts (node_id);
+CREATE TABLE IF NOT EXISTS open_runs (
+    id INTEGER PRIMARY KEY, run_id TEXT NOT NULL, requester TEXT NOT NULL, connection TEXT NOT NULL,
+    caller TEXT NOT NULL, model TEXT NOT NULL, received_at REAL NOT NULL,
+    node_id TEXT NOT NULL DEFAULT '', node_model TEXT NOT NULL DEFAULT '', attempt INTEGER NOT NULL DEFAULT 0,
+    placed_after REAL NOT NULL DEFAULT 0);
 """
+_INTERRUPTED = "the control-plane stopped while the run was in progress"
 
 
 @dataclass(slots=True)
@@ -76,6 +89,10 @@ class LedgerEntry:
     usage: pb.Usage | None = None
     finish_reason: int = 0
     outputs: int = 0
+    recorded: bool | None = None
+    """Whether the ledger takes the run, decided when it starts (the write backlog may be full); None before."""
+    open_row: int | None = None
+    """Its row in ``open_runs`` once the writer committed it (the writer's thread alone sets and reads it)."""
 
     def ending(self, event: pb.RunEvent | None, cancel_reason: str = "") -> None:
         """Take the status from the run's terminal event; None: cancelled (by the requester, or its connection)."""
@@ -91,22 +108,35 @@ class LedgerEntry:
             self.status = "cancelled" if event.error.code == pb.ERROR_CODE_CANCELLED else "failed"
 
 
+def opened(db: sqlite3.Connection, entry: LedgerEntry) -> None:
+    """Note a run in progress in ``open_runs`` (inside the caller's transaction)."""
+    cursor = db.execute(
+        "INSERT INTO open_runs (run_id, requester, connection, caller, model, received_at) VALUES (?, ?, ?, ?, ?, ?)",
+        (*_names(entry), entry.received_at),
+    )
+    entry.open_row = cursor.lastrowid
+
+
+def placed(db: sqlite3.Connection, entry: LedgerEntry, attempt: int, at: Attempt) -> None:
+    """Note in ``open_runs`` the node of the run's attempt number ``attempt``."""
+    if entry.open_row is not None:
+        update = "UPDATE open_runs SET node_id = ?, node_model = ?, attempt = ?, placed_after = ? WHERE id = ?"
+        db.execute(update, (clip(at.node_id), clip(at.model), attempt, at.started - entry.received, entry.open_row))
+
+
 def insert(db: sqlite3.Connection, entry: LedgerEntry) -> None:
-    """Write one run and its attempts (inside the caller's transaction)."""
+    """Write one run and its attempts, and close its row in ``open_runs`` (inside the caller's transaction)."""
     usage = entry.usage or pb.Usage()
     ttft = None if entry.first_output is None else entry.first_output - entry.received
+    node_id = entry.attempts[-1].node_id if entry.attempts else ""
     cursor = db.execute(
         "INSERT INTO runs VALUES (NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (
-            entry.run_id,
-            entry.requester,
-            entry.connection,
-            entry.caller,
-            entry.model,
-            entry.attempts[-1].node_id if entry.attempts else "",
+            *_names(entry),
+            clip(node_id),
             entry.status,
             entry.error_code,
-            entry.error_message,
+            clip(entry.error_message, TEXT_CHARS),
             entry.received_at,
             ttft,
             entry.ended - entry.received,
@@ -123,16 +153,40 @@ def insert(db: sqlite3.Connection, entry: LedgerEntry) -> None:
             (
                 cursor.lastrowid,
                 number,
-                attempt.node_id,
-                attempt.model,
+                clip(attempt.node_id),
+                clip(attempt.model),
                 attempt.outcome,
-                attempt.reason,
+                clip(attempt.reason, TEXT_CHARS),
                 attempt.started - entry.received,
                 attempt.ended - attempt.started,
             )
             for number, attempt in enumerate(entry.attempts, 1)
         ],
     )
+    if entry.open_row is not None:
+        db.execute("DELETE FROM open_runs WHERE id = ?", (entry.open_row,))
+
+
+def recover(db: sqlite3.Connection) -> int:
+    """Move the runs left in ``open_runs`` to the ledger as ``interrupted``; how many (at start, one transaction)."""
+    with db:
+        rows = db.execute("SELECT * FROM open_runs ORDER BY id").fetchall()
+        for _, *names, received_at, node_id, node_model, attempt, placed_after in rows:
+            where = f"; attempt {attempt} on node {node_id}" if node_id else "; not yet placed"
+            cursor = db.execute(
+                "INSERT INTO runs VALUES (NULL, ?, ?, ?, ?, ?, ?, 'interrupted', ?, ?, ?, NULL, 0, 0, 0, 0, 0, 0)",
+                (*names, node_id, pb.ERROR_CODE_UNAVAILABLE, _INTERRUPTED + where, received_at),
+            )
+            if node_id:
+                row = (cursor.lastrowid, attempt, node_id, node_model, "interrupted", _INTERRUPTED, placed_after)
+                db.execute("INSERT INTO run_attempts VALUES (?, ?, ?, ?, ?, ?, ?, 0)", row)
+        db.execute("DELETE FROM open_runs")
+    return len(rows)
+
+
+def _names(entry: LedgerEntry) -> tuple[str, ...]:
+    """(run id, requester, connection, caller, model), each clipped."""
+    return tuple(clip(name) for name in (entry.run_id, entry.requester, entry.connection, entry.caller, entry.model))
 
 
 def prune(db: sqlite3.Connection, keep: int) -> int:

@@ -46,7 +46,7 @@ class ControlPlaneMetrics:
         )
         self.queue_wait = Histogram(
             "iop_control_plane_queue_wait_seconds",
-            "Time runs waited in the admission queue, by how they left (admitted, deadline, cancelled).",
+            "Time runs waited in the admission queue, by how they left (admitted, deadline, caller_limit, cancelled).",
             ["outcome"],
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
             registry=self.registry,
@@ -55,6 +55,12 @@ class ControlPlaneMetrics:
             "iop_control_plane_queue_refused_total",
             "Runs refused RESOURCE_EXHAUSTED without waiting, by reason (full, deadline).",
             ["reason"],
+            registry=self.registry,
+        )
+        self.names_refused = Counter(
+            "iop_control_plane_names_refused_total",
+            "Runs refused INVALID_ARGUMENT for a name over 256 characters, by field (model, caller, run_id).",
+            ["field"],
             registry=self.registry,
         )
         self.ledger_dropped = Counter(

@@ -16,6 +16,7 @@ import structlog
 
 from iop_control_plane.registry import ModelLoad, NodeState, Registry, Status
 from iop_control_plane.store import AuditStore
+from iop_control_plane.text import NAME_CHARS
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import Connection, Inbound, IopError
 
@@ -72,8 +73,12 @@ class NodeSessions:
         """``node.register``: take the node in (or refuse a second holder of a live id)."""
         message = inbound.envelope.node_register
         node_id, connection = message.node_id, inbound.connection
-        if not node_id:
-            raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, "node.register needs a node_id")
+        if not node_id or len(node_id) > NAME_CHARS:
+            shown = f"a node_id of {len(node_id)} characters" if node_id else "no node_id"
+            raise IopError(
+                pb.ERROR_CODE_INVALID_ARGUMENT,
+                f"node.register needs a node_id of 1-{NAME_CHARS} characters, not {shown}",
+            )
         current = self.connection(node_id)
         if current is not None and current is not connection:
             _log.warning("registration refused", node_id=node_id, reason="id is live", peer=inbound.peer.name)

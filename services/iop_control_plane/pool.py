@@ -15,16 +15,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from heapq import heapify, heappop, heappush
-from typing import TYPE_CHECKING
 
 from iop_control_plane.ring import HashRing
-
-if TYPE_CHECKING:
-    from iop_control_plane.registry import ModelView
+from iop_control_plane.views import ModelView
 
 __all__ = ["Accept", "ModelPool"]
 
-Accept = Callable[["ModelView"], bool] | None
+Accept = Callable[[ModelView], bool] | None
 """Which candidates a decision may take (not the nodes a failover already tried); None takes them all."""
 
 _Entry = tuple[float, int, str]

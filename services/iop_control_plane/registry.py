@@ -17,26 +17,15 @@ finishes takes one off, from the runs sent since the report first.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from enum import StrEnum
+from dataclasses import dataclass
 
 from iop_control_plane.pool import ModelPool
+from iop_control_plane.views import ModelView, NodeState, NodeView
 
 __all__ = ["Labels", "ModelLoad", "ModelView", "NodeState", "NodeView", "Registry", "Status"]
 
 Labels = tuple[tuple[str, str], ...]
 """Label constraints as sorted (name, value) pairs: a node must carry all of them."""
-
-
-class NodeState(StrEnum):
-    """Whether a node takes new runs."""
-
-    READY = "ready"
-    """Registered and heard from: takes runs."""
-    UNAVAILABLE = "unavailable"
-    """Its connection closed or it went silent: takes none."""
-    DRAINING = "draining"
-    """Finishing its runs, taking no new ones."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,61 +54,6 @@ class Status:
     """Load per model; a model missing here is no longer served."""
     draining: bool = False
     """True once the node stopped taking runs."""
-
-
-@dataclass(eq=False, slots=True)
-class ModelView:
-    """One node's load for one model, as the scheduler sees it."""
-
-    node: NodeView = field(repr=False)
-    """The node."""
-    model: str
-    """Model name."""
-    in_flight: int = 0
-    """Runs executing, as last reported."""
-    queued: int = 0
-    """Runs waiting on the node, as last reported."""
-    capacity: int = 1
-    """Runs the node executes at once."""
-    available: bool = True
-    """False while the backend is down."""
-    sent_since_report: int = 0
-    """Runs this control-plane sent the node since its last report (less those finished since)."""
-    placed: int = 0
-    """Runs this control-plane sent the node that have not ended: a report never resets it."""
-
-    @property
-    def load(self) -> int:
-        """Runs on the node: reported in flight and queued plus sent since, and never fewer than ours.
-
-        A report the node sent before a run reached it restarts ``sent_since_report`` without
-        counting that run; ``placed`` still does, so the node is not booked past its capacity.
-        """
-        return max(self.in_flight + self.queued + self.sent_since_report, self.placed)
-
-    @property
-    def free(self) -> bool:
-        """Whether the node has a free slot for one more run."""
-        return self.load < self.capacity
-
-
-@dataclass(eq=False, slots=True)
-class NodeView:
-    """One node: state, labels, load per model."""
-
-    node_id: str
-    """Its id, unique in the cluster."""
-    state: NodeState = NodeState.READY
-    """Whether it takes runs."""
-    labels: dict[str, str] = field(default_factory=dict)
-    """Operator labels (zone, gpu type, ...) that label constraints match."""
-    models: dict[str, ModelView] = field(default_factory=dict)
-    """What it serves, by model name."""
-    reason: str = "registered"
-    """Why it is in its state."""
-    awaiting_first_output: int = 0
-    """Interactive runs (priority >= 0) this control-plane sent the node that have not yet sent
-    their first output: background runs are held back from the node while there are any."""
 
 
 class Registry:

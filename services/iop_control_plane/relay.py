@@ -21,6 +21,7 @@ import asyncio
 import datetime
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import structlog
 
@@ -29,6 +30,7 @@ from iop_control_plane.ledger import Attempt, LedgerEntry
 from iop_control_plane.metrics import ControlPlaneMetrics
 from iop_control_plane.nodes import NodeSessions
 from iop_control_plane.scheduler import Decision, Scheduler
+from iop_control_plane.text import NAME_CHARS, clip
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import EventSink, IopError, acting_caller, code_name, relay
 from iop_wire.errors import Reason
@@ -41,6 +43,25 @@ _RETRY_AFTER = datetime.timedelta(seconds=1)
 _DEADLINE_GRACE = 0.5
 """Seconds past a run's deadline the control-plane waits for the node to end it before ending it itself."""
 _Terminal = tuple[pb.RunEvent, bytes]
+_Log = structlog.typing.FilteringBoundLogger
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """A requester's run while the control-plane serves it: what each step (admit, wait, attempt) reads."""
+
+    request: pb.RunRequest
+    sink: EventSink
+    """Where its events go (the requester's side)."""
+    caller: str
+    """Who it is for: the requester's certificate, or the caller it acts for."""
+    session: str | None
+    """Its session-affinity key, if the request names one."""
+    priority: int
+    """The request's, else the policy's (below 0: background)."""
+    entry: LedgerEntry
+    """Its ledger row, filled in as it goes."""
+    log: _Log
 
 
 class _Queued(Waiter[Decision]):
@@ -95,6 +116,7 @@ class RunRelay:
         self.registration_grace = registration_grace
         """Seconds after start a model served before the restart is UNAVAILABLE, not MODEL_NOT_FOUND."""
         self._started = time.monotonic()
+        self._over_long_logged = 0.0
         metrics.watch_queue(self.queue)
 
     def attempts(self, model: str) -> int:
@@ -106,31 +128,46 @@ class RunRelay:
         return self.default_attempts
 
     async def run(self, request: pb.RunRequest, sink: EventSink) -> None:
-        """Serve one run.request from a requester, and record it in the ledger when it ends."""
+        """Serve one run.request from a requester, noted in the ledger from its start and recorded when it ends."""
         caller = acting_caller(sink.peer, request.caller.id)
         entry = LedgerEntry(request.run_id, sink.peer.name, sink.connection_id, caller, request.model)
+        store = self.sessions.store
+        store.run_started(entry)
         terminal: pb.RunEvent | None = None  # None: the requester went away
         try:
-            terminal = await self._run(request, sink, caller, entry)
+            if (over_long := _over_long(request, caller)) is not None:
+                terminal = await self._refuse_over_long(sink, *over_long)
+            else:
+                log = _log.bind(run_id=request.run_id, requester=sink.connection_id, caller=caller)
+                session = request.metadata.get("session") or None
+                run = _Run(request, sink, caller, session, self.priority(request, caller), entry, log)
+                terminal = await self._run(run)
         finally:
             entry.outputs, entry.first_output = sink.outputs, sink.first_output_at
             entry.ending(terminal, sink.cancel_reason)
-            self.sessions.store.run_ended(entry)
+            store.run_ended(entry)
 
-    async def _run(self, request: pb.RunRequest, sink: EventSink, caller: str, entry: LedgerEntry) -> pb.RunEvent:
-        log = _log.bind(run_id=request.run_id, requester=sink.connection_id, caller=caller)
-        session = request.metadata.get("session") or None
-        priority = self.priority(request, caller)
-        admitted = await self._admit(request, caller, priority, session, log)
+    async def _refuse_over_long(self, sink: EventSink, field: str, name: str) -> pb.RunEvent:
+        """INVALID_ARGUMENT for a name over NAME_CHARS, shown clipped; counted, and logged at most once a second."""
+        self.metrics.names_refused.labels(field).inc()
+        message = f"{field} is {len(name)} characters, over the limit of {NAME_CHARS}: {clip(name, 64)!r}"
+        now = time.monotonic()
+        if now - self._over_long_logged >= 1.0:
+            self._over_long_logged = now
+            _log.warning("run refused", reason=message, requester=sink.connection_id, peer=sink.peer.name)
+        error = IopError(pb.ERROR_CODE_INVALID_ARGUMENT, message, param="model" if field == "model" else "")
+        return await _refuse(sink, error)
+
+    async def _run(self, run: _Run) -> pb.RunEvent:
+        admitted = await self._admit(run)
         if isinstance(admitted, Decision) and admitted.node_id is None:
             admitted = self._refusal(admitted)
         if isinstance(admitted, IopError):
-            await sink.error(admitted)
-            return pb.RunEvent(error=error_message(admitted))
+            return await _refuse(run.sink, admitted)
         try:
-            return await self._serve(request, sink, caller, session, admitted, priority=priority, entry=entry, log=log)
+            return await self._serve(run, admitted)
         finally:
-            self.queue.ended(caller)
+            self.queue.ended(run.caller)
             self.wake()
 
     def _refusal(self, decision: Decision) -> IopError:
@@ -162,21 +199,12 @@ class RunRelay:
             if not waiter.future.done():
                 waiter.future.set_result(None)
 
-    def _choose(
-        self,
-        model: str,
-        session: str | None,
-        caller: str,
-        log: structlog.typing.FilteringBoundLogger,
-        exclude: set[str] | None = None,
-        *,
-        priority: int,
-    ) -> Decision:
-        background = priority < 0 and self.background_yield > 0
+    def _choose(self, run: _Run, model: str, exclude: frozenset[str] = frozenset()) -> Decision:
+        background = run.priority < 0 and self.background_yield > 0
         decision = self.scheduler.choose(
-            model, session=session, caller=caller, exclude=exclude or frozenset(), background=background
+            model, session=run.session, caller=run.caller, exclude=exclude, background=background
         )
-        log.debug("decision", outcome=decision.outcome, policy=decision.policy, reason=decision.reason)
+        run.log.debug("decision", outcome=decision.outcome, policy=decision.policy, reason=decision.reason)
         self.metrics.decisions.labels(decision.policy, decision.outcome).inc()
         if decision.yielded:
             self.metrics.background_yields.inc()
@@ -219,45 +247,29 @@ class RunRelay:
 
         return arrived
 
-    async def _admit(
-        self,
-        request: pb.RunRequest,
-        caller: str,
-        priority: int,
-        session: str | None,
-        log: structlog.typing.FilteringBoundLogger,
-    ) -> Decision | IopError:
+    async def _admit(self, run: _Run) -> Decision | IopError:
         """A decision for the run's first attempt, placed or refused, waiting in the queue if it must."""
-        model = request.model
-        if not self.queue.ahead(model, priority) and self.queue.may_start(caller):
-            decision = self._choose(model, session, caller, log, priority=priority)
+        model, caller = run.request.model, run.caller
+        if not self.queue.ahead(model, run.priority) and self.queue.may_start(caller):
+            decision = self._choose(run, model)
             if decision.outcome != "all_busy":
                 if decision.node_id is not None:
                     self.queue.started(caller)
                 return decision
-        return await self._wait(request, model, caller, session, log, priority=priority)
+        return await self._wait(run, model)
 
-    async def _wait(
-        self,
-        request: pb.RunRequest,
-        model: str,
-        caller: str,
-        session: str | None,
-        log: structlog.typing.FilteringBoundLogger,
-        *,
-        priority: int,
-        exclude: frozenset[str] = frozenset(),
-    ) -> Decision | IopError:
+    async def _wait(self, run: _Run, model: str, exclude: frozenset[str] = frozenset()) -> Decision | IopError:
         """Wait in ``model``'s queue for a slot (a failover: on a node not in ``exclude``)."""
-        waiter = _Queued(model, caller, priority, time.monotonic(), session, exclude=exclude)
-        timeout = self._timeout(request)
+        caller, log = run.caller, run.log
+        waiter = _Queued(model, caller, run.priority, time.monotonic(), run.session, exclude=exclude)
+        timeout = self._timeout(run.request)
         if timeout <= 0 or not self.queue.offer(waiter):
             self.metrics.queue_refused.labels("full" if timeout > 0 else "deadline").inc()
             full = f"the queue for {model!r} is full ({self.queue.depth(model)} waiting)"
             if timeout > 0:
                 return self._exhausted(model, full, reason=pb.ERROR_REASON_QUEUE_FULL)
             return self._exhausted(model, "the run's deadline has passed")
-        log.debug("queued", model=model, priority=priority, depth=self.queue.depth(model), timeout=timeout)
+        log.debug("queued", model=model, priority=run.priority, depth=self.queue.depth(model), timeout=timeout)
         self.wake()  # the waiters ahead may all be held by their callers' limits
         try:
             if not waiter.future.done():
@@ -266,12 +278,16 @@ class RunRelay:
             self._leave(waiter, log, "cancelled")
             raise
         if waiter.outcome is None:
+            if not (waiter.counted or self.queue.may_start(caller)):  # its own limit held it, not the nodes
+                self._leave(waiter, log, "caller_limit")
+                message = f"caller {caller!r} is at its policy's limit of runs in progress for {timeout:.3g} s"
+                return self._exhausted(model, message, reason=pb.ERROR_REASON_CALLER_LIMIT)
             self._leave(waiter, log, "deadline")
             return self._exhausted(model, f"no slot for {model!r} within {timeout:.3g} s; every node is busy")
         self._observe(waiter, log, "admitted")
         return waiter.outcome
 
-    def _leave(self, waiter: _Queued, log: structlog.typing.FilteringBoundLogger, outcome: str) -> None:
+    def _leave(self, waiter: _Queued, log: _Log, outcome: str) -> None:
         """A waiter leaves without running: out of the queue, or, if placed meanwhile, its slot given back."""
         decision = waiter.outcome
         if decision is not None and decision.node_id is not None:
@@ -283,7 +299,7 @@ class RunRelay:
             self.queue.withdraw(waiter)
         self._observe(waiter, log, outcome)
 
-    def _observe(self, waiter: _Queued, log: structlog.typing.FilteringBoundLogger, outcome: str) -> None:
+    def _observe(self, waiter: _Queued, log: _Log, outcome: str) -> None:
         waited = time.monotonic() - waiter.since
         self.metrics.queue_wait.labels(outcome).observe(waited)
         log.debug("dequeued", model=waiter.model, outcome=outcome, waited=round(waited, 4))
@@ -300,28 +316,16 @@ class RunRelay:
             pb.ERROR_CODE_RESOURCE_EXHAUSTED, message, retryable=True, retry_after=retry_after, reason=reason
         )
 
-    async def _serve(
-        self,
-        request: pb.RunRequest,
-        sink: EventSink,
-        caller: str,
-        session: str | None,
-        decision: Decision,
-        *,
-        priority: int,
-        entry: LedgerEntry,
-        log: structlog.typing.FilteringBoundLogger,
-    ) -> pb.RunEvent:
+    async def _serve(self, run: _Run, decision: Decision) -> pb.RunEvent:
         """Run the admitted run on ``decision``'s node, failing over to others while it may: its terminal event."""
-        tried = set[str]()
+        request, sink = run.request, run.sink
+        tried = frozenset[str]()
         last: _Terminal | None = None
         for attempt in range(1, self.attempts(request.model) + 1):
             if attempt > 1:
-                decision = self._choose(decision.model, session, caller, log, exclude=tried, priority=priority)
+                decision = self._choose(run, decision.model, exclude=tried)
                 if decision.outcome == "all_busy":  # the others are full: wait for one, within the deadline
-                    waited = await self._wait(
-                        request, decision.model, caller, session, log, priority=priority, exclude=frozenset(tried)
-                    )
+                    waited = await self._wait(run, decision.model, exclude=tried)
                     if isinstance(waited, IopError):
                         break
                     decision = waited
@@ -329,8 +333,8 @@ class RunRelay:
                     break
             node_id = decision.node_id
             assert node_id is not None
-            tried.add(node_id)
-            terminal, lost = await self._attempt(request, sink, caller, decision, entry, priority=priority)
+            tried |= {node_id}
+            terminal, lost = await self._attempt(run, decision)
             if terminal[0].WhichOneof("event") == "complete":
                 await sink.forward(*terminal)
                 return terminal[0]
@@ -340,40 +344,31 @@ class RunRelay:
             if not (lost or error.retryable) or _past(request):
                 await sink.forward(*terminal)
                 return terminal[0]
-            log.info("failover", node_id=node_id, attempt=attempt, code=code_name(error.code), reason=error.message)
+            run.log.info("failover", node_id=node_id, attempt=attempt, code=code_name(error.code), reason=error.message)
             self.metrics.failovers.labels("connection_lost" if lost else code_name(error.code)).inc()
             last = terminal
         assert last is not None  # the first attempt always runs
         await sink.forward(*last)  # the last attempt's failure says more than "no other node"
         return last[0]
 
-    async def _attempt(
-        self,
-        request: pb.RunRequest,
-        sink: EventSink,
-        caller: str,
-        decision: Decision,
-        entry: LedgerEntry,
-        *,
-        priority: int,
-    ) -> tuple[_Terminal, bool]:
+    async def _attempt(self, run: _Run, decision: Decision) -> tuple[_Terminal, bool]:
         """Open the run on the decision's node and relay it: (its terminal event, whether the node was lost).
 
         An interactive run (priority >= 0) counts as awaiting its first output on the node until
         then: background runs are held back from the node meanwhile (``Scheduler.choose``).
         """
         assert decision.node_id is not None
-        node_id = decision.node_id
+        request, sink, entry, node_id = run.request, run.sink, run.entry, decision.node_id
         record = Attempt(node_id, decision.model, time.monotonic(), outcome="cancelled")
         entry.attempts.append(record)
-        attempt = len(entry.attempts)
+        self.sessions.store.run_placed(entry)
         upstream = pb.RunRequest()
         upstream.CopyFrom(request)
-        upstream.run_id = f"{sink.connection_id}.{request.run_id}.{attempt}"
+        upstream.run_id = f"{sink.connection_id}.{request.run_id}.{len(entry.attempts)}"
         upstream.model = decision.model
-        upstream.caller.id = caller
+        upstream.caller.id = run.caller
         connection = self.sessions.connection(node_id)
-        first_output = self._awaiting_first_output(node_id) if priority >= 0 else None
+        first_output = self._awaiting_first_output(node_id) if run.priority >= 0 else None
         try:
             if connection is None:
                 raise IopError(pb.ERROR_CODE_UNAVAILABLE, f"node {node_id} has no connection")
@@ -438,3 +433,17 @@ def _remaining(request: pb.RunRequest) -> float | None:
 def _past(request: pb.RunRequest) -> bool:
     """Whether the run's deadline has passed (no retry then)."""
     return request.HasField("deadline") and request.deadline.ToNanoseconds() <= time.time_ns()
+
+
+def _over_long(request: pb.RunRequest, caller: str) -> tuple[str, str] | None:
+    """(field, name) of the run's first name over NAME_CHARS: model, caller or run id; None if none is."""
+    for field, name in (("model", request.model), ("caller", caller), ("run_id", request.run_id)):
+        if len(name) > NAME_CHARS:
+            return field, name
+    return None
+
+
+async def _refuse(sink: EventSink, error: IopError) -> pb.RunEvent:
+    """End the run with ``error`` before it reached a node: its terminal event, for the ledger."""
+    await sink.error(error)
+    return pb.RunEvent(error=error_message(error))

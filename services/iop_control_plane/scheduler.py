@@ -189,7 +189,9 @@ class Scheduler:
         found = self._labels.get(model)
         if found is None:
             settings = self.policy.models.get(model)
-            found = self._labels[model] = tuple(sorted(settings.labels.items())) if settings else ()
+            if settings is None:
+                return ()  # not cached: a requester may name any number of models no policy knows
+            found = self._labels[model] = tuple(sorted(settings.labels.items()))
         return found
 
     def _why_none(self, model: str, pool: ModelPool, wanted: Labels) -> str:

@@ -2,7 +2,10 @@
 models, first and last seen, and every state change with its reason) and the run ledger
 (:mod:`iop_control_plane.ledger`). Writes are queued and committed in batches by one background
 task, off the paths that serve runs and reports. The ledger's queue is bounded: when the disk
-cannot keep up, runs beyond ``backlog`` are not recorded (counted, and logged once a second).
+cannot keep up, runs started beyond ``backlog`` are not recorded (counted, and logged once a
+second); a run taken when it started is recorded when it ends (runs in progress are bounded by
+the listener's limits). On open, runs left in progress by a control-plane that was killed are
+recorded as interrupted (:func:`iop_control_plane.ledger.recover`).
 """
 
 from __future__ import annotations
@@ -12,13 +15,15 @@ import json
 import sqlite3
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 from prometheus_client import Counter
 
 from iop_control_plane import ledger
-from iop_control_plane.ledger import LedgerEntry
+from iop_control_plane.ledger import Attempt, LedgerEntry
+from iop_control_plane.text import TEXT_CHARS, clip
 from iop_gen.pb.iop import runtime_pb2 as pb
 
 __all__ = ["AuditStore"]
@@ -37,27 +42,54 @@ INSERT INTO nodes (node_id, labels, address, models, first_seen, last_seen) VALU
 ON CONFLICT (node_id) DO UPDATE SET labels = excluded.labels, address = excluded.address,
     models = excluded.models, last_seen = excluded.last_seen
 """
-_Write = tuple[str, tuple[object, ...]] | LedgerEntry
+
+
+@dataclass(frozen=True, slots=True)
+class _Opened:
+    """A run started: its row in ``open_runs``."""
+
+    entry: LedgerEntry
+
+
+@dataclass(frozen=True, slots=True)
+class _Placed:
+    """A run's attempt number ``number`` was placed on a node."""
+
+    entry: LedgerEntry
+    number: int
+    attempt: Attempt
+
+
+_Write = tuple[str, tuple[object, ...]] | LedgerEntry | _Opened | _Placed
 _COMMIT_WINDOW = 0.02
 """Seconds the writer gathers writes before one commit: one thread hop and transaction for many runs."""
 _PRUNE_EVERY = 1000
-"""Runs recorded between two prunes of the ledger."""
+"""Runs (node state changes) recorded between two prunes of the ledger (of the state changes)."""
+_STATE_CHANGED = "INSERT INTO node_events VALUES (?, ?, ?, ?)"
 
 
 class AuditStore:
     """Nodes and their state changes; ``first_seen`` is kept in memory for ``nodes.list``."""
 
     def __init__(
-        self, path: Path, *, max_runs: int = 1_000_000, backlog: int = 10_000, dropped: Counter | None = None
+        self,
+        path: Path,
+        *,
+        max_runs: int = 1_000_000,
+        max_events: int = 100_000,
+        backlog: int = 10_000,
+        dropped: Counter | None = None,
     ) -> None:
         self.path = path
         self.max_runs = max_runs
         """Runs the ledger keeps; older ones are pruned."""
+        self.max_events = max_events
+        """Node state changes the audit keeps (a node reconnecting in a loop adds two a time); older ones are pruned."""
         self.backlog = backlog
         """Runs that may wait to be written; more are not recorded."""
         self._dropped = dropped
         self._queued_runs = 0
-        self._since_prune = 0
+        self._since_prune = self._events_since_prune = 0
         self._last_drop_log = 0.0
         self.first_seen: dict[str, float] = {}
         """Node id -> when it first registered (from the file, across restarts)."""
@@ -71,8 +103,10 @@ class AuditStore:
         self._closing = False
 
     async def open(self) -> None:
-        """Create the file and tables, read first-seen times, start the writer."""
+        """Create the file and tables, record runs left open as interrupted, read first-seen times, start the writer."""
         self._db = await asyncio.to_thread(self._connect)
+        if interrupted := await asyncio.to_thread(ledger.recover, self._db):
+            _log.warning("runs left in progress by the last stop recorded as interrupted", runs=interrupted)
         rows = await asyncio.to_thread(self._db.execute("SELECT node_id, first_seen, models FROM nodes").fetchall)
         self.first_seen = {node_id: first_seen for node_id, first_seen, _ in rows}
         self.served_before = frozenset(model for *_, models in rows for model in json.loads(models))
@@ -104,21 +138,39 @@ class AuditStore:
 
     def state_changed(self, node_id: str, state: str, reason: str) -> None:
         """A node changed state."""
-        self._queue("INSERT INTO node_events VALUES (?, ?, ?, ?)", (node_id, time.time(), state, reason))
+        self._queue(_STATE_CHANGED, (clip(node_id), time.time(), state, clip(reason, TEXT_CHARS)))
+
+    def run_started(self, entry: LedgerEntry) -> None:
+        """A run was received: note it in progress, unless the backlog is full (then it is not recorded)."""
+        if self._takes(entry):
+            self._pending.append(_Opened(entry))
+            self._soon()
+
+    def run_placed(self, entry: LedgerEntry) -> None:
+        """The run's latest attempt (``entry.attempts[-1]``) was placed on a node."""
+        if entry.recorded:
+            self._pending.append(_Placed(entry, len(entry.attempts), entry.attempts[-1]))
+            self._soon()
 
     def run_ended(self, entry: LedgerEntry) -> None:
-        """Record a run in the ledger (dropped, counted and logged when the backlog is full)."""
-        if self._queued_runs >= self.backlog:
-            if self._dropped is not None:
-                self._dropped.inc()
-            now = time.monotonic()
-            if now - self._last_drop_log >= 1.0:
-                self._last_drop_log = now
-                _log.warning("ledger backlog full: run not recorded", run_id=entry.run_id, backlog=self.backlog)
-            return
-        self._queued_runs += 1
-        self._pending.append(entry)
-        self._soon()
+        """Record a run in the ledger (one never started: unless the backlog is full)."""
+        if entry.recorded or (entry.recorded is None and self._takes(entry)):
+            self._pending.append(entry)
+            self._soon()
+
+    def _takes(self, entry: LedgerEntry) -> bool:
+        """Decide whether the ledger records ``entry``: not when the backlog is full (counted, logged once a second)."""
+        entry.recorded = self._queued_runs < self.backlog
+        if entry.recorded:
+            self._queued_runs += 1
+            return True
+        if self._dropped is not None:
+            self._dropped.inc()
+        now = time.monotonic()
+        if now - self._last_drop_log >= 1.0:
+            self._last_drop_log = now
+            _log.warning("ledger backlog full: run not recorded", run_id=clip(entry.run_id), backlog=self.backlog)
+        return False
 
     async def runs(self, request: pb.RunsList) -> pb.RunsListed:
         """The ledger's runs that ``request`` asks for (read in a thread, on a connection of its own)."""
@@ -170,13 +222,25 @@ class AuditStore:
     def _commit(self, batch: list[_Write]) -> None:
         if not batch or self._db is None:
             return
+        ending = {id(write) for write in batch if isinstance(write, LedgerEntry)}
         with self._db:
             for write in batch:
-                if isinstance(write, LedgerEntry):
-                    ledger.insert(self._db, write)
-                    self._since_prune += 1
-                else:
-                    self._db.execute(*write)
+                match write:
+                    case LedgerEntry():
+                        ledger.insert(self._db, write)
+                        self._since_prune += 1
+                    case _Opened(entry) if id(entry) not in ending:  # a run that ends in this batch needs none
+                        ledger.opened(self._db, entry)
+                    case _Placed(entry, number, attempt) if id(entry) not in ending:
+                        ledger.placed(self._db, entry, number, attempt)
+                    case (str() as sql, params):
+                        self._db.execute(sql, params)
+                        if sql is _STATE_CHANGED:
+                            self._events_since_prune += 1
             if self._since_prune >= _PRUNE_EVERY:
                 self._since_prune = 0
                 ledger.prune(self._db, self.max_runs)
+            if self._events_since_prune >= _PRUNE_EVERY:
+                self._events_since_prune = 0
+                prune = "DELETE FROM node_events WHERE rowid <= (SELECT MAX(rowid) FROM node_events) - ?"
+                self._db.execute(prune, (self.max_events,))

@@ -16,8 +16,10 @@ from iop_control_plane.bootstrap import ControlPlaneApp
 from iop_control_plane.registry import NodeState
 from iop_control_plane.settings import Settings
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_wire.connection import Connection, ConnectionConfig
+from iop_wire.connection import Connection, ConnectionConfig, Handler
 from iop_wire.endpoint import dial
+from iop_wire.errors import IopError
+from iop_wire.runs import EventSink
 from iop_wire.tls import Role
 
 IOP = [sys.executable, "-m", "iop_cli.main"]
@@ -99,3 +101,36 @@ async def client(app: ControlPlaneApp, pki: Pki, name: str = "edge-1", role: Rol
 
 def sequences(events: list[pb.RunEvent]) -> list[int]:
     return [event.sequence for event in events]
+
+
+class BusyNode:
+    """A node written with the wire API: registers ``node_id``, then refuses every run RESOURCE_EXHAUSTED
+    (retryable), noting the run ids it was sent."""
+
+    def __init__(self, node_id: str, model: str = "mock-small", *, certificate: str | None = None) -> None:
+        self.node_id, self.model = node_id, model
+        self.certificate = certificate or node_id
+        """The name its certificate is issued to (the node id unless given)."""
+        self.runs: list[str] = []
+
+    async def run(self, request: pb.RunRequest, sink: EventSink) -> None:
+        self.runs.append(request.run_id)
+        await sink.error(IopError(pb.ERROR_CODE_RESOURCE_EXHAUSTED, "full"))
+
+    async def register(self, app: ControlPlaneApp, pki: Pki) -> Connection:
+        assert app.listener is not None
+        connection = await dial(
+            "127.0.0.1",
+            app.listener.port,
+            tls=pki.config(self.certificate, Role.NODE),
+            server_hostname="localhost",
+            handler=Handler(run=self.run),
+            config=ConnectionConfig(heartbeat_interval=0.5),
+        )
+        model = pb.ModelInfo(name=self.model, max_concurrency=4, available=True)
+        adapters = [pb.AdapterInfo(name="fake", models=[model])]
+        capabilities = pb.CapabilityResponse(node_id=self.node_id, adapters=adapters)
+        status = pb.NodeStatus(models=[pb.ModelLoad(model=self.model, capacity=4, available=True)])
+        register = pb.NodeRegister(node_id=self.node_id, capabilities=capabilities, status=status)
+        await connection.request(pb.Envelope(node_register=register))
+        return connection

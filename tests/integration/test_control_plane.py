@@ -11,17 +11,14 @@ from pathlib import Path
 
 import pytest
 from conftest import Pki, assert_eventually
-from cp_helpers import all_ready, client, cp_settings, node_processes, sequences
+from cp_helpers import BusyNode, all_ready, client, cp_settings, node_processes, sequences
 from node_helpers import chat, collect, kinds, text
 
 from iop_control_plane.admin import PolicyInForce
 from iop_control_plane.bootstrap import ControlPlaneApp, build_control_plane
 from iop_control_plane.registry import NodeState
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_wire.connection import Connection, ConnectionConfig, Handler
-from iop_wire.endpoint import dial
 from iop_wire.errors import HandshakeError, IopError
-from iop_wire.runs import EventSink
 from iop_wire.tls import Role
 
 
@@ -153,9 +150,13 @@ async def test_drain_stops_new_runs_until_undrained(cp: ControlPlaneApp, pki: Pk
             assert events[0].start.node_id == "node-b" and kinds(events)[-1] == "complete"
         listed = (await admin.request(pb.Envelope(nodes_list=pb.NodesList()))).nodes_listed
         assert {n.node_id: n.state for n in listed.nodes}["node-a"] == pb.NODE_STATE_DRAINING
-        with pytest.raises(IopError) as unknown:
-            await admin.request(pb.Envelope(nodes_drain=pb.NodesDrain(node_id="nope")))
-        assert unknown.value.code == pb.ERROR_CODE_INVALID_ARGUMENT
+        for unknown_node in (
+            pb.Envelope(nodes_drain=pb.NodesDrain(node_id="nope")),
+            pb.Envelope(nodes_undrain=pb.NodesUndrain(node_id="nope")),
+        ):
+            with pytest.raises(IopError) as unknown:
+                await admin.request(unknown_node)
+            assert unknown.value.code == pb.ERROR_CODE_NOT_FOUND and "'nope'" in unknown.value.message
 
         await admin.request(pb.Envelope(nodes_undrain=pb.NodesUndrain(node_id="node-a")))
         streams = [await edge.open_run(chat(model="mock-slow")) for _ in range(2)]
@@ -224,37 +225,10 @@ async def test_a_restarted_node_takes_its_place_and_is_audited(cp: ControlPlaneA
     assert states == ["ready", "unavailable", "ready", "unavailable"]
 
 
-class BusyNode:
-    """A node written with the wire API: registers, then refuses every run RESOURCE_EXHAUSTED."""
-
-    def __init__(self) -> None:
-        self.runs: list[str] = []
-
-    async def run(self, request: pb.RunRequest, sink: EventSink) -> None:
-        self.runs.append(request.run_id)
-        await sink.error(IopError(pb.ERROR_CODE_RESOURCE_EXHAUSTED, "full"))
-
-    async def register(self, app: ControlPlaneApp, pki: Pki) -> Connection:
-        connection = await dial(
-            "127.0.0.1",
-            _port(app),
-            tls=pki.config("busy", Role.NODE),
-            server_hostname="localhost",
-            handler=Handler(run=self.run),
-            config=ConnectionConfig(heartbeat_interval=0.5),
-        )
-        model = pb.ModelInfo(name="mock-small", max_concurrency=4, available=True)
-        capabilities = pb.CapabilityResponse(node_id="busy", adapters=[pb.AdapterInfo(name="fake", models=[model])])
-        load = pb.ModelLoad(model="mock-small", capacity=4, available=True)
-        register = pb.NodeRegister(node_id="busy", capabilities=capabilities, status=pb.NodeStatus(models=[load]))
-        await connection.request(pb.Envelope(node_register=register))
-        return connection
-
-
 async def test_retryable_refusal_fails_over_and_stray_events_are_dropped(pki: Pki, tmp_path: Path) -> None:
     policy = PolicyInForce("defaults: {policy: round-robin}\n")
     async with build_control_plane(cp_settings(pki, tmp_path), policy=policy) as app:
-        busy = BusyNode()
+        busy = BusyNode("busy")
         with node_processes(pki, tmp_path, _port(app), "node-a"):
             await all_ready(app, "node-a")
             busy_connection = await busy.register(app, pki)

@@ -101,12 +101,12 @@ async def test_overflow_deadline_and_cancel(cp: ControlPlaneApp, pki: Pki) -> No
     deadline = Timestamp()
     deadline.FromDatetime(datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=0.2))
     late = await asyncio.wait_for(collect(await edge.open_run(chat(model=MODEL, deadline=deadline))), 5)
-    assert "within" in _exhausted(late).message
+    assert _exhausted(late).reason == pb.ERROR_REASON_UNSPECIFIED  # the node was busy: no reason of the caller's
 
     waiting = [await edge.open_run(chat(model=MODEL)) for _ in range(2)]
     await _queued(cp, 2)
     overflow = await asyncio.wait_for(collect(await edge.open_run(chat(model=MODEL))), 5)
-    assert "full" in _exhausted(overflow).message
+    assert _exhausted(overflow).reason == pb.ERROR_REASON_QUEUE_FULL
     assert cp.metrics.registry.get_sample_value("iop_control_plane_queue_refused_total", {"reason": "full"}) == 1
 
     await waiting[0].cancel("changed my mind")  # a queued run that is cancelled leaves at once
@@ -117,3 +117,18 @@ async def test_overflow_deadline_and_cancel(cp: ControlPlaneApp, pki: Pki) -> No
     metrics = cp.metrics.registry
     assert metrics.get_sample_value("iop_control_plane_queue_wait_seconds_count", {"outcome": "deadline"}) == 1
     assert metrics.get_sample_value("iop_control_plane_queue_wait_seconds_count", {"outcome": "cancelled"}) == 1
+
+
+async def test_a_caller_held_by_its_own_limit_is_told_so(cp: ControlPlaneApp, pki: Pki) -> None:
+    cp.operations.apply("callers: {caller-x: {max_concurrency: 1}}\n", "test")
+    edge = await client(cp, pki)
+    first = await edge.open_run(chat(model=MODEL, caller=pb.Caller(id="caller-x")))
+    assert (await anext(first)).WhichOneof("event") == "start"
+    deadline = Timestamp()
+    deadline.FromDatetime(datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=0.2))
+    second = chat(model=MODEL, caller=pb.Caller(id="caller-x"), deadline=deadline)
+    held = _exhausted(await asyncio.wait_for(collect(await edge.open_run(second)), 5))
+    assert held.reason == pb.ERROR_REASON_CALLER_LIMIT and "caller-x" in held.message
+    assert kinds(await collect(first))[-1] == "complete"
+    metrics = cp.metrics.registry
+    assert metrics.get_sample_value("iop_control_plane_queue_wait_seconds_count", {"outcome": "caller_limit"}) == 1

@@ -299,7 +299,7 @@ async def _ledger_text(cp: ControlPlane, first: str, other: str) -> None:
     assert (
         code == 2
         and out == ""
-        and err.strip() == ("iop runs: unknown status 'running'; valid: completed, failed, cancelled")
+        and err.strip() == ("iop runs: unknown status 'running'; valid: completed, failed, cancelled, interrupted")
     )
     code, _, err = await _iop(cp, "runs", "ls", "--since", "yesterday")
     assert code == 2 and "cannot read since 'yesterday'" in err and len(err.splitlines()) == 1

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
+import sqlite3
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -42,6 +44,13 @@ async def _until_registered(admin: Connection) -> None:
             return
         await asyncio.sleep(0.05)
     raise AssertionError("the node did not register")
+
+
+def _open_runs(path: Path) -> int:
+    """Runs the control-plane's file notes in progress (committed)."""
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+        (count,) = db.execute("SELECT COUNT(*) FROM open_runs").fetchone()
+    return int(count)
 
 
 def _start(config: Path) -> subprocess.CompletedProcess[str]:
@@ -85,3 +94,40 @@ async def test_control_plane_process_serves_nodes_and_edges(pki: Pki, tmp_path: 
             process.send_signal(signal.SIGTERM)
             assert process.wait(timeout=15) == 0
     assert not ready.exists()
+
+
+async def test_runs_in_flight_when_killed_are_interrupted_in_the_ledger_after_a_restart(
+    pki: Pki, tmp_path: Path
+) -> None:
+    ready = tmp_path / "ready.json"
+    command = [*IOP, "control-plane", "--config", str(_config(pki, tmp_path)), "--ready-file", str(ready)]
+    tls, config = pki.config("ops", Role.ADMIN), ConnectionConfig(heartbeat_interval=0.5)
+    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as process:  # noqa: ASYNC220 - started once, before anything runs on the loop
+        await assert_eventually(ready.exists, timeout=20)
+        port = json.loads(ready.read_text())["port"]
+        with node_processes(pki, tmp_path, port, "node-a"):
+            admin = await dial("127.0.0.1", port, tls=tls, server_hostname="localhost", config=config)
+            await _until_registered(admin)
+            assert kinds(await collect(await admin.open_run(chat(run_id="done"))))[-1] == "complete"
+            streams = [await admin.open_run(chat(model="mock-slow", run_id=f"long-{n}")) for n in range(3)]
+            for stream in streams:  # each placed on the node and streaming
+                assert [(await anext(stream)).WhichOneof("event") for _ in range(2)] == ["start", "delta"]
+            await assert_eventually(lambda: _open_runs(tmp_path / "cp.db") == 3)  # the writer committed them
+            process.kill()  # SIGKILL: no run gets to end
+            process.wait(timeout=10)
+            await admin.close()
+    ready.unlink()
+    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as process:  # noqa: ASYNC220 - as above
+        try:
+            await assert_eventually(ready.exists, timeout=20)
+            port = json.loads(ready.read_text())["port"]
+            async with dial("127.0.0.1", port, tls=tls, server_hostname="localhost", config=config) as admin:
+                listed = (await admin.request(pb.Envelope(runs_list=pb.RunsList()))).runs_listed
+        finally:
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=15) == 0
+    status = {run.run_id: run.status for run in listed.runs}
+    assert status == {"done": "completed", "long-0": "interrupted", "long-1": "interrupted", "long-2": "interrupted"}
+    interrupted = [run for run in listed.runs if run.status == "interrupted"]
+    assert all(run.node_id == "node-a" and run.error_code == pb.ERROR_CODE_UNAVAILABLE for run in interrupted)
+    assert all([a.outcome for a in run.attempts] == ["interrupted"] for run in interrupted)

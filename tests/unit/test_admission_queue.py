@@ -7,15 +7,17 @@ import datetime
 import itertools
 import time
 from pathlib import Path
+from typing import Any
 
 import structlog
 
 from iop_control_plane.admission import AdmissionQueue, Waiter
+from iop_control_plane.ledger import LedgerEntry
 from iop_control_plane.metrics import ControlPlaneMetrics
 from iop_control_plane.nodes import NodeSessions
 from iop_control_plane.policy import load_policy
 from iop_control_plane.registry import ModelLoad, Registry
-from iop_control_plane.relay import RunRelay
+from iop_control_plane.relay import RunRelay, _Run
 from iop_control_plane.scheduler import Decision, Scheduler
 from iop_control_plane.store import AuditStore
 from iop_gen.pb.iop import runtime_pb2 as pb
@@ -147,8 +149,10 @@ def _relay(
 
 def _admit(relay: RunRelay, caller: str = "c", **fields: object) -> asyncio.Task[Decision | IopError]:
     request = pb.RunRequest(run_id="r", model="m", **fields)  # type: ignore[arg-type]
-    priority = relay.priority(request, caller)
-    return asyncio.create_task(relay._admit(request, caller, priority, None, structlog.get_logger("test")))
+    entry, log = LedgerEntry("r", "edge", "c1", caller, "m"), structlog.get_logger("test")
+    no_sink: Any = None  # admission sends nothing
+    run = _Run(request, no_sink, caller, None, relay.priority(request, caller), entry, log)
+    return asyncio.create_task(relay._admit(run))
 
 
 async def _end(relay: RunRelay, registry: Registry, decision: Decision, caller: str = "c") -> None:

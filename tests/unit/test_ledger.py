@@ -1,15 +1,20 @@
-"""The run ledger's bounds: a full write backlog drops runs (counted), and old runs are pruned."""
+"""The run ledger: a full write backlog drops runs (counted), old runs are pruned, runs left open by a
+killed control-plane are recorded as interrupted, and every string it stores is clipped."""
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 from pathlib import Path
 
 import pytest
+from conftest import assert_eventually
 from prometheus_client import CollectorRegistry, Counter
 
 from iop_control_plane import ledger
 from iop_control_plane.ledger import Attempt, LedgerEntry
 from iop_control_plane.store import AuditStore
+from iop_control_plane.text import NAME_CHARS, TEXT_CHARS
 from iop_gen.pb.iop import runtime_pb2 as pb
 
 
@@ -50,5 +55,115 @@ async def test_old_runs_are_pruned_with_their_attempts(tmp_path: Path) -> None:
 
 
 def test_a_bad_status_is_refused_naming_the_valid_ones(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="unknown status 'done'; valid: completed, failed, cancelled"):
+    with pytest.raises(ValueError, match="unknown status 'done'; valid: completed, failed, cancelled, interrupted"):
         ledger.query(tmp_path / "cp.db", pb.RunsList(status="done"))
+
+
+def _open_runs(path: Path) -> int:
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        (count,) = db.execute("SELECT COUNT(*) FROM open_runs").fetchone()
+    return int(count)
+
+
+async def test_runs_left_open_are_recorded_as_interrupted_when_the_store_opens_again(tmp_path: Path) -> None:
+    path = tmp_path / "cp.db"
+    store = AuditStore(path)
+    await store.open()
+    waiting, placed, ended = (LedgerEntry(run_id, "edge-1", "c1", "alice", "mock") for run_id in ("w", "p", "e"))
+    for entry in (waiting, placed, ended):
+        store.run_started(entry)
+    await assert_eventually(lambda: _open_runs(path) == 3)  # committed: each end must close its row
+    for node in ("node-a", "node-b"):  # a failover: the second attempt is the one in progress
+        placed.attempts.append(Attempt(node, "mock-small", placed.received))
+        store.run_placed(placed)
+    ended.ending(pb.RunEvent(complete=pb.RunComplete()))
+    store.run_ended(ended)
+    await store.aclose()  # as the file is when the process is killed: waiting and placed never ended
+    assert _open_runs(path) == 2
+
+    reopened = AuditStore(path)
+    await reopened.open()
+    await reopened.aclose()
+    assert _open_runs(path) == 0
+    listed = ledger.query(path, pb.RunsList()).runs
+    assert sorted(run.run_id for run in listed) == ["e", "p", "w"]
+    runs = {run.run_id: run for run in listed}
+    assert {run_id: run.status for run_id, run in runs.items()} == {
+        "w": "interrupted",
+        "p": "interrupted",
+        "e": "completed",
+    }
+    assert runs["w"].node_id == "" and not runs["w"].attempts and "not yet placed" in runs["w"].error_message
+    (attempt,) = runs["p"].attempts
+    assert (runs["p"].node_id, attempt.node_id, attempt.model, attempt.outcome) == (
+        "node-b",
+        "node-b",
+        "mock-small",
+        "interrupted",
+    )
+    assert [run.run_id for run in ledger.query(path, pb.RunsList(status="interrupted")).runs] == ["p", "w"]
+
+
+async def test_a_run_that_ends_within_one_commit_writes_no_open_row(tmp_path: Path) -> None:
+    store = AuditStore(tmp_path / "cp.db")
+    await store.open()
+    entry = _entry("quick", "node-a")  # started, placed and ended before the writer's window closed
+    store.run_started(entry)
+    store.run_placed(entry)
+    store.run_ended(entry)
+    await store.aclose()
+    assert entry.open_row is None and _open_runs(tmp_path / "cp.db") == 0
+    assert [run.status for run in ledger.query(tmp_path / "cp.db", pb.RunsList()).runs] == ["completed"]
+
+
+async def test_a_run_the_backlog_had_no_room_for_at_its_start_is_not_recorded_at_its_end(tmp_path: Path) -> None:
+    dropped = Counter("dropped", "", registry=CollectorRegistry())
+    store = AuditStore(tmp_path / "cp.db", backlog=1, dropped=dropped)
+    await store.open()
+    taken, refused = _entry("taken"), _entry("refused")
+    store.run_started(taken)
+    store.run_started(refused)
+    store.run_ended(refused)
+    store.run_ended(taken)  # its end is written though the backlog is full: its open row must close
+    await store.aclose()
+    assert dropped._value.get() == 1 and _open_runs(tmp_path / "cp.db") == 0
+    assert [run.run_id for run in ledger.query(tmp_path / "cp.db", pb.RunsList()).runs] == ["taken"]
+
+
+async def test_every_stored_string_is_clipped(tmp_path: Path) -> None:
+    huge = "m" * 1_000_000
+    store = AuditStore(tmp_path / "cp.db")
+    await store.open()
+    open_entry = LedgerEntry(huge, huge, huge, huge, huge)
+    store.run_started(open_entry)
+    open_entry.attempts.append(Attempt(huge, huge, open_entry.received))
+    store.run_placed(open_entry)
+    ended = LedgerEntry(huge, huge, huge, huge, huge)
+    ended.attempts.append(Attempt(huge, huge, ended.received, reason=huge, ended=ended.received))
+    ended.ending(pb.RunEvent(error=pb.Error(code=pb.ERROR_CODE_INTERNAL, message=huge)))
+    store.run_ended(ended)
+    await store.aclose()
+    await (reopened := AuditStore(tmp_path / "cp.db")).open()  # the open run is recovered, clipped too
+    await reopened.aclose()
+    runs = ledger.query(tmp_path / "cp.db", pb.RunsList()).runs
+    assert len(runs) == 2 and sum(file.stat().st_size for file in tmp_path.glob("cp.db*")) < 100_000
+    for run in runs:
+        names = [run.run_id, run.requester, run.connection, run.caller, run.model, run.node_id]
+        names += [name for attempt in run.attempts for name in (attempt.node_id, attempt.model)]
+        assert all(name.startswith("m" * NAME_CHARS + "…[") and len(name) < NAME_CHARS + 20 for name in names)
+        texts = (run.error_message, *(attempt.reason for attempt in run.attempts))
+        assert all(len(text) < TEXT_CHARS + 100 for text in texts)
+    assert runs[1].error_message.endswith(f"…[{1_000_000 - TEXT_CHARS} more]")
+
+
+async def test_node_state_changes_are_pruned_and_their_reasons_clipped(tmp_path: Path) -> None:
+    store = AuditStore(tmp_path / "cp.db", max_events=5)
+    await store.open()
+    for number in range(3000):  # a node that reconnects in a loop
+        store.state_changed("node-a", "ready" if number % 2 else "unavailable", f"change {number}")
+    store.state_changed("node-a", "draining", "r" * 1_000_000)
+    await store.aclose()
+    with contextlib.closing(sqlite3.connect(tmp_path / "cp.db")) as db:
+        reasons = [reason for (reason,) in db.execute("SELECT reason FROM node_events ORDER BY rowid")]
+    assert reasons[:4] == [f"change {number}" for number in range(2996, 3000)]  # the newest 5 kept
+    assert len(reasons) == 5 and reasons[-1].startswith("r" * TEXT_CHARS + "…[") and len(reasons[-1]) < TEXT_CHARS + 20

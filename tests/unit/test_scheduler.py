@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tracemalloc
 from collections import Counter, deque
 
 import pytest
@@ -361,3 +362,16 @@ def test_a_report_older_than_a_run_does_not_free_its_slot() -> None:
     assert scheduler.choose("m").outcome == "all_busy"
     registry.finished("n1", "m")
     assert scheduler.choose("m").node_id == "n1"
+
+
+def test_runs_of_models_no_node_serves_leave_nothing_behind() -> None:
+    scheduler = _scheduler("models: {m: {labels: {zone: a}}}\n", a=1)
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        for number in range(2000):  # 20 MB of names, were any of them kept
+            assert scheduler.choose(f"{number:010}" * 1000).outcome == "unknown_model"
+        after, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert after - before < 1_000_000
