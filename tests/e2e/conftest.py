@@ -112,6 +112,8 @@ class Stack:
     """Workers started by :meth:`add_worker`, stopped with the stack."""
     control_plane: Process | None = None
     """The control-plane process (its port is pinned in its config: a restart binds ``cp_port`` again)."""
+    edge: Process | None = None
+    """The edge process."""
 
     @property
     def certs(self) -> Path:
@@ -350,7 +352,7 @@ def running_stack(
         for process in started.values():
             process.wait_ready()
         edge_port = int(edge.wait_ready()["port"])
-        stack = Stack(root, cp_port, edge_port, key, started, worker=worker_process, control_plane=cp)
+        stack = Stack(root, cp_port, edge_port, key, started, worker=worker_process, control_plane=cp, edge=edge)
         models = {route["model"] for routes in nodes.values() for route in routes}
         stopping.callback(stack.close)
         wait_for(lambda: models <= stack.served(), START_TIMEOUT, 0.05, f"the edge serving {sorted(models)}")
