@@ -43,6 +43,7 @@ from iop_edge.settings import Settings
 from iop_edge.upstream import Pool, Upstream
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import ConnectionClosed, IopError
+from iop_wire.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_wire.openai import requests as parse
 from iop_wire.openai import responses as shape
 from iop_wire.openai.errors import ApiError, from_event, from_iop
@@ -150,8 +151,8 @@ class _Api:
             self.metrics.in_flight.inc()
             try:
                 call.key = self._authenticate(request)
-                data = parse.parse_body(await self._body(request))
-                call.model = str(data.get("model") or "")
+                self._admit(call)  # before the body: one still arriving holds its key's slot too
+                data = parse.parse_body(await self._body(request, call.route))
                 response = await handle(request, call, data)
                 streaming = isinstance(response, _EventStream)
             finally:
@@ -175,7 +176,7 @@ class _Api:
         chat = parse.chat_request(data, call.run_id)
         run = self._prepared(call, chat.request)
         run.stream = chat.stream
-        stream = await self._open(run)
+        stream = await self._open(call, run)
         if chat.stream:
             return await self._chat_stream(request, call, stream, chat.include_usage)
         outcome = shape.Outcome()
@@ -190,9 +191,9 @@ class _Api:
         if completion.stream:
             if len(runs) > 1:
                 raise ApiError(400, "stream with more than one prompt is not supported", param="prompt")
-            stream = await self._open(runs[0])
+            stream = await self._open(call, runs[0])
             return await self._completion_stream(request, call, stream, completion.include_usage)
-        streams = [await self._open(run) for run in runs]
+        streams = await self._open_all(call, runs)
         outcomes = [shape.Outcome() for _ in runs]
         results = await asyncio.gather(
             *(self._collect(request, call, s, o) for s, o in zip(streams, outcomes, strict=True)),
@@ -216,7 +217,7 @@ class _Api:
         embedding = parse.embedding_request(data, call.run_id)
         run = self._prepared(call, embedding.request)
         outcome = shape.Outcome()
-        start, complete = await self._collect(request, call, await self._open(run), outcome)
+        start, complete = await self._collect(request, call, await self._open(call, run), outcome)
         body = shape.embedding_body(
             start.model or run.model,
             outcome.embeddings,
@@ -228,30 +229,52 @@ class _Api:
 
     # -- runs ---------------------------------------------------------------------------------
 
+    def _admit(self, call: _Call) -> None:
+        """The key's limits taken for the request (429 over them); released when it ends."""
+        if call.key is None:
+            return
+        try:
+            call.lease = self.edge.limiter.acquire(call.key)
+        except LimitExceeded as exc:
+            self.metrics.refused.labels(exc.limit).inc()
+            raise ApiError(429, exc.message, code="rate_limit_exceeded", retry_after=exc.retry_after) from None
+
     def _prepared(self, call: _Call, run: pb.RunRequest) -> pb.RunRequest:
-        """The run with its caller (the key) and deadline; the key's limits taken (429 over them)."""
+        """The run with its caller (the key) and deadline."""
         key = call.key
         run.caller.id = caller_of(key)
         if key is not None:
             run.caller.api_key_id = key.key_id
         run.deadline.FromNanoseconds(time.time_ns() + int(self.settings.request_timeout * 1e9))
         run.metadata["request_id"] = call.run_id
-        if key is not None and call.lease is None:
-            try:
-                call.lease = self.edge.limiter.acquire(key)
-            except LimitExceeded as exc:
-                self.metrics.refused.labels(exc.limit).inc()
-                raise ApiError(429, exc.message, code="rate_limit_exceeded", retry_after=exc.retry_after) from None
         return run
 
-    async def _open(self, run: pb.RunRequest) -> RunStream:
+    async def _open(self, call: _Call, run: pb.RunRequest) -> RunStream:
+        """The run submitted; its model is the request's from now on (a model the platform knows:
+        metrics are labelled with it, so a client naming random models adds no series)."""
         try:
-            return await self.edge.upstream.open_run(run)
+            stream = await self.edge.upstream.open_run(run)
         except IopError as exc:
+            if exc.code == pb.ERROR_CODE_FRAME_TOO_LARGE:
+                raise _too_large(run) from None
             raise from_iop(exc) from None
         except ConnectionClosed:
             message = f"the control-plane at {self.edge.upstream.address} is not reachable"
             raise ApiError(503, message, code="service_unavailable", retry_after=1.0) from None
+        call.model = run.model
+        return stream
+
+    async def _open_all(self, call: _Call, runs: list[pb.RunRequest]) -> list[RunStream]:
+        """Every run submitted, or none: those opened before one that fails are cancelled."""
+        streams: list[RunStream] = []
+        try:
+            for run in runs:
+                streams.append(await self._open(call, run))  # noqa: PERF401 - those opened before a failure are cancelled
+        except BaseException:
+            for stream in streams:
+                stream.cancel_nowait("another prompt of the request could not start")
+            raise
+        return streams
 
     async def _collect(
         self, request: Request, call: _Call, stream: RunStream, outcome: shape.Outcome
@@ -342,12 +365,15 @@ class _Api:
     def _authenticate(self, request: Request) -> ApiKey | None:
         return authenticate(self.edge.keys, request)
 
-    async def _body(self, request: Request) -> bytes:
+    async def _body(self, request: Request, route: str) -> bytes:
         http = self.settings.http
         try:
             return await read_body(request, http.max_body_bytes, http.body_timeout)
         except ApiError as error:
-            self.metrics.refused.labels("body_timeout" if error.status == 408 else "body_size").inc()
+            if error.status == 499:
+                self.metrics.cancelled.labels(route).inc()
+            else:
+                self.metrics.refused.labels("body_timeout" if error.status == 408 else "body_size").inc()
             raise
 
     # -- models, health, metrics --------------------------------------------------------------
@@ -564,3 +590,12 @@ async def _disconnected(receive: Receive) -> None:
         message = await receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _too_large(run: pb.RunRequest) -> ApiError:
+    """413 for a request the platform cannot carry, in the request's terms (not the wire's frames)."""
+    message = (
+        f"the request is too large: {run.ByteSize()} bytes once encoded, over the {DEFAULT_MAX_FRAME_SIZE} "
+        "bytes one request may carry to a model; send a shorter request"
+    )
+    return ApiError(413, message, code="request_too_large")

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import Stack, running_stack
+from .conftest import Stack, running_stack, wait_for
 from .openai_schema import validate
 
 ONE_SLOT = [
@@ -142,3 +142,27 @@ def test_a_request_body_slower_than_body_timeout_is_408(one_slot: Stack) -> None
     assert error["error"]["code"] == "timeout" and "body_timeout" in error["error"]["message"]
     assert 0.9 <= waited < 3.0
     assert _refused(one_slot, "body_timeout") == before + 1
+
+
+def test_a_body_still_arriving_holds_its_keys_concurrency_slot(stack: Stack) -> None:
+    secret = stack.new_key("one-at-a-time", max_concurrent=1)
+    body = json.dumps({"model": "mock-small", "messages": [{"role": "user", "content": "hello"}]}).encode()
+    with stack.http(secret) as http:
+        wait_for(lambda: http.get("/models").status_code == 200, 5, 0.05, "the key loaded by the edge")
+        head = (
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            f"authorization: Bearer {secret}\r\ncontent-length: {len(body)}\r\n\r\n"
+        )
+        with socket.create_connection(("127.0.0.1", stack.edge_port)) as slow:
+            slow.sendall(head.encode() + body[:10])  # the body's rest comes later
+
+            def refused() -> Any:
+                response = http.post("/chat/completions", content=body)
+                return response if response.status_code == 429 else None
+
+            error = _error(wait_for(refused, 5, 0.05, "a second request refused"), 429, "rate_limit_exceeded")
+            assert "max_concurrent" in error["message"]
+            slow.sendall(body[10:])
+            slow.settimeout(10)
+            assert slow.recv(65536).startswith(b"HTTP/1.1 200 OK")
+        wait_for(lambda: http.post("/chat/completions", content=body).status_code == 200, 5, 0.05, "the slot freed")
