@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 from fastapi import Request
 from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
+from iop_edge.edge import Edge
 from iop_edge.keys import ApiKey, KeyStore
 from iop_wire.openai.errors import ApiError
 from iop_wire.openai.responses import json_bytes
-
-if TYPE_CHECKING:
-    from iop_edge.app import Edge
 
 __all__ = ["JSON", "authenticate", "error_response", "read_body", "serve_json"]
 

@@ -25,7 +25,7 @@ import contextlib
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -36,11 +36,9 @@ from starlette.types import Receive, Scope, Send
 
 from iop_edge.access import JSON, authenticate, caller_of, error_response, read_body
 from iop_edge.batches import BatchRoutes
+from iop_edge.edge import Edge
 from iop_edge.files import FileRoutes
-from iop_edge.keys import ApiKey, KeyStore, Lease, Limiter, LimitExceeded
-from iop_edge.metrics import EdgeMetrics
-from iop_edge.settings import Settings
-from iop_edge.upstream import Pool, Upstream
+from iop_edge.keys import ApiKey, Lease, LimitExceeded
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import ConnectionClosed, IopError
 from iop_wire.framing import DEFAULT_MAX_FRAME_SIZE
@@ -50,21 +48,6 @@ from iop_wire.openai.errors import ApiError, from_event, from_iop
 from iop_wire.runs import RunStream
 
 __all__ = ["Edge", "build_app"]
-
-
-@dataclass
-class Edge:
-    """What the routes share: settings, the control-plane and worker pools, keys, limits, metrics."""
-
-    settings: Settings
-    upstream: Upstream
-    metrics: EdgeMetrics
-    worker: Pool | None = None
-    """The worker's pool (files and batches); None: those endpoints answer 503."""
-    keys: KeyStore | None = None
-    limiter: Limiter = field(default_factory=Limiter)
-    started: int = field(default_factory=lambda: int(time.time()))
-    in_flight: int = 0
 
 
 @dataclass(slots=True)

@@ -19,7 +19,8 @@ from pathlib import Path
 import structlog
 import uvicorn
 
-from iop_edge.app import Edge, build_app
+from iop_edge.app import build_app
+from iop_edge.edge import Edge
 from iop_edge.head import HeadLimits, head_protocol
 from iop_edge.keys import KeyStore
 from iop_edge.metrics import EdgeMetrics
