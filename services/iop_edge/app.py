@@ -401,7 +401,8 @@ class _Api:
         return Response(b'{"status":"ok"}', media_type=JSON)
 
     async def ready(self) -> Response:
-        """GET /ready: the control-plane is reachable and serves at least one model."""
+        """GET /ready: the control-plane is reachable and serves at least one model; the body also
+        counts the connections up to the worker (files and batches need one; null: none configured)."""
         upstream = self.edge.upstream
         reason = ""
         models: dict[str, pb.ModelInfo] = {}
@@ -416,6 +417,8 @@ class _Api:
                 reason = "no model is served: no node is ready"
         body = {"status": "not ready" if reason else "ready", "reason": reason or None, "models": len(models)}
         body["control_plane_connections"] = upstream.connected
+        worker = self.edge.worker
+        body["worker_connections"] = worker.connected if worker is not None and worker.address else None
         return Response(shape.json_bytes(body), status_code=503 if reason else 200, media_type=JSON)
 
     async def prometheus(self) -> Response:

@@ -203,6 +203,11 @@ class Stack:
         command = [*IOP, "nodes", *args, "--control-plane", f"127.0.0.1:{self.cp_port}", "--certs", str(self.certs)]
         return subprocess.run(command, capture_output=True, text=True, timeout=30, check=True)
 
+    def worker_connected(self) -> bool:
+        """The edge has a connection up to its worker (``/ready`` counts them)."""
+        response = httpx.get(self.base_url.removesuffix("/v1") + "/ready", timeout=5)
+        return bool(response.json().get("worker_connections"))
+
     def served(self) -> set[str]:
         response = httpx.get(f"{self.base_url}/models", headers={"authorization": f"Bearer {self.key}"}, timeout=5)
         return {model["id"] for model in response.json().get("data", [])} if response.status_code == 200 else set()
@@ -356,6 +361,8 @@ def running_stack(
         models = {route["model"] for routes in nodes.values() for route in routes}
         stopping.callback(stack.close)
         wait_for(lambda: models <= stack.served(), START_TIMEOUT, 0.05, f"the edge serving {sorted(models)}")
+        if worker_process is not None:  # else the first file or batch request may meet a 503
+            wait_for(stack.worker_connected, START_TIMEOUT, 0.05, "the edge's connection to the worker")
         yield stack
 
 

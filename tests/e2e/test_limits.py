@@ -64,7 +64,7 @@ def test_a_full_queue_is_429_with_retry_after_and_a_passed_deadline_504(one_slot
     holder = threading.Thread(target=hold)
     started = time.monotonic()
     holder.start()
-    time.sleep(0.5)  # the holder's run has the slot by now (it takes it within milliseconds)
+    wait_for(lambda: one_slot.running("mock-one"), 5, 0.01, "the holder's run on the node's only slot")
     with one_slot.http() as http:
         response = http.post("/chat/completions", json=_chat())
         error = _error(response, 429, "queue_full")
@@ -117,6 +117,21 @@ def test_a_request_head_slower_than_header_timeout_closes_its_connection(one_slo
     assert _refused(one_slot, "header_timeout") == before + 2
 
 
+def test_the_head_timeout_applies_to_every_request_of_a_keep_alive_connection(one_slot: Stack) -> None:
+    before = _refused(one_slot, "header_timeout")
+    with socket.create_connection(("127.0.0.1", one_slot.edge_port)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        sock.settimeout(5)
+        answer = b""
+        while not answer.endswith(b'{"status":"ok"}'):
+            answer += sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200 OK"), answer
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nx-pad: ")  # half of a second request's head
+        closed = _closed_after(sock, b"")
+    assert 0.9 <= closed < 3.0, closed  # http.header_timeout is 1 s
+    assert _refused(one_slot, "header_timeout") == before + 1
+
+
 def test_a_request_body_slower_than_body_timeout_is_408(one_slot: Stack) -> None:
     before = _refused(one_slot, "body_timeout")
     body = json.dumps(_chat()).encode()
@@ -148,7 +163,7 @@ def test_a_body_still_arriving_holds_its_keys_concurrency_slot(stack: Stack) -> 
     secret = stack.new_key("one-at-a-time", max_concurrent=1)
     body = json.dumps({"model": "mock-small", "messages": [{"role": "user", "content": "hello"}]}).encode()
     with stack.http(secret) as http:
-        wait_for(lambda: http.get("/models").status_code == 200, 5, 0.05, "the key loaded by the edge")
+        wait_for(lambda: http.get("/models").status_code == 200, 10, 0.05, "the key loaded by the edge")
         head = (
             "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
             f"authorization: Bearer {secret}\r\ncontent-length: {len(body)}\r\n\r\n"
@@ -160,9 +175,10 @@ def test_a_body_still_arriving_holds_its_keys_concurrency_slot(stack: Stack) -> 
                 response = http.post("/chat/completions", content=body)
                 return response if response.status_code == 429 else None
 
-            error = _error(wait_for(refused, 5, 0.05, "a second request refused"), 429, "rate_limit_exceeded")
+            error = _error(wait_for(refused, 10, 0.05, "a second request refused"), 429, "rate_limit_exceeded")
             assert "max_concurrent" in error["message"]
             slow.sendall(body[10:])
             slow.settimeout(10)
-            assert slow.recv(65536).startswith(b"HTTP/1.1 200 OK")
-        wait_for(lambda: http.post("/chat/completions", content=body).status_code == 200, 5, 0.05, "the slot freed")
+            answer = slow.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200 OK"), answer
+        wait_for(lambda: http.post("/chat/completions", content=body).status_code == 200, 10, 0.05, "the slot freed")
