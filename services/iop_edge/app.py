@@ -12,10 +12,12 @@ error is a final ``data: {"error": ...}`` event. A client that goes away, stream
 cancels its run.
 
 Headers: ``x-request-id`` is the run id; ``x-iop-overhead-ms`` is the time spent inside IOP:
-for a whole answer, the time from the request's arrival to its answer minus the node's
-``generation`` time (its adapter's start to the run's end, which holds the backend's work);
-for a stream, the time from the request's arrival to the run's ``start`` event (the node has
-sent its backend request by then), as headers leave before the rest is known.
+for a whole answer, the time from the request's arrival to its answer minus the run's
+``generation`` time, which is the backend's own time (for an HTTP backend, as the node's client
+saw it: from its request written to the response's last byte read; so the node's own work on
+the backend's answer counts as IOP's); for a stream, the time from the request's arrival to the
+run's ``start`` event (the node has sent its backend request by then), as headers leave before
+the rest is known.
 """
 
 from __future__ import annotations
