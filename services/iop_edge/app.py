@@ -40,6 +40,7 @@ from iop_edge.access import JSON, authenticate, caller_of, error_response, read_
 from iop_edge.batches import BatchRoutes
 from iop_edge.edge import Edge
 from iop_edge.files import FileRoutes
+from iop_edge.head import ARRIVED
 from iop_edge.keys import ApiKey, Lease, LimitExceeded
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import ConnectionClosed, IopError
@@ -58,6 +59,7 @@ class _Call:
 
     route: str
     received: float
+    """When the request's first byte was read (perf_counter)."""
     run_id: str
     key: ApiKey | None
     lease: Lease | None = None
@@ -124,7 +126,7 @@ class _Api:
         route: str,
         handle: Callable[[Request, _Call, dict[str, Any]], Awaitable[Response]],
     ) -> Response:
-        call = _Call(route, time.perf_counter(), secrets.token_hex(12), None)
+        call = _Call(route, request.scope.get(ARRIVED) or time.perf_counter(), secrets.token_hex(12), None)
         edge = self.edge
         streaming = False
         try:

@@ -17,6 +17,7 @@ logged (at most once a second per limit).
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,10 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from iop_edge.refusals import Refusals
 from iop_wire.openai.errors import ApiError
 
-__all__ = ["HeadLimits", "head_protocol"]
+__all__ = ["ARRIVED", "HeadLimits", "head_protocol"]
+
+ARRIVED = "iop.arrived"
+"""ASGI scope key: when the request's first byte was read (perf_counter), the start of x-iop-overhead-ms."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +77,7 @@ def head_protocol(limits: HeadLimits, refusals: Refusals) -> type[asyncio.Protoc
             if self._refused:
                 return
             super().on_message_begin()
+            self.scope[ARRIVED] = time.perf_counter()  # type: ignore[literal-required]  # an extension key
             self._in_head, self._header_count = True, 0
             if self._head_timer is None:
                 self._arm()
