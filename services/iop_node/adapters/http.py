@@ -40,7 +40,17 @@ from iop_node.adapters.shapes import capped, protocol_error
 from iop_node.domain import ExecutionSpec, RunKind
 from iop_wire.errors import IopError
 
-__all__ = ["KINDS", "Backend", "BackendTime", "Backends", "Endpoint", "HttpOptions", "HttpStatusError", "Timeouts", "check_kind"]
+__all__ = [
+    "KINDS",
+    "Backend",
+    "BackendTime",
+    "Backends",
+    "Endpoint",
+    "HttpOptions",
+    "HttpStatusError",
+    "Timeouts",
+    "check_kind",
+]
 
 _log = structlog.get_logger("iop.node.http")
 _STATUS_CODES = {
