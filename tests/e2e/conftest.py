@@ -203,6 +203,15 @@ class Stack:
         command = [*IOP, "nodes", *args, "--control-plane", f"127.0.0.1:{self.cp_port}", "--certs", str(self.certs)]
         return subprocess.run(command, capture_output=True, text=True, timeout=30, check=True)
 
+    def edge_metric(self, series: str) -> float:
+        """The value of one series of the edge's /metrics (``name{labels}`` as printed; 0 when absent)."""
+        text = httpx.get(self.base_url.removesuffix("/v1") + "/metrics", timeout=5).text
+        return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(series + " ")), 0.0)
+
+    def refused(self, limit: str) -> float:
+        """The edge's ``iop_edge_refused_total`` for ``limit``."""
+        return self.edge_metric(f'iop_edge_refused_total{{limit="{limit}"}}')
+
     def worker_connected(self) -> bool:
         """The edge has a connection up to its worker (``/ready`` counts them)."""
         response = httpx.get(self.base_url.removesuffix("/v1") + "/ready", timeout=5)

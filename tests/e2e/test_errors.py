@@ -255,16 +255,10 @@ def test_a_chat_over_the_platform_limit_is_413_in_terms_of_the_request(stack: St
     _still_serving(stack)
 
 
-def _metric(stack: Stack, line_start: str) -> float:
-    with stack.http() as http:
-        text = http.get(stack.base_url.removesuffix("/v1") + "/metrics").text
-    return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(line_start)), 0.0)
-
-
 def test_a_client_gone_mid_body_is_counted_not_a_traceback(stack: Stack) -> None:
     assert stack.edge is not None
     counted = 'iop_edge_client_disconnects_total{route="chat.completions"}'
-    before = _metric(stack, counted)
+    before = stack.edge_metric(counted)
     logged = len(stack.edge.log.read_bytes())
     head = (
         "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
@@ -272,7 +266,7 @@ def test_a_client_gone_mid_body_is_counted_not_a_traceback(stack: Stack) -> None
     )
     with socket.create_connection(("127.0.0.1", stack.edge_port)) as sock:
         sock.sendall(head.encode() + b'{"model": "mock-small", ')
-    wait_for(lambda: _metric(stack, counted) == before + 1, 5, 0.05, "the departure counted")
+    wait_for(lambda: stack.edge_metric(counted) == before + 1, 5, 0.05, "the departure counted")
     log = stack.edge.log.read_bytes()[logged:]
     assert b"Traceback" not in log and b"error" not in log.lower(), log[-2000:]
     _still_serving(stack)
