@@ -63,7 +63,11 @@ class _Call:
     run_id: str
     key: ApiKey | None
     lease: Lease | None = None
+    requested: str = ""
+    """The model the request named."""
     model: str = ""
+    """The model once a run of it started (a model the platform serves): the metrics' label, so a
+    client naming random models adds no series."""
     tokens: int = 0
 
 
@@ -237,8 +241,8 @@ class _Api:
         return run
 
     async def _open(self, call: _Call, run: pb.RunRequest) -> RunStream:
-        """The run submitted; its model is the request's from now on (a model the platform knows:
-        metrics are labelled with it, so a client naming random models adds no series)."""
+        """The run submitted (413 in the request's terms when it is more than a run carries)."""
+        call.requested = run.model
         try:
             stream = await self.edge.upstream.open_run(run)
         except IopError as exc:
@@ -248,7 +252,6 @@ class _Api:
         except ConnectionClosed:
             message = f"the control-plane at {self.edge.upstream.address} is not reachable"
             raise ApiError(503, message, code="service_unavailable", retry_after=1.0) from None
-        call.model = run.model
         return stream
 
     async def _open_all(self, call: _Call, runs: list[pb.RunRequest]) -> list[RunStream]:
@@ -269,6 +272,8 @@ class _Api:
         """A run's events gathered until it ends; the run is cancelled if the client goes away first."""
         async with self._departure(request, call, stream):
             start, end = await shape.gather(stream, outcome)
+        if start.ByteSize():
+            call.model = call.requested
         if end is None:
             raise ApiError(502, "the run ended without a result", code="backend_error")
         if end.HasField("error"):
@@ -288,6 +293,7 @@ class _Api:
                 kind = event.WhichOneof("event")
                 if kind == "start":
                     started_at = time.perf_counter()
+                    call.model = call.requested
                 elif kind == "error":
                     raise from_event(event)
                 if kind in ("delta", "complete"):

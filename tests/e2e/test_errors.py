@@ -270,3 +270,17 @@ def test_a_client_gone_mid_body_is_counted_not_a_traceback(stack: Stack) -> None
     log = stack.edge.log.read_bytes()[logged:]
     assert b"Traceback" not in log and b"error" not in log.lower(), log[-2000:]
     _still_serving(stack)
+
+
+def test_models_no_node_serves_add_no_metric_series(stack: Stack) -> None:
+    with stack.http() as http:
+        for index in range(3):
+            _error(
+                http.post("/chat/completions", json=_chat(model=f"made-up-{index}")),
+                404,
+                param=ANY,
+                code="model_not_found",
+            )
+        metrics = http.get(stack.base_url.removesuffix("/v1") + "/metrics").text
+    assert "made-up" not in metrics  # a client naming random models cannot grow the edge's memory
+    assert 'model="mock-small"' in metrics
