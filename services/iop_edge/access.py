@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 from fastapi import Request
 from fastapi.responses import Response
+from starlette.requests import ClientDisconnect
 
+from iop_edge.edge import Edge
 from iop_edge.keys import ApiKey, KeyStore
 from iop_wire.openai.errors import ApiError
 from iop_wire.openai.responses import json_bytes
-
-if TYPE_CHECKING:
-    from iop_edge.app import Edge
 
 __all__ = ["JSON", "authenticate", "error_response", "read_body", "serve_json"]
 
@@ -73,7 +72,8 @@ async def serve_json(
 
 async def read_body(request: Request, limit: int, timeout: float) -> bytes:
     """The whole request body; 413 once it is over ``limit`` bytes (declared or read), 408 when it
-    has not all arrived ``timeout`` seconds after the handler started reading it."""
+    has not all arrived ``timeout`` seconds after the handler started reading it, 499 when the
+    client went away before sending it all."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is {declared} bytes, over this edge's limit of {limit}")
@@ -89,4 +89,6 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
         _log.warning("request body too slow", path=request.url.path, received=size, timeout=timeout)
         message = f"the request body did not arrive within {timeout:g} s (http.body_timeout); {size} bytes came"
         raise ApiError(408, message, code="timeout") from None
+    except ClientDisconnect:
+        raise ApiError(499, "the client closed the request before sending its whole body", code="cancelled") from None
     return b"".join(chunks)

@@ -12,10 +12,12 @@ error is a final ``data: {"error": ...}`` event. A client that goes away, stream
 cancels its run.
 
 Headers: ``x-request-id`` is the run id; ``x-iop-overhead-ms`` is the time spent inside IOP:
-for a whole answer, the time from the request's arrival to its answer minus the node's
-``generation`` time (its adapter's start to the run's end, which holds the backend's work);
-for a stream, the time from the request's arrival to the run's ``start`` event (the node has
-sent its backend request by then), as headers leave before the rest is known.
+for a whole answer, the time from the request's arrival to its answer minus the run's
+``generation`` time, which is the backend's own time (for an HTTP backend, as the node's client
+saw it: from its request written to the response's last byte read; so the node's own work on
+the backend's answer counts as IOP's); for a stream, the time from the request's arrival to the
+run's ``start`` event (the node has sent its backend request by then), as headers leave before
+the rest is known.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import contextlib
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -36,13 +38,13 @@ from starlette.types import Receive, Scope, Send
 
 from iop_edge.access import JSON, authenticate, caller_of, error_response, read_body
 from iop_edge.batches import BatchRoutes
+from iop_edge.edge import Edge
 from iop_edge.files import FileRoutes
-from iop_edge.keys import ApiKey, KeyStore, Lease, Limiter, LimitExceeded
-from iop_edge.metrics import EdgeMetrics
-from iop_edge.settings import Settings
-from iop_edge.upstream import Pool, Upstream
+from iop_edge.head import ARRIVED
+from iop_edge.keys import ApiKey, Lease, LimitExceeded
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import ConnectionClosed, IopError
+from iop_wire.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_wire.openai import requests as parse
 from iop_wire.openai import responses as shape
 from iop_wire.openai.errors import ApiError, from_event, from_iop
@@ -51,31 +53,21 @@ from iop_wire.runs import RunStream
 __all__ = ["Edge", "build_app"]
 
 
-@dataclass
-class Edge:
-    """What the routes share: settings, the control-plane and worker pools, keys, limits, metrics."""
-
-    settings: Settings
-    upstream: Upstream
-    metrics: EdgeMetrics
-    worker: Pool | None = None
-    """The worker's pool (files and batches); None: those endpoints answer 503."""
-    keys: KeyStore | None = None
-    limiter: Limiter = field(default_factory=Limiter)
-    started: int = field(default_factory=lambda: int(time.time()))
-    in_flight: int = 0
-
-
 @dataclass(slots=True)
 class _Call:
     """One request being served."""
 
     route: str
     received: float
+    """When the request's first byte was read (perf_counter)."""
     run_id: str
     key: ApiKey | None
     lease: Lease | None = None
+    requested: str = ""
+    """The model the request named."""
     model: str = ""
+    """The model once a run of it started (a model the platform serves): the metrics' label, so a
+    client naming random models adds no series."""
     tokens: int = 0
 
 
@@ -138,7 +130,7 @@ class _Api:
         route: str,
         handle: Callable[[Request, _Call, dict[str, Any]], Awaitable[Response]],
     ) -> Response:
-        call = _Call(route, time.perf_counter(), secrets.token_hex(12), None)
+        call = _Call(route, request.scope.get(ARRIVED) or time.perf_counter(), secrets.token_hex(12), None)
         edge = self.edge
         streaming = False
         try:
@@ -150,8 +142,8 @@ class _Api:
             self.metrics.in_flight.inc()
             try:
                 call.key = self._authenticate(request)
-                data = parse.parse_body(await self._body(request))
-                call.model = str(data.get("model") or "")
+                self._admit(call)  # before the body: one still arriving holds its key's slot too
+                data = parse.parse_body(await self._body(request, call.route))
                 response = await handle(request, call, data)
                 streaming = isinstance(response, _EventStream)
             finally:
@@ -175,7 +167,7 @@ class _Api:
         chat = parse.chat_request(data, call.run_id)
         run = self._prepared(call, chat.request)
         run.stream = chat.stream
-        stream = await self._open(run)
+        stream = await self._open(call, run)
         if chat.stream:
             return await self._chat_stream(request, call, stream, chat.include_usage)
         outcome = shape.Outcome()
@@ -190,9 +182,9 @@ class _Api:
         if completion.stream:
             if len(runs) > 1:
                 raise ApiError(400, "stream with more than one prompt is not supported", param="prompt")
-            stream = await self._open(runs[0])
+            stream = await self._open(call, runs[0])
             return await self._completion_stream(request, call, stream, completion.include_usage)
-        streams = [await self._open(run) for run in runs]
+        streams = await self._open_all(call, runs)
         outcomes = [shape.Outcome() for _ in runs]
         results = await asyncio.gather(
             *(self._collect(request, call, s, o) for s, o in zip(streams, outcomes, strict=True)),
@@ -216,7 +208,7 @@ class _Api:
         embedding = parse.embedding_request(data, call.run_id)
         run = self._prepared(call, embedding.request)
         outcome = shape.Outcome()
-        start, complete = await self._collect(request, call, await self._open(run), outcome)
+        start, complete = await self._collect(request, call, await self._open(call, run), outcome)
         body = shape.embedding_body(
             start.model or run.model,
             outcome.embeddings,
@@ -228,30 +220,51 @@ class _Api:
 
     # -- runs ---------------------------------------------------------------------------------
 
+    def _admit(self, call: _Call) -> None:
+        """The key's limits taken for the request (429 over them); released when it ends."""
+        if call.key is None:
+            return
+        try:
+            call.lease = self.edge.limiter.acquire(call.key)
+        except LimitExceeded as exc:
+            self.metrics.refused.labels(exc.limit).inc()
+            raise ApiError(429, exc.message, code="rate_limit_exceeded", retry_after=exc.retry_after) from None
+
     def _prepared(self, call: _Call, run: pb.RunRequest) -> pb.RunRequest:
-        """The run with its caller (the key) and deadline; the key's limits taken (429 over them)."""
+        """The run with its caller (the key) and deadline."""
         key = call.key
         run.caller.id = caller_of(key)
         if key is not None:
             run.caller.api_key_id = key.key_id
         run.deadline.FromNanoseconds(time.time_ns() + int(self.settings.request_timeout * 1e9))
         run.metadata["request_id"] = call.run_id
-        if key is not None and call.lease is None:
-            try:
-                call.lease = self.edge.limiter.acquire(key)
-            except LimitExceeded as exc:
-                self.metrics.refused.labels(exc.limit).inc()
-                raise ApiError(429, exc.message, code="rate_limit_exceeded", retry_after=exc.retry_after) from None
         return run
 
-    async def _open(self, run: pb.RunRequest) -> RunStream:
+    async def _open(self, call: _Call, run: pb.RunRequest) -> RunStream:
+        """The run submitted (413 in the request's terms when it is more than a run carries)."""
+        call.requested = run.model
         try:
-            return await self.edge.upstream.open_run(run)
+            stream = await self.edge.upstream.open_run(run)
         except IopError as exc:
+            if exc.code == pb.ERROR_CODE_FRAME_TOO_LARGE:
+                raise _too_large(run) from None
             raise from_iop(exc) from None
         except ConnectionClosed:
             message = f"the control-plane at {self.edge.upstream.address} is not reachable"
             raise ApiError(503, message, code="service_unavailable", retry_after=1.0) from None
+        return stream
+
+    async def _open_all(self, call: _Call, runs: list[pb.RunRequest]) -> list[RunStream]:
+        """Every run submitted, or none: those opened before one that fails are cancelled."""
+        streams: list[RunStream] = []
+        try:
+            for run in runs:
+                streams.append(await self._open(call, run))  # noqa: PERF401 - those opened before a failure are cancelled
+        except BaseException:
+            for stream in streams:
+                stream.cancel_nowait("another prompt of the request could not start")
+            raise
+        return streams
 
     async def _collect(
         self, request: Request, call: _Call, stream: RunStream, outcome: shape.Outcome
@@ -259,6 +272,8 @@ class _Api:
         """A run's events gathered until it ends; the run is cancelled if the client goes away first."""
         async with self._departure(request, call, stream):
             start, end = await shape.gather(stream, outcome)
+        if start.ByteSize():
+            call.model = call.requested
         if end is None:
             raise ApiError(502, "the run ended without a result", code="backend_error")
         if end.HasField("error"):
@@ -278,6 +293,7 @@ class _Api:
                 kind = event.WhichOneof("event")
                 if kind == "start":
                     started_at = time.perf_counter()
+                    call.model = call.requested
                 elif kind == "error":
                     raise from_event(event)
                 if kind in ("delta", "complete"):
@@ -342,12 +358,15 @@ class _Api:
     def _authenticate(self, request: Request) -> ApiKey | None:
         return authenticate(self.edge.keys, request)
 
-    async def _body(self, request: Request) -> bytes:
+    async def _body(self, request: Request, route: str) -> bytes:
         http = self.settings.http
         try:
             return await read_body(request, http.max_body_bytes, http.body_timeout)
         except ApiError as error:
-            self.metrics.refused.labels("body_timeout" if error.status == 408 else "body_size").inc()
+            if error.status == 499:
+                self.metrics.cancelled.labels(route).inc()
+            else:
+                self.metrics.refused.labels("body_timeout" if error.status == 408 else "body_size").inc()
             raise
 
     # -- models, health, metrics --------------------------------------------------------------
@@ -392,7 +411,8 @@ class _Api:
         return Response(b'{"status":"ok"}', media_type=JSON)
 
     async def ready(self) -> Response:
-        """GET /ready: the control-plane is reachable and serves at least one model."""
+        """GET /ready: the control-plane is reachable and serves at least one model; the body also
+        counts the connections up to the worker (files and batches need one; null: none configured)."""
         upstream = self.edge.upstream
         reason = ""
         models: dict[str, pb.ModelInfo] = {}
@@ -407,6 +427,8 @@ class _Api:
                 reason = "no model is served: no node is ready"
         body = {"status": "not ready" if reason else "ready", "reason": reason or None, "models": len(models)}
         body["control_plane_connections"] = upstream.connected
+        worker = self.edge.worker
+        body["worker_connections"] = worker.connected if worker is not None and worker.address else None
         return Response(shape.json_bytes(body), status_code=503 if reason else 200, media_type=JSON)
 
     async def prometheus(self) -> Response:
@@ -564,3 +586,12 @@ async def _disconnected(receive: Receive) -> None:
         message = await receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _too_large(run: pb.RunRequest) -> ApiError:
+    """413 for a request the platform cannot carry, in the request's terms (not the wire's frames)."""
+    message = (
+        f"the request is too large: {run.ByteSize()} bytes once encoded, over the {DEFAULT_MAX_FRAME_SIZE} "
+        "bytes one request may carry to a model; send a shorter request"
+    )
+    return ApiError(413, message, code="request_too_large")

@@ -23,7 +23,7 @@ from iop_wire.openai import requests as parse
 from iop_wire.openai.errors import ApiError
 
 if TYPE_CHECKING:
-    from iop_edge.app import Edge
+    from iop_edge.edge import Edge
 
 __all__ = ["ENDPOINTS", "BatchRoutes", "batch_object", "batch_request"]
 

@@ -34,7 +34,7 @@ from iop_wire.connection import Connection
 from iop_wire.openai.errors import ApiError
 
 if TYPE_CHECKING:
-    from iop_edge.app import Edge
+    from iop_edge.edge import Edge
 
 __all__ = ["FileRoutes", "check_purpose", "file_object", "list_object", "page_limit", "seconds"]
 

@@ -19,10 +19,12 @@ from pathlib import Path
 import structlog
 import uvicorn
 
-from iop_edge.app import Edge, build_app
-from iop_edge.head_timeout import header_timeout_protocol
+from iop_edge.app import build_app
+from iop_edge.edge import Edge
+from iop_edge.head import HeadLimits, head_protocol
 from iop_edge.keys import KeyStore
 from iop_edge.metrics import EdgeMetrics
+from iop_edge.refusals import Refusals
 from iop_edge.settings import Settings, StartError, load_settings
 from iop_edge.upstream import Upstream, worker_pool
 from iop_wire.metrics import expose
@@ -71,6 +73,11 @@ def _bind(settings: Settings) -> socket.socket:
     return sock
 
 
+def _head_limits(settings: Settings) -> HeadLimits:
+    http = settings.http
+    return HeadLimits(timeout=http.header_timeout, max_bytes=http.max_head_bytes, max_headers=http.max_headers)
+
+
 async def _serve(settings: Settings, ready_file: Path | None) -> int:
     sock = _bind(settings)  # first: a port in use is the only line printed
     metrics = EdgeMetrics()
@@ -101,7 +108,7 @@ async def _serve(settings: Settings, ready_file: Path | None) -> int:
         uvicorn.Config(
             build_app(edge),
             loop="none",
-            http=header_timeout_protocol(settings.http.header_timeout, metrics),
+            http=head_protocol(_head_limits(settings), Refusals(metrics)),
             lifespan="off",
             log_config=None,
             access_log=False,

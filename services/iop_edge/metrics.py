@@ -39,7 +39,7 @@ class EdgeMetrics:
         self.refused = Counter(
             "iop_edge_refused_total",
             "Requests refused by an edge limit, by limit (in_flight, body_size, rpm, tpm, max_concurrent,"
-            " file_size, header_timeout, body_timeout).",
+            " file_size, header_timeout, head_size, header_count, body_timeout).",
             ["limit"],
             registry=self.registry,
         )

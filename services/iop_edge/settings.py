@@ -49,6 +49,11 @@ class HttpSettings(_Section):
     header_timeout: float = Field(10.0, gt=0)
     """Seconds a request's head (request line and headers) may take to arrive, from the
     connection's opening or the request's first byte; a slower client's connection is closed."""
+    max_head_bytes: int = Field(64 * 1024, ge=1024)
+    """Largest request head (request line and headers); a larger one is answered 431 and its
+    connection closed. (nginx allows 32 KiB of headers by default, Node.js 16 KiB.)"""
+    max_headers: int = Field(100, ge=10)
+    """Most headers in one request; more are answered 431 and the connection closed (Apache's default)."""
     max_file_bytes: int = Field(512 * 1024 * 1024, ge=1)
     """Largest file POST /v1/files takes (streamed to the worker, never held); a larger one is answered 413."""
 

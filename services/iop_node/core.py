@@ -109,7 +109,10 @@ class MeteredSink:
             self._record.extra[key] = value
 
     def _timings(self, reported: pb.Timings | None) -> pb.Timings:
-        """The backend's timings where it reported them, the node's own measurements otherwise."""
+        """The backend's timings where it reported them, the node's own measurements otherwise.
+
+        Each reported field replaces the node's whole (MergeFrom would merge the Durations' fields,
+        keeping the node's seconds beside the backend's nanoseconds)."""
         record, timings = self._record, pb.Timings()
         assert record.received_at is not None and record.started_at is not None
         timings.queued.FromTimedelta(record.started_at - record.received_at)
@@ -117,7 +120,8 @@ class MeteredSink:
             timings.time_to_first_token.FromTimedelta(record.first_token_at - record.started_at)
         timings.generation.FromTimedelta(_now() - record.started_at)
         if reported is not None:
-            timings.MergeFrom(reported)
+            for field, value in reported.ListFields():
+                getattr(timings, field.name).CopyFrom(value)
         return timings
 
 

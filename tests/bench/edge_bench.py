@@ -7,7 +7,8 @@ process. On 2 cores everything shares the machine, as it would on the target hos
 table; asserts nothing.
 
 Rows: added latency at concurrency 1 (non-streaming, p50 and p99; streaming time to first
-token, p50), measured in alternating blocks against the upstream directly; streaming throughput
+token, p50), measured in alternating blocks against the upstream directly; the median of the
+edge's x-iop-overhead-ms header beside the added median it claims to report; streaming throughput
 at concurrency 64 (64 tokens each); non-streaming requests/s at concurrency 64; the edge's RSS
 with 1,000 streams open; CPU per streamed token of each service at real pacing (256 streams,
 the upstream sending 50 tokens/s each).
@@ -41,6 +42,8 @@ LATENCY_BLOCKS, LATENCY_BLOCK = 8, 50
 THROUGHPUT_SECONDS = 5.0
 PACED_STREAMS, PACE, PACED_SECONDS = 256, 50, 4.0
 OPEN_STREAMS = 1000
+LATENCY_ONLY = "--latency" in sys.argv
+"""``python edge_bench.py --latency``: the latency rows alone (a minute instead of several)."""
 
 
 def _rss_mb(pid: int) -> float:
@@ -138,12 +141,17 @@ def _body(tokens: int, *, stream: bool) -> bytes:
     return json.dumps(body).encode()
 
 
-async def _whole(session: aiohttp.ClientSession, url: str, headers: dict[str, str], body: bytes) -> float:
+async def _whole(
+    session: aiohttp.ClientSession, url: str, headers: dict[str, str], body: bytes, overheads: list[float] | None = None
+) -> float:
+    """Seconds to the whole answer; its x-iop-overhead-ms (seconds) appended to ``overheads``."""
     started = time.perf_counter()
     async with session.post(url, data=body, headers=headers) as response:
         await response.read()
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+        if overheads is not None:
+            overheads.append(float(response.headers["x-iop-overhead-ms"]) / 1000)
     return time.perf_counter() - started
 
 
@@ -176,7 +184,7 @@ async def _latency(edge: str, direct: str, key: str) -> list[tuple[str, str]]:
     auth = {"authorization": f"Bearer {key}", "content-type": "application/json"}
     plain = {"content-type": "application/json"}
     whole, stream = _body(16, stream=False), _body(16, stream=True)
-    samples: dict[str, list[float]] = {"iop": [], "direct": [], "iop_ttft": [], "direct_ttft": []}
+    samples: dict[str, list[float]] = {"iop": [], "direct": [], "iop_ttft": [], "direct_ttft": [], "header": []}
     async with aiohttp.ClientSession() as session:
         for _ in range(30):  # warm up both paths
             await _whole(session, edge, auth, whole)
@@ -184,8 +192,9 @@ async def _latency(edge: str, direct: str, key: str) -> list[tuple[str, str]]:
         for block in range(LATENCY_BLOCKS):
             order = [("iop", edge, auth), ("direct", direct, plain)]
             for name, url, headers in order if block % 2 == 0 else reversed(order):
+                overheads = samples["header"] if name == "iop" else None
                 for _ in range(LATENCY_BLOCK):
-                    samples[name].append(await _whole(session, url, headers, whole))
+                    samples[name].append(await _whole(session, url, headers, whole, overheads))
                     samples[f"{name}_ttft"].append(await _first_token(session, url, headers, stream))
     runs = LATENCY_BLOCKS * LATENCY_BLOCK
 
@@ -195,12 +204,17 @@ async def _latency(edge: str, direct: str, key: str) -> list[tuple[str, str]]:
     added50 = pct(samples["iop"], 0.5) - pct(samples["direct"], 0.5)
     added99 = pct(samples["iop"], 0.99) - pct(samples["direct"], 0.99)
     ttft = pct(samples["iop_ttft"], 0.5) - pct(samples["direct_ttft"], 0.5)
+    header = pct(samples["header"], 0.5)
     return [
         (
             f"non-streaming at concurrency 1, p50 IOP / direct ({runs} each, 16 tokens)",
             f"{pct(samples['iop'], 0.5):.2f} / {pct(samples['direct'], 0.5):.2f} ms",
         ),
         ("added latency, non-streaming, concurrency 1: p50 / p99", f"{added50:.2f} / {added99:.2f} ms"),
+        (
+            "x-iop-overhead-ms p50 / added p50, non-streaming (target: within 20%)",
+            f"{header:.2f} / {added50:.2f} ms ({header / added50:.0%})",
+        ),
         ("added time to first token, streaming, concurrency 1: p50", f"{ttft:.2f} ms"),
     ]
 
@@ -300,6 +314,9 @@ def main() -> None:
                 edge = f"http://127.0.0.1:{edge_port}/v1/chat/completions"
                 direct = f"http://127.0.0.1:{port}/v1/chat/completions"
                 rows += asyncio.run(_latency(edge, direct, key))
+                if LATENCY_ONLY:
+                    print_table(rows)
+                    return
                 rows += asyncio.run(_throughput(edge, key, pids))
         finally:
             fast.terminate()

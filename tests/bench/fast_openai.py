@@ -5,7 +5,8 @@
 POST /v1/chat/completions answers ``max_tokens`` SSE chunks, as fast as the socket takes them
 or, given TOKENS_PER_SECOND, one chunk at a time at that pace per stream (as real backends emit
 tokens), then a usage chunk and ``data: [DONE]``; with ``"stream": false``, one JSON
-chat.completion of ``max_tokens`` tokens at once. GET /v1/models lists one model. HTTP/1.1
+chat.completion of ``max_tokens`` tokens at once (given TOKENS_PER_SECOND, once they would have
+taken that long). GET /v1/models lists one model. HTTP/1.1
 keep-alive.
 """
 
@@ -52,6 +53,8 @@ def _whole(writer: asyncio.StreamWriter, count: int) -> None:
 async def _answer(writer: asyncio.StreamWriter, body: dict[str, object], pace: float) -> None:
     count = int(body.get("max_tokens") or 16)  # type: ignore[call-overload]
     if body.get("stream") is False:
+        if pace:  # as long as the tokens would take
+            await asyncio.sleep(count / pace)
         _whole(writer, count)
         await writer.drain()
         return

@@ -112,6 +112,8 @@ class Stack:
     """Workers started by :meth:`add_worker`, stopped with the stack."""
     control_plane: Process | None = None
     """The control-plane process (its port is pinned in its config: a restart binds ``cp_port`` again)."""
+    edge: Process | None = None
+    """The edge process."""
 
     @property
     def certs(self) -> Path:
@@ -200,6 +202,20 @@ class Stack:
         """An ``iop nodes ...`` admin command against the control-plane, with the admin certificate."""
         command = [*IOP, "nodes", *args, "--control-plane", f"127.0.0.1:{self.cp_port}", "--certs", str(self.certs)]
         return subprocess.run(command, capture_output=True, text=True, timeout=30, check=True)
+
+    def edge_metric(self, series: str) -> float:
+        """The value of one series of the edge's /metrics (``name{labels}`` as printed; 0 when absent)."""
+        text = httpx.get(self.base_url.removesuffix("/v1") + "/metrics", timeout=5).text
+        return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(series + " ")), 0.0)
+
+    def refused(self, limit: str) -> float:
+        """The edge's ``iop_edge_refused_total`` for ``limit``."""
+        return self.edge_metric(f'iop_edge_refused_total{{limit="{limit}"}}')
+
+    def worker_connected(self) -> bool:
+        """The edge has a connection up to its worker (``/ready`` counts them)."""
+        response = httpx.get(self.base_url.removesuffix("/v1") + "/ready", timeout=5)
+        return bool(response.json().get("worker_connections"))
 
     def served(self) -> set[str]:
         response = httpx.get(f"{self.base_url}/models", headers={"authorization": f"Bearer {self.key}"}, timeout=5)
@@ -350,10 +366,12 @@ def running_stack(
         for process in started.values():
             process.wait_ready()
         edge_port = int(edge.wait_ready()["port"])
-        stack = Stack(root, cp_port, edge_port, key, started, worker=worker_process, control_plane=cp)
+        stack = Stack(root, cp_port, edge_port, key, started, worker=worker_process, control_plane=cp, edge=edge)
         models = {route["model"] for routes in nodes.values() for route in routes}
         stopping.callback(stack.close)
         wait_for(lambda: models <= stack.served(), START_TIMEOUT, 0.05, f"the edge serving {sorted(models)}")
+        if worker_process is not None:  # else the first file or batch request may meet a 503
+            wait_for(stack.worker_connected, START_TIMEOUT, 0.05, "the edge's connection to the worker")
         yield stack
 
 

@@ -67,3 +67,23 @@ def test_disconnect_during_a_non_streaming_request_cancels_the_run(stack: Stack)
         wait_for(lambda: time.monotonic() - started > 0.3, 1, 0.05)  # a few tokens in: the adapter is generating
         gone = time.time()
     _cancelled(stack, gone=gone, caller="leaves-a-request")
+
+
+def test_a_prompt_that_cannot_start_cancels_the_prompts_started_before_it(stack: Stack) -> None:
+    big = "a" * (5 * 1024 * 1024)  # more than one run carries (4 MiB): its run cannot be sent
+    body = {"model": "mock-slow", "prompt": ["hello", big], "max_tokens": 1000}  # the first: 50 s of tokens
+    with stack.http() as http:
+        response = http.post("/completions", json=body)
+    refused = time.time()
+    assert response.status_code == 413, response.text
+    validate("ErrorResponse", response.json())
+    request_id = response.headers["x-request-id"]
+    # The first prompt's run is cancelled: at the control-plane before it reaches the node (no
+    # record), or on the node (recorded cancelled). Unfixed, it ran on for its 50 s.
+    record = None
+    while time.time() - refused < 3:
+        record = stack.run("node-a", request_id)
+        if record is not None and record["status"] != "running":
+            break
+        time.sleep(0.1)
+    assert record is None or record["status"] == "cancelled", record

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import math
+import socket
 from typing import Any
 
 import openai
@@ -180,3 +183,104 @@ def test_no_node_can_serve_the_model(stack: Stack) -> None:
         wait_for(lambda: "mock-small" in stack.served(), 10, 0.1, "served again")
         with stack.http() as http:
             wait_for(lambda: http.post("/chat/completions", json=_chat()).status_code == 200, 10, 0.1, "undrained")
+
+
+def _deep(levels: int) -> Any:
+    value: Any = 1
+    for _ in range(levels):
+        value = {"a": value}
+    return value
+
+
+_LONE = "\ud800"
+"""A lone surrogate: valid in JSON text (``"\\ud800"``), not Unicode text; protobuf cannot encode it."""
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ('{"model": "mock-small", "messages": ' + "[" * 100_000 + "]" * 100_000 + "}", "messages"),
+        (json.dumps(_chat(messages=[{"role": "user", "content": _LONE}])), "messages[0].content"),
+        (json.dumps(_chat(model="mock" + _LONE)), "model"),
+        (json.dumps(_chat(user=_LONE)), "user"),
+        (
+            json.dumps(_chat(messages=[{"role": "user", "content": [{"type": "text", "text": _LONE}]}])),
+            "messages[0].content[0].text",
+        ),
+        (json.dumps(_chat(tools=[{"type": "function", "function": {"name": "f", "parameters": _deep(40)}}])), ANY),
+        (json.dumps(_chat(logit_bias={"50256": math.nan})), "logit_bias.50256"),
+        (
+            json.dumps(_chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"x": math.inf}}}])),
+            "tools[0].function.parameters.x",
+        ),
+        (json.dumps(_chat(model="m" * 1_000_000)), "model"),
+    ],
+    ids=[
+        "nested-1e5",
+        "surrogate-content",
+        "surrogate-model",
+        "surrogate-user",
+        "surrogate-part",
+        "tools-40-deep",
+        "nan-logit-bias",
+        "inf-in-tools",
+        "1mb-model",
+    ],
+)
+def test_bodies_no_run_can_carry_are_400_naming_the_field(stack: Stack, body: str, param: Any) -> None:
+    assert stack.edge is not None
+    logged = len(stack.edge.log.read_bytes())
+    with stack.http() as http:
+        response = http.post("/chat/completions", content=body.encode(), headers={"content-type": "application/json"})
+    error = _error(response, 400, param=param, code="invalid_value")
+    if param is ANY:
+        assert error["param"].startswith("tools[0].function.parameters"), error
+    assert len(response.content) < 4096, "the bad value is not echoed whole"
+    log = stack.edge.log.read_bytes()[logged:]
+    assert b"Traceback" not in log and b"error" not in log.lower(), log[-2000:]
+    _still_serving(stack)
+
+
+def _still_serving(stack: Stack) -> None:
+    answer = stack.client().chat.completions.create(model="mock-small", messages=HELLO)
+    assert answer.choices[0].message.content
+
+
+def test_a_chat_over_the_platform_limit_is_413_in_terms_of_the_request(stack: Stack) -> None:
+    big = "a" * (5 * 1024 * 1024)  # under http.max_body_bytes (16 MiB), over what one run carries (4 MiB)
+    with stack.http() as http:
+        response = http.post("/chat/completions", json=_chat(messages=[{"role": "user", "content": big}]))
+    error = _error(response, 413, code="request_too_large")
+    assert "request" in error["message"] and "frame" not in error["message"], error
+    _still_serving(stack)
+
+
+def test_a_client_gone_mid_body_is_counted_not_a_traceback(stack: Stack) -> None:
+    assert stack.edge is not None
+    counted = 'iop_edge_client_disconnects_total{route="chat.completions"}'
+    before = stack.edge_metric(counted)
+    logged = len(stack.edge.log.read_bytes())
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"authorization: Bearer {stack.key}\r\ncontent-length: 1000\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", stack.edge_port)) as sock:
+        sock.sendall(head.encode() + b'{"model": "mock-small", ')
+    wait_for(lambda: stack.edge_metric(counted) == before + 1, 5, 0.05, "the departure counted")
+    log = stack.edge.log.read_bytes()[logged:]
+    assert b"Traceback" not in log and b"error" not in log.lower(), log[-2000:]
+    _still_serving(stack)
+
+
+def test_models_no_node_serves_add_no_metric_series(stack: Stack) -> None:
+    with stack.http() as http:
+        for index in range(3):
+            _error(
+                http.post("/chat/completions", json=_chat(model=f"made-up-{index}")),
+                404,
+                param=ANY,
+                code="model_not_found",
+            )
+        metrics = http.get(stack.base_url.removesuffix("/v1") + "/metrics").text
+    assert "made-up" not in metrics  # a client naming random models cannot grow the edge's memory
+    assert 'model="mock-small"' in metrics

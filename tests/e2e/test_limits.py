@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import Stack, running_stack
+from .conftest import Stack, running_stack, wait_for
 from .openai_schema import validate
 
 ONE_SLOT = [
@@ -64,7 +64,7 @@ def test_a_full_queue_is_429_with_retry_after_and_a_passed_deadline_504(one_slot
     holder = threading.Thread(target=hold)
     started = time.monotonic()
     holder.start()
-    time.sleep(0.5)  # the holder's run has the slot by now (it takes it within milliseconds)
+    wait_for(lambda: one_slot.running("mock-one"), 5, 0.01, "the holder's run on the node's only slot")
     with one_slot.http() as http:
         response = http.post("/chat/completions", json=_chat())
         error = _error(response, 429, "queue_full")
@@ -74,15 +74,6 @@ def test_a_full_queue_is_429_with_retry_after_and_a_passed_deadline_504(one_slot
     late = holding["response"]
     _error(late, 504, "timeout")  # the run outlived request_timeout: ended by its deadline
     assert time.monotonic() - started < 5
-
-
-def _refused(stack: Stack, limit: str) -> float:
-    with stack.http() as http:
-        text = http.get(stack.base_url.removesuffix("/v1") + "/metrics").text
-    for line in text.splitlines():
-        if line.startswith(f'iop_edge_refused_total{{limit="{limit}"}}'):
-            return float(line.split()[-1])
-    return 0.0
 
 
 def _closed_after(sock: socket.socket, trickle: bytes) -> float:
@@ -105,7 +96,7 @@ def _closed_after(sock: socket.socket, trickle: bytes) -> float:
 
 
 def test_a_request_head_slower_than_header_timeout_closes_its_connection(one_slot: Stack) -> None:
-    before = _refused(one_slot, "header_timeout")
+    before = one_slot.refused("header_timeout")
     address = ("127.0.0.1", one_slot.edge_port)
     with socket.create_connection(address) as silent, socket.create_connection(address) as trickler:
         head = b"GET /health HTTP/1.1\r\nhost: x\r\n" + b"x-pad: " + b"a" * 200
@@ -114,11 +105,26 @@ def test_a_request_head_slower_than_header_timeout_closes_its_connection(one_slo
         assert _closed_after(silent, b"") < 3.0  # connected and said nothing (opened before: already past 1 s)
         with one_slot.http() as http:  # everyone else is served meanwhile
             assert http.get(one_slot.base_url.removesuffix("/v1") + "/health").status_code == 200
-    assert _refused(one_slot, "header_timeout") == before + 2
+    assert one_slot.refused("header_timeout") == before + 2
+
+
+def test_the_head_timeout_applies_to_every_request_of_a_keep_alive_connection(one_slot: Stack) -> None:
+    before = one_slot.refused("header_timeout")
+    with socket.create_connection(("127.0.0.1", one_slot.edge_port)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        sock.settimeout(5)
+        answer = b""
+        while not answer.endswith(b'{"status":"ok"}'):
+            answer += sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200 OK"), answer
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nx-pad: ")  # half of a second request's head
+        closed = _closed_after(sock, b"")
+    assert 0.9 <= closed < 3.0, closed  # http.header_timeout is 1 s
+    assert one_slot.refused("header_timeout") == before + 1
 
 
 def test_a_request_body_slower_than_body_timeout_is_408(one_slot: Stack) -> None:
-    before = _refused(one_slot, "body_timeout")
+    before = one_slot.refused("body_timeout")
     body = json.dumps(_chat()).encode()
     head = (
         "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
@@ -141,4 +147,27 @@ def test_a_request_body_slower_than_body_timeout_is_408(one_slot: Stack) -> None
     validate("ErrorResponse", error)
     assert error["error"]["code"] == "timeout" and "body_timeout" in error["error"]["message"]
     assert 0.9 <= waited < 3.0
-    assert _refused(one_slot, "body_timeout") == before + 1
+    assert one_slot.refused("body_timeout") == before + 1
+
+
+def test_a_body_still_arriving_holds_its_keys_concurrency_slot(stack: Stack) -> None:
+    secret = stack.new_key("one-at-a-time", max_concurrent=1)
+    body = json.dumps({"model": "mock-small", "messages": [{"role": "user", "content": "hello"}]}).encode()
+    with stack.http(secret) as http:
+        wait_for(lambda: http.get("/models").status_code == 200, 10, 0.05, "the key loaded by the edge")
+        head = (
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            f"authorization: Bearer {secret}\r\ncontent-length: {len(body)}\r\n\r\n"
+        )
+        with socket.create_connection(("127.0.0.1", stack.edge_port)) as slow:
+            slow.sendall(head.encode() + body[:10])  # the body's rest comes later
+
+            # its handler has it (counted in flight, admitted in the same step) before a second is sent
+            wait_for(lambda: stack.edge_metric("iop_edge_requests_in_flight") == 1, 10, 0.02, "the slow request in")
+            error = _error(http.post("/chat/completions", content=body), 429, "rate_limit_exceeded")
+            assert "max_concurrent" in error["message"]
+            slow.sendall(body[10:])
+            slow.settimeout(10)
+            answer = slow.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200 OK"), answer
+        wait_for(lambda: http.post("/chat/completions", content=body).status_code == 200, 10, 0.05, "the slot freed")

@@ -26,6 +26,7 @@ import json
 import ssl
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import structlog
@@ -39,7 +40,17 @@ from iop_node.adapters.shapes import capped, protocol_error
 from iop_node.domain import ExecutionSpec, RunKind
 from iop_wire.errors import IopError
 
-__all__ = ["KINDS", "Backend", "Backends", "Endpoint", "HttpOptions", "HttpStatusError", "Timeouts", "check_kind"]
+__all__ = [
+    "KINDS",
+    "Backend",
+    "BackendTime",
+    "Backends",
+    "Endpoint",
+    "HttpOptions",
+    "HttpStatusError",
+    "Timeouts",
+    "check_kind",
+]
 
 _log = structlog.get_logger("iop.node.http")
 _STATUS_CODES = {
@@ -242,6 +253,24 @@ class Backend:
             self._probe.cancel()
 
 
+@dataclass(slots=True)
+class BackendTime:
+    """A backend's own time for one request, as the node's HTTP client sees it: from the request
+    written to the response's last byte read. The edge subtracts it from a request's time to tell
+    IOP's overhead (x-iop-overhead-ms), so the node's own work on the stream is not hidden in it."""
+
+    seconds: float | None = None
+    """None: the response did not end (or was not read to its end)."""
+
+    def timings(self) -> pb.Timings | None:
+        """Timings with ``generation`` the backend's time; None when unknown (the node measures it then)."""
+        if self.seconds is None:
+            return None
+        timings = pb.Timings()
+        timings.generation.FromNanoseconds(int(self.seconds * 1e9))
+        return timings
+
+
 class Endpoint:
     """A route's way to its backend: a pool for its TLS settings, its own key, timeouts and line cap."""
 
@@ -258,24 +287,28 @@ class Endpoint:
         async with await self._open("GET", path, None, only_if=only_if) as response:
             return await self._json(response)
 
-    async def post_json(self, path: str, body: dict[str, Any]) -> Any:
-        """POST ``body`` to ``path`` and return the JSON answer."""
+    async def post_json(self, path: str, body: dict[str, Any], *, timing: BackendTime | None = None) -> Any:
+        """POST ``body`` to ``path`` and return the JSON answer (the backend's time in ``timing``)."""
         self.backend.in_flight += 1
         try:
             async with await self._open("POST", path, body) as response:
-                return await self._json(response)
+                document = await self._json(response)
+                if timing is not None:
+                    timing.seconds = response.server_seconds
+                return document
         finally:
             self.backend.in_flight -= 1
 
     async def post_lines(
-        self, path: str, body: dict[str, Any], *, last: Callable[[bytes], bool]
+        self, path: str, body: dict[str, Any], *, last: Callable[[bytes], bool], timing: BackendTime | None = None
     ) -> AsyncGenerator[bytes, None]:
         """POST ``body`` and yield the response's non-empty lines as they arrive.
 
         ``last`` recognizes the stream's final line ([DONE], a done object): before that line is
         yielded, the few bytes left of the body are read, so that the connection can go back to
         the pool when the caller stops there. Leaving the iteration anywhere else (a cancel, an
-        error) closes the connection at once, so the backend sees it.
+        error) closes the connection at once, so the backend sees it. The backend's time is in
+        ``timing`` by the time the final line is yielded.
         """
         backend = self.backend
         backend.in_flight += 1
@@ -292,6 +325,8 @@ class Endpoint:
                             raise backend.error(exc) from None
                         if last(line):
                             await _read_to_end(response)
+                            if timing is not None:
+                                timing.seconds = response.server_seconds
                         yield line
                 finally:
                     await lines.aclose()

@@ -86,6 +86,10 @@ class _Connection(asyncio.Protocol):
         self.waiting_since = 0.0
         """When ``more()`` began waiting (loop time); 0 while it is not waiting."""
         self.timed_out: HttpError | None = None
+        self.sent_at = 0.0
+        """When the current request was written (perf_counter)."""
+        self.answered_at = 0.0
+        """When its response's last byte was read (perf_counter); 0 until then."""
         self._fd = -1
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
@@ -102,6 +106,8 @@ class _Connection(asyncio.Protocol):
             return
         reader = self.reader
         reader.feed(data)
+        if reader.complete and not self.answered_at:
+            self.answered_at = time.perf_counter()
         if reader.error is not None:
             self.abort()
         elif reader.unread > _HIGH_WATER and not self._paused and self.transport is not None:
@@ -137,6 +143,7 @@ class _Connection(asyncio.Protocol):
         if self.closed:
             reader.feed_eof()
             if reader.complete:
+                self.answered_at = self.answered_at or time.perf_counter()
                 return
             raise self._lost()
         loop = asyncio.get_running_loop()
@@ -185,6 +192,7 @@ class _Connection(asyncio.Protocol):
         self.in_use = True
         self.timed_out = None
         self.transport.write(data)
+        self.sent_at, self.answered_at = time.perf_counter(), 0.0
 
     def recycle(self) -> None:
         """Ready to wait in the pool: the last response's leftovers dropped, reading on."""
@@ -254,6 +262,15 @@ class Response:
     def done(self) -> bool:
         """True once the whole body was read."""
         return self._reader.complete and not self._reader.chunks
+
+    @property
+    def server_seconds(self) -> float | None:
+        """The server's time as this client saw it: from the request written to the response's last
+        byte read; None before that byte, or once released."""
+        connection = self._connection
+        if connection is None or not connection.answered_at:
+            return None
+        return connection.answered_at - connection.sent_at
 
     async def __aenter__(self) -> Response:
         return self

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import Field
 
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_node.adapters.http import KINDS, Backends, Endpoint, HttpOptions, check_kind
+from iop_node.adapters.http import KINDS, Backends, BackendTime, Endpoint, HttpOptions, check_kind
 from iop_node.adapters.shapes import (
     embeddings,
     estimated_usage,
@@ -103,7 +103,8 @@ async def _generate(endpoint: Endpoint, spec: ExecutionSpec, sink: EventSink, pa
     lines_with_text = 0
     # the final object says "done":true (Go's encoder writes no spaces; a "done" inside a
     # string would be escaped)
-    async with contextlib.aclosing(endpoint.post_lines(path, body, last=_is_done)) as lines:
+    timing = BackendTime()
+    async with contextlib.aclosing(endpoint.post_lines(path, body, last=_is_done, timing=timing)) as lines:
         async for line in lines:
             item = json_object(line)
             try:
@@ -120,7 +121,7 @@ async def _generate(endpoint: Endpoint, spec: ExecutionSpec, sink: EventSink, pa
     if final is None:
         raise protocol_error("the backend's stream ended without a done line")
     usage = _usage(final) or estimated_usage(spec, lines_with_text)
-    await sink.complete(finish_reason(final.get("done_reason")), usage, _timings(final))
+    await sink.complete(finish_reason(final.get("done_reason")), usage, _timings(final, timing))
 
 
 def _request_body(spec: ExecutionSpec, options: OllamaOptions) -> tuple[str, dict[str, Any]]:
@@ -194,15 +195,19 @@ def _usage(final: dict[str, Any]) -> pb.Usage | None:
     return pb.Usage(prompt_tokens=final.get("prompt_eval_count") or 0, completion_tokens=final.get("eval_count") or 0)
 
 
-def _timings(final: dict[str, Any]) -> pb.Timings | None:
-    """Ollama's nanosecond durations: loading + prompt evaluation is the time to first token."""
+def _timings(final: dict[str, Any], timing: BackendTime) -> pb.Timings | None:
+    """Ollama's nanosecond durations: loading + prompt evaluation is the time to first token. The
+    generation is Ollama's time as the node's client saw it (its HTTP and JSON work included, as
+    for any other backend), or its own total_duration when that is unknown."""
+    timings = timing.timings()
     if "total_duration" not in final:
-        return None
-    timings = pb.Timings()
+        return timings
+    timings = timings or pb.Timings()
     timings.time_to_first_token.FromNanoseconds(
         int(final.get("load_duration", 0)) + int(final.get("prompt_eval_duration", 0))
     )
-    timings.generation.FromNanoseconds(int(final["total_duration"]))
+    if not timings.HasField("generation"):
+        timings.generation.FromNanoseconds(int(final["total_duration"]))
     return timings
 
 

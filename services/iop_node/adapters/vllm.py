@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_node.adapters.http import KINDS, Backends, Endpoint, HttpOptions, check_kind
+from iop_node.adapters.http import KINDS, Backends, BackendTime, Endpoint, HttpOptions, check_kind
 from iop_node.adapters.shapes import (
     embeddings,
     estimated_usage,
@@ -93,7 +93,8 @@ async def _stream(endpoint: Endpoint, spec: ExecutionSpec, sink: EventSink, opti
     finish: str | None = None
     usage: pb.Usage | None = None
     chunks = 0  # chunks with output: one token each where the server sends no usage
-    async with contextlib.aclosing(endpoint.post_lines(path, body, last=_is_done)) as lines:
+    timing = BackendTime()
+    async with contextlib.aclosing(endpoint.post_lines(path, body, last=_is_done, timing=timing)) as lines:
         async for line in lines:
             if not line.startswith(b"data:"):
                 continue  # SSE comments and other fields
@@ -112,12 +113,13 @@ async def _stream(endpoint: Endpoint, spec: ExecutionSpec, sink: EventSink, opti
             finish = finished or finish
     if finish is None:
         raise protocol_error("the backend's stream ended without a finish_reason")
-    await sink.complete(finish_reason(finish), usage or estimated_usage(spec, chunks))
+    await sink.complete(finish_reason(finish), usage or estimated_usage(spec, chunks), timing.timings())
 
 
 async def _whole(endpoint: Endpoint, spec: ExecutionSpec, sink: EventSink, options: VllmOptions) -> None:
     path, body = _request_body(spec, options, stream=False)
-    document = await endpoint.post_json(path, body)
+    timing = BackendTime()
+    document = await endpoint.post_json(path, body, timing=timing)
     try:
         choice = document["choices"][0]
         message = choice.get("message") or {}
@@ -129,20 +131,21 @@ async def _whole(endpoint: Endpoint, spec: ExecutionSpec, sink: EventSink, optio
     except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:  # ValueError: not UTF-8 either
         raise protocol_error(f"unexpected answer shape ({exc}): {str(document)[:200]}") from None
     await _send(sink, output)
-    await sink.complete(finish, usage)
+    await sink.complete(finish, usage, timing.timings())
 
 
 async def _embed(endpoint: Endpoint, spec: ExecutionSpec, sink: EventSink) -> None:
     body = {**spec.openai_fields, "model": spec.target_model, "input": list(spec.request.prompt)}
     body["encoding_format"] = "float"  # the node carries floats; base64 would be decoded here for nothing
-    document = await endpoint.post_json("/v1/embeddings", body)
+    timing = BackendTime()
+    document = await endpoint.post_json("/v1/embeddings", body, timing=timing)
     try:
         items = sorted(document["data"], key=lambda item: item["index"])
         vectors = [item["embedding"] for item in items]
     except (KeyError, TypeError) as exc:
         raise protocol_error(f"embeddings answer without data[].index and .embedding: {exc}") from None
     await sink.output(pb.RunDelta(embeddings=embeddings(vectors)))
-    await sink.complete(pb.FINISH_REASON_STOP, _usage(document.get("usage")))
+    await sink.complete(pb.FINISH_REASON_STOP, _usage(document.get("usage")), timing.timings())
 
 
 def _request_body(spec: ExecutionSpec, options: VllmOptions, *, stream: bool) -> tuple[str, dict[str, Any]]:

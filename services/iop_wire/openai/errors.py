@@ -41,7 +41,7 @@ STATUS: dict[int, int] = {
 """HTTP status of each IOP error code (499: the client closed the request, as nginx counts it)."""
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error"}
-_TYPES |= {404: "invalid_request_error", 413: "invalid_request_error", 429: "requests"}
+_TYPES |= {404: "invalid_request_error", 413: "invalid_request_error", 431: "invalid_request_error", 429: "requests"}
 _CODES: dict[int, str] = {
     pb.ERROR_CODE_MODEL_NOT_FOUND: "model_not_found",
     pb.ERROR_CODE_RESOURCE_EXHAUSTED: "rate_limit_exceeded",

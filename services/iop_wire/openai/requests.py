@@ -21,6 +21,7 @@ from google.protobuf.struct_pb2 import Struct
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.openai.errors import ApiError
+from iop_wire.openai.values import check_values, too_deep
 
 __all__ = ["ChatRequest", "CompletionRequest", "EmbeddingRequest", "kind_of", "known_fields", "parse_body", "required"]
 
@@ -62,6 +63,8 @@ _COMPLETION_FIELDS |= {"presence_penalty", "frequency_penalty", "n", "user", "lo
 _COMPLETION_FIELDS |= {"best_of", "suffix", "stream_options"}
 _EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
 _MAX_STOP = 4
+MAX_MODEL_NAME = 256
+"""Longest model name taken: it is echoed in errors, logged and kept in ledgers."""
 
 
 @dataclass(slots=True)
@@ -102,8 +105,11 @@ def parse_body(body: bytes) -> dict[str, Any]:
             f"your HTTP library correctly. The OpenAI API expects a JSON payload: {exc})"
         )
         raise ApiError(400, message) from None
+    except RecursionError:  # deeper than Python's recursion limit: far over MAX_DEPTH
+        raise too_deep(body) from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, not {kind_of(data)}")
+    check_values(data)
     return data
 
 
@@ -214,6 +220,11 @@ def _model(data: Mapping[str, Any]) -> str:
         raise ApiError(400, "you must provide a model parameter", param="model")
     if not isinstance(model, str) or not model:
         raise ApiError(400, f"{_show(model)} is not of type 'string' - 'model'", param="model")
+    if len(model) > MAX_MODEL_NAME:
+        message = (
+            f"Invalid 'model': {_show(model)} is {len(model)} characters, over the {MAX_MODEL_NAME} a name may have."
+        )
+        raise ApiError(400, message, param="model", code="invalid_value")
     return model
 
 

@@ -1,0 +1,148 @@
+"""uvicorn's httptools protocol with bounds on a request's head: its time, its size, its header count.
+
+uvicorn closes an idle keep-alive connection, but puts no bound on a request's head: a client
+that sends its headers a byte at a time holds its connection (one of ``http.max_connections``)
+for as long as it likes, and one that sends a 64 MB header has the parser hold it all (two of
+them froze the edge for 10 s and tripled its memory). Here, for every request of a connection:
+
+- the head must be complete within ``http.header_timeout`` seconds of the connection's opening
+  (first request) or of the request's first byte (later ones); past it the connection is closed;
+- a head over ``http.max_head_bytes`` (counted as it arrives, so at most one read more is ever
+  held) or with more than ``http.max_headers`` headers is answered 431 and the connection closed.
+
+Each is counted in ``iop_edge_refused_total{limit=header_timeout|head_size|header_count}`` and
+logged (at most once a second per limit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from iop_edge.refusals import Refusals
+from iop_wire.openai.errors import ApiError
+
+__all__ = ["ARRIVED", "HeadLimits", "head_protocol"]
+
+ARRIVED = "iop.arrived"
+"""ASGI scope key: when the request's first byte was read (perf_counter), the start of x-iop-overhead-ms."""
+
+
+@dataclass(frozen=True, slots=True)
+class HeadLimits:
+    """The bounds on every request head (``http.header_timeout``, ``http.max_head_bytes``, ``http.max_headers``)."""
+
+    timeout: float
+    max_bytes: int
+    max_headers: int
+
+
+def head_protocol(limits: HeadLimits, refusals: Refusals) -> type[asyncio.Protocol]:
+    """An httptools protocol class whose requests' heads are bounded by ``limits``."""
+
+    class HeadLimitProtocol(HttpToolsProtocol):
+        _head_timer: asyncio.TimerHandle | None = None
+        _in_head = True
+        """Between a request's first byte (or the connection's opening) and its headers' end."""
+        _head_bytes = 0
+        """Bytes received while in the head (the read that ends it included: at most one read more)."""
+        _header_count = 0
+        _refused = False
+        """The head went over a bound: the rest of what the connection sends is ignored; it closes."""
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return
+            if self._in_head:
+                self._head_bytes += len(data)
+            super().data_received(data)  # the parser holds an incomplete head: checked right after
+            self._check_head()
+
+        def _check_head(self) -> None:
+            if self._refused:  # set by on_header
+                self._refuse("header_count", f"more than {limits.max_headers} headers (http.max_headers)")
+            elif self._in_head and self._head_bytes > limits.max_bytes:
+                self._refused = True
+                self._refuse("head_size", f"over {limits.max_bytes} bytes (http.max_head_bytes)")
+
+        def on_message_begin(self) -> None:
+            if self._refused:
+                return
+            super().on_message_begin()
+            self.scope[ARRIVED] = time.perf_counter()  # type: ignore[literal-required]  # an extension key
+            self._in_head, self._header_count = True, 0
+            if self._head_timer is None:
+                self._arm()
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._header_count += 1
+            if self._header_count > limits.max_headers:
+                self._refused = True
+            if not self._refused:
+                super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            self._in_head, self._head_bytes = False, 0
+            if not self._refused:
+                super().on_headers_complete()
+
+        def on_body(self, body: bytes) -> None:
+            if not self._refused:
+                super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            if not self._refused:
+                super().on_message_complete()
+            self._in_head, self._head_bytes = True, 0  # the next request's head may follow at once
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _refuse(self, limit: str, why: str) -> None:
+            """Answer 431 and close: the request never reaches the application."""
+            self._disarm()
+            refusals.refused(limit, "request head too large: 431, connection closed", client=_client(self.client))
+            error = ApiError(431, f"the request's head is {why}", code="request_header_fields_too_large")
+            content = error.content()
+            head = (
+                b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+                b"connection: close\r\ncontent-length: " + str(len(content)).encode() + b"\r\n\r\n"
+            )
+            self.transport.write(head + content)
+            self.transport.close()
+
+        def _arm(self) -> None:
+            self._head_timer = self.loop.call_later(limits.timeout, self._too_slow)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _too_slow(self) -> None:
+            self._head_timer = None
+            if self.transport.is_closing():
+                return
+            refusals.refused(
+                "header_timeout",
+                "request head too slow: connection closed",
+                client=_client(self.client),
+                timeout=limits.timeout,
+            )
+            self.transport.close()
+
+    return HeadLimitProtocol
+
+
+def _client(address: Any) -> str:
+    return f"{address[0]}:{address[1]}" if address else "unknown"
