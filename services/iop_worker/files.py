@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import secrets
 import time
 from collections import OrderedDict
@@ -20,10 +21,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import structlog
+from prometheus_client import Counter
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import Inbound, IopError, MessageHandler, Role
 from iop_worker.store import FileRecord, JobStore, new_file_id
+from iop_worker.supervise import repeat
 
 __all__ = ["Files", "file_info", "owner", "scope", "sees"]
 
@@ -237,14 +240,9 @@ class Files:
             _log.warning("half-written uploads deleted", files=dropped, older_than=2 * _UPLOAD_MAX)
         return dropped
 
-    async def sweep_forever(self) -> None:
-        """:meth:`sweep` now and every ``_SWEEP_EVERY`` seconds; a failure is logged and tried again."""
-        while True:
-            try:
-                await self.sweep()
-            except Exception as exc:  # noqa: BLE001 - the store may be down for a while: keep serving
-                _log.warning("upload sweep failed", error=str(exc))
-            await asyncio.sleep(_SWEEP_EVERY)
+    async def sweep_forever(self, failures: Counter) -> None:
+        """:meth:`sweep` now and every ``_SWEEP_EVERY`` seconds; a failure is logged, counted and tried again."""
+        await repeat("sweep", self.sweep, functools.partial(asyncio.sleep, _SWEEP_EVERY), failures)
 
 
 def _stop_timers(upload: _Upload) -> None:

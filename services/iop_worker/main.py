@@ -35,6 +35,7 @@ from iop_worker.files import Files
 from iop_worker.metrics import WorkerMetrics
 from iop_worker.settings import Problem, Settings, StartError, load_settings
 from iop_worker.store import JobStore
+from iop_worker.supervise import first_failure
 
 __all__ = ["run"]
 
@@ -118,7 +119,7 @@ async def _serve(settings: Settings, ready_file: Path | None) -> int:
         engine = Engine(store, link, settings.batches, metrics, name=settings.worker_id)
         files = Files(store, max_bytes=settings.max_file_bytes)
         stack.push_async_callback(files.aclose)
-        sweeper = asyncio.create_task(files.sweep_forever())
+        sweeper = asyncio.create_task(files.sweep_forever(metrics.part_failures), name="iop-worker-sweep")
         stack.callback(sweeper.cancel)
         batches = Batches(store, settings.batches, files, wake=engine.wake)
         messages = {**files.handlers(), **batches.handlers()}
@@ -145,11 +146,11 @@ async def _serve(settings: Settings, ready_file: Path | None) -> int:
         if ready_file is not None:
             write_ready_file(ready_file, port=listener.port, metrics_port=metrics_port)
         try:
-            await stop.wait()
+            ended = await first_failure(stop.wait(), (engine_task, sweeper))
         finally:
             engine_task.cancel()
             await asyncio.gather(engine_task, return_exceptions=True)
             if ready_file is not None:
                 ready_file.unlink(missing_ok=True)  # noqa: ASYNC240 - one unlink while stopping
     _log.info("worker stopped")
-    return 0
+    return 0 if ended is None else 1
