@@ -17,7 +17,8 @@ import pytest
 from .conftest import Stack, batch_ended, file_lines, running_stack, wait_for
 
 FAST = {"model": "mock-fast", "adapter": "mock", "options": {"tokens": 2}}
-LONG = {"model": "mock-long", "adapter": "mock", "max_concurrency": 64, "options": {"tokens": 600, "tokens_per_second": 20}}
+LONG_OPTIONS = {"tokens": 600, "tokens_per_second": 20}
+LONG = {"model": "mock-long", "adapter": "mock", "max_concurrency": 64, "options": LONG_OPTIONS}
 """A line of 30 s: it runs until cancelled, as far as these tests go."""
 
 
