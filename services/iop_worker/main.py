@@ -100,17 +100,21 @@ def _lower_priority(nice: int | Literal["idle"]) -> None:
         os.nice(19)
 
 
+async def _opened_store(settings: Settings) -> JobStore:
+    """The job store, open; StartError (one line naming ``store``) when it cannot be."""
+    store = open_store(settings)
+    try:
+        await store.open()
+    except Exception as exc:  # noqa: BLE001 - OSError or a driver's own errors (sqlite3, asyncpg): one line
+        raise StartError([Problem("store", f"cannot open the job store: {exc}")]) from None
+    return store
+
+
 async def _serve(settings: Settings, ready_file: Path | None) -> int:
     _lower_priority(settings.nice)
     metrics = WorkerMetrics()
     expose(metrics.registry)
-    store = open_store(settings)
-    try:
-        await store.open()
-    except (OSError, ConnectionError) as exc:
-        raise StartError([Problem("store", f"cannot open the job store: {exc}")]) from None
-    except Exception as exc:  # noqa: BLE001 - a driver's own errors (sqlite3, asyncpg) become one line
-        raise StartError([Problem("store", f"cannot open the job store: {exc}")]) from None
+    store = await _opened_store(settings)
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(store.aclose)
         link = _control_plane(settings)
@@ -121,7 +125,9 @@ async def _serve(settings: Settings, ready_file: Path | None) -> int:
         stack.push_async_callback(files.aclose)
         sweeper = asyncio.create_task(files.sweep_forever(metrics.part_failures), name="iop-worker-sweep")
         stack.callback(sweeper.cancel)
-        batches = Batches(store, settings.batches, files, wake=engine.wake)
+        batches = Batches(store, settings.batches, files, metrics.part_failures, wake=engine.wake)
+        stack.push_async_callback(batches.aclose)
+        batches.resume(await store.unfinished_batches())
         messages = {**files.handlers(), **batches.handlers()}
 
         def handler_for(peer: PeerIdentity) -> Handler:

@@ -208,6 +208,13 @@ class SqliteJobStore:
             await db.execute(batch_sql, batch_row(batch))
             await db.executemany(line_sql, [line_row(line) for line in lines])
 
+    async def add_lines(self, lines: Sequence[LineRecord]) -> None:
+        """Store more lines of a batch being validated, in one transaction; a line already stored is kept."""
+        columns, marks = ", ".join(LINE_COLUMNS), ", ".join("?" for _ in LINE_COLUMNS)
+        line_sql = f"INSERT OR IGNORE INTO lines ({columns}) VALUES ({marks})"  # noqa: S608
+        async with self._transaction() as db:
+            await db.executemany(line_sql, [line_row(line) for line in lines])
+
     async def get_batch(self, batch_id: str) -> BatchRecord | None:
         """A batch, or None."""
         rows = await self._fetch(_BATCHES + "WHERE id = ?", (batch_id,))

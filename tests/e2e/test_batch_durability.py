@@ -71,7 +71,7 @@ def _completed_at_least(client: openai.OpenAI, batch_id: str, count: int) -> Non
 
     def far_enough() -> bool:
         batch = client.batches.retrieve(batch_id)
-        assert batch.status == "in_progress", f"the batch ended before the crash: {batch.status}"
+        assert batch.status in ("validating", "in_progress"), f"the batch ended before the crash: {batch.status}"
         return batch.request_counts is not None and batch.request_counts.completed >= count
 
     wait_for(far_enough, 20.0, 0.05, f"{count} lines of {batch_id} done")

@@ -1,4 +1,5 @@
-"""Batch lines through the real stack: one that cannot become a run fails once; a stopped line stops its run.
+"""Batches through the real stack: the create answers before validating; a line that cannot become
+a run fails once; a stopped line stops its run on the node.
 
 A line can pass the Batch API's checks and still not be a run: a lone surrogate is no UTF-8 and
 ``tools`` nested 40 deep is past protobuf's nesting limit. Before, such a line was leased again
@@ -7,13 +8,14 @@ and again (the batch never ended, a traceback each time); now it goes to the err
 
 from __future__ import annotations
 
-import io
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from .batch_helpers import jsonl, upload, worker_reachable
 from .conftest import Stack, batch_ended, file_lines, running_stack, wait_for
 
 FAST = {"model": "mock-fast", "adapter": "mock", "options": {"tokens": 2}}
@@ -26,7 +28,7 @@ LONG = {"model": "mock-long", "adapter": "mock", "max_concurrency": 64, "options
 def line_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     worker = {"batches": {"poll_interval": 0.05, "lease_seconds": 2.0, "concurrency": 8}}
     with running_stack(tmp_path_factory.mktemp("lines"), {"node-a": [FAST, LONG]}, worker=worker) as stack:
-        yield stack
+        yield worker_reachable(stack)
 
 
 def _line(custom_id: str, body: dict[str, Any]) -> str:
@@ -50,8 +52,8 @@ def test_a_line_that_cannot_become_a_run_fails_once_with_a_clear_error(line_stac
     lines.append(_line("surrogate", _chat("a\ud800b")))  # json.dumps writes it as the escape \ud800
     lines.append(_line("deep-tools", _chat("hi", tools=tools)))
     client = line_stack.client()
-    uploaded = client.files.create(file=("bad.jsonl", io.BytesIO("\n".join(lines).encode())), purpose="batch")
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    file_id = upload(client, "\n".join(lines).encode())
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
     done = batch_ended(client, batch.id, timeout=30.0)
     assert done.status == "completed"
     assert done.request_counts is not None
@@ -75,8 +77,8 @@ def test_cancelling_a_batch_cancels_its_running_lines_on_the_node(line_stack: St
     body = {"model": "mock-long", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 600}
     lines = [_line(f"long-{i}", body) for i in range(8)]
     client = line_stack.client()
-    uploaded = client.files.create(file=("long.jsonl", io.BytesIO("\n".join(lines).encode())), purpose="batch")
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    file_id = upload(client, "\n".join(lines).encode())
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
     wait_for(lambda: _running_on_node(line_stack) == 8, 15.0, 0.1, "8 lines running on the node")
     client.batches.cancel(batch.id)
     done = batch_ended(client, batch.id, timeout=15.0)
@@ -84,3 +86,25 @@ def test_cancelling_a_batch_cancels_its_running_lines_on_the_node(line_stack: St
     wait_for(lambda: _running_on_node(line_stack) == 0, 10.0, 0.1, "the node's runs ending")
     statuses = [run["status"] for run in line_stack.runs("node-a") if run["model"] == "mock-long"]
     assert statuses == ["cancelled"] * 8
+
+
+def test_a_large_batch_is_created_validating_and_the_worker_serves_meanwhile(line_stack: Stack) -> None:
+    """20,000 lines of 4 KB (80 MB): the create answers ``validating`` without reading them, and a
+    files list is answered while the batch is still being validated (before: the create read and
+    stored every line before answering, 504 after 30 s at 50,000, and every other request waited)."""
+    padding = "x" * 4000
+    body = {"model": "mock-fast", "messages": [{"role": "user", "content": padding}], "max_tokens": 1}
+    lines = [
+        {"custom_id": f"big-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body} for i in range(20_000)
+    ]
+    client = line_stack.client(timeout=120.0)
+    file_id = upload(client, jsonl(lines))
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert batch.status == "validating"
+    listed_at = time.monotonic()
+    assert file_id in [item.id for item in client.files.list(limit=100).data]
+    listed_in = time.monotonic() - listed_at
+    still = client.batches.retrieve(batch.id)
+    assert still.status == "validating", f"validation ended before the list did ({listed_in:.2f} s)"
+    client.batches.cancel(batch.id)
+    assert batch_ended(client, batch.id, timeout=60.0).status in ("cancelled", "failed")

@@ -13,6 +13,7 @@ from typing import Any
 import openai
 import pytest
 
+from .batch_helpers import worker_reachable
 from .conftest import MOCK_ROUTES, Stack, batch_ended, file_lines, running_stack, wait_for
 from .openai_schema import validate
 
@@ -21,7 +22,7 @@ from .openai_schema import validate
 def batch_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     settings = {"batches": {"poll_interval": 0.05, "lease_seconds": 2.0}}
     with running_stack(tmp_path_factory.mktemp("batches"), {"node-a": MOCK_ROUTES}, worker=settings) as stack:
-        yield stack
+        yield worker_reachable(stack)
 
 
 def _jsonl(lines: list[dict[str, Any]]) -> bytes:

@@ -380,6 +380,17 @@ async def test_finish_many_writes_only_the_lines_still_leased_and_only_their_usa
     assert got is not None and got.usage == Usage(20, 2, 22)
 
 
+async def test_lines_added_while_validating_are_leased_only_once_the_batch_is_in_progress(store: JobStore) -> None:
+    batch, lines = new_batch(4, status=BatchStatus.VALIDATING)
+    await store.create_batch(batch, [])
+    await store.add_lines(lines[:3])
+    await store.add_lines(lines[2:])  # a resumed validation stores a line again: kept once
+    assert await store.counts(batch.id) == RequestCounts(4, 0, 0)
+    assert await store.lease("a", limit=10, lease_seconds=LONG) == []
+    assert await store.transition(batch.id, (BatchStatus.VALIDATING,), BatchStatus.IN_PROGRESS)
+    assert [line.line for line in await store.lease("a", limit=10, lease_seconds=LONG)] == [0, 1, 2, 3]
+
+
 async def test_taking_back_ones_own_expired_lease_is_no_takeover(store: JobStore) -> None:
     await created(store, 1)
     await store.lease("a", limit=1, lease_seconds=SHORT)
