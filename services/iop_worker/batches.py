@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import re
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -27,32 +26,21 @@ from prometheus_client import Counter
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import Inbound, IopError, MessageHandler
 from iop_wire.messages import BATCH_TIMES
+from iop_wire.openai import batches as rules
+from iop_wire.openai.errors import ID_SHOWN
 from iop_worker.files import Files, owner, scope, sees
 from iop_worker.settings import BatchSettings
 from iop_worker.store import BatchRecord, BatchStatus, JobStore, LineRecord, RequestCounts, new_batch_id
 
-__all__ = ["ENDPOINTS", "Batches", "batch_info"]
+__all__ = ["Batches", "batch_info"]
 
 _log = structlog.get_logger("iop.worker")
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
-_WINDOW = re.compile(r"^(\d+)([smhd])$")
-_UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _LINES_PER_WRITE = 1000
 """Lines stored per transaction while a batch is validated: no one write holds the store for long."""
 _YIELD_EVERY = 500
 """Lines checked between turns given to the worker's other requests."""
 _MAX_ERRORS = 100
 """Line errors kept per failed batch (a file of 50,000 bad lines says so in 100)."""
-_STATUSES = {
-    BatchStatus.VALIDATING: pb.BATCH_STATUS_VALIDATING,
-    BatchStatus.FAILED: pb.BATCH_STATUS_FAILED,
-    BatchStatus.IN_PROGRESS: pb.BATCH_STATUS_IN_PROGRESS,
-    BatchStatus.FINALIZING: pb.BATCH_STATUS_FINALIZING,
-    BatchStatus.COMPLETED: pb.BATCH_STATUS_COMPLETED,
-    BatchStatus.EXPIRED: pb.BATCH_STATUS_EXPIRED,
-    BatchStatus.CANCELLING: pb.BATCH_STATUS_CANCELLING,
-    BatchStatus.CANCELLED: pb.BATCH_STATUS_CANCELLED,
-}
 
 
 def batch_info(batch: BatchRecord, counts: RequestCounts) -> pb.BatchInfo:
@@ -62,7 +50,7 @@ def batch_info(batch: BatchRecord, counts: RequestCounts) -> pb.BatchInfo:
         endpoint=batch.endpoint,
         input_file_id=batch.input_file_id,
         completion_window=batch.completion_window,
-        status=_STATUSES[batch.status],
+        status=rules.STATUS_CODES[batch.status],
         output_file_id=batch.output_file_id or "",
         error_file_id=batch.error_file_id or "",
         request_counts=pb.BatchRequestCounts(total=counts.total, completed=counts.completed, failed=counts.failed),
@@ -77,14 +65,6 @@ def batch_info(batch: BatchRecord, counts: RequestCounts) -> pb.BatchInfo:
         if error.get("line") is not None:
             item.line = error["line"]
     return info
-
-
-def window_seconds(window: str) -> int:
-    """Seconds of a completion window ("24h", "30m", "90s"); ValueError for anything else."""
-    match = _WINDOW.fullmatch(window)
-    if match is None or int(match[1]) <= 0:
-        raise ValueError(f"'{window}' is not a completion window: use 24h (or a duration such as 30m, 90s)")
-    return int(match[1]) * _UNIT[match[2]]
 
 
 class Batches:
@@ -111,15 +91,15 @@ class Batches:
 
     async def create(self, inbound: Inbound) -> None:
         message = inbound.envelope.batch_create
-        if message.endpoint not in ENDPOINTS:
-            allowed = ", ".join(ENDPOINTS)
+        if message.endpoint not in rules.ENDPOINTS:
+            allowed = ", ".join(rules.ENDPOINTS)
             raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, f"endpoint must be one of {allowed}", param="endpoint")
         try:
-            window = window_seconds(message.completion_window or "24h")
+            window = rules.window_seconds(message.completion_window or rules.DEFAULT_WINDOW)
         except ValueError as exc:
             raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, str(exc), param="completion_window") from None
         source = await self.files.visible(inbound, message.input_file_id)  # unknown: names file_id, a 404 at the edge
-        if source.purpose != "batch":
+        if source.purpose not in rules.PURPOSES:
             raise IopError(
                 pb.ERROR_CODE_INVALID_ARGUMENT,
                 f"file {source.id} has purpose '{source.purpose}'; a batch needs a file uploaded with purpose 'batch'",
@@ -130,7 +110,7 @@ class Batches:
             id=new_batch_id(),
             endpoint=message.endpoint,
             input_file_id=source.id,
-            completion_window=message.completion_window or "24h",
+            completion_window=message.completion_window or rules.DEFAULT_WINDOW,
             created_at=now,
             expires_at=now + window,
             metadata=dict(message.metadata),
@@ -204,7 +184,7 @@ class Batches:
 
     async def listing(self, inbound: Inbound) -> None:
         message = inbound.envelope.batches_list
-        limit = min(message.limit or 20, 100)
+        limit = min(message.limit or rules.BATCHES_PAGE.default, rules.BATCHES_PAGE.maximum)
         batches, more = await self.store.list_batches(after=message.after or None, limit=limit, caller=scope(inbound))
         infos = [batch_info(batch, await self.store.counts(batch.id)) for batch in batches]
         await inbound.reply(pb.Envelope(batches_listed=pb.BatchesListed(batches=infos, has_more=more)))
@@ -222,7 +202,7 @@ class Batches:
     async def _batch(self, inbound: Inbound, batch_id: str) -> BatchRecord:
         batch = await self.store.get_batch(batch_id) if batch_id else None
         if batch is None or not sees(batch.caller, scope(inbound)):
-            raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, f"No such Batch object: {batch_id}", param="batch_id")
+            raise IopError(pb.ERROR_CODE_NOT_FOUND, f"No such Batch object: {batch_id[:ID_SHOWN]}", param="batch_id")
         return batch
 
     async def _reply(self, inbound: Inbound, batch: BatchRecord) -> None:

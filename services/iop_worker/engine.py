@@ -36,6 +36,7 @@ from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import ConnectionClosed, IopError, RunStream, code_name
 from iop_wire.dialer import KeepConnected
 from iop_wire.messages import error_message
+from iop_wire.openai import batches as rules
 from iop_wire.openai import errors as http
 from iop_wire.openai import requests as parse
 from iop_wire.openai import responses as shape
@@ -253,7 +254,7 @@ class Engine:
                 ids.append(None)
                 continue
             name = f"{batch.id}_{suffix}.jsonl"
-            record = FileRecord(new_file_id(), name, "batch_output", 0, now, caller=batch.caller)
+            record = FileRecord(new_file_id(), name, rules.OUTPUT_PURPOSE, 0, now, caller=batch.caller)
             stored = await self.store.put_file(record, _jsonl(self._results(batch.id, status)))
             ids.append(stored.id)
         return ids[0], ids[1]
