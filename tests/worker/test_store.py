@@ -391,6 +391,15 @@ async def test_lines_added_while_validating_are_leased_only_once_the_batch_is_in
     assert [line.line for line in await store.lease("a", limit=10, lease_seconds=LONG)] == [0, 1, 2, 3]
 
 
+async def test_cancel_pending_marks_every_pending_line_of_a_large_batch(store: JobStore) -> None:
+    """SQLite marks them a slice per transaction (others' requests get turns between): none is missed."""
+    batch, _ = await created(store, 2_500)
+    leased = await store.lease("a", limit=3, lease_seconds=LONG)
+    assert await store.cancel_pending(batch.id) == 2_497
+    assert await store.counts(batch.id) == RequestCounts(2_500, 0, 0, 2_497)
+    assert [line.line for line in leased] == [0, 1, 2]
+
+
 async def test_taking_back_ones_own_expired_lease_is_no_takeover(store: JobStore) -> None:
     await created(store, 1)
     await store.lease("a", limit=1, lease_seconds=SHORT)
