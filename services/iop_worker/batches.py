@@ -163,11 +163,11 @@ class Batches:
         async for line in self._records(batch):
             slice_.append(line)
             if len(slice_) >= _LINES_PER_WRITE:
-                if not await self._still_validating(batch.id):
+                if not await self._add(batch.id, slice_):
                     return
-                await self.store.add_lines(slice_)
                 slice_ = []
-        await self.store.add_lines(slice_)
+        if not await self._add(batch.id, slice_):
+            return
         moved = await self.store.transition(
             batch.id, (BatchStatus.VALIDATING,), BatchStatus.IN_PROGRESS, in_progress_at=int(time.time())
         )
@@ -175,9 +175,14 @@ class Batches:
         if self._wake is not None:
             self._wake()
 
-    async def _still_validating(self, batch_id: str) -> bool:
+    async def _add(self, batch_id: str, lines: list[LineRecord]) -> bool:
+        """Store the lines unless the batch was cancelled meanwhile; whether it is still validating."""
         batch = await self.store.get_batch(batch_id)
-        return batch is not None and batch.status is BatchStatus.VALIDATING
+        if batch is None or batch.status is not BatchStatus.VALIDATING:
+            _log.info("batch validation stopped", batch_id=batch_id, status=str(batch.status) if batch else None)
+            return False
+        await self.store.add_lines(lines)
+        return True
 
     async def get(self, inbound: Inbound) -> None:
         await self._reply(inbound, await self._batch(inbound, inbound.envelope.batch_get.batch_id))

@@ -12,7 +12,9 @@ a node lost, or a model no node serves in the first seconds after (re)connecting
 dial a restarted control-plane back) is tried again after a pause, up to ``attempts``; a run cut
 off by the batch's deadline leaves its line to the expiry (in neither file); the outcome is written with
 ``finish``, which is fenced by the lease, so a line whose lease this worker lost is written by
-the worker that took it and by no one else. Leases are renewed while lines run.
+the worker that took it and by no one else. Leases are renewed while lines run. A line whose body
+cannot become a run (no UTF-8, nested past protobuf's limit, refused by the wire) fails at once;
+an unexpected error counts as an attempt. A line stopped (cancel, expiry, shutdown) cancels its run.
 
 Output lines are OpenAI's: ``{"id", "custom_id", "response": {"status_code", "request_id",
 "body"}, "error"}``; a failed line has the error in ``response.body`` with its HTTP status, and
