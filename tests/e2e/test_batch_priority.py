@@ -38,7 +38,7 @@ control-plane's hold is 1.17-1.20x on SQLite (README)."""
 def priority_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     worker = {"batches": {"poll_interval": 0.05}}
     with running_stack(tmp_path_factory.mktemp("priority"), {"node-a": [ROUTE]}, worker=worker) as stack:
-        yield stack
+        yield worker_reachable(stack)
 
 
 def _first_token(client: httpx.Client) -> float:
