@@ -6,7 +6,6 @@ and sent as batch.create; every answer is a batch.info, shaped as OpenAI's batch
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -19,31 +18,17 @@ from iop_edge.keys import ApiKey
 from iop_edge.worker import Worker
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.messages import BATCH_TIMES
+from iop_wire.openai import batches as rules
 from iop_wire.openai import requests as parse
 from iop_wire.openai.errors import ApiError
 
 if TYPE_CHECKING:
     from iop_edge.edge import Edge
 
-__all__ = ["ENDPOINTS", "BatchRoutes", "batch_object", "batch_request"]
+__all__ = ["BatchRoutes", "batch_object", "batch_request"]
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
-"""Endpoints a batch's lines may go to: the ones IOP serves."""
 _FIELDS = frozenset({"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"})
-_WINDOW = re.compile(r"[1-9][0-9]{0,5}[smh]")
-"""OpenAI's only window is 24h; the worker also takes other durations (30s, 10m, 2h)."""
 _METADATA_PAIRS, _METADATA_KEY, _METADATA_VALUE = 16, 64, 512
-_STATUSES = {
-    pb.BATCH_STATUS_VALIDATING: "validating",
-    pb.BATCH_STATUS_FAILED: "failed",
-    pb.BATCH_STATUS_IN_PROGRESS: "in_progress",
-    pb.BATCH_STATUS_FINALIZING: "finalizing",
-    pb.BATCH_STATUS_COMPLETED: "completed",
-    pb.BATCH_STATUS_EXPIRED: "expired",
-    pb.BATCH_STATUS_CANCELLING: "cancelling",
-    pb.BATCH_STATUS_CANCELLED: "cancelled",
-}
-_MAX_BATCHES_LIMIT = 100
 
 
 def batch_request(data: Mapping[str, Any]) -> pb.BatchCreate:
@@ -51,14 +36,15 @@ def batch_request(data: Mapping[str, Any]) -> pb.BatchCreate:
     parse.known_fields(data, _FIELDS)
     input_file_id = parse.required(data, "input_file_id", str, "string")
     endpoint = parse.required(data, "endpoint", str, "string")
-    if endpoint not in ENDPOINTS:
-        supported = ", ".join(f"'{name}'" for name in ENDPOINTS)
+    if endpoint not in rules.ENDPOINTS:
+        supported = ", ".join(f"'{name}'" for name in rules.ENDPOINTS)
         message = f"Invalid value: '{endpoint}'. Supported values are: {supported}."
         raise ApiError(400, message, param="endpoint", code="invalid_value")
     window = parse.required(data, "completion_window", str, "string")
-    if not _WINDOW.fullmatch(window):
-        message = f"Invalid value: '{window}'. Supported values are: '24h' (or another duration: 30s, 10m, 2h)."
-        raise ApiError(400, message, param="completion_window", code="invalid_value")
+    try:
+        rules.window_seconds(window)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="completion_window", code="invalid_value") from None
     create = pb.BatchCreate(input_file_id=input_file_id, endpoint=endpoint, completion_window=window)
     create.metadata.update(_metadata(data.get("metadata")))
     return create
@@ -99,7 +85,7 @@ def batch_object(info: pb.BatchInfo) -> dict[str, Any]:
         "errors": _errors(info),
         "input_file_id": info.input_file_id,
         "completion_window": info.completion_window,
-        "status": _STATUSES.get(info.status, "validating"),
+        "status": rules.STATUS_NAMES.get(info.status, "validating"),
         "output_file_id": info.output_file_id or None,
         "error_file_id": info.error_file_id or None,
     }
@@ -169,7 +155,7 @@ class BatchRoutes:
         async def page(key: ApiKey | None) -> dict[str, Any]:
             query = request.query_params
             listing = pb.BatchesList(after=query.get("after", ""))
-            listing.limit = page_limit(query.get("limit"), 20, _MAX_BATCHES_LIMIT)
+            listing.limit = page_limit(query.get("limit"), rules.BATCHES_PAGE)
             reply = await self.worker.ask(pb.Envelope(batches_list=listing), "batches_listed", caller=caller_of(key))
             batches = [batch_object(info) for info in reply.batches_listed.batches]
             return list_object(batches, has_more=reply.batches_listed.has_more)

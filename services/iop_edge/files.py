@@ -18,9 +18,11 @@ time, each written before the next is asked for.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
@@ -31,18 +33,22 @@ from iop_edge.keys import ApiKey
 from iop_edge.worker import STORE_TIMEOUT, Worker
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.connection import Connection
+from iop_wire.openai import batches as rules
 from iop_wire.openai.errors import ApiError
 
 if TYPE_CHECKING:
     from iop_edge.edge import Edge
 
+_log = structlog.get_logger("iop.edge")
+
 __all__ = ["FileRoutes", "check_purpose", "file_object", "list_object", "page_limit", "seconds"]
 
-_PURPOSES = ("batch",)
-"""Purposes the worker takes: files for the Batch API."""
+UPLOAD_MAX = 3600.0
+"""Seconds an upload may take in all (as long as the worker keeps one open)."""
+MIN_UPLOAD_RATE = 16 * 1024
+"""Bytes a second an upload must average once its first ``http.body_timeout`` seconds are over."""
 _FORM_SLACK = 64 * 1024
 """Bytes a form may hold besides its file (boundaries, headers, fields) before Content-Length alone is a 413."""
-_MAX_FILES_LIMIT = 10_000
 
 
 def seconds(timestamp: Any) -> int | None:
@@ -98,7 +104,7 @@ class FileRoutes:
             if query.get("order", "desc") != "desc":
                 raise ApiError(400, "this server lists files newest first only: order must be 'desc'", param="order")
             listing = pb.FilesList(after=query.get("after", ""), purpose=query.get("purpose", ""))
-            listing.limit = page_limit(query.get("limit"), 10_000, _MAX_FILES_LIMIT)
+            listing.limit = page_limit(query.get("limit"), rules.FILES_PAGE)
             reply = await self.worker.ask(pb.Envelope(files_list=listing), "files_listed", caller=caller_of(key))
             files = [file_object(info) for info in reply.files_listed.files]
             return list_object(files, has_more=reply.files_listed.has_more)
@@ -158,15 +164,22 @@ class FileRoutes:
     async def _upload(self, request: Request, caller: str) -> pb.FileInfo:
         limit = self.edge.settings.http.max_file_bytes
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit + _FORM_SLACK:
+        if declared.isascii() and declared.isdigit() and int(declared) > limit + _FORM_SLACK:
             self.edge.metrics.refused.labels("file_size").inc()
             raise ApiError(413, f"the request body is {declared} bytes, over this edge's file limit of {limit}")
         form = UploadForm(request.headers.get("content-type", ""))
         upload = _Upload(self.worker, limit, caller)
+        pace = _Pace(asyncio.get_running_loop().time(), self.edge.settings.http.body_timeout)
+        pieces = aiter(request.stream())
         try:
-            async for piece in request.stream():
+            while (piece := await pace.next_piece(pieces)) is not None:
                 for event in form.feed(piece):
                     await upload.take(event)
+        except TimeoutError:
+            self.edge.metrics.refused.labels("upload_too_slow").inc()
+            _log.warning("upload too slow", received=pace.received, why=pace.why)
+            message = f"the upload is too slow: {pace.why}; {pace.received} bytes came"
+            raise ApiError(408, message, code="timeout") from None
         except ClientDisconnect:
             raise ApiError(499, "the client closed the request", code="cancelled") from None
         except ApiError as error:
@@ -175,6 +188,37 @@ class FileRoutes:
             raise
         form.close()
         return await upload.finish()
+
+
+class _Pace:
+    """How long an upload may wait for its next piece: the least of three bounds, each a 408.
+
+    ``idle`` (http.body_timeout) with no byte; :data:`UPLOAD_MAX` in all (the worker's own bound);
+    and, after the first ``idle`` seconds, an average of :data:`MIN_UPLOAD_RATE`: a client
+    trickling a byte a minute holds a connection and a worker upload for minutes, not an hour.
+    """
+
+    def __init__(self, started: float, idle: float) -> None:
+        self.started, self.idle = started, idle
+        self.received = 0
+        """Bytes of the body so far."""
+        self.why = ""
+        """Which bound the last wait hit."""
+
+    async def next_piece(self, pieces: AsyncIterator[bytes]) -> bytes | None:
+        """The next piece of the body, None at its end; TimeoutError past the first bound due."""
+        now = asyncio.get_running_loop().time()
+        paced = self.started + self.idle + self.received / MIN_UPLOAD_RATE  # when the average falls under
+        bounds = {
+            f"no data for {self.idle:g} s (http.body_timeout)": now + self.idle,
+            f"not done within {UPLOAD_MAX:g} s": self.started + UPLOAD_MAX,
+            f"under {MIN_UPLOAD_RATE // 1024} KiB/s on average": paced,
+        }
+        self.why, deadline = min(bounds.items(), key=lambda bound: bound[1])
+        async with asyncio.timeout_at(deadline):
+            piece = await anext(pieces, None)
+        self.received += len(piece or b"")
+        return piece
 
 
 class _Upload:
@@ -245,20 +289,19 @@ class _Upload:
 
 def check_purpose(value: str) -> str:
     """``purpose`` as given; 400 for any the worker does not keep."""
-    if value not in _PURPOSES:
-        supported = ", ".join(f"'{purpose}'" for purpose in _PURPOSES)
+    if value not in rules.PURPOSES:
+        supported = ", ".join(f"'{purpose}'" for purpose in rules.PURPOSES)
         message = f"Invalid value for 'purpose': '{value}'. This server stores files for the Batch API: {supported}."
         raise ApiError(400, message, param="purpose", code="invalid_value")
     return value
 
 
-def page_limit(value: str | None, default: int, maximum: int) -> int:
-    """A list's ``limit`` query parameter; 400 unless a whole number from 1 to ``maximum``."""
-    if value is None:
-        return default
-    if not value.isdigit() or not 1 <= int(value) <= maximum:
-        raise ApiError(400, f"limit must be a whole number from 1 to {maximum}, not '{value}'", param="limit")
-    return int(value)
+def page_limit(value: str | None, page: rules.Page) -> int:
+    """A list's ``limit`` query parameter; 400 naming ``limit`` unless a whole number from 1 to the page's cap."""
+    try:
+        return rules.page_limit(value, page)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="limit", code="invalid_value") from None
 
 
 def list_object(data: list[dict[str, Any]], *, has_more: bool) -> dict[str, Any]:

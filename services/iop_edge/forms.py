@@ -12,11 +12,15 @@ never more than ``chunk_size``), :class:`FileEnd`. File bytes are gathered until
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from python_multipart.exceptions import MultipartParseError
+from python_multipart.exceptions import FormParserError, MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from iop_wire.openai.errors import ApiError
+
+if TYPE_CHECKING:
+    from python_multipart.multipart import MultipartCallbacks
 
 __all__ = ["CHUNK_SIZE", "Field", "FileBytes", "FileEnd", "FileStart", "FormEvent", "UploadForm"]
 
@@ -81,7 +85,7 @@ class UploadForm:
         self._part: FileStart | Field | None = None
         self._data = bytearray()
         self._size = 0
-        self._parser = MultipartParser(
+        self._parser = _parser(
             boundary,
             {
                 "on_part_begin": self._part_begin,
@@ -162,3 +166,11 @@ class UploadForm:
 
     def _end(self) -> None:
         self.ended = True
+
+
+def _parser(boundary: bytes, callbacks: MultipartCallbacks) -> MultipartParser:
+    """The body's parser; 400 for a boundary it refuses (over 256 characters: RFC 2046 allows 70)."""
+    try:
+        return MultipartParser(boundary, callbacks)
+    except FormParserError as exc:
+        raise ApiError(400, f"the multipart/form-data boundary cannot be used: {exc}") from None

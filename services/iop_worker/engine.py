@@ -12,7 +12,9 @@ a node lost, or a model no node serves in the first seconds after (re)connecting
 dial a restarted control-plane back) is tried again after a pause, up to ``attempts``; a run cut
 off by the batch's deadline leaves its line to the expiry (in neither file); the outcome is written with
 ``finish``, which is fenced by the lease, so a line whose lease this worker lost is written by
-the worker that took it and by no one else. Leases are renewed while lines run.
+the worker that took it and by no one else. Leases are renewed while lines run. A line whose body
+cannot become a run (no UTF-8, nested past protobuf's limit, refused by the wire) fails at once;
+an unexpected error counts as an attempt. A line stopped (cancel, expiry, shutdown) cancels its run.
 
 Output lines are OpenAI's: ``{"id", "custom_id", "response": {"status_code", "request_id",
 "body"}, "error"}``; a failed line has the error in ``response.body`` with its HTTP status, and
@@ -30,10 +32,13 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import structlog
+from google.protobuf import message as protobuf_message
 
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_wire import ConnectionClosed, IopError, code_name
+from iop_wire import ConnectionClosed, IopError, RunStream, code_name
 from iop_wire.dialer import KeepConnected
+from iop_wire.messages import error_message
+from iop_wire.openai import batches as rules
 from iop_wire.openai import errors as http
 from iop_wire.openai import requests as parse
 from iop_wire.openai import responses as shape
@@ -51,6 +56,7 @@ from iop_worker.store import (
     Usage,
     new_file_id,
 )
+from iop_worker.supervise import LogLimiter, repeat
 
 __all__ = ["Engine"]
 
@@ -105,6 +111,7 @@ class Engine:
         """Finished lines not yet written: written together, one transaction for all that ended meanwhile."""
         self._writing: asyncio.Task[None] | None = None
         self._counted_at = 0.0
+        self._unexpected_log = LogLimiter()
         self._refill = max(1, settings.concurrency // 4)
         """Free slots that make a line's end start a step (lease): fewer wait for the poll."""
 
@@ -113,20 +120,25 @@ class Engine:
         self._wake.set()
 
     async def run_forever(self) -> None:
-        """Steps until cancelled; renews the leases of the lines running here."""
-        renewing = asyncio.create_task(self._renew_forever(), name="iop-worker-renew")
+        """Steps, and renews the leases of the lines running here, until cancelled.
+
+        A failed step or renewal (any store error) is logged, counted and tried again after a
+        growing pause (:func:`repeat`); if either part ends anyway, the other is cancelled and
+        the error ends this call (the worker stops: never half-running).
+        """
+        failures = self.metrics.part_failures
         try:
-            while True:
-                try:
-                    await self.step()
-                except (OSError, IopError) as exc:  # the store or the control-plane: try again next time
-                    _log.warning("worker step failed", reason=str(exc))
-                self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.settings.poll_interval)
+            async with asyncio.TaskGroup() as parts:
+                parts.create_task(repeat("step", self.step, self._idle, failures), name="iop-worker-step")
+                parts.create_task(repeat("renew", self._renew, self._renew_pause, failures), name="iop-worker-renew")
         finally:
-            renewing.cancel()
             await self.stop()
+
+    async def _idle(self) -> None:
+        """Until woken (a batch created or cancelled, slots free) or the poll interval passed."""
+        self._wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), self.settings.poll_interval)
 
     async def stop(self) -> None:
         """Cancel the lines running here and give their leases back (pending again)."""
@@ -231,32 +243,36 @@ class Engine:
         )
 
     async def _write_results(self, batch: BatchRecord) -> tuple[str | None, str | None]:
-        """The output file (completed lines) and the error file (failed lines); None for an empty one."""
-        done: list[str] = []
-        failed: list[str] = []
-        async for line in self.store.results(batch.id):
-            assert line.result is not None
-            (done if line.status is LineStatus.COMPLETED else failed).append(line.result)
+        """The output file (completed lines) and the error file (failed lines); None for an empty one.
+
+        Each file is written as the store pages its lines out (a chunk of about 256 KiB held at a
+        time), so finishing a batch of any size takes bounded memory.
+        """
         now = int(time.time())
         ids: list[str | None] = []
-        for name, lines in ((f"{batch.id}_output.jsonl", done), (f"{batch.id}_error.jsonl", failed)):
-            if not lines and name.endswith("_error.jsonl"):
+        failed = (await self.store.counts(batch.id)).failed
+        for status, suffix in ((LineStatus.COMPLETED, "output"), (LineStatus.FAILED, "error")):
+            if status is LineStatus.FAILED and not failed:
                 ids.append(None)
                 continue
-            record = FileRecord(new_file_id(), name, "batch_output", 0, now, caller=batch.caller)
-            stored = await self.store.put_file(record, _jsonl(lines))
+            name = f"{batch.id}_{suffix}.jsonl"
+            record = FileRecord(new_file_id(), name, rules.OUTPUT_PURPOSE, 0, now, caller=batch.caller)
+            stored = await self.store.put_file(record, _jsonl(self._results(batch.id, status)))
             ids.append(stored.id)
         return ids[0], ids[1]
 
-    async def _renew_forever(self) -> None:
-        every = self.settings.lease_seconds / 3
-        while True:
-            await asyncio.sleep(every)
-            if self.running:
-                try:
-                    await self.store.renew(self.owner, list(self.running), self.settings.lease_seconds)
-                except OSError as exc:
-                    _log.warning("lease renewal failed", reason=str(exc))
+    async def _results(self, batch_id: str, status: LineStatus) -> AsyncIterator[str]:
+        async for line in self.store.results(batch_id):
+            if line.status is status:
+                assert line.result is not None
+                yield line.result
+
+    async def _renew(self) -> None:
+        if self.running:
+            await self.store.renew(self.owner, list(self.running), self.settings.lease_seconds)
+
+    async def _renew_pause(self) -> None:
+        await asyncio.sleep(self.settings.lease_seconds / 3)  # three renewals a lease: one may fail
 
     async def _run_line(self, line: LineRecord) -> None:
         started = time.monotonic()
@@ -276,13 +292,38 @@ class Engine:
                 _log.warning("line lost its lease", batch_id=line.batch_id, line=line.line)
         except asyncio.CancelledError:
             raise
-        except Exception:  # noqa: BLE001 - one line's bug must not stop the others
-            _log.exception("line failed unexpectedly", batch_id=line.batch_id, line=line.line)
-            await self.store.release(self.owner, [line.key])
+        except Exception as exc:  # noqa: BLE001 - one line's bug must not stop the others
+            await self._unexpected(line, exc)
         finally:
             self.running.pop(line.key, None)
             if len(self.running) <= self.settings.concurrency - self._refill:
                 self.wake()  # lease the free slots together: a query per few lines, not one a line
+
+    async def _unexpected(self, line: LineRecord, exc: Exception) -> None:
+        """A line's attempt failed unexpectedly (a bug, the store): it counts as an attempt.
+
+        The line is leased again until it has had ``attempts`` leases, then fails with an error
+        line; the traceback is logged at most once per few seconds (a bad line may fail fast).
+        """
+        self.metrics.line_errors.inc()
+        if self._unexpected_log.allow():
+            _log.error(
+                "line failed unexpectedly",
+                batch_id=line.batch_id,
+                line=line.line,
+                attempts=line.attempts,
+                not_logged_since_last=self._unexpected_log.reset(),
+                exc_info=exc,
+            )
+        try:
+            if line.attempts < self.settings.attempts:
+                await self.store.release(self.owner, [line.key])
+                return
+            message = f"the worker could not run this line ({type(exc).__name__}, {line.attempts} attempts)"
+            error = pb.Error(code=pb.ERROR_CODE_INTERNAL, message=message)
+            await self._finish((line.batch_id, line.line, LineStatus.FAILED, _error_line(line, "", error), Usage()))
+        except Exception as again:  # noqa: BLE001 - the store too: the lease expires and the line is leased again
+            _log.warning("line left to its lease expiry", batch_id=line.batch_id, line=line.line, error=repr(again))
 
     async def _finish(self, outcome: Outcome) -> bool:
         """Record a line's outcome with those of the lines ending meanwhile; False if its lease was lost."""
@@ -324,7 +365,7 @@ class Engine:
     async def _attempt(self, batch: BatchRecord, line: LineRecord, request_id: str) -> tuple[LineStatus, str, Usage]:
         body = json.loads(line.body)
         try:
-            run, build = _run_request(batch, line, body, request_id)
+            run, build = _sendable_run(batch, line, body, request_id)
         except http.ApiError as refused:
             return LineStatus.FAILED, _failed_line(line, request_id, refused), Usage()
         run.priority = self.settings.priority
@@ -332,13 +373,15 @@ class Engine:
         run.metadata["batch_id"] = batch.id
         if batch.expires_at is not None:
             run.deadline.FromSeconds(batch.expires_at)
-        try:
-            connection = await self.control_plane.connected(timeout=5.0)
-            stream = await connection.open_run(run, urgent=False)
-        except (TimeoutError, ConnectionClosed, IopError) as exc:
-            raise _Retry(pb.Error(code=pb.ERROR_CODE_UNAVAILABLE, message=f"no control-plane: {exc}"), 1.0) from None
+        stream = await self._open(run)
+        if isinstance(stream, pb.Error):
+            return LineStatus.FAILED, _error_line(line, request_id, stream), Usage()
         outcome = shape.Outcome()
-        start, end = await shape.gather(stream, outcome)
+        try:
+            start, end = await shape.gather(stream, outcome)
+        finally:  # the line was cancelled (batch cancelled or expired, shutdown): so is its run on the node
+            if not stream.finished:
+                stream.cancel_nowait("the batch line was stopped")
         if end is None:
             raise _Retry(pb.Error(code=pb.ERROR_CODE_NODE_LOST, message="the run ended without a result"), 0.5)
         if end.HasField("error"):
@@ -357,6 +400,37 @@ class Engine:
             _line(line, request_id, 200, answer),
             Usage(usage.prompt_tokens, usage.completion_tokens, total),
         )
+
+    async def _open(self, run: pb.RunRequest) -> RunStream | pb.Error:
+        """The run's stream; the error that fails the line for good; _Retry for a passing failure."""
+        try:
+            connection = await self.control_plane.connected(timeout=5.0)
+            return await connection.open_run(run, urgent=False)
+        except (TimeoutError, ConnectionClosed) as exc:
+            raise _Retry(pb.Error(code=pb.ERROR_CODE_UNAVAILABLE, message=f"no control-plane: {exc}"), 1.0) from None
+        except IopError as exc:
+            if exc.retryable:
+                raise _Retry(error_message(exc), 1.0) from None
+            return error_message(exc)  # the run was refused (cannot be encoded, too large): it never will be sent
+
+
+def _sendable_run(
+    batch: BatchRecord, line: LineRecord, body: dict[str, Any], request_id: str
+) -> tuple[pb.RunRequest, Callable[[str, shape.Outcome, pb.RunComplete], dict[str, Any]]]:
+    """:func:`_run_request`, checked to be a run the control-plane can read; ApiError (400) if not.
+
+    A body can pass the OpenAI checks and still not be a run: a lone surrogate (``\\ud800``) is
+    no UTF-8, and ``tools`` nested 40 deep is past protobuf's nesting limit when decoded. Such a
+    line fails once, with this message, instead of being tried again and again.
+    """
+    try:
+        run, build = _run_request(batch, line, body, request_id)
+        pb.RunRequest.FromString(run.SerializeToString())  # the receiver's decode, with its nesting limit
+    except UnicodeError:
+        raise http.ApiError(400, "the body has a string that is not valid Unicode (a lone surrogate)") from None
+    except (RecursionError, protobuf_message.Error):
+        raise http.ApiError(400, "the body is nested too deeply to be sent as a run (protobuf's limit)") from None
+    return run, build
 
 
 def _run_request(
@@ -410,11 +484,11 @@ def _error_line(line: LineRecord, request_id: str, error: pb.Error) -> str:
     return _failed_line(line, request_id, http.from_iop(error))
 
 
-async def _jsonl(lines: list[str]) -> AsyncIterator[bytes]:
+async def _jsonl(lines: AsyncIterator[str]) -> AsyncIterator[bytes]:
     """Lines as JSONL, in chunks of about 256 KiB."""
     chunk: list[str] = []
     size = 0
-    for text in lines:
+    async for text in lines:
         chunk.append(text)
         size += len(text) + 1
         if size >= _FILE_CHUNK:

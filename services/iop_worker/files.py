@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import secrets
 import time
 from collections import OrderedDict
@@ -20,10 +21,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import structlog
+from prometheus_client import Counter
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import Inbound, IopError, MessageHandler, Role
+from iop_wire.openai import batches as rules
+from iop_wire.openai.errors import ID_SHOWN
 from iop_worker.store import FileRecord, JobStore, new_file_id
+from iop_worker.supervise import repeat
 
 __all__ = ["Files", "file_info", "owner", "scope", "sees"]
 
@@ -157,7 +162,7 @@ class Files:
 
     async def listing(self, inbound: Inbound) -> None:
         message = inbound.envelope.files_list
-        limit = min(message.limit or 10_000, 10_000)
+        limit = min(message.limit or rules.FILES_PAGE.default, rules.FILES_PAGE.maximum)
         records, more = await self.store.list_files(
             after=message.after or None, limit=limit, purpose=message.purpose or None, caller=scope(inbound)
         )
@@ -182,7 +187,7 @@ class Files:
         """The file, if the request's caller may see it; else the error of an unknown one (a 404 at the edge)."""
         record = await self.store.get_file(file_id) if file_id else None
         if record is None or not sees(record.caller, scope(inbound)):
-            raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, f"No such File object: {file_id}", param="file_id")
+            raise IopError(pb.ERROR_CODE_NOT_FOUND, f"No such File object: {file_id[:ID_SHOWN]}", param="file_id")
         return record
 
     async def _piece(self, record: FileRecord, offset: int, length: int) -> bytes:
@@ -237,14 +242,9 @@ class Files:
             _log.warning("half-written uploads deleted", files=dropped, older_than=2 * _UPLOAD_MAX)
         return dropped
 
-    async def sweep_forever(self) -> None:
-        """:meth:`sweep` now and every ``_SWEEP_EVERY`` seconds; a failure is logged and tried again."""
-        while True:
-            try:
-                await self.sweep()
-            except Exception as exc:  # noqa: BLE001 - the store may be down for a while: keep serving
-                _log.warning("upload sweep failed", error=str(exc))
-            await asyncio.sleep(_SWEEP_EVERY)
+    async def sweep_forever(self, failures: Counter) -> None:
+        """:meth:`sweep` now and every ``_SWEEP_EVERY`` seconds; a failure is logged, counted and tried again."""
+        await repeat("sweep", self.sweep, functools.partial(asyncio.sleep, _SWEEP_EVERY), failures)
 
 
 def _stop_timers(upload: _Upload) -> None:

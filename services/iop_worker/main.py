@@ -35,6 +35,7 @@ from iop_worker.files import Files
 from iop_worker.metrics import WorkerMetrics
 from iop_worker.settings import Problem, Settings, StartError, load_settings
 from iop_worker.store import JobStore
+from iop_worker.supervise import first_failure
 
 __all__ = ["run"]
 
@@ -99,17 +100,21 @@ def _lower_priority(nice: int | Literal["idle"]) -> None:
         os.nice(19)
 
 
+async def _opened_store(settings: Settings) -> JobStore:
+    """The job store, open; StartError (one line naming ``store``) when it cannot be."""
+    store = open_store(settings)
+    try:
+        await store.open()
+    except Exception as exc:  # noqa: BLE001 - OSError or a driver's own errors (sqlite3, asyncpg): one line
+        raise StartError([Problem("store", f"cannot open the job store: {exc}")]) from None
+    return store
+
+
 async def _serve(settings: Settings, ready_file: Path | None) -> int:
     _lower_priority(settings.nice)
     metrics = WorkerMetrics()
     expose(metrics.registry)
-    store = open_store(settings)
-    try:
-        await store.open()
-    except (OSError, ConnectionError) as exc:
-        raise StartError([Problem("store", f"cannot open the job store: {exc}")]) from None
-    except Exception as exc:  # noqa: BLE001 - a driver's own errors (sqlite3, asyncpg) become one line
-        raise StartError([Problem("store", f"cannot open the job store: {exc}")]) from None
+    store = await _opened_store(settings)
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(store.aclose)
         link = _control_plane(settings)
@@ -118,9 +123,11 @@ async def _serve(settings: Settings, ready_file: Path | None) -> int:
         engine = Engine(store, link, settings.batches, metrics, name=settings.worker_id)
         files = Files(store, max_bytes=settings.max_file_bytes)
         stack.push_async_callback(files.aclose)
-        sweeper = asyncio.create_task(files.sweep_forever())
+        sweeper = asyncio.create_task(files.sweep_forever(metrics.part_failures), name="iop-worker-sweep")
         stack.callback(sweeper.cancel)
-        batches = Batches(store, settings.batches, files, wake=engine.wake)
+        batches = Batches(store, settings.batches, files, metrics.part_failures, wake=engine.wake)
+        stack.push_async_callback(batches.aclose)
+        batches.resume(await store.unfinished_batches())
         messages = {**files.handlers(), **batches.handlers()}
 
         def handler_for(peer: PeerIdentity) -> Handler:
@@ -145,11 +152,11 @@ async def _serve(settings: Settings, ready_file: Path | None) -> int:
         if ready_file is not None:
             write_ready_file(ready_file, port=listener.port, metrics_port=metrics_port)
         try:
-            await stop.wait()
+            ended = await first_failure(stop.wait(), (engine_task, sweeper))
         finally:
             engine_task.cancel()
             await asyncio.gather(engine_task, return_exceptions=True)
             if ready_file is not None:
                 ready_file.unlink(missing_ok=True)  # noqa: ASYNC240 - one unlink while stopping
     _log.info("worker stopped")
-    return 0
+    return 0 if ended is None else 1

@@ -35,6 +35,17 @@ class WorkerMetrics:
             "Lines taken over from a worker whose lease expired (it died or stalled).",
             registry=self.registry,
         )
+        self.part_failures = Counter(
+            "iop_worker_part_failures_total",
+            "Failures of a background part (step, renew, sweep), each followed by a growing pause.",
+            ["part"],
+            registry=self.registry,
+        )
+        self.line_errors = Counter(
+            "iop_worker_line_errors_total",
+            "Attempts of lines that failed unexpectedly (a bug or the store); they count as attempts.",
+            registry=self.registry,
+        )
         self.running = Gauge("iop_worker_lines_running", "Lines running on this worker.", registry=self.registry)
         self.pending = Gauge(
             "iop_worker_lines_pending",

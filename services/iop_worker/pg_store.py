@@ -195,6 +195,13 @@ class PgJobStore:
             await conn.execute(f"INSERT INTO batches ({', '.join(BATCH_COLUMNS)}) VALUES ({marks})", *batch_row(batch))  # noqa: S608
             await conn.copy_records_to_table("lines", records=rows, columns=LINE_COLUMNS)
 
+    async def add_lines(self, lines: Sequence[LineRecord]) -> None:
+        """Store more lines of a batch being validated, in one transaction; a line already stored is kept."""
+        marks = ", ".join(f"${index}" for index in range(1, len(LINE_COLUMNS) + 1))
+        sql = f"INSERT INTO lines ({', '.join(LINE_COLUMNS)}) VALUES ({marks}) ON CONFLICT DO NOTHING"  # noqa: S608
+        async with self._connections().acquire() as conn, conn.transaction():
+            await conn.executemany(sql, [line_row(line) for line in lines])
+
     async def get_batch(self, batch_id: str) -> BatchRecord | None:
         """A batch, or None."""
         row = await self._connections().fetchrow(_BATCHES + "WHERE id = $1", batch_id)

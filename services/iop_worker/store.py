@@ -237,6 +237,10 @@ class JobStore(Protocol):
         """Store a batch and its lines, in one transaction."""
         ...
 
+    async def add_lines(self, lines: Sequence[LineRecord]) -> None:
+        """Store more lines of a batch being validated, in one transaction; a line already stored is kept."""
+        ...
+
     async def get_batch(self, batch_id: str) -> BatchRecord | None:
         """A batch, or None."""
         ...

@@ -8,6 +8,7 @@ plus a small absolute slack.
 
 from __future__ import annotations
 
+import datetime
 import io
 import json
 import time
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 import httpx2 as httpx
 import pytest
 
+from .batch_helpers import jsonl, upload, worker_reachable
 from .conftest import Stack, running_stack, wait_for
 
 MODEL = "mock-one"
@@ -36,7 +38,7 @@ control-plane's hold is 1.17-1.20x on SQLite (README)."""
 def priority_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     worker = {"batches": {"poll_interval": 0.05}}
     with running_stack(tmp_path_factory.mktemp("priority"), {"node-a": [ROUTE]}, worker=worker) as stack:
-        yield stack
+        yield worker_reachable(stack)
 
 
 def _first_token(client: httpx.Client) -> float:
@@ -86,3 +88,51 @@ def test_interactive_ttft_during_a_batch_stays_near_idle(priority_stack: Stack) 
     sdk.batches.cancel(batch.id)
     shown = f"TTFT p50 {during * 1000:.2f} ms during vs {idle * 1000:.2f} ms idle ({during / idle:.2f}x)"
     assert during <= idle * RATIO + SLACK, shown
+
+
+QUEUED = {
+    "model": "mock-queued",
+    "adapter": "mock",
+    "max_concurrency": 1,
+    "options": {"tokens": 10, "tokens_per_second": 20},
+}
+"""One run at a time, 0.5 s each: the batch's lines queue, and the queue's order is what priority decides."""
+
+
+@pytest.fixture(scope="module")
+def queued_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    worker = {"batches": {"poll_interval": 0.05, "concurrency": 8}}
+    with running_stack(tmp_path_factory.mktemp("queued"), {"node-a": [QUEUED]}, worker=worker) as stack:
+        yield worker_reachable(stack)
+
+
+def test_an_interactive_run_overtakes_the_queued_batch_lines(queued_stack: Stack) -> None:
+    """The node's history says it: between the interactive request and its run's start, at most the
+    one batch line already admitted starts (at interactive priority, the 7 queued ahead of it would:
+    CPU niceness cannot reorder a queue)."""
+    sdk = queued_stack.client()
+    body = {"model": "mock-queued", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
+    lines = [{"custom_id": f"q-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body} for i in range(40)]
+    batch = sdk.batches.create(
+        input_file_id=upload(sdk, jsonl(lines)), endpoint="/v1/chat/completions", completion_window="24h"
+    )
+
+    def queued_up() -> bool:
+        runs = queued_stack.runs("node-a")
+        return sum(1 for run in runs if "batch_req" in run["run_id"] and run["status"] == "completed") >= 2
+
+    wait_for(queued_up, 30.0, 0.1, "batch lines running one at a time")
+    asked_at = datetime.datetime.now(datetime.UTC)
+    answer = queued_stack.http().post("/chat/completions", json=body)
+    assert answer.status_code == 200
+    request_id = answer.headers["x-request-id"]
+    sdk.batches.cancel(batch.id)
+    runs = queued_stack.runs("node-a")
+    interactive = next(run for run in runs if request_id in run["run_id"])
+    started = datetime.datetime.fromisoformat(interactive["started_at"])
+    overtaking = [
+        run
+        for run in runs
+        if "batch_req" in run["run_id"] and asked_at <= datetime.datetime.fromisoformat(run["started_at"]) < started
+    ]
+    assert len(overtaking) <= 1, f"{len(overtaking)} batch lines started between the request and its run"

@@ -13,6 +13,7 @@ from typing import Any
 import openai
 import pytest
 
+from .batch_helpers import worker_reachable
 from .conftest import MOCK_ROUTES, Stack, batch_ended, file_lines, running_stack, wait_for
 from .openai_schema import validate
 
@@ -21,7 +22,7 @@ from .openai_schema import validate
 def batch_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     settings = {"batches": {"poll_interval": 0.05, "lease_seconds": 2.0}}
     with running_stack(tmp_path_factory.mktemp("batches"), {"node-a": MOCK_ROUTES}, worker=settings) as stack:
-        yield stack
+        yield worker_reachable(stack)
 
 
 def _jsonl(lines: list[dict[str, Any]]) -> bytes:
@@ -136,12 +137,20 @@ def test_a_missing_file_is_404_and_a_cancel_keeps_the_finished_lines(batch_stack
     batch = client.batches.create(
         input_file_id=_upload(client, lines), endpoint="/v1/chat/completions", completion_window="24h"
     )
-    time.sleep(0.5)
+
+    def some_finished() -> int:
+        counts = client.batches.retrieve(batch.id).request_counts
+        return counts.completed if counts is not None else 0
+
+    finished = wait_for(some_finished, 20.0, 0.05, "lines finishing before the cancel")
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled")
     done = batch_ended(client, batch.id)
     assert done.status == "cancelled"
-    assert done.request_counts is not None and done.request_counts.completed < 200
+    assert done.request_counts is not None and finished <= done.request_counts.completed < 200
+    kept = file_lines(client, done.output_file_id)
+    assert len(kept) == done.request_counts.completed
+    assert all(line["response"]["status_code"] == 200 for line in kept)
 
 
 def test_files_list_retrieve_content_and_delete(batch_stack: Stack, tmp_path: Path) -> None:

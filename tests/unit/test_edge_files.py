@@ -4,6 +4,7 @@ over ASGI against a scripted stand-in for the worker's connection."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import typing
@@ -24,6 +25,7 @@ from iop_edge.settings import Settings
 from iop_edge.upstream import Upstream
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import IopError
+from iop_wire.openai import batches as rules
 from iop_wire.openai.errors import ApiError, from_worker
 
 _BOUNDARY = "iop-test-boundary"
@@ -120,12 +122,21 @@ def test_a_batch_request_becomes_batch_create() -> None:
     assert batch_request({**_BATCH, "completion_window": "10m", "metadata": None}).completion_window == "10m"
 
 
+@pytest.mark.parametrize(("window", "seconds"), [("24h", 86_400), ("1d", 86_400), ("10m", 600), ("90s", 90)])
+def test_edge_and_worker_take_the_same_windows(window: str, seconds: int) -> None:
+    """One rule (iop_wire.openai.batches): the edge refused ``1d`` while the worker took it."""
+    assert batch_request({**_BATCH, "completion_window": window}).completion_window == window
+    assert rules.window_seconds(window) == seconds
+
+
 @pytest.mark.parametrize(
     ("change", "param"),
     [
         ({"endpoint": "/v1/responses"}, "endpoint"),
         ({"endpoint": 3}, "endpoint"),
-        ({"completion_window": "1d"}, "completion_window"),
+        ({"completion_window": "1w"}, "completion_window"),
+        ({"completion_window": "0d"}, "completion_window"),
+        ({"completion_window": "9" * 5000 + "h"}, "completion_window"),
         ({"completion_window": "0h"}, "completion_window"),
         ({"input_file_id": None}, "input_file_id"),
         ({"input_file_id": ["file-1"]}, "input_file_id"),
@@ -225,12 +236,13 @@ def test_every_batch_status_has_its_openai_name(status: pb.BatchStatus.ValueType
 
 
 def test_an_unknown_id_from_the_worker_is_a_404() -> None:
-    unknown = IopError(pb.ERROR_CODE_INVALID_ARGUMENT, "no such file", param="file_id")
+    unknown = IopError(pb.ERROR_CODE_NOT_FOUND, "no such file", param="file_id")
     error = from_worker(unknown, "file-zz")
     assert (error.status, error.message, error.type) == (404, "No such File object: file-zz", "invalid_request_error")
-    batch = from_worker(IopError(pb.ERROR_CODE_INVALID_ARGUMENT, "no", param="batch_id"), "batch_1")
+    batch = from_worker(IopError(pb.ERROR_CODE_NOT_FOUND, "no", param="batch_id"), "batch_1")
     assert (batch.status, batch.message) == (404, "No such Batch object: batch_1")
-    assert from_worker(IopError(pb.ERROR_CODE_INVALID_ARGUMENT, "bad", param="purpose"), "x").status == 400
+    assert len(from_worker(IopError(pb.ERROR_CODE_NOT_FOUND, "no", param="file_id"), "f" * 10**6).message) < 200
+    assert from_worker(IopError(pb.ERROR_CODE_INVALID_ARGUMENT, "bad", param="file_id"), "x").status == 400
     assert from_worker(IopError(pb.ERROR_CODE_FRAME_TOO_LARGE, "big"), "x").status == 413
 
 
@@ -268,12 +280,12 @@ class _Worker:
             read = envelope.file_read
             content = self.files.get(read.file_id)
             if content is None:
-                raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, "unknown file", param="file_id")
+                raise IopError(pb.ERROR_CODE_NOT_FOUND, "unknown file", param="file_id")
             data = content[read.offset : read.offset + read.length]
             return pb.Envelope(file_data=pb.FileData(data=data, eof=read.offset + len(data) >= len(content)))
         if kind == "batch_create":
             return pb.Envelope(batch_info=_batch_info(pb.BATCH_STATUS_VALIDATING))
-        raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, "unknown batch", param="batch_id")
+        raise IopError(pb.ERROR_CODE_NOT_FOUND, "unknown batch", param="batch_id")
 
 
 def _edge(worker: _Worker | None, **http: Any) -> Edge:
@@ -403,3 +415,91 @@ async def test_openai_fields_the_worker_does_not_use_are_accepted_and_unknown_on
     assert status == 200 and body["bytes"] == 3
     status, body = await _upload(_edge(_Worker()), _form(("purpose", None, b"batch"), ("colour", None, b"red")))
     assert status == 400 and "colour" in body["error"]["message"]
+
+
+# -- hostile requests: OpenAI's error shape and the right status, never a 500 ---------------------
+
+
+@pytest.mark.parametrize(
+    "limit",
+    ["%C2%B2", "9" * 4300, "0", "-1", "1.5", "%EF%BC%91"],  # ², a 4,300-digit number, 0, -1, 1.5, a fullwidth 1
+)
+@pytest.mark.parametrize("path", ["/v1/files", "/v1/batches"])
+async def test_a_bad_list_limit_is_a_400_naming_limit(path: str, limit: str) -> None:
+    status, _, answer = await _call(_edge(_Worker()), "GET", f"{path}?limit={limit}")
+    error = json.loads(answer)["error"]
+    assert (status, error["param"], error["type"]) == (400, "limit", "invalid_request_error")
+    assert len(error["message"]) < 200  # the 4,300 digits are not said back
+
+
+async def test_a_multipart_boundary_over_256_characters_is_a_400() -> None:
+    worker = _Worker()
+    headers = {"content-type": "multipart/form-data; boundary=" + "b" * 300}
+    status, _, answer = await _call(_edge(worker), "POST", "/v1/files", (b"--" + b"b" * 300 + b"\r\n",), headers)
+    assert status == 400 and "boundary" in json.loads(answer)["error"]["message"]
+    assert worker.sent == []
+
+
+async def _upload_then(edge: Edge, after: Callable[[], Any], first: int = 2 * CHUNK_SIZE) -> tuple[int, dict[str, Any]]:
+    """An upload whose body stops after its ``first`` bytes: ``after()`` is what the client does then."""
+    body = _form(("purpose", None, b"batch"), ("file", "in.jsonl", b"x" * 3 * CHUNK_SIZE))
+    pieces = [body[:first]]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> MutableMapping[str, Any]:
+        if pieces:
+            return {"type": "http.request", "body": pieces.pop(), "more_body": True}
+        return await after()  # type: ignore[no-any-return]
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        sent.append(dict(message))
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "path": "/v1/files",
+        "raw_path": b"/v1/files",
+        "query_string": b"",
+        "headers": [(b"content-type", _FORM.encode())],
+        "server": ("edge", 80),
+        "client": ("client", 1),
+    }
+    await build_app(edge)(scope, receive, send)
+    return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+
+
+async def test_a_client_gone_mid_upload_is_a_499_and_the_upload_is_never_finished() -> None:
+    async def gone() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    worker = _Worker()
+    status, body = await _upload_then(_edge(worker), gone)
+    assert status == 499 and body["error"]["code"] == "cancelled"
+    assert [envelope.WhichOneof("body") for envelope in worker.sent][:2] == ["file_create", "file_chunk"]
+    assert not any(envelope.file_chunk.last for envelope in worker.sent)
+
+
+async def test_an_upload_that_stops_sending_is_a_408_after_the_body_timeout() -> None:
+    async def silent() -> dict[str, Any]:
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    worker = _Worker()
+    status, body = await asyncio.wait_for(_upload_then(_edge(worker, body_timeout=0.2), silent), 30)
+    assert status == 408 and body["error"]["code"] == "timeout"
+    assert "http.body_timeout" in body["error"]["message"]
+    assert not any(envelope.file_chunk.last for envelope in worker.sent)
+
+
+async def test_an_upload_trickling_under_the_minimum_rate_is_a_408() -> None:
+    """A byte every 50 ms never leaves the idle bound, but its average is far under 16 KiB/s."""
+
+    async def trickle() -> dict[str, Any]:
+        await asyncio.sleep(0.05)
+        return {"type": "http.request", "body": b"x", "more_body": True}
+
+    worker = _Worker()
+    status, body = await asyncio.wait_for(_upload_then(_edge(worker, body_timeout=0.5), trickle, first=1024), 30)
+    assert status == 408 and "KiB/s" in body["error"]["message"]

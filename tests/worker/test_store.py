@@ -361,6 +361,45 @@ async def test_an_expired_lease_is_taken_over_and_the_old_owner_is_fenced(store:
     assert await store.finish("alive", batch.id, 0, status=LineStatus.COMPLETED, result="{}", usage=Usage(1, 1, 2))
 
 
+async def test_finish_many_writes_only_the_lines_still_leased_and_only_their_usage(store: JobStore) -> None:
+    """The engine records outcomes in groups (``finish_many``): a lost lease in the group writes
+    neither its result nor its usage, while the others in the same transaction do."""
+    batch, _ = await created(store, 3)
+    lost = await store.lease("dead", limit=1, lease_seconds=SHORT)
+    kept = await store.lease("dead", limit=2, lease_seconds=LONG)
+    taken = await lease_until(store, "alive", 1)
+    assert [line.line for line in taken] == [lost[0].line]
+    outcomes = [
+        (batch.id, line.line, LineStatus.COMPLETED, f'{{"line": {line.line}}}', Usage(10, 1, 11))
+        for line in (*lost, *kept)
+    ]
+    assert await store.finish_many("dead", outcomes) == [False, True, True]
+    assert await store.counts(batch.id) == RequestCounts(3, 2, 0)
+    assert [line.line async for line in store.results(batch.id)] == [line.line for line in kept]
+    got = await store.get_batch(batch.id)
+    assert got is not None and got.usage == Usage(20, 2, 22)
+
+
+async def test_lines_added_while_validating_are_leased_only_once_the_batch_is_in_progress(store: JobStore) -> None:
+    batch, lines = new_batch(4, status=BatchStatus.VALIDATING)
+    await store.create_batch(batch, [])
+    await store.add_lines(lines[:3])
+    await store.add_lines(lines[2:])  # a resumed validation stores a line again: kept once
+    assert await store.counts(batch.id) == RequestCounts(4, 0, 0)
+    assert await store.lease("a", limit=10, lease_seconds=LONG) == []
+    assert await store.transition(batch.id, (BatchStatus.VALIDATING,), BatchStatus.IN_PROGRESS)
+    assert [line.line for line in await store.lease("a", limit=10, lease_seconds=LONG)] == [0, 1, 2, 3]
+
+
+async def test_cancel_pending_marks_every_pending_line_of_a_large_batch(store: JobStore) -> None:
+    """SQLite marks them a slice per transaction (others' requests get turns between): none is missed."""
+    batch, _ = await created(store, 2_500)
+    leased = await store.lease("a", limit=3, lease_seconds=LONG)
+    assert await store.cancel_pending(batch.id) == 2_497
+    assert await store.counts(batch.id) == RequestCounts(2_500, 0, 0, 2_497)
+    assert [line.line for line in leased] == [0, 1, 2]
+
+
 async def test_taking_back_ones_own_expired_lease_is_no_takeover(store: JobStore) -> None:
     await created(store, 1)
     await store.lease("a", limit=1, lease_seconds=SHORT)

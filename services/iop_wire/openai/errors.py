@@ -14,7 +14,7 @@ import math
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import IopError, code_name
 
-__all__ = ["STATUS", "ApiError", "from_event", "from_iop", "from_worker"]
+__all__ = ["ID_SHOWN", "STATUS", "ApiError", "from_event", "from_iop", "from_worker"]
 
 STATUS: dict[int, int] = {
     pb.ERROR_CODE_UNSPECIFIED: 500,
@@ -115,6 +115,8 @@ def from_iop(error: IopError | pb.Error) -> ApiError:
     )
 
 
+ID_SHOWN = 100
+"""Characters of an unknown id said back in a 404 (ids are about 30; a megabyte one is not echoed)."""
 _OBJECTS = {"file_id": "File", "batch_id": "Batch"}
 """The worker's ``param`` for an unknown id -> the object's name in OpenAI's 404 message."""
 
@@ -122,12 +124,12 @@ _OBJECTS = {"file_id": "File", "batch_id": "Batch"}
 def from_worker(error: IopError, object_id: str, *, param: str = "id") -> ApiError:
     """The HTTP error for the worker's answer to a request about ``object_id``.
 
-    The worker refuses an unknown id with INVALID_ARGUMENT naming ``file_id`` or ``batch_id``;
-    OpenAI answers that with 404 ``No such File object: ID``.
+    The worker refuses an unknown id with NOT_FOUND, its ``param`` naming ``file_id`` or
+    ``batch_id``; OpenAI answers that with 404 ``No such File object: ID``.
     """
-    kind = _OBJECTS.get(error.param)
-    if error.code == pb.ERROR_CODE_INVALID_ARGUMENT and kind is not None:
-        return ApiError(404, f"No such {kind} object: {object_id}", param=param)
+    if error.code == pb.ERROR_CODE_NOT_FOUND:
+        noun = f"{_OBJECTS[error.param]} object" if error.param in _OBJECTS else "object"
+        return ApiError(404, f"No such {noun}: {object_id[:ID_SHOWN]}", param=param)
     return from_iop(error)
 
 
