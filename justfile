@@ -95,3 +95,4 @@ bench:
     python tests/bench/detection_bench.py
     python tests/bench/edge_bench.py
     python tests/bench/batch_bench.py
+    python tests/bench/ledger_bench.py
