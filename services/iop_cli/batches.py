@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from iop_cli.ops import ask, iso
-from iop_cli.output import CliError, table, warn
+from iop_cli.output import CliError, emit, table, warn
 from iop_cli.platform import read_ready
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.messages import BATCH_TIMES
@@ -62,7 +62,7 @@ async def _ls(args: argparse.Namespace) -> int:
         raise CliError(f"--limit must be from 1 to {_MAX_LIST}, not {args.limit}", 2)
     listed = (await _ask(args, pb.Envelope(batches_list=pb.BatchesList(limit=args.limit)))).batches_listed
     batches = [batch_dict(batch) for batch in listed.batches]
-    print(json.dumps(batches, indent=2) if args.json else _table(batches))
+    emit(batches, as_json=args.json, text=_table(batches))
     if listed.has_more:
         warn("batches", f"showing the newest {args.limit}; more exist (--limit N shows more)")
     return 0

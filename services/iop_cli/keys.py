@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sqlite3
 from pathlib import Path
 
-from iop_cli.output import CliError, table, warn
+from iop_cli.output import CliError, emit, table, warn
 from iop_cli.shell import state_file
 from iop_edge.keys import KeyInfo, create_key, list_keys, revoke_key
 from iop_edge.settings import ConfigError, load_settings
@@ -45,10 +44,7 @@ def ls(args: argparse.Namespace) -> int:
         keys = list_keys(path)
     except (sqlite3.Error, OSError) as exc:
         raise CliError(f"cannot read the key file {path}: {exc}") from None
-    if args.json:
-        print(json.dumps([_plain(key) for key in keys], indent=2))
-    else:
-        print(_table(keys) if keys else "no keys")
+    emit([_plain(key) for key in keys], as_json=args.json, text=_table(keys) if keys else "no keys")
     return 0
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from google.protobuf.duration_pb2 import Duration
 
-from iop_cli.output import CliError, table, warn
+from iop_cli.output import CliError, emit, table, warn
 from iop_control_plane.ledger import MAX_LIST, STATUSES
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.history import parse_since
@@ -98,12 +98,7 @@ async def _nodes_ls(args: argparse.Namespace) -> int:
     listed = (await ask(args, pb.Envelope(nodes_list=pb.NodesList()))).nodes_listed
     now = time.time()
     nodes = [_node_dict(node, now) for node in listed.nodes]
-    if args.json:
-        print(json.dumps(nodes, indent=2))
-    elif not nodes:
-        print("no nodes registered")
-    else:
-        print(_nodes_table(nodes))
+    emit(nodes, as_json=args.json, text=_nodes_table(nodes) if nodes else "no nodes registered")
     return 0
 
 
@@ -161,7 +156,7 @@ async def _runs_ls(args: argparse.Namespace) -> int:
             raise CliError(str(exc), 2) from None
     listed = (await ask(args, pb.Envelope(runs_list=query))).runs_listed
     runs = [_run_dict(run) for run in listed.runs]
-    print(json.dumps(runs, indent=2) if args.json else _runs_table(runs))
+    emit(runs, as_json=args.json, text=_runs_table(runs))
     if listed.more:
         warn("runs", f"showing the newest {args.limit} runs; more match (--limit N shows more)")
     return 0

@@ -1,8 +1,9 @@
 """The platform's processes: spawn each with its log, wait for its ready file, stop them in order.
 
-``Platform`` is what one ``iop up`` started: it spawns ``iop control-plane``, ``iop node``,
-``iop worker`` and ``iop edge``, writes their pid files, waits for their ready files and the edge's ``GET /ready``,
-relays their output in ``--foreground`` and stops them. The rest reads what a running platform
+``Platform`` is what one ``iop up`` started (through ``iop supervise``, or itself in
+``--foreground``): it spawns ``iop control-plane``, ``iop node``, ``iop worker`` and ``iop edge``,
+writes their pid files, waits for their ready files and the edge's ``GET /ready``, relays their
+output in ``--foreground``, spawns one again for the supervisor, and stops them. The rest reads what a running platform
 left in the state folder (pid and ready files) and stops a process by its pid, for ``iop down``
 and ``iop status``.
 """

@@ -11,14 +11,13 @@ import argparse
 import dataclasses
 import datetime
 import enum
-import json
 import sqlite3
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from iop_cli.output import CliError, warn
+from iop_cli.output import CliError, emit, warn
 from iop_cli.shell import state_file
 from iop_node.domain import RunRecord, RunStatus
 from iop_node.history import format_record, format_table, parse_since
@@ -40,7 +39,7 @@ async def ls(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CliError(str(exc)) from None
     shown = records[: args.limit]
-    print(json.dumps([_plain(record) for record in shown], indent=2) if args.json else format_table(shown))
+    emit([_plain(record) for record in shown], as_json=args.json, text=format_table(shown))
     if len(records) > args.limit:
         warn("runs", f"showing the newest {args.limit} runs; more match (--limit N shows more)")
     return 0
@@ -55,7 +54,7 @@ async def show(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     if record is None:
         raise CliError(f"no run {args.run_id!r}", 1)
-    print(json.dumps(_plain(record), indent=2) if args.json else format_record(record))
+    emit(_plain(record), as_json=args.json, text=format_record(record))
     return 0
 
 

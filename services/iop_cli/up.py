@@ -16,27 +16,38 @@ config (the edge serves them on its HTTP port).
 
 ``--backend URL`` rewrites ``node.yaml`` with one route per model of an OpenAI-compatible server
 (``GET URL/v1/models``, adapter ``vllm``), or with ``ollama:URL`` of an Ollama server
-(``GET URL/api/tags``, adapter ``ollama``); a backend that cannot be asked is one line, exit 2.
+(``GET URL/api/tags``, adapter ``ollama``), each with the ``max_concurrency`` the server takes
+(``iop_cli.configs.backend_concurrency``); a backend that cannot be asked is one line, exit 2.
 
-Start order: control-plane, then node and worker, then the edge; each has 30 s to write its ready file
-(``DIR/<service>.ready``), then the edge's ``GET /ready`` must answer 200 (a model is served).
-A service that fails stops the others; its log's end is printed and the exit code is 1. Logs
-are ``DIR/<service>.log`` (the previous start's kept as ``.log.1``), pids ``DIR/<service>.pid``.
-A port in use (``--port N``, or a port an existing config sets) is one line naming it, exit 2;
-so is a ``node.yaml`` or ``edge.yaml`` without ``control_plane.address`` (an older ``up``'s). On a
-running state folder ``up`` says so, prints the base URL and key and changes nothing (exit 2 if
-``--port`` asks for another port; exit 1 if only part of the platform runs). Once up it prints ``base URL: ...``,
-``API key: ...``, a three-line OpenAI SDK example and the commands to go on, then returns; with
-``--foreground`` it stays attached, prints every service's output prefixed ``control-plane | ``,
-``node | ``, ``worker | ``, ``edge | `` (also written to the logs), and Ctrl-C (or SIGTERM) stops all,
-exit 0; if one exits by itself the others are stopped, exit 1.
+Before anything is written or started, ``up`` takes ``DIR/up.lock`` (a second ``up`` or a ``down``
+at work is one line, exit 2) and checks every file that exists (``iop_cli.preflight``: each config
+by its service's settings loader, the edge's key file, ``DIR/api-key``): a problem is one line
+naming the file and key, exit 2, nothing started. So is a port in use (``--port N``, or a port an
+existing config sets), and a ``node.yaml`` or ``edge.yaml`` without ``control_plane.address`` (an
+older ``up``'s).
 
-``down`` sends SIGTERM to the edge, the worker, the node, then the control-plane, waits for each and prints
-it stopped; pid files of processes that are gone are removed with a word. ``status`` prints
-SERVICE, PID, ADDRESS, HEALTH per service (``--json``: a list of objects): the control-plane is
-healthy once its ready file is written, the node when the control-plane (asked over mTLS with the
-admin certificate) lists it ready, the worker when it answers a ``batches.list`` (asked the same
-way), the edge when ``GET /health`` answers 200; exit 0 if all are.
+Then ``up`` starts ``iop supervise`` (``iop_cli.supervisor``) in its own session and waits until
+it runs the platform: control-plane, then node and worker, then the edge; each has 30 s to write
+its ready file (``DIR/<service>.ready``), then the edge's ``GET /ready`` must answer 200 (a model
+is served). A service that fails to start stops the others; its log's end is printed and the exit
+code is 1. Once running, the supervisor restarts a service that exits, with backoff. Logs are
+``DIR/<service>.log`` (the previous start's kept as ``.log.1``) and ``DIR/supervise.log``, pids
+``DIR/<service>.pid`` and ``DIR/supervise.pid``. On a running state folder ``up`` says so, prints
+the base URL and key and changes nothing (exit 2 if ``--port`` asks for another port; exit 1 if
+only part of the platform runs). Once up it prints ``base URL: ...``, ``API key: ...``, a
+three-line OpenAI SDK example and the commands to go on, then returns; with ``--foreground`` no
+supervisor: ``up`` stays attached, prints every service's output prefixed ``control-plane | ``,
+``node | ``, ``worker | ``, ``edge | `` (also written to the logs), and Ctrl-C (or SIGTERM) stops
+all, exit 0; if one exits by itself the others are stopped, exit 1.
+
+``down`` stops the supervisor, which stops the edge, the worker, the node, then the control-plane,
+each waited for; then any service still running (an older ``up``'s, or one whose supervisor was
+killed), in the same order; it prints each one stopped; pid files of processes that are gone are
+removed with a word. ``status`` prints SERVICE, PID, ADDRESS, HEALTH, RESTARTS, LAST EXIT per
+service (``--json``: a list of objects): the control-plane is healthy once its ready file is
+written, the node when the control-plane (asked over mTLS with the admin certificate) lists it
+ready, the worker when it answers a ``batches.list`` (asked the same way), the edge when ``GET
+/health`` answers 200; restarts and the last exit are the supervisor's; exit 0 if all are up.
 
 This module holds the three commands and what they print; the files ``up`` writes are
 ``iop_cli.configs``'s, the processes it starts and stops ``iop_cli.platform``'s.
@@ -144,6 +155,15 @@ def _start_supervised(state: Path, log_level: str | None) -> dict[str, dict[str,
             start_new_session=True,  # it outlives this command and the terminal's Ctrl-C
         )
     supervisor.file(".pid").write_text(str(process.pid))
+    try:
+        return _wait_supervised(state, process, supervisor)
+    except KeyboardInterrupt:  # Ctrl-C while it starts: nothing is left running
+        terminate(process.pid, "supervise", _SUPERVISED_STOP)
+        raise CliError("interrupted; stopped what had started", 130) from None
+
+
+def _wait_supervised(state: Path, process: subprocess.Popen[bytes], supervisor: Service) -> dict[str, dict[str, Any]]:
+    """Wait until the supervisor runs the platform; CliError if it failed to start it (or took too long)."""
     deadline = time.monotonic() + _SUPERVISED_START
     while time.monotonic() < deadline:
         found = read_state(state) or {}
@@ -163,6 +183,9 @@ def _start_supervised(state: Path, log_level: str | None) -> dict[str, dict[str,
 
 def down(state: Path) -> int:
     """Stop what ``up`` started: the supervisor (which stops the services, edge first), then any left; the exit code."""
+    if not state.is_dir():
+        print(f"nothing running in {state}")
+        return 0
     with only_up(state, "down"):
         before = {service.name: running_pid(service) for service in services(state)}
         supervisor = Service("supervise", state)
@@ -232,6 +255,8 @@ def _restarts(supervised: dict[str, Any] | None) -> dict[str, Any]:
     row: dict[str, Any] = {"restarts": int(seen.get("restarts", 0)), "last_exit": seen.get("last_exit")}
     if seen.get("state") == "given up":
         row["health"] = "given up (crash loop; see its log)"
+    elif seen.get("state") == "restarting":
+        row["health"] = "restarting"
     return row
 
 
