@@ -248,7 +248,6 @@ def test_a_killed_service_is_restarted_and_down_stops_all(state: Path, killed: s
     started = _iop("up", "--dir", str(state), "--port", "0")
     assert started.returncode == 0, started.stdout + started.stderr
     base, key = _printed(started.stdout, "base URL"), _printed(started.stdout, "API key")
-    supervisor = int((state / "supervise.pid").read_text())
     old = _pids(state)[killed]
     os.kill(old, signal.SIGKILL)
     deadline = time.monotonic() + 60
@@ -268,7 +267,7 @@ def test_a_killed_service_is_restarted_and_down_stops_all(state: Path, killed: s
     with OpenAI(base_url=base, api_key=key, max_retries=2) as client:
         answer = client.chat.completions.create(model="mock-small", messages=[{"role": "user", "content": "hi"}])
     assert answer.choices[0].message.content
-    pids = [supervisor, *_pids(state).values()]
+    pids = [int((state / "supervise.pid").read_text()), *_pids(state).values()]
     assert _iop("down", "--dir", str(state)).returncode == 0
     assert _wait_gone(pids) == []
     assert _pids(state) == {} and not (state / "supervise.pid").exists()
