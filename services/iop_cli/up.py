@@ -56,11 +56,13 @@ This module holds the three commands and what they print; the files ``up`` write
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -110,24 +112,28 @@ def up(
     backend: str | None = None,
 ) -> int:
     """Start the platform under ``state``; returns the exit code (CliError: one line, nothing left running)."""
-    with only_up(state, "up"):
+    with contextlib.ExitStack() as lock:
+        lock.enter_context(only_up(state, "up"))
         running = {s.name: pid for s in _watched(state) if (pid := running_pid(s)) is not None}
         if running:
             return _already_running(state, running, port)
         check_files(state)  # before any port check or process: a broken file is named as what it is
         prepare(state, port, backend)
         if foreground:
-            return _foreground(Platform(state, log_level, foreground=True))
+            return _foreground(Platform(state, log_level, foreground=True), started=lock.close)
         _print_started(state, _start_supervised(state, log_level), foreground=False)
         return 0
 
 
-def _foreground(platform: Platform) -> int:
-    """Start the services attached: their output relayed; Ctrl-C, SIGTERM or one exiting stops all."""
+def _foreground(platform: Platform, started: Callable[[], None]) -> int:
+    """Start the services attached: their output relayed; Ctrl-C, SIGTERM or one exiting stops all.
+
+    ``started`` is called once they run (the lock goes: ``iop down`` from elsewhere may stop them)."""
     # Set, not inherited: a shell starting `iop up &` has it ignore SIGINT, which Python keeps.
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         _print_started(platform.state, platform.start(), foreground=True)
+        started()
         return platform.watch()
     except CliError:
         platform.stop()
