@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from iop_cli.ops import Failed, ask, guarded, iso
+from iop_cli.ops import ask, iso
+from iop_cli.output import CliError, emit, table, warn
 from iop_cli.platform import read_ready
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.messages import BATCH_TIMES
@@ -44,27 +44,27 @@ def default_worker(state: Path) -> str:
 
 async def batches_ls(args: argparse.Namespace) -> int:
     """The newest batches, as a table or JSON."""
-    return await guarded(args, "batches", _ls)
+    return await _ls(args)
 
 
 async def batches_show(args: argparse.Namespace) -> int:
     """One batch: status, counts and, while it runs, its progress."""
-    return await guarded(args, "batches", _show)
+    return await _show(args)
 
 
 async def batches_cancel(args: argparse.Namespace) -> int:
     """Stop a batch: no new lines start, running ones are cancelled."""
-    return await guarded(args, "batches", _cancel)
+    return await _cancel(args)
 
 
 async def _ls(args: argparse.Namespace) -> int:
     if not 1 <= args.limit <= _MAX_LIST:
-        raise Failed(f"--limit must be from 1 to {_MAX_LIST}, not {args.limit}", 2)
+        raise CliError(f"--limit must be from 1 to {_MAX_LIST}, not {args.limit}", 2)
     listed = (await _ask(args, pb.Envelope(batches_list=pb.BatchesList(limit=args.limit)))).batches_listed
     batches = [batch_dict(batch) for batch in listed.batches]
-    print(json.dumps(batches, indent=2) if args.json else _table(batches))
+    emit(batches, as_json=args.json, text=_table(batches))
     if listed.has_more:
-        print(f"iop batches: showing the newest {args.limit}; more exist (--limit N shows more)", file=sys.stderr)
+        warn("batches", f"showing the newest {args.limit}; more exist (--limit N shows more)")
     return 0
 
 
@@ -94,7 +94,7 @@ async def _cancel(args: argparse.Namespace) -> int:
     counts = batch["request_counts"]
     done = f"{counts['completed'] + counts['failed']} of {counts['total']} lines done"
     if batch["status"] in _ENDED - {"cancelled"}:
-        raise Failed(f"batch {batch['id']} already {batch['status']} ({done}); nothing to cancel", 1)
+        raise CliError(f"batch {batch['id']} already {batch['status']} ({done}); nothing to cancel", 1)
     print(f"batch {batch['id']} {batch['status']} ({done})")
     return 0
 
@@ -108,10 +108,10 @@ async def _ask(args: argparse.Namespace, envelope: pb.Envelope) -> pb.Envelope:
 async def _batch(args: argparse.Namespace, envelope: pb.Envelope) -> pb.BatchInfo:
     try:
         return (await _ask(args, envelope)).batch_info
-    except Failed as exc:
+    except CliError as exc:
         if exc.error != pb.ERROR_CODE_INVALID_ARGUMENT:
             raise
-        raise Failed(f"no batch {args.batch_id!r} on the worker at {args.worker}", 1, exc.error) from None
+        raise CliError(f"no batch {args.batch_id!r} on the worker at {args.worker}", 1, error=exc.error) from None
 
 
 def batch_dict(batch: pb.BatchInfo) -> dict[str, Any]:
@@ -179,6 +179,4 @@ def _table(batches: list[dict[str, Any]]) -> str:
         done = f"{counts['completed'] + counts['failed']}/{counts['total']}"
         created = (batch["created_at"] or "-")[:19] + ("Z" if batch["created_at"] else "")
         rows.append((batch["id"], batch["status"], batch["endpoint"], done, str(counts["failed"]), created))
-    widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
-    lines = ("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows)
-    return "\n".join(line.rstrip() for line in lines)
+    return table(rows)

@@ -9,7 +9,9 @@ with the port from ``DIR/edge.ready``); the API key is ``--api-key``, else ``$IO
 prints it as it arrives. The model is ``--model``, else the first the platform lists. The prompt
 is the words given; with none, stdin when it is not a terminal; with none on a terminal, a
 conversation: each line after ``> `` is sent with the whole history so far, until Ctrl-D.
-``iop models`` prints one model id per line (``--json``: the list's objects).
+``iop models`` prints each model with the runs it takes at once over the platform's nodes (its
+routes' ``max_concurrency``, as the control-plane has them; ``-`` when it cannot be asked, or with
+``--base-url``); ``--json``: the list's objects, each with ``max_concurrency``.
 
 Errors are one line on stderr: an HTTP error is ``iop chat: <the API's message> (HTTP 404)``,
 exit 1; a platform that cannot be reached names its URL and suggests ``iop up``, exit 2.
@@ -18,6 +20,7 @@ exit 1; a platform that cannot be reached names its URL and suggests ``iop up``,
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import sys
@@ -27,19 +30,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from iop_cli.output import CliError, emit, table
 from iop_cli.shell import iop_command
 
 __all__ = ["chat", "models"]
 
 _TIMEOUT = 600.0  # a long answer from a slow backend; the edge ends runs at its request_timeout
-
-
-class _Failed(Exception):
-    """One line for stderr, and the exit code."""
-
-    def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def chat(args: argparse.Namespace) -> int:
@@ -51,9 +47,6 @@ def chat(args: argparse.Namespace) -> int:
         if not prompt and sys.stdin.isatty():
             return _converse(client, model)
         _answer(client, model, [{"role": "user", "content": prompt or sys.stdin.read()}])
-    except _Failed as exc:
-        print(f"iop chat: {exc}", file=sys.stderr)
-        return exc.code
     except KeyboardInterrupt:
         print()
         return 130
@@ -62,17 +55,30 @@ def chat(args: argparse.Namespace) -> int:
 
 def models(args: argparse.Namespace) -> int:
     """``iop models``: what the platform serves, one id per line or JSON."""
-    try:
-        listed = _Client.of(args).models()
-    except _Failed as exc:
-        print(f"iop models: {exc}", file=sys.stderr)
-        return exc.code
-    if args.json:
-        print(json.dumps(listed, indent=2))
-    else:
-        for model in listed:
-            print(model["id"])
+    listed = _Client.of(args).models()
+    served = {} if args.base_url else _concurrency(args.dir)
+    rows = [{**model, "max_concurrency": served.get(str(model["id"]))} for model in listed]
+    text = table([["MODEL", "MAX-CONCURRENCY"], *([str(r["id"]), str(r["max_concurrency"] or "-")] for r in rows)])
+    emit(rows, as_json=args.json, text=text)
     return 0
+
+
+def _concurrency(state: Path) -> dict[str, int]:
+    """Runs at once per model over the platform's nodes, as its control-plane has them; empty if it cannot say."""
+    from iop_cli.up import admin_ask  # the control-plane is asked only here
+    from iop_gen.pb.iop import runtime_pb2 as pb
+
+    ready = _read(state / "control-plane.ready")
+    try:
+        port = int(json.loads(ready or "")["port"])
+        answer = asyncio.run(admin_ask(port, state / "certs", pb.Envelope(nodes_list=pb.NodesList())))
+    except Exception:  # noqa: BLE001 - the list is printed without it, whatever kept it from being asked
+        return {}
+    totals: dict[str, int] = {}
+    for node in answer.nodes_listed.nodes:
+        for model in node.models:
+            totals[model.model] = totals.get(model.model, 0) + model.capacity
+    return totals
 
 
 def _converse(client: _Client, model: str) -> int:
@@ -120,7 +126,7 @@ class _Client:
         try:
             port = json.loads((state / "edge.ready").read_text())["port"]
         except (OSError, ValueError, KeyError, TypeError):
-            raise _Failed(f"no platform running in {state} (no edge.ready); start it with '{up}'", 2) from None
+            raise CliError(f"no platform running in {state} (no edge.ready); start it with '{up}'", 2) from None
         return cls(f"http://127.0.0.1:{port}/v1", key, up)
 
     def models(self) -> list[dict[str, Any]]:
@@ -131,7 +137,7 @@ class _Client:
     def first_model(self) -> str:
         listed = self.models()
         if not listed:
-            raise _Failed(f"the platform at {self.base} serves no models", 1)
+            raise CliError(f"the platform at {self.base} serves no models", 1)
         return str(listed[0]["id"])
 
     def stream(self, model: str, messages: list[dict[str, str]]) -> Iterator[str]:
@@ -147,7 +153,7 @@ class _Client:
                     return
                 chunk = json.loads(payload)
                 if "error" in chunk:
-                    raise _Failed(_message(chunk), 1)
+                    raise CliError(_message(chunk), 1)
                 for choice in chunk.get("choices") or ():
                     if content := (choice.get("delta") or {}).get("content"):
                         yield str(content)
@@ -159,10 +165,10 @@ class _Client:
         try:
             return urllib.request.urlopen(request, timeout=_TIMEOUT)  # noqa: S310 - see above
         except urllib.error.HTTPError as exc:
-            raise _Failed(f"{_message(_json(exc.read()))} (HTTP {exc.code})", 1) from None
+            raise CliError(f"{_message(_json(exc.read()))} (HTTP {exc.code})", 1) from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
-            raise _Failed(
+            raise CliError(
                 f"cannot reach the platform at {self.base}: {getattr(reason, 'strerror', None) or reason}; "
                 f"is it running? start it with '{self.up}'",
                 2,

@@ -4,13 +4,13 @@ On first start: development certificates, ``control-plane.yaml``, ``node.yaml`` 
 one route per model of a ``--backend``), ``worker.yaml`` and ``edge.yaml`` with their ports (the
 customary one, else a free one), and the API key ``local``. Later starts keep the files and only
 set values in place (``set_value``; an ``edge.yaml`` of an older ``up`` gets its ``worker``
-section appended, ``add_section``), the rest of each file as the user left it. Also here:
-``Refused`` (one line for stderr and the exit code) and the small HTTP helpers the other ``up``
-modules use.
+section appended, ``add_section``), the rest of each file as the user left it. Also here: the
+small HTTP helpers the other ``up`` modules use.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import urllib.error
@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from iop_cli.output import CliError
 from iop_wire.certs import init_dir, tls_section
 
 CONTROL_PLANE_PORT = 7400
@@ -30,21 +31,17 @@ _NODE_METRICS_PORT = 9464  # Prometheus' customary port for a node's metrics
 _CONTROL_PLANE_METRICS_PORT = 9465
 _WORKER_METRICS_PORT = 9466
 HTTP_TIMEOUT = 5.0
-
-
-class Refused(Exception):
-    """One line for stderr, and the exit code."""
-
-    def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
-        self.code = code
+# Runs at once per model of a --backend (see backend_concurrency): what each kind of server takes.
+OLLAMA_CONCURRENCY = 4  # OLLAMA_NUM_PARALLEL is not served over HTTP; 4 is its own default where memory allows
+VLLM_CONCURRENCY = 256  # vLLM's max_num_seqs default
+DEFAULT_CONCURRENCY = 64
 
 
 # --- first start: certificates, configs, the API key --------------------------------------------------
 
 
 def prepare(state: Path, port: int | None, backend: str | None) -> None:
-    """Write what is missing under ``state`` (certificates, configs, API key); Refused if it cannot start."""
+    """Write what is missing under ``state`` (certificates, configs, API key); CliError if it cannot start."""
     if port:
         _check_free(port)
     state.mkdir(parents=True, exist_ok=True)
@@ -62,7 +59,7 @@ def prepare(state: Path, port: int | None, backend: str | None) -> None:
     _prepare_edge(state, control_plane, port, worker)
     for config in (node, state / "worker.yaml", state / "edge.yaml"):  # up points them at the control-plane it started
         if _yaml_node(config, ("control_plane", "address")) is None:
-            raise Refused(
+            raise CliError(
                 f"{config} has no control_plane.address (written by an older 'iop up'?): "
                 "add one, or remove the file to have it rewritten",
                 2,
@@ -87,7 +84,7 @@ def _prepare_worker(state: Path, control_plane: int) -> int:
 
 def _prepare_listener(config: Path, default: int, who: str, write: Callable[[int], dict[str, object]]) -> int:
     """The port of a service listening at ``listen.port``: its config written if missing (``default``,
-    or a free port when that is taken), else read from it; Refused when the configured port is taken."""
+    or a free port when that is taken), else read from it; CliError when the configured port is taken."""
     if not config.exists():
         port = _default_or_free(default, who)
         config.write_text(yaml.safe_dump(write(port), sort_keys=False))
@@ -95,7 +92,7 @@ def _prepare_listener(config: Path, default: int, who: str, write: Callable[[int
         return port
     port = _port_of(config, ("listen", "port"), default)
     if port and not _free(port):
-        raise Refused(f"127.0.0.1:{port} (listen.port of {config}) is in use", 2)
+        raise CliError(f"127.0.0.1:{port} (listen.port of {config}) is in use", 2)
     return port
 
 
@@ -112,12 +109,12 @@ def _prepare_edge(state: Path, control_plane: int, port: int | None, worker: int
         set_value(config, ("http", "port"), port)
     configured = _port_of(config, ("http", "port"), EDGE_PORT)
     if port is None and configured and not _free(configured):
-        raise Refused(f"127.0.0.1:{configured} (http.port of {config}) is in use; pass --port N, or 0 for any", 2)
+        raise CliError(f"127.0.0.1:{configured} (http.port of {config}) is in use; pass --port N, or 0 for any", 2)
 
 
 def _check_free(port: int) -> None:
     if not _free(port):
-        raise Refused(f"port {port} is in use on 127.0.0.1; pass another --port, or 0 for any free one", 2)
+        raise CliError(f"port {port} is in use on 127.0.0.1; pass another --port, or 0 for any free one", 2)
 
 
 def _default_or_free(port: int, who: str) -> int:
@@ -188,19 +185,46 @@ def _worker_address(port: int) -> dict[str, object]:
 
 
 def _backend_routes(backend: str) -> list[dict[str, Any]]:
-    """One route per model the backend lists; Refused (exit 2) if it cannot be asked."""
+    """One route per model the backend lists, each with the concurrency it can take; CliError (exit 2) if it
+    cannot be asked."""
     ollama = backend.startswith("ollama:")
     url = backend.removeprefix("ollama:")
     base = url.rstrip("/").removesuffix("/v1")
     try:
         listing = get_json(base + ("/api/tags" if ollama else "/v1/models"))
-        names = [m["name"] for m in listing["models"]] if ollama else [m["id"] for m in listing["data"]]
+        models = listing["models"] if ollama else listing["data"]
+        names = [m["name"] for m in models] if ollama else [m["id"] for m in models]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise Refused(f"cannot list the models of the backend at {url}: {reason(exc)}", 2) from None
+        raise CliError(f"cannot list the models of the backend at {url}: {reason(exc)}", 2) from None
     if not names:
-        raise Refused(f"the backend at {url} serves no models", 2)
+        raise CliError(f"the backend at {url} serves no models", 2)
+    concurrency, source = (OLLAMA_CONCURRENCY, "Ollama's default") if ollama else backend_concurrency(base, models)
+    print(f"{url}: max_concurrency {concurrency} per model ({source})")
     adapter = "ollama" if ollama else "vllm"
-    return [{"model": str(name), "adapter": adapter, "options": {"base_url": base}} for name in names]
+    return [
+        {"model": str(name), "adapter": adapter, "max_concurrency": concurrency, "options": {"base_url": base}}
+        for name in names
+    ]
+
+
+def backend_concurrency(base: str, models: list[Any]) -> tuple[int, str]:
+    """How many runs at once an OpenAI-compatible server at ``base`` takes, and where that figure came from.
+
+    llama.cpp's server says it (``GET /props``: ``total_slots``; ``GET /slots``: one entry a slot);
+    vLLM (its models are ``owned_by: vllm``) batches and queues itself, up to its ``max_num_seqs``
+    (default 256); any other server gets ``DEFAULT_CONCURRENCY``, assumed to queue what it cannot run.
+    """
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        slots = get_json(base + "/props")["total_slots"]
+        if isinstance(slots, int) and slots > 0:
+            return slots, "its /props total_slots"
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        listed = get_json(base + "/slots")
+        if isinstance(listed, list) and listed:
+            return len(listed), "its /slots"
+    if any(isinstance(model, dict) and model.get("owned_by") == "vllm" for model in models):
+        return VLLM_CONCURRENCY, "vLLM batches up to max_num_seqs, default 256"
+    return DEFAULT_CONCURRENCY, "no slot count served: the default for a server that queues itself"
 
 
 def _ensure_key(state: Path) -> None:
@@ -209,7 +233,10 @@ def _ensure_key(state: Path) -> None:
         return
     from iop_edge.keys import create_key  # the edge's key store: imported only on first start
 
-    value = create_key((state / "edge-keys.db").resolve(), "local")
+    try:
+        value = create_key((state / "edge-keys.db").resolve(), "local")
+    except ValueError as exc:  # the key file holds a 'local' key whose secret was removed
+        raise CliError(f"{secret} is missing: {exc} ('iop keys revoke local --dir {state}')") from None
     secret.touch(mode=0o600)
     secret.write_text(value + "\n")
     print(f"created the API key 'local' (kept in {secret})")
@@ -246,11 +273,11 @@ def _port_of(config: Path, keys: tuple[str, str], default: int) -> int:
 
 
 def set_value(config: Path, keys: tuple[str, str], value: int | str) -> None:
-    """Write ``value`` at ``keys`` into ``config``, the rest untouched; Refused if there is no such key."""
+    """Write ``value`` at ``keys`` into ``config``, the rest untouched; CliError if there is no such key."""
     node = _yaml_node(config, keys)
     name = ".".join(keys)
     if node is None:
-        raise Refused(f"{config} has no {name} to set to {value}: add one, or remove the file to have it rewritten", 2)
+        raise CliError(f"{config} has no {name} to set to {value}: add one, or remove the file to have it rewritten", 2)
     if node.value != str(value):
         text = config.read_text()
         written = str(value) if isinstance(value, int) else json.dumps(value)
@@ -259,13 +286,13 @@ def set_value(config: Path, keys: tuple[str, str], value: int | str) -> None:
 
 
 def add_section(config: Path, section: str, values: dict[str, object]) -> None:
-    """Append ``section`` with ``values`` to ``config``, the rest untouched; Refused if it has one already."""
+    """Append ``section`` with ``values`` to ``config``, the rest untouched; CliError if it has one already."""
     try:
         tree = yaml.compose(config.read_text(), Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
-        raise Refused(f"{config} is not YAML: {str(exc).splitlines()[0]}", 2) from None
+        raise CliError(f"{config} is not YAML: {str(exc).splitlines()[0]}", 2) from None
     if isinstance(tree, yaml.MappingNode) and any(key.value == section for key, _ in tree.value):
-        raise Refused(f"{config} has a {section} section without {section}.address: add one, or remove it", 2)
+        raise CliError(f"{config} has a {section} section without {section}.address: add one, or remove it", 2)
     text = config.read_text()
     block = yaml.safe_dump({section: values}, sort_keys=False)
     config.write_text(text + ("" if not text or text.endswith("\n") else "\n") + block)

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sqlite3
-import sys
 from pathlib import Path
 
+from iop_cli.output import CliError, emit, table, warn
 from iop_cli.shell import state_file
 from iop_edge.keys import KeyInfo, create_key, list_keys, revoke_key
 from iop_edge.settings import ConfigError, load_settings
@@ -24,64 +23,42 @@ __all__ = ["create", "ls", "revoke"]
 _HEADERS = ("NAME", "KEY ID", "CREATED", "RPM", "TPM", "MAX-CONCURRENT", "STATUS")
 
 
-class _Refused(Exception):
-    """A problem with what was asked, as one line."""
-
-
 def create(args: argparse.Namespace) -> int:
     """Create a key and print its secret (stdout, alone on its line); it is never shown again."""
-    try:
-        path, _ = _key_file(args)
-    except _Refused as exc:
-        return _fail(str(exc))
+    path, _ = _key_file(args)
     try:
         secret = create_key(path, args.name, rpm=args.rpm, tpm=args.tpm, max_concurrent=args.max_concurrent)
     except ValueError as exc:
-        return _fail(str(exc))
+        raise CliError(str(exc)) from None
     except (sqlite3.Error, OSError) as exc:
-        return _fail(f"cannot write the key file {path}: {exc}")
+        raise CliError(f"cannot write the key file {path}: {exc}") from None
     print(secret)
-    print(f"iop keys: key {args.name} created in {path}; this is the only time it is shown", file=sys.stderr)
+    warn("keys", f"key {args.name} created in {path}; this is the only time it is shown")
     return 0
 
 
 def ls(args: argparse.Namespace) -> int:
     """List the keys (never their secrets) as a table, or JSON with ``--json``."""
-    try:
-        path = _existing_file(args)
-    except _Refused as exc:
-        return _fail(str(exc))
+    path = _existing_file(args)
     try:
         keys = list_keys(path)
     except (sqlite3.Error, OSError) as exc:
-        return _fail(f"cannot read the key file {path}: {exc}")
-    if args.json:
-        print(json.dumps([_plain(key) for key in keys], indent=2))
-    else:
-        print(_table(keys) if keys else "no keys")
+        raise CliError(f"cannot read the key file {path}: {exc}") from None
+    emit([_plain(key) for key in keys], as_json=args.json, text=_table(keys) if keys else "no keys")
     return 0
 
 
 def revoke(args: argparse.Namespace) -> int:
     """Revoke a key: exit 1 if there is no active key of that name."""
-    try:
-        path = _existing_file(args)
-    except _Refused as exc:
-        return _fail(str(exc))
+    path = _existing_file(args)
     try:
         revoked = revoke_key(path, args.name)
     except (sqlite3.Error, OSError) as exc:
-        return _fail(f"cannot write the key file {path}: {exc}")
+        raise CliError(f"cannot write the key file {path}: {exc}") from None
     if not revoked:
-        print(f"iop keys: no key {args.name!r}", file=sys.stderr)
-        return 1
+        raise CliError(f"no key {args.name!r}", 1)
     print(f"key {args.name} revoked")
     return 0
-
-
-def _fail(message: str) -> int:
-    print(f"iop keys: {message}", file=sys.stderr)
-    return 2
 
 
 def _key_file(args: argparse.Namespace) -> tuple[Path, str]:
@@ -95,13 +72,13 @@ def _key_file(args: argparse.Namespace) -> tuple[Path, str]:
             read=lambda config: load_settings(config).keys_path,
         )
     except ConfigError as exc:
-        raise _Refused(f"bad config: {exc}") from None
+        raise CliError(f"bad config: {exc}") from None
 
 
 def _existing_file(args: argparse.Namespace) -> Path:
     path, source = _key_file(args)
     if not path.is_file():
-        raise _Refused(
+        raise CliError(
             f"no key file at {path} ({source}); 'iop keys create NAME' makes one, "
             "or point at it with --db FILE, --config edge.yaml or --dir DIR"
         )
@@ -110,10 +87,7 @@ def _existing_file(args: argparse.Namespace) -> Path:
 
 def _table(keys: list[KeyInfo]) -> str:
     rows = [_HEADERS, *(_row(key) for key in keys)]
-    widths = [max(len(row[column]) for row in rows) for column in range(len(_HEADERS))]
-    return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows
-    )
+    return table(rows)
 
 
 def _row(key: KeyInfo) -> tuple[str, ...]:

@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from importlib.metadata import version
 from pathlib import Path
 
+from iop_cli.output import CliError
+
 __all__ = ["console", "main"]
 
 _LEVELS = ("debug", "info", "warning", "error")
@@ -42,8 +44,7 @@ def _certs_init(args: argparse.Namespace) -> int:
 
     directory: Path = args.dir
     if (directory / "ca.crt").exists() and not args.force:
-        print(f"iop certs init: {directory / 'ca.crt'} exists; pass --force to replace it", file=sys.stderr)
-        return 2
+        raise CliError(f"{directory / 'ca.crt'} exists; pass --force to replace it")
     for path in init_dir(directory, extra_sans=args.san):
         print(path)
     return 0
@@ -65,6 +66,12 @@ def _down(args: argparse.Namespace) -> int:
     from iop_cli.up import down
 
     return down(args.dir)
+
+
+def _supervise(args: argparse.Namespace) -> int:
+    from iop_cli.supervisor import supervise
+
+    return supervise(args.dir, args.log_level)
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -233,6 +240,10 @@ def _platform_parsers(
         help="serve an OpenAI-compatible server's models (URL) or Ollama's (ollama:URL) instead of mock models",
     )
     up.set_defaults(run=_up)
+    # Started by `iop up` (in the background) to keep the services running; not for users.
+    supervise = commands.add_parser("supervise", parents=[common], help=argparse.SUPPRESS)
+    supervise.add_argument("--dir", type=Path, default=state_dir, help=state_help)
+    supervise.set_defaults(run=_supervise)
     down = commands.add_parser("down", parents=[common], help="stop what 'iop up' started")
     down.add_argument("--dir", type=Path, default=state_dir, help=state_help)
     down.set_defaults(run=_down)
@@ -395,7 +406,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from iop_wire.logs import configure
 
         configure(args.log_level or "warning")
-    code: int = args.run(args)
+    try:
+        code: int = args.run(args)
+    except CliError as exc:
+        print(f"iop {args.command}: {exc}", file=sys.stderr)
+        return exc.code
     return code
 
 

@@ -11,7 +11,7 @@ Exit codes: 0 done; 1 the control-plane refused the operation (an unknown node, 
 2 it could not be asked (unreachable, certificate refused, a file missing) or, for
 ``policy apply``, the policy is invalid (the control-plane's one line, naming the key, is printed).
 
-``ask``, ``guarded`` and ``Failed`` also serve ``iop batches`` (``iop_cli.batches``), which asks a
+``ask`` also serves ``iop batches`` (``iop_cli.batches``), which asks a
 worker the same way.
 """
 
@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from google.protobuf.duration_pb2 import Duration
 
+from iop_cli.output import CliError, emit, table, warn
 from iop_control_plane.ledger import MAX_LIST, STATUSES
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.history import parse_since
@@ -37,9 +37,7 @@ from iop_wire.tls import TlsConfig
 
 __all__ = [
     "DEFAULT_CONTROL_PLANE",
-    "Failed",
     "ask",
-    "guarded",
     "iso",
     "nodes_drain",
     "nodes_ls",
@@ -61,69 +59,46 @@ _STATES = {
 _CANNOT_ASK = frozenset({pb.ERROR_CODE_PERMISSION_DENIED, pb.ERROR_CODE_UNAUTHENTICATED})
 
 
-class Failed(Exception):
-    """One line for stderr, and the exit code."""
-
-    def __init__(self, message: str, code: int, error: int = pb.ERROR_CODE_UNSPECIFIED) -> None:
-        super().__init__(message)
-        self.code, self.error = code, error
-
-
 async def nodes_ls(args: argparse.Namespace) -> int:
     """Every node the control-plane knows, as a table or JSON."""
-    return await guarded(args, "nodes", _nodes_ls)
+    return await _nodes_ls(args)
 
 
 async def nodes_drain(args: argparse.Namespace) -> int:
     """No new runs to the node; its runs in flight finish."""
-    return await guarded(args, "nodes", _nodes_drain)
+    return await _nodes_drain(args)
 
 
 async def nodes_undrain(args: argparse.Namespace) -> int:
     """Runs go to the node again (once it is connected)."""
-    return await guarded(args, "nodes", _nodes_undrain)
+    return await _nodes_undrain(args)
 
 
 async def policy_show(args: argparse.Namespace) -> int:
     """The policy in force: a comment line (version, source, time), then its YAML."""
-    return await guarded(args, "policy", _policy_show)
+    return await _policy_show(args)
 
 
 async def policy_apply(args: argparse.Namespace) -> int:
     """Send a policy file; prints the version now in force."""
-    return await guarded(args, "policy", _policy_apply)
+    return await _policy_apply(args)
 
 
 async def runs_ls(args: argparse.Namespace) -> int:
     """Runs from the control-plane's ledger, newest first, as a table or JSON."""
-    return await guarded(args, "runs", _runs_ls)
+    return await _runs_ls(args)
 
 
 async def runs_show(args: argparse.Namespace) -> int:
     """Every field of one run from the control-plane's ledger, with its attempts."""
-    return await guarded(args, "runs", _runs_show)
-
-
-async def guarded(args: argparse.Namespace, command: str, action: Any) -> int:
-    """Run ``action(args)``; a ``Failed`` becomes one line on stderr (``iop COMMAND: ...``) and its code."""
-    try:
-        code: int = await action(args)
-    except Failed as exc:
-        print(f"iop {command}: {exc}", file=sys.stderr)
-        return exc.code
-    return code
+    return await _runs_show(args)
 
 
 async def _nodes_ls(args: argparse.Namespace) -> int:
     listed = (await ask(args, pb.Envelope(nodes_list=pb.NodesList()))).nodes_listed
     now = time.time()
     nodes = [_node_dict(node, now) for node in listed.nodes]
-    if args.json:
-        print(json.dumps(nodes, indent=2))
-    elif not nodes:
-        print("no nodes registered")
-    else:
-        print(_table(nodes))
+    emit(nodes, as_json=args.json, text=_nodes_table(nodes) if nodes else "no nodes registered")
     return 0
 
 
@@ -156,42 +131,41 @@ async def _policy_apply(args: argparse.Namespace) -> int:
         text = path.read_text(encoding="utf-8")  # noqa: ASYNC240 - one small file, before dialing
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise Failed(f"cannot read {path}: {reason}", 2) from None
+        raise CliError(f"cannot read {path}: {reason}", 2) from None
     apply = pb.PolicyApply(yaml=text, source=str(path))
     try:
         applied = (await ask(args, pb.Envelope(policy_apply=apply))).policy_applied
-    except Failed as exc:
+    except CliError as exc:
         if exc.error != pb.ERROR_CODE_INVALID_ARGUMENT:
             raise
-        raise Failed(f"{path} refused: {exc}", 2) from None
+        raise CliError(f"{path} refused: {exc}", 2) from None
     print(f"policy {applied.version} in force (from {path})")
     return 0
 
 
 async def _runs_ls(args: argparse.Namespace) -> int:
     if args.status and args.status not in STATUSES:
-        raise Failed(f"unknown status {args.status!r}; valid: {', '.join(STATUSES)}", 2)
+        raise CliError(f"unknown status {args.status!r}; valid: {', '.join(STATUSES)}", 2)
     if not 1 <= args.limit <= MAX_LIST:
-        raise Failed(f"--limit must be from 1 to {MAX_LIST}, not {args.limit}", 2)
+        raise CliError(f"--limit must be from 1 to {MAX_LIST}, not {args.limit}", 2)
     query = pb.RunsList(status=args.status or "", model=args.model or "", node_id=args.node or "", limit=args.limit)
     if args.since:
         try:
             query.since.FromDatetime(parse_since(args.since))
         except ValueError as exc:
-            raise Failed(str(exc), 2) from None
+            raise CliError(str(exc), 2) from None
     listed = (await ask(args, pb.Envelope(runs_list=query))).runs_listed
     runs = [_run_dict(run) for run in listed.runs]
-    print(json.dumps(runs, indent=2) if args.json else _runs_table(runs))
+    emit(runs, as_json=args.json, text=_runs_table(runs))
     if listed.more:
-        print(f"iop runs: showing the newest {args.limit} runs; more match (--limit N shows more)", file=sys.stderr)
+        warn("runs", f"showing the newest {args.limit} runs; more match (--limit N shows more)")
     return 0
 
 
 async def _runs_show(args: argparse.Namespace) -> int:
     listed = (await ask(args, pb.Envelope(runs_list=pb.RunsList(run_id=args.run_id, limit=1)))).runs_listed
     if not listed.runs:
-        print(f"iop runs: no run {args.run_id!r} in the control-plane's ledger", file=sys.stderr)
-        return 1
+        raise CliError(f"no run {args.run_id!r} in the control-plane's ledger", 1)
     run = _run_dict(listed.runs[0])
     if args.json:
         print(json.dumps(run, indent=2))
@@ -201,7 +175,7 @@ async def _runs_show(args: argparse.Namespace) -> int:
         for number, attempt in enumerate(run["attempts"], 1):
             print(f"  {number}. " + ", ".join(f"{key}={_text(value)}" for key, value in attempt.items()))
     if listed.more:
-        print(f"iop runs: other requesters also used the id {args.run_id!r}; this is the newest", file=sys.stderr)
+        warn("runs", f"other requesters also used the id {args.run_id!r}; this is the newest")
     return 0
 
 
@@ -214,19 +188,19 @@ async def ask(args: argparse.Namespace, envelope: pb.Envelope, *, service: str =
     try:
         connection = await dial(host, port, tls=tls, server_hostname=args.server_name, timeout=_TIMEOUT)
     except IopError as exc:
-        raise Failed(f"{where} refused the connection: {exc.message}", 2) from None
+        raise CliError(f"{where} refused the connection: {exc.message}", 2) from None
     except TimeoutError:
-        raise Failed(f"cannot reach {where}: timed out", 2) from None
+        raise CliError(f"cannot reach {where}: timed out", 2) from None
     except ConnectionRefusedError:
-        raise Failed(f"cannot reach {where}: connection refused", 2) from None
+        raise CliError(f"cannot reach {where}: connection refused", 2) from None
     except OSError as exc:
-        raise Failed(f"cannot reach {where}: {exc.strerror or exc}", 2) from None
+        raise CliError(f"cannot reach {where}: {exc.strerror or exc}", 2) from None
     try:
         return await connection.request(envelope, timeout=_TIMEOUT)
     except IopError as exc:
-        raise Failed(exc.message, 2 if exc.code in _CANNOT_ASK else 1, exc.code) from None
+        raise CliError(exc.message, 2 if exc.code in _CANNOT_ASK else 1, error=exc.code) from None
     except TimeoutError:
-        raise Failed(f"{where} did not answer in {_TIMEOUT:g}s", 2) from None
+        raise CliError(f"{where} did not answer in {_TIMEOUT:g}s", 2) from None
     finally:
         await connection.close("done")
 
@@ -234,7 +208,7 @@ async def ask(args: argparse.Namespace, envelope: pb.Envelope, *, service: str =
 def _address(value: str, option: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise Failed(f"{option} must be HOST:PORT, not {value!r}", 2)
+        raise CliError(f"{option} must be HOST:PORT, not {value!r}", 2)
     return host.strip("[]"), int(port)
 
 
@@ -242,7 +216,7 @@ def _admin_tls(certs: Path) -> TlsConfig:
     files = {name: certs / name for name in ("admin.crt", "admin.key", "ca.crt")}
     for path in files.values():
         if not path.is_file():
-            raise Failed(f"no {path} (pass --certs DIR, or create it with 'iop certs init {certs}')", 2)
+            raise CliError(f"no {path} (pass --certs DIR, or create it with 'iop certs init {certs}')", 2)
     return TlsConfig(enabled=True, cert=files["admin.crt"], key=files["admin.key"], ca=files["ca.crt"])
 
 
@@ -273,7 +247,7 @@ def _node_dict(node: pb.NodeInfo, now: float) -> dict[str, Any]:
     }
 
 
-def _table(nodes: list[dict[str, Any]]) -> str:
+def _nodes_table(nodes: list[dict[str, Any]]) -> str:
     header = ("NODE", "STATE", "MODELS", "IN-FLIGHT", "HEARTBEAT", "ADDRESS", "REASON")
     rows = [header]
     for node in nodes:
@@ -289,11 +263,7 @@ def _table(nodes: list[dict[str, Any]]) -> str:
                 node["reason"] or "-",
             )
         )
-    widths = [max(len(row[column]) for row in rows) for column in range(len(header) - 1)]
-    return "\n".join(
-        "  ".join([*(cell.ljust(width) for cell, width in zip(row, widths, strict=False)), row[-1]]).rstrip()
-        for row in rows
-    )
+    return table(rows, last_free=True)
 
 
 def _run_dict(run: pb.LedgerRun) -> dict[str, Any]:
@@ -353,9 +323,7 @@ def _runs_table(runs: list[dict[str, Any]]) -> str:
                 run["error_code"] or "-",
             )
         )
-    widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
-    lines = ("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows)
-    return "\n".join(line.rstrip() for line in lines)
+    return table(rows)
 
 
 def _ms(duration: Duration) -> float:

@@ -1,8 +1,9 @@
 """The platform's processes: spawn each with its log, wait for its ready file, stop them in order.
 
-``Platform`` is what one ``iop up`` started: it spawns ``iop control-plane``, ``iop node``,
-``iop worker`` and ``iop edge``, writes their pid files, waits for their ready files and the edge's ``GET /ready``,
-relays their output in ``--foreground`` and stops them. The rest reads what a running platform
+``Platform`` is what one ``iop up`` started (through ``iop supervise``, or itself in
+``--foreground``): it spawns ``iop control-plane``, ``iop node``, ``iop worker`` and ``iop edge``,
+writes their pid files, waits for their ready files and the edge's ``GET /ready``, relays their
+output in ``--foreground``, spawns one again for the supervisor, and stops them. The rest reads what a running platform
 left in the state folder (pid and ready files) and stops a process by its pid, for ``iop down``
 and ``iop status``.
 """
@@ -23,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from iop_cli.configs import HTTP_TIMEOUT, Refused, set_value
+from iop_cli.configs import HTTP_TIMEOUT, set_value
+from iop_cli.output import CliError
 
 SERVICES = ("control-plane", "node", "worker", "edge")
 _START_TIMEOUT = 30.0
@@ -71,20 +73,21 @@ class Platform:
         address = f"127.0.0.1:{started['control-plane']['port']}"
         for config in (node.file(".yaml"), worker.file(".yaml"), edge.file(".yaml")):
             set_value(config, ("control_plane", "address"), address)
-        self._spawn(node)
+        self.spawn(node)
         started["worker"] = self._start(worker)  # the edge is pointed at the port it took
         set_value(edge.file(".yaml"), ("worker", "address"), f"127.0.0.1:{started['worker']['port']}")
-        self._spawn(edge)
+        self.spawn(edge)
         started["node"] = self._wait(node)
         started["edge"] = self._wait(edge)
         self._wait_served(edge, int(started["edge"]["port"]))
         return started
 
     def _start(self, service: Service) -> dict[str, Any]:
-        self._spawn(service)
+        self.spawn(service)
         return self._wait(service)
 
-    def _spawn(self, service: Service) -> None:
+    def spawn(self, service: Service, env: dict[str, str] | None = None) -> None:
+        """Start ``service`` (``env``: settings to override, ``IOP_`` variables), its log kept, its pid written."""
         log = service.file(".log")
         if log.exists() and log.stat().st_size:  # the last start's log (a crash's story) is kept
             log.replace(log.with_name(log.name + ".1"))
@@ -96,6 +99,7 @@ class Platform:
                 stdout=subprocess.PIPE if self.foreground else sink,
                 stderr=subprocess.STDOUT if self.foreground else sink,
                 start_new_session=True,  # Ctrl-C reaches `iop up` only, which stops them in order
+                env={**os.environ, **env} if env else None,
             )
         self.processes[service.name] = process
         service.file(".pid").write_text(str(process.pid))
@@ -123,7 +127,7 @@ class Platform:
         dead = next((s for s in services(self.state) if self.processes[s.name].poll() is not None), None)
         raise self._failed(dead or edge, None if dead else "serves no model (GET /ready)")
 
-    def _failed(self, service: Service, what: str | None = None) -> Refused:
+    def _failed(self, service: Service, what: str | None = None) -> CliError:
         code = self.processes[service.name].poll()
         if what is None:
             what = f"exited (code {code})" if code is not None else "did not start"
@@ -131,7 +135,7 @@ class Platform:
             reader.join(timeout=1)
         log = service.file(".log")
         tail = log.read_text(errors="replace")[-_LOG_TAIL:] if log.exists() else ""
-        return Refused(f"the {service.name} {what} within {_START_TIMEOUT:.0f} s; the end of {log}:\n{tail}", 1)
+        return CliError(f"the {service.name} {what} within {_START_TIMEOUT:.0f} s; the end of {log}:\n{tail}", 1)
 
     def stop(self) -> None:
         """SIGTERM the edge, the worker, the node, then the control-plane, each waited for (SIGKILL if it hangs)."""
@@ -179,11 +183,11 @@ def say(line: str) -> None:
 # --- what a running platform left: pid and ready files; stopping by pid ------------------------------
 
 
-def terminate(pid: int, name: str) -> bool:
-    """SIGTERM ``iop NAME`` at ``pid`` and wait for it to exit; False if it still runs after STOP_TIMEOUT."""
+def terminate(pid: int, name: str, timeout: float = STOP_TIMEOUT) -> bool:
+    """SIGTERM ``iop NAME`` at ``pid`` and wait for it to exit; False if it still runs after ``timeout`` s."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT
+    deadline = time.monotonic() + timeout
     while is_ours(pid, name) and time.monotonic() < deadline:
         time.sleep(0.05)
     return not is_ours(pid, name)

@@ -11,14 +11,13 @@ import argparse
 import dataclasses
 import datetime
 import enum
-import json
 import sqlite3
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+from iop_cli.output import CliError, emit, warn
 from iop_cli.shell import state_file
 from iop_node.domain import RunRecord, RunStatus
 from iop_node.history import format_record, format_table, parse_since
@@ -28,25 +27,21 @@ from iop_node.store import SqliteRunStore
 __all__ = ["ls", "show"]
 
 
-class _Refused(Exception):
-    """A problem with what was asked, as one line."""
-
-
 async def ls(args: argparse.Namespace) -> int:
     """List runs, newest first; says so when ``--limit`` cut the list short."""
     try:
         status = _status(args.status) if args.status else None
         since = parse_since(args.since) if args.since else None
         if args.limit < 1:
-            raise _Refused(f"--limit must be at least 1, not {args.limit}")
+            raise CliError(f"--limit must be at least 1, not {args.limit}")
         async with _history(args) as store:
             records = await store.list(status=status, model=args.model, since=since, limit=args.limit + 1)
-    except (_Refused, ValueError) as exc:
-        return _fail(str(exc))
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     shown = records[: args.limit]
-    print(json.dumps([_plain(record) for record in shown], indent=2) if args.json else format_table(shown))
+    emit([_plain(record) for record in shown], as_json=args.json, text=format_table(shown))
     if len(records) > args.limit:
-        print(f"iop runs: showing the newest {args.limit} runs; more match (--limit N shows more)", file=sys.stderr)
+        warn("runs", f"showing the newest {args.limit} runs; more match (--limit N shows more)")
     return 0
 
 
@@ -55,18 +50,12 @@ async def show(args: argparse.Namespace) -> int:
     try:
         async with _history(args) as store:
             record = await store.get(args.run_id)
-    except (_Refused, ValueError) as exc:
-        return _fail(str(exc))
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     if record is None:
-        print(f"iop runs: no run {args.run_id!r}", file=sys.stderr)
-        return 1
-    print(json.dumps(_plain(record), indent=2) if args.json else format_record(record))
+        raise CliError(f"no run {args.run_id!r}", 1)
+    emit(_plain(record), as_json=args.json, text=format_record(record))
     return 0
-
-
-def _fail(message: str) -> int:
-    print(f"iop runs: {message}", file=sys.stderr)
-    return 2
 
 
 def _history_file(args: argparse.Namespace) -> tuple[Path, str]:
@@ -80,14 +69,14 @@ def _history_file(args: argparse.Namespace) -> tuple[Path, str]:
             read=lambda config: load_settings(config).store_path,
         )
     except ConfigError as exc:
-        raise _Refused(f"bad config: {exc}") from None
+        raise CliError(f"bad config: {exc}") from None
 
 
 @asynccontextmanager
 async def _history(args: argparse.Namespace) -> AsyncIterator[SqliteRunStore]:
     path, source = _history_file(args)
     if not path.is_file():
-        raise _Refused(
+        raise CliError(
             f"no run history at {path} ({source}); point at it with --db FILE, --config node.yaml "
             "or --dir DIR (the folder 'iop up' ran with; or set IOP_STATE_DIR)"
         )
@@ -95,7 +84,7 @@ async def _history(args: argparse.Namespace) -> AsyncIterator[SqliteRunStore]:
     try:
         await store.open(mark_interrupted=False)
     except (sqlite3.Error, OSError, RuntimeError) as exc:
-        raise _Refused(f"cannot read the run history {path}: {exc}") from None
+        raise CliError(f"cannot read the run history {path}: {exc}") from None
     try:
         yield store
     finally:
@@ -107,7 +96,7 @@ def _status(text: str) -> RunStatus:
         return RunStatus(text)
     except ValueError:
         valid = ", ".join(status.value for status in RunStatus)
-        raise _Refused(f"unknown status {text!r}; valid: {valid}") from None
+        raise CliError(f"unknown status {text!r}; valid: {valid}") from None
 
 
 def _plain(record: RunRecord) -> dict[str, Any]:

@@ -16,27 +16,38 @@ config (the edge serves them on its HTTP port).
 
 ``--backend URL`` rewrites ``node.yaml`` with one route per model of an OpenAI-compatible server
 (``GET URL/v1/models``, adapter ``vllm``), or with ``ollama:URL`` of an Ollama server
-(``GET URL/api/tags``, adapter ``ollama``); a backend that cannot be asked is one line, exit 2.
+(``GET URL/api/tags``, adapter ``ollama``), each with the ``max_concurrency`` the server takes
+(``iop_cli.configs.backend_concurrency``); a backend that cannot be asked is one line, exit 2.
 
-Start order: control-plane, then node and worker, then the edge; each has 30 s to write its ready file
-(``DIR/<service>.ready``), then the edge's ``GET /ready`` must answer 200 (a model is served).
-A service that fails stops the others; its log's end is printed and the exit code is 1. Logs
-are ``DIR/<service>.log`` (the previous start's kept as ``.log.1``), pids ``DIR/<service>.pid``.
-A port in use (``--port N``, or a port an existing config sets) is one line naming it, exit 2;
-so is a ``node.yaml`` or ``edge.yaml`` without ``control_plane.address`` (an older ``up``'s). On a
-running state folder ``up`` says so, prints the base URL and key and changes nothing (exit 2 if
-``--port`` asks for another port; exit 1 if only part of the platform runs). Once up it prints ``base URL: ...``,
-``API key: ...``, a three-line OpenAI SDK example and the commands to go on, then returns; with
-``--foreground`` it stays attached, prints every service's output prefixed ``control-plane | ``,
-``node | ``, ``worker | ``, ``edge | `` (also written to the logs), and Ctrl-C (or SIGTERM) stops all,
-exit 0; if one exits by itself the others are stopped, exit 1.
+Before anything is written or started, ``up`` takes ``DIR/up.lock`` (a second ``up`` or a ``down``
+at work is one line, exit 2) and checks every file that exists (``iop_cli.preflight``: each config
+by its service's settings loader, the edge's key file, ``DIR/api-key``): a problem is one line
+naming the file and key, exit 2, nothing started. So is a port in use (``--port N``, or a port an
+existing config sets), and a ``node.yaml`` or ``edge.yaml`` without ``control_plane.address`` (an
+older ``up``'s).
 
-``down`` sends SIGTERM to the edge, the worker, the node, then the control-plane, waits for each and prints
-it stopped; pid files of processes that are gone are removed with a word. ``status`` prints
-SERVICE, PID, ADDRESS, HEALTH per service (``--json``: a list of objects): the control-plane is
-healthy once its ready file is written, the node when the control-plane (asked over mTLS with the
-admin certificate) lists it ready, the worker when it answers a ``batches.list`` (asked the same
-way), the edge when ``GET /health`` answers 200; exit 0 if all are.
+Then ``up`` starts ``iop supervise`` (``iop_cli.supervisor``) in its own session and waits until
+it runs the platform: control-plane, then node and worker, then the edge; each has 30 s to write
+its ready file (``DIR/<service>.ready``), then the edge's ``GET /ready`` must answer 200 (a model
+is served). A service that fails to start stops the others; its log's end is printed and the exit
+code is 1. Once running, the supervisor restarts a service that exits, with backoff. Logs are
+``DIR/<service>.log`` (the previous start's kept as ``.log.1``) and ``DIR/supervise.log``, pids
+``DIR/<service>.pid`` and ``DIR/supervise.pid``. On a running state folder ``up`` says so, prints
+the base URL and key and changes nothing (exit 2 if ``--port`` asks for another port; exit 1 if
+only part of the platform runs). Once up it prints ``base URL: ...``, ``API key: ...``, a
+three-line OpenAI SDK example and the commands to go on, then returns; with ``--foreground`` no
+supervisor: ``up`` stays attached, prints every service's output prefixed ``control-plane | ``,
+``node | ``, ``worker | ``, ``edge | `` (also written to the logs), and Ctrl-C (or SIGTERM) stops
+all, exit 0; if one exits by itself the others are stopped, exit 1.
+
+``down`` stops the supervisor, which stops the edge, the worker, the node, then the control-plane,
+each waited for; then any service still running (an older ``up``'s, or one whose supervisor was
+killed), in the same order; it prints each one stopped; pid files of processes that are gone are
+removed with a word. ``status`` prints SERVICE, PID, ADDRESS, HEALTH, RESTARTS, LAST EXIT per
+service (``--json``: a list of objects): the control-plane is healthy once its ready file is
+written, the node when the control-plane (asked over mTLS with the admin certificate) lists it
+ready, the worker when it answers a ``batches.list`` (asked the same way), the edge when ``GET
+/health`` answers 200; restarts and the last exit are the supervisor's; exit 0 if all are up.
 
 This module holds the three commands and what they print; the files ``up`` writes are
 ``iop_cli.configs``'s, the processes it starts and stops ``iop_cli.platform``'s.
@@ -45,10 +56,13 @@ This module holds the three commands and what they print; the files ``up`` write
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import os
 import signal
+import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,12 +70,12 @@ from iop_cli.configs import (
     CONTROL_PLANE_PORT,
     EDGE_PORT,
     HTTP_TIMEOUT,
-    Refused,
     get_json,
     prepare,
     reason,
     yaml_value,
 )
+from iop_cli.output import CliError, emit, table
 from iop_cli.platform import (
     SERVICES,
     STOP_TIMEOUT,
@@ -76,12 +90,17 @@ from iop_cli.platform import (
     services,
     terminate,
 )
+from iop_cli.preflight import check_files, only_up
 from iop_cli.shell import iop_command
+from iop_cli.supervisor import read_state, state_file
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.endpoint import dial
 from iop_wire.tls import TlsConfig
 
 __all__ = ["CONTROL_PLANE_PORT", "EDGE_PORT", "down", "status", "up"]
+
+_SUPERVISED_START = 180.0  # the supervisor's Platform.start: 30 s for each service, then the edge's /ready
+_SUPERVISED_STOP = len(SERVICES) * STOP_TIMEOUT + 10  # it stops the services one after the other
 
 
 def up(
@@ -92,42 +111,107 @@ def up(
     foreground: bool = False,
     backend: str | None = None,
 ) -> int:
-    """Start the platform under ``state``; returns the exit code."""
-    running = {s.name: pid for s in services(state) if (pid := running_pid(s)) is not None}
-    try:
+    """Start the platform under ``state``; returns the exit code (CliError: one line, nothing left running)."""
+    with contextlib.ExitStack() as lock:
+        lock.enter_context(only_up(state, "up"))
+        running = {s.name: pid for s in _watched(state) if (pid := running_pid(s)) is not None}
         if running:
             return _already_running(state, running, port)
+        check_files(state)  # before any port check or process: a broken file is named as what it is
         prepare(state, port, backend)
-    except Refused as exc:
-        print(f"iop up: {exc}", file=sys.stderr)
-        return exc.code
-    platform = Platform(state, log_level, foreground)
-    # Set, not inherited: a shell starting `iop up &` has it ignore SIGINT, which Python keeps.
-    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)} if foreground else {}
-    try:
-        _print_started(state, platform.start(), foreground)
-        return platform.watch() if foreground else 0
-    except Refused as exc:
-        platform.stop()
-        print(f"iop up: {exc}", file=sys.stderr)
-        return exc.code
-    except KeyboardInterrupt:  # Ctrl-C (or SIGTERM in --foreground): stop all, in order
         if foreground:
-            say("stopping")
+            return _foreground(Platform(state, log_level, foreground=True), started=lock.close)
+        _print_started(state, _start_supervised(state, log_level), foreground=False)
+        return 0
+
+
+def _foreground(platform: Platform, started: Callable[[], None]) -> int:
+    """Start the services attached: their output relayed; Ctrl-C, SIGTERM or one exiting stops all.
+
+    ``started`` is called once they run (the lock goes: ``iop down`` from elsewhere may stop them)."""
+    # Set, not inherited: a shell starting `iop up &` has it ignore SIGINT, which Python keeps.
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        _print_started(platform.state, platform.start(), foreground=True)
+        started()
+        return platform.watch()
+    except CliError:
         platform.stop()
-        return 0 if foreground else 130
+        raise
+    except KeyboardInterrupt:
+        say("stopping")
+        platform.stop()
+        return 0
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
+def _start_supervised(state: Path, log_level: str | None) -> dict[str, dict[str, Any]]:
+    """Start ``iop supervise`` in its own session and wait until it runs the platform; what each service wrote."""
+    state_file(state).unlink(missing_ok=True)
+    supervisor = Service("supervise", state)
+    level = ["--log-level", log_level] if log_level else []
+    with supervisor.file(".log").open("ab") as sink:
+        process = subprocess.Popen(  # noqa: S603 - our own interpreter and module, no shell
+            [sys.executable, "-m", "iop_cli.main", *level, "supervise", "--dir", str(state)],
+            stdin=subprocess.DEVNULL,
+            stdout=sink,
+            stderr=sink,
+            start_new_session=True,  # it outlives this command and the terminal's Ctrl-C
+        )
+    supervisor.file(".pid").write_text(str(process.pid))
+    try:
+        return _wait_supervised(state, process, supervisor)
+    except KeyboardInterrupt:  # Ctrl-C while it starts: nothing is left running
+        terminate(process.pid, "supervise", _SUPERVISED_STOP)
+        raise CliError("interrupted; stopped what had started", 130) from None
+
+
+def _wait_supervised(state: Path, process: subprocess.Popen[bytes], supervisor: Service) -> dict[str, dict[str, Any]]:
+    """Wait until the supervisor runs the platform; CliError if it failed to start it (or took too long)."""
+    deadline = time.monotonic() + _SUPERVISED_START
+    while time.monotonic() < deadline:
+        found = read_state(state) or {}
+        if found.get("phase") == "running":
+            return {name: read_ready(state / f"{name}.ready") or {} for name in SERVICES}
+        if found.get("phase") == "failed":
+            process.wait(timeout=STOP_TIMEOUT)
+            supervisor.file(".pid").unlink(missing_ok=True)
+            raise CliError(str(found.get("error")), int(found.get("code", 1)))
+        if process.poll() is not None:
+            supervisor.file(".pid").unlink(missing_ok=True)
+            raise CliError(f"the supervisor exited (code {process.returncode}); see {supervisor.file('.log')}", 1)
+        time.sleep(0.05)
+    terminate(process.pid, "supervise", _SUPERVISED_STOP)
+    raise CliError(f"the platform did not start within {_SUPERVISED_START:.0f} s; see {state}/*.log", 1)
+
+
 def down(state: Path) -> int:
-    """Stop what ``up`` started, edge first; returns the exit code."""
+    """Stop what ``up`` started: the supervisor (which stops the services, edge first), then any left; the exit code."""
+    if not state.is_dir():
+        print(f"nothing running in {state}")
+        return 0
+    with only_up(state, "down"):
+        before = {service.name: running_pid(service) for service in services(state)}
+        supervisor = Service("supervise", state)
+        if (pid := running_pid(supervisor)) is not None and not terminate(pid, "supervise", _SUPERVISED_STOP):
+            raise CliError(f"the supervisor (pid {pid}) is still stopping after {_SUPERVISED_STOP:.0f} s; try again", 1)
+        supervisor.file(".pid").unlink(missing_ok=True)
+        state_file(state).unlink(missing_ok=True)
+        return _stop_services(state, before)
+
+
+def _stop_services(state: Path, stopped: dict[str, int | None]) -> int:
+    """Stop each service still running, edge first; ``stopped``: the pids the supervisor had, now gone."""
     code, found = 0, False
     for service in reversed(services(state)):
         pidfile = service.file(".pid")
         pid = read_pid(pidfile)
         if pid is None:
+            if (gone := stopped.get(service.name)) is not None:
+                found = True
+                print(f"{service.name} (pid {gone}) stopped")
             pidfile.unlink(missing_ok=True)
             continue
         found = True
@@ -152,17 +236,34 @@ def down(state: Path) -> int:
 
 
 def status(state: Path, *, as_json: bool = False) -> int:
-    """What ``up`` started: process, address and health of each service; 0 if all are up."""
-    rows = [_status_row(service) for service in services(state)]
-    if as_json:
-        print(json.dumps(rows, indent=2))
-    else:
-        table = [["SERVICE", "PID", "ADDRESS", "HEALTH"]]
-        table += [[r["service"], str(r["pid"] or "-"), r["address"] or "-", r["health"]] for r in rows]
-        widths = [max(len(row[i]) for row in table) for i in range(4)]
-        for row in table:
-            print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    """What ``up`` started: process, address, health and restarts of each service; 0 if all are up."""
+    supervised = (read_state(state) or {}).get("services", {})
+    rows = [{**_status_row(service), **_restarts(supervised.get(service.name))} for service in services(state)]
+    header = ["SERVICE", "PID", "ADDRESS", "HEALTH", "RESTARTS", "LAST EXIT"]
+    cells = [
+        [
+            r["service"],
+            str(r["pid"] or "-"),
+            r["address"] or "-",
+            r["health"],
+            str(r["restarts"]),
+            r["last_exit"] or "-",
+        ]
+        for r in rows
+    ]
+    emit(rows, as_json=as_json, text=table([header, *cells]))
     return 0 if all(r["up"] for r in rows) else 1
+
+
+def _restarts(supervised: dict[str, Any] | None) -> dict[str, Any]:
+    """What the supervisor counted for a service: restarts, how it last exited, whether it was given up."""
+    seen = supervised or {}
+    row: dict[str, Any] = {"restarts": int(seen.get("restarts", 0)), "last_exit": seen.get("last_exit")}
+    if seen.get("state") == "given up":
+        row["health"] = "given up (crash loop; see its log)"
+    elif seen.get("state") == "restarting":
+        row["health"] = "restarting"
+    return row
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -219,19 +320,20 @@ def _served_models(base: str, key: str) -> list[str]:
 
 def _read_key(state: Path) -> str:
     try:
-        return (state / "api-key").read_text().strip()
-    except OSError:
-        return "(none: remove the state folder's edge-keys.db and start again)"
+        key = (state / "api-key").read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        key = ""
+    return key or f"(none in {state / 'api-key'}: 'iop keys create NAME --dir {state}' makes one)"
 
 
 def _already_running(state: Path, running: dict[str, int], port: int | None) -> int:
     stop = iop_command("down", *_dir_args(state))
     pids = ", ".join(f"{name} pid {pid}" for name, pid in running.items())
-    if len(running) < len(SERVICES):
-        raise Refused(f"part of the platform runs in {state} ({pids}); stop it with '{stop}' and start again", 1)
+    if not running.keys() >= set(SERVICES):
+        raise CliError(f"part of the platform runs in {state} ({pids}); stop it with '{stop}' and start again", 1)
     configured = yaml_value(state / "edge.yaml", ("http", "port"))
     if port is not None and configured is not None and configured != str(port):
-        raise Refused(
+        raise CliError(
             f"the edge is running ({pids}) with http.port {configured}; "
             f"stop it with '{stop}' to start it on port {port}",
             2,
@@ -242,6 +344,11 @@ def _already_running(state: Path, running: dict[str, int], port: int | None) -> 
         print(f"base URL: http://127.0.0.1:{edge['port']}/v1")
     print(f"API key: {_read_key(state)}")
     return 0
+
+
+def _watched(state: Path) -> list[Service]:
+    """The services and the supervisor that keeps them running."""
+    return [*services(state), Service("supervise", state)]
 
 
 def _dir_args(state: Path) -> list[str]:
@@ -283,7 +390,7 @@ def _node_state(state: Path, node_id: str) -> str:
         return "no control-plane"
     try:
         listed = asyncio.run(
-            _admin_ask(int(control_plane["port"]), state / "certs", pb.Envelope(nodes_list=pb.NodesList()))
+            admin_ask(int(control_plane["port"]), state / "certs", pb.Envelope(nodes_list=pb.NodesList()))
         )
     except Exception as exc:  # noqa: BLE001 - any failure to ask is shown, not raised
         return f"unknown ({reason(exc)})"
@@ -297,13 +404,13 @@ def _node_state(state: Path, node_id: str) -> str:
 def _worker_health(port: int, certs: Path) -> str:
     """ "ok" once the worker answers a batches.list (asked over mTLS as an admin)."""
     try:
-        asyncio.run(_admin_ask(port, certs, pb.Envelope(batches_list=pb.BatchesList(limit=1))))
+        asyncio.run(admin_ask(port, certs, pb.Envelope(batches_list=pb.BatchesList(limit=1))))
     except Exception as exc:  # noqa: BLE001 - any failure to ask is shown, not raised
         return f"not answering ({reason(exc)})"
     return "ok"
 
 
-async def _admin_ask(port: int, certs: Path, request: pb.Envelope) -> pb.Envelope:
+async def admin_ask(port: int, certs: Path, request: pb.Envelope) -> pb.Envelope:
     """One request to a service on 127.0.0.1:``port``, over mTLS as an admin; its answer."""
     tls = TlsConfig(enabled=True, cert=certs / "admin.crt", key=certs / "admin.key", ca=certs / "ca.crt")
     connection = await dial("127.0.0.1", port, tls=tls, server_hostname="localhost", timeout=HTTP_TIMEOUT)

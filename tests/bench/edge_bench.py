@@ -11,7 +11,9 @@ token, p50), measured in alternating blocks against the upstream directly; the m
 edge's x-iop-overhead-ms header beside the added median it claims to report; streaming throughput
 at concurrency 64 (64 tokens each); non-streaming requests/s at concurrency 64; the edge's RSS
 with 1,000 streams open; CPU per streamed token of each service at real pacing (256 streams,
-the upstream sending 50 tokens/s each).
+the upstream sending 50 tokens/s each); time to first token at concurrency 64 through the
+platform as ``iop up --backend URL`` starts it (the route it writes, every other setting default),
+beside the upstream directly.
 """
 
 from __future__ import annotations
@@ -305,6 +307,47 @@ async def _paced(edge: str, key: str, pids: dict[str, int]) -> list[tuple[str, s
     ]
 
 
+USERS_CONCURRENCY, USERS_REQUESTS = 64, 640
+
+
+def _users_route(upstream: int, state: Path) -> list[tuple[str, str]]:
+    """TTFT at concurrency 64 through the platform as ``iop up --backend URL`` starts it (its route, its
+    defaults), beside the upstream directly: what a user of a backend that batches gets."""
+    url = f"http://127.0.0.1:{upstream}"
+    started = subprocess.run(
+        [*IOP, "up", "--dir", str(state), "--port", "0", "--backend", url], capture_output=True, text=True, check=True
+    )
+    try:
+        printed = dict(line.split(": ", 1) for line in started.stdout.splitlines() if ": " in line)
+        route = yaml.safe_load((state / "node.yaml").read_text())["routes"][0]
+        through = asyncio.run(_ttft_at(printed["base URL"] + "/chat/completions", printed["API key"]))
+        direct = asyncio.run(_ttft_at(url + "/v1/chat/completions", None))
+    finally:
+        subprocess.run([*IOP, "down", "--dir", str(state)], capture_output=True, check=False)
+    return [
+        ("route 'iop up --backend' writes: max_concurrency", str(route.get("max_concurrency", "(node default)"))),
+        (
+            f"time to first token at concurrency {USERS_CONCURRENCY}, 'iop up --backend' / direct: p50, p99",
+            f"{through[0]:.1f}, {through[1]:.1f} / {direct[0]:.1f}, {direct[1]:.1f} ms",
+        ),
+    ]
+
+
+async def _ttft_at(url: str, key: str | None) -> tuple[float, float]:
+    """p50 and p99 time to first token (ms) of USERS_REQUESTS streams, USERS_CONCURRENCY at once."""
+    headers = {"content-type": "application/json", **({"authorization": f"Bearer {key}"} if key else {})}
+    body = _body(16, stream=True)
+    samples: list[float] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=USERS_CONCURRENCY)) as session:
+
+        async def one_by_one(count: int) -> None:
+            samples.extend([await _first_token(session, url, headers, body) for _ in range(count)])
+
+        await asyncio.gather(*(one_by_one(USERS_REQUESTS // USERS_CONCURRENCY) for _ in range(USERS_CONCURRENCY)))
+    samples.sort()
+    return samples[len(samples) // 2] * 1000, samples[int(len(samples) * 0.99)] * 1000
+
+
 def main() -> None:
     rows: list[tuple[str, str]] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -318,6 +361,7 @@ def main() -> None:
                     print_table(rows)
                     return
                 rows += asyncio.run(_throughput(edge, key, pids))
+            rows += _users_route(port, Path(tmp) / "up")
         finally:
             fast.terminate()
         paced, port = _upstream(PACE)

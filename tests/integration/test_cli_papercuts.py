@@ -307,6 +307,7 @@ def test_runs_ls_columns_carry_their_units(tmp_path: Path) -> None:
 
 def test_down_after_a_crash_says_the_node_was_not_running(state: Path) -> None:
     _up(state, "--port", "0")
+    os.kill(int((state / "supervise.pid").read_text()), signal.SIGKILL)  # no supervisor left to restart it
     pid = int((state / "node.pid").read_text())
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10

@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import datetime
 import sqlite3
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,6 +19,7 @@ import structlog
 from conftest import assert_eventually
 
 from iop_cli import runs
+from iop_cli.output import CliError
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.adapters.mock import MockAdapter, MockOptions
 from iop_node.core import Node
@@ -288,7 +290,12 @@ def _runs(command: str, db: Path, **options: object) -> int:
     """``iop runs ls|show`` on ``db``, in a thread of its own as the command runs (its own event loop)."""
     defaults = {"status": None, "since": None, "model": None, "limit": 10, "json": False, "run_id": ""}
     args = argparse.Namespace(db=db, config=None, dir=db.parent, **(defaults | options))
-    return asyncio.run(getattr(runs, command)(args))
+    try:
+        code: int = asyncio.run(getattr(runs, command)(args))
+    except CliError as exc:  # as `iop` prints it
+        print(f"iop runs: {exc}", file=sys.stderr)
+        return exc.code
+    return code
 
 
 async def test_history_reads_without_changing_rows(path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,6 +6,7 @@ tests that only use it; the tests that start their own stop it before they end.
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
@@ -16,9 +17,11 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import yaml
@@ -137,7 +140,7 @@ def test_status_lists_four_healthy_services(platform: tuple[Path, str]) -> None:
     state, _ = platform
     table = _iop("status", "--dir", str(state))
     assert table.returncode == 0, table.stdout + table.stderr
-    assert table.stdout.splitlines()[0].split() == ["SERVICE", "PID", "ADDRESS", "HEALTH"]
+    assert table.stdout.splitlines()[0].split() == ["SERVICE", "PID", "ADDRESS", "HEALTH", "RESTARTS", "LAST", "EXIT"]
     as_json = _iop("status", "--dir", str(state), "--json")
     rows = json.loads(as_json.stdout)
     assert [row["service"] for row in rows] == list(SERVICES)
@@ -194,9 +197,11 @@ def test_models_lists_what_the_platform_serves(platform: tuple[Path, str]) -> No
     state, _ = platform
     listed = _iop("models", "--dir", str(state))
     assert listed.returncode == 0, listed.stderr
-    assert {"mock-small", "mock-fast"} <= set(listed.stdout.split())
+    rows = [line.split() for line in listed.stdout.splitlines()]
+    assert rows[0] == ["MODEL", "MAX-CONCURRENCY"]
+    assert {"mock-small": "4", "mock-fast": "64"}.items() <= dict(rows[1:]).items()  # node.yaml's routes
     as_json = json.loads(_iop("models", "--dir", str(state), "--json").stdout)
-    assert "mock-small" in [model["id"] for model in as_json]
+    assert {model["id"]: model["max_concurrency"] for model in as_json}["mock-small"] == 4
 
 
 def test_a_second_up_says_it_runs_and_changes_nothing(platform: tuple[Path, str]) -> None:
@@ -221,6 +226,51 @@ def test_down_stops_every_process(state: Path) -> None:
     assert _wait_gone(list(pids.values())) == []
     assert _pids(state) == {}
     assert _iop("status", "--dir", str(state)).returncode == 1
+
+
+def _http_status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as answer:  # noqa: S310 - our own edge on loopback
+            return int(answer.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
+
+
+def _status(state: Path) -> dict[str, dict[str, object]]:
+    listed = _iop("status", "--dir", str(state), "--json")
+    return {row["service"]: row for row in json.loads(listed.stdout)}
+
+
+@pytest.mark.parametrize("killed", ["edge", "control-plane"])
+def test_a_killed_service_is_restarted_and_down_stops_all(state: Path, killed: str) -> None:
+    started = _iop("up", "--dir", str(state), "--port", "0")
+    assert started.returncode == 0, started.stdout + started.stderr
+    base, key = _printed(started.stdout, "base URL"), _printed(started.stdout, "API key")
+    old = _pids(state)[killed]
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    rows = _status(state)
+    while time.monotonic() < deadline and not all(row["up"] for row in rows.values()):
+        time.sleep(0.2)
+        rows = _status(state)
+    assert all(row["up"] for row in rows.values()), rows
+    assert rows[killed]["pid"] != old and rows[killed]["restarts"] == 1, rows[killed]
+    assert rows[killed]["last_exit"] == "signal 9 (SIGKILL)"
+    assert "service exited" in (state / "supervise.log").read_text()
+    ready = base.removesuffix("/v1") + "/ready"  # the edge serves a model again once it has reconnected
+    while time.monotonic() < deadline and _http_status(ready) != 200:
+        time.sleep(0.2)
+    from openai import OpenAI  # the base URL up printed still answers: the edge kept its port
+
+    with OpenAI(base_url=base, api_key=key, max_retries=2) as client:
+        answer = client.chat.completions.create(model="mock-small", messages=[{"role": "user", "content": "hi"}])
+    assert answer.choices[0].message.content
+    pids = [int((state / "supervise.pid").read_text()), *_pids(state).values()]
+    assert _iop("down", "--dir", str(state)).returncode == 0
+    assert _wait_gone(pids) == []
+    assert _pids(state) == {} and not (state / "supervise.pid").exists()
 
 
 def test_an_edge_port_in_use_is_one_line_naming_it(tmp_path: Path) -> None:
@@ -267,15 +317,17 @@ def test_foreground_prefixes_every_line_and_ctrl_c_stops_it_all(state: Path) -> 
 
 
 class _Backend(http.server.BaseHTTPRequestHandler):
-    """An OpenAI-compatible server that lists two models (all the node asks it here)."""
+    """An OpenAI-compatible server that lists two models and, like llama.cpp's, its slots (``answers``)."""
+
+    answers: ClassVar[dict[str, object]] = {
+        "/v1/models": {"object": "list", "data": [{"id": "tiny-a"}, {"id": "tiny-b"}]},
+        "/api/tags": {"models": [{"name": "tiny-a"}, {"name": "tiny-b"}]},
+        "/slots": [{"id": 0}, {"id": 1}, {"id": 2}],
+    }
 
     def do_GET(self) -> None:
-        listings = {
-            "/v1/models": {"object": "list", "data": [{"id": "tiny-a"}, {"id": "tiny-b"}]},
-            "/api/tags": {"models": [{"name": "tiny-a"}, {"name": "tiny-b"}]},
-        }
-        body = json.dumps(listings.get(self.path, {})).encode()
-        self.send_response(200 if self.path in listings else 404)
+        body = json.dumps(self.answers.get(self.path, {})).encode()
+        self.send_response(200 if self.path in self.answers else 404)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -285,23 +337,58 @@ class _Backend(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@pytest.mark.parametrize(("scheme", "path", "adapter"), [("", "/v1", "vllm"), ("ollama:", "", "ollama")])
-def test_backend_serves_the_servers_models(tmp_path: Path, scheme: str, path: str, adapter: str) -> None:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Backend)
+@contextlib.contextmanager
+def _backend(answers: dict[str, object] | None = None) -> Iterator[str]:
+    """A fake backend on 127.0.0.1 answering ``answers`` (default: ``_Backend.answers``); its URL."""
+    handler = type("Handler", (_Backend,), {"answers": answers if answers is not None else _Backend.answers})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    url, state = f"http://127.0.0.1:{server.server_address[1]}", tmp_path / "state"
     try:
-        started = _iop("up", "--dir", str(state), "--port", "0", "--backend", scheme + url + path)
-        assert started.returncode == 0, started.stdout + started.stderr
-        routes = yaml.safe_load((state / "node.yaml").read_text())["routes"]
-        assert routes == [
-            {"model": name, "adapter": adapter, "options": {"base_url": url}} for name in ("tiny-a", "tiny-b")
-        ]
-        assert _iop("models", "--dir", str(state)).stdout.split() == ["tiny-a", "tiny-b"]
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
-        _iop("down", "--dir", str(state))
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.parametrize(
+    ("scheme", "path", "adapter", "concurrency"), [("", "/v1", "vllm", 3), ("ollama:", "", "ollama", 4)]
+)
+def test_backend_serves_the_servers_models(
+    tmp_path: Path, scheme: str, path: str, adapter: str, concurrency: int
+) -> None:
+    state = tmp_path / "state"
+    with _backend() as url:
+        try:
+            started = _iop("up", "--dir", str(state), "--port", "0", "--backend", scheme + url + path)
+            assert started.returncode == 0, started.stdout + started.stderr
+            routes = yaml.safe_load((state / "node.yaml").read_text())["routes"]
+            assert routes == [
+                {"model": name, "adapter": adapter, "max_concurrency": concurrency, "options": {"base_url": url}}
+                for name in ("tiny-a", "tiny-b")
+            ]
+            listed = _iop("models", "--dir", str(state)).stdout.splitlines()
+            assert [line.split() for line in listed[1:]] == [["tiny-a", str(concurrency)], ["tiny-b", str(concurrency)]]
+        finally:
+            _iop("down", "--dir", str(state))
+
+
+_LISTING = {"object": "list", "data": [{"id": "m", "owned_by": "someone"}]}
+
+
+@pytest.mark.parametrize(
+    ("answers", "concurrency"),
+    [
+        ({"/v1/models": _LISTING, "/props": {"total_slots": 6}}, 6),  # llama.cpp's server
+        ({"/v1/models": _LISTING, "/slots": [{"id": 0}, {"id": 1}]}, 2),  # llama.cpp's, /props not served
+        ({"/v1/models": {"object": "list", "data": [{"id": "m", "owned_by": "vllm"}]}}, 256),  # vLLM
+        ({"/v1/models": _LISTING, "/props": {"total_slots": "many"}, "/slots": {}}, 64),  # says nothing usable
+    ],
+)
+def test_backend_routes_take_the_concurrency_the_server_says(answers: dict[str, object], concurrency: int) -> None:
+    from iop_cli.configs import _backend_routes
+
+    with _backend(answers) as url:
+        assert [route["max_concurrency"] for route in _backend_routes(url)] == [concurrency]
 
 
 def test_foreground_stops_the_others_when_one_exits(state: Path) -> None:
