@@ -15,31 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
-from pathlib import Path
 from typing import Any
 
 from iop_cli.ops import ask, iso
 from iop_cli.output import CliError, emit, table, warn
-from iop_cli.platform import read_ready
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.messages import BATCH_TIMES
+from iop_wire.openai import batches as rules
 
-__all__ = ["DEFAULT_WORKER", "batches_cancel", "batches_ls", "batches_show", "default_worker"]
+__all__ = ["batches_cancel", "batches_ls", "batches_show"]
 
-DEFAULT_WORKER = "127.0.0.1:7402"
-_MAX_LIST = 100  # the worker's cap on one page
 _BAR = 20
-_ENDED = frozenset({"completed", "failed", "expired", "cancelled"})
-
-
-def default_worker(state: Path) -> str:
-    """``$IOP_WORKER``, else the worker ``iop up`` started under ``state``, else ``127.0.0.1:7402``."""
-    if address := os.environ.get("IOP_WORKER"):
-        return address
-    ready = read_ready(state / "worker.ready")
-    return f"127.0.0.1:{ready['port']}" if ready and ready.get("port") else DEFAULT_WORKER
 
 
 async def batches_ls(args: argparse.Namespace) -> int:
@@ -58,8 +45,8 @@ async def batches_cancel(args: argparse.Namespace) -> int:
 
 
 async def _ls(args: argparse.Namespace) -> int:
-    if not 1 <= args.limit <= _MAX_LIST:
-        raise CliError(f"--limit must be from 1 to {_MAX_LIST}, not {args.limit}", 2)
+    if not 1 <= args.limit <= rules.BATCHES_PAGE.maximum:
+        raise CliError(f"--limit must be from 1 to {rules.BATCHES_PAGE.maximum}, not {args.limit}", 2)
     listed = (await _ask(args, pb.Envelope(batches_list=pb.BatchesList(limit=args.limit)))).batches_listed
     batches = [batch_dict(batch) for batch in listed.batches]
     emit(batches, as_json=args.json, text=_table(batches))
@@ -93,15 +80,13 @@ async def _cancel(args: argparse.Namespace) -> int:
     batch = batch_dict(await _batch(args, pb.Envelope(batch_cancel=pb.BatchCancel(batch_id=args.batch_id))))
     counts = batch["request_counts"]
     done = f"{counts['completed'] + counts['failed']} of {counts['total']} lines done"
-    if batch["status"] in _ENDED - {"cancelled"}:
+    if batch["status"] in rules.ENDED - {"cancelled"}:
         raise CliError(f"batch {batch['id']} already {batch['status']} ({done}); nothing to cancel", 1)
     print(f"batch {batch['id']} {batch['status']} ({done})")
     return 0
 
 
 async def _ask(args: argparse.Namespace, envelope: pb.Envelope) -> pb.Envelope:
-    if args.worker is None:
-        args.worker = default_worker(args.dir)
     return await ask(args, envelope, service="worker")
 
 
@@ -109,7 +94,7 @@ async def _batch(args: argparse.Namespace, envelope: pb.Envelope) -> pb.BatchInf
     try:
         return (await _ask(args, envelope)).batch_info
     except CliError as exc:
-        if exc.error != pb.ERROR_CODE_INVALID_ARGUMENT:
+        if exc.error != pb.ERROR_CODE_NOT_FOUND:
             raise
         raise CliError(f"no batch {args.batch_id!r} on the worker at {args.worker}", 1, error=exc.error) from None
 
@@ -118,7 +103,7 @@ def batch_dict(batch: pb.BatchInfo) -> dict[str, Any]:
     """A batch as OpenAI's batch object names its fields (times as ISO 8601, UTC)."""
     return {
         "id": batch.id,
-        "status": pb.BatchStatus.Name(batch.status).removeprefix("BATCH_STATUS_").lower(),
+        "status": rules.STATUS_NAMES[batch.status],
         "endpoint": batch.endpoint,
         "input_file_id": batch.input_file_id,
         "output_file_id": batch.output_file_id or None,

@@ -310,16 +310,16 @@ def _runs_parsers(
         sub.add_argument(
             "--control-plane",
             nargs="?",
-            const=os.environ.get("IOP_CONTROL_PLANE", "127.0.0.1:7400"),
+            const="",
             metavar="HOST:PORT",
             help="read the control-plane's run ledger instead, over IOP with the admin certificate "
-            "(default address: $IOP_CONTROL_PLANE, else 127.0.0.1:7400)",
+            "(default address: $IOP_CONTROL_PLANE, else the one iop up started in --dir, else 127.0.0.1:7400)",
         )
         sub.add_argument("--certs", type=Path, metavar="DIR", help="with --control-plane: admin.crt, admin.key, ca.crt")
         sub.add_argument("--server-name", default="localhost", metavar="NAME", help="with --control-plane: its name")
     ls, show = runs.choices["ls"], runs.choices["show"]
     ls.add_argument(
-        "--status", help="running, completed, failed, cancelled or interrupted (ledger: completed, failed, cancelled)"
+        "--status", help="running, completed, failed, cancelled or interrupted (the ledger has all but running)"
     )
     ls.add_argument("--model")
     ls.add_argument("--node", help="with --control-plane: only runs tried on this node")
@@ -337,9 +337,10 @@ def _ops_parsers(
     admin = argparse.ArgumentParser(add_help=False, parents=[common])
     admin.add_argument(
         "--control-plane",
-        default=os.environ.get("IOP_CONTROL_PLANE", "127.0.0.1:7400"),
+        default="",
         metavar="HOST:PORT",
-        help="the control-plane (default: $IOP_CONTROL_PLANE, else 127.0.0.1:7400)",
+        help="the control-plane (default: $IOP_CONTROL_PLANE, else the one iop up started in --dir, "
+        "else 127.0.0.1:7400)",
     )
     admin.add_argument("--dir", type=Path, default=state_dir, help="state folder (default: $IOP_STATE_DIR, else .iop)")
     admin.add_argument("--certs", type=Path, metavar="DIR", help="admin.crt, admin.key, ca.crt (default: STATE/certs)")

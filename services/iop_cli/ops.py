@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 from google.protobuf.duration_pb2 import Duration
 
 from iop_cli.output import CliError, emit, table, warn
+from iop_cli.platform import read_ready
 from iop_control_plane.ledger import MAX_LIST, STATUSES
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.history import parse_since
@@ -38,6 +40,7 @@ from iop_wire.tls import TlsConfig
 __all__ = [
     "DEFAULT_CONTROL_PLANE",
     "ask",
+    "default_address",
     "iso",
     "nodes_drain",
     "nodes_ls",
@@ -49,6 +52,7 @@ __all__ = [
 ]
 
 DEFAULT_CONTROL_PLANE = "127.0.0.1:7400"
+_DEFAULTS = {"control-plane": DEFAULT_CONTROL_PLANE, "worker": "127.0.0.1:7402"}
 _TIMEOUT = 10.0
 _STATES = {
     pb.NODE_STATE_READY: "ready",
@@ -182,6 +186,8 @@ async def _runs_show(args: argparse.Namespace) -> int:
 async def ask(args: argparse.Namespace, envelope: pb.Envelope, *, service: str = "control-plane") -> pb.Envelope:
     """Dial ``service`` (at its ``--SERVICE HOST:PORT`` option) as an admin, send one request, return its answer."""
     option = service.replace("-", "_")
+    if not getattr(args, option):
+        setattr(args, option, default_address(service, args.dir))
     host, port = _address(getattr(args, option), f"--{service}")
     tls = _admin_tls(args.certs or args.dir / "certs")
     where = f"the {service} at {host}:{port}"
@@ -203,6 +209,14 @@ async def ask(args: argparse.Namespace, envelope: pb.Envelope, *, service: str =
         raise CliError(f"{where} did not answer in {_TIMEOUT:g}s", 2) from None
     finally:
         await connection.close("done")
+
+
+def default_address(service: str, state: Path) -> str:
+    """``$IOP_CONTROL_PLANE`` / ``$IOP_WORKER``, else the port ``iop up`` started under ``state``, else the default."""
+    if address := os.environ.get(f"IOP_{service.replace('-', '_').upper()}"):
+        return address
+    ready = read_ready(state / f"{service}.ready")
+    return f"127.0.0.1:{ready['port']}" if ready and ready.get("port") else _DEFAULTS[service]
 
 
 def _address(value: str, option: str) -> tuple[str, int]:

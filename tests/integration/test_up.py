@@ -204,6 +204,38 @@ def test_models_lists_what_the_platform_serves(platform: tuple[Path, str]) -> No
     assert {model["id"]: model["max_concurrency"] for model in as_json}["mock-small"] == 4
 
 
+def test_admin_commands_find_the_control_plane_up_started(platform: tuple[Path, str]) -> None:
+    """``iop nodes ls --dir`` dials the port this folder's control-plane listens on, 7400 or not."""
+    state, _ = platform
+    env = {k: v for k, v in ENV.items() if k != "IOP_CONTROL_PLANE"}
+    listed = subprocess.run(
+        [*IOP, "nodes", "ls", "--dir", str(state), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+    assert listed.returncode == 0, listed.stderr
+    assert [node["id"] for node in json.loads(listed.stdout)] == ["local-node"]
+    # A folder whose control-plane.ready names a port where nobody listens: that port is dialed, not 7400.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        empty = state.parent / "empty"
+        empty.mkdir(exist_ok=True)
+        (empty / "control-plane.ready").write_text(json.dumps({"pid": 1, "port": port}))
+        refused = subprocess.run(
+            [*IOP, "nodes", "ls", "--dir", str(empty), "--certs", str(state / "certs")],
+            capture_output=True,
+            check=False,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+    assert refused.returncode == 2 and f"127.0.0.1:{port}" in refused.stderr, refused.stderr
+
+
 def test_a_second_up_says_it_runs_and_changes_nothing(platform: tuple[Path, str]) -> None:
     state, printed = platform
     before = {path.name: path.stat().st_mtime_ns for path in state.iterdir() if path.suffix in (".yaml", ".pid")}
