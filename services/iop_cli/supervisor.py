@@ -5,7 +5,7 @@ the one that watches them: ``up`` starts this supervisor in its own session, and
 starts the four services (``Platform.start``), then polls them. A service that exits by itself
 is started again after a backoff that doubles from 0.5 s up to 30 s; after ``CRASH_LOOP`` exits
 within ``CRASH_WINDOW`` s it is left stopped (a crash loop: its log says why; ``iop down`` and
-``iop up`` start again). Each exit is a warning line in ``DIR/supervisor.log``. A restarted
+``iop up`` start again). Each exit is a warning line in ``DIR/supervise.log``. A restarted
 service keeps the port it had (``IOP_`` variables pin it, for configs that say 0), so the base
 URL ``up`` printed and the addresses in the other configs stay right.
 
