@@ -24,12 +24,17 @@ def heartbeat_frame(sequence: int, interval_ns: int) -> bytes:
     return frame(pb.Envelope(id=f"hb-{sequence}", heartbeat=beat))
 
 
-async def heartbeats(writer: asyncio.StreamWriter, interval: float) -> None:
-    """Send a heartbeat every ``interval`` until the connection is gone: alive, but maybe reading nothing."""
+async def heartbeats(writer: asyncio.StreamWriter, interval: float, *, announce: float | None = None) -> None:
+    """Send a heartbeat every ``interval`` until the connection is gone: alive, but maybe reading nothing.
+
+    ``announce`` is the interval the heartbeats promise (default ``interval``): a peer judged by a
+    longer promise than it keeps is not declared silent by a moment's delay in the receiver's loop.
+    """
+    promised = int((announce or interval) * 1e9)
     for sequence in itertools.count():
         if writer.is_closing():
             return
-        writer.write(heartbeat_frame(sequence, int(interval * 1e9)))
+        writer.write(heartbeat_frame(sequence, promised))
         await asyncio.sleep(interval)  # the protocol's own timer, not a wait for a condition
 
 

@@ -152,7 +152,7 @@ async def test_client_that_stops_reading_is_dropped_and_its_runs_cancelled(
     with captured() as logs:
         reader, writer = await attackers(listener)
         _read_nothing(writer)
-        beats = asyncio.create_task(heartbeats(writer, 0.05))  # alive: it is never silent
+        beats = asyncio.create_task(heartbeats(writer, 0.05, announce=0.4))  # alive: it is never silent
         runs = 500
         writer.write(b"".join(_run_frame(f"flood-{i}", tokens=200_000) for i in range(runs)))
         started = time.monotonic()
@@ -233,7 +233,7 @@ async def test_reading_pauses_while_the_peer_reads_nothing(
     with captured() as logs:
         reader, writer = await attackers(listener)
         _read_nothing(writer)
-        beats = asyncio.create_task(heartbeats(writer, 0.1))
+        beats = asyncio.create_task(heartbeats(writer, 0.1, announce=1.0))
         await assert_eventually(lambda: len(listener.connections) == 1)
         served = _served(listener)
         unsent: list[int] = []
@@ -274,7 +274,7 @@ async def test_paused_reading_does_not_spin(
     await assert_eventually(lambda: len(listener.connections) == 1)
     served = _served(listener)
     served._writer.transport.set_write_buffer_limits(high=64 * 1024 * 1024)
-    beats = asyncio.create_task(heartbeats(writer, 0.1))
+    beats = asyncio.create_task(heartbeats(writer, 0.1, announce=2.0))
     writer.write(b"".join(_run_frame(f"r{i}", tokens=10_000) for i in range(10)))  # ~2.5 MB to send, then done
     await assert_eventually(lambda: served._reading_paused and not served._served, timeout=5)
     wall, cpu = time.monotonic(), time.process_time()

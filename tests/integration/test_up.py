@@ -217,7 +217,7 @@ def test_admin_commands_find_the_control_plane_up_started(platform: tuple[Path, 
         check=False,
     )
     assert listed.returncode == 0, listed.stderr
-    assert [node["id"] for node in json.loads(listed.stdout)] == ["local-node"]
+    assert [node["node_id"] for node in json.loads(listed.stdout)] == ["local-node"]
     # A folder whose control-plane.ready names a port where nobody listens: that port is dialed, not 7400.
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
