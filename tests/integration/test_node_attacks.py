@@ -289,7 +289,9 @@ async def test_client_that_never_reads_is_dropped_and_the_model_serves_others_ag
             await assert_eventually(lambda: node.metric("iop_node_runs_queued", model="mock-small") == 64)
             refused = await collect(await polite.open_run(chat()))
             assert refused[-1].error.code == pb.ERROR_CODE_RESOURCE_EXHAUSTED, refused
-            # ... until the node drops it for leaving its answers unread (the socket is reset).
+            # ... until the node drops it for leaving its answers unread (the socket is reset): the
+            # window, once the socket buffers have filled (how long that takes is the machine's, so
+            # it is printed, and bounded only here; the stall the node measured is asserted below).
             await assert_eventually(writer.is_closing, timeout=window + 5)
             dropped_after = time.monotonic() - started
             beats.cancel()
@@ -308,7 +310,6 @@ async def test_client_that_never_reads_is_dropped_and_the_model_serves_others_ag
         f"next run served in {served_after * 1000:.0f} ms"
     )
     assert window <= stalled < window + 0.3, dead
-    assert dropped_after < window + 2.5, dropped_after
     assert kinds(events)[0] == "start" and kinds(events)[-1] == "complete", events[-1]
 
 
