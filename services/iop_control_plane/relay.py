@@ -34,6 +34,7 @@ from iop_control_plane.text import NAME_CHARS, clip
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import EventSink, IopError, acting_caller, code_name, relay
 from iop_wire.errors import Reason
+from iop_wire.logs import RateLimitedLog
 from iop_wire.messages import error_message
 
 __all__ = ["RunRelay"]
@@ -116,7 +117,7 @@ class RunRelay:
         self.registration_grace = registration_grace
         """Seconds after start a model served before the restart is UNAVAILABLE, not MODEL_NOT_FOUND."""
         self._started = time.monotonic()
-        self._over_long_logged = 0.0
+        self._over_long_log = RateLimitedLog(every=1.0)
         metrics.watch_queue(self.queue)
 
     def attempts(self, model: str) -> int:
@@ -151,10 +152,9 @@ class RunRelay:
         """INVALID_ARGUMENT for a name over NAME_CHARS, shown clipped; counted, and logged at most once a second."""
         self.metrics.names_refused.labels(field).inc()
         message = f"{field} is {len(name)} characters, over the limit of {NAME_CHARS}: {clip(name, 64)!r}"
-        now = time.monotonic()
-        if now - self._over_long_logged >= 1.0:
-            self._over_long_logged = now
-            _log.warning("run refused", reason=message, requester=sink.connection_id, peer=sink.peer.name)
+        self._over_long_log.warning(
+            field, _log, "run refused", reason=message, requester=sink.connection_id, peer=sink.peer.name
+        )
         error = IopError(pb.ERROR_CODE_INVALID_ARGUMENT, message, param="model" if field == "model" else "")
         return await _refuse(sink, error)
 

@@ -19,22 +19,32 @@ __all__ = ["RateLimitedLog", "configure", "library_logger"]
 
 
 class RateLimitedLog:
-    """Warnings a peer can trigger in a loop: each key logged at most once per ``every`` seconds,
-    with ``not_logged_since_last``, the count of those held back since the last line."""
+    """Lines a peer (or a bad input) can trigger in a loop: each key logged at most once per ``every``
+    seconds, with ``not_logged_since_last``, the count of those held back since the last line."""
 
     def __init__(self, every: float = 1.0) -> None:
         self._every = every
         self._last: dict[str, tuple[float, int]] = {}
 
     def warning(self, key: str, logger: FilteringBoundLogger, event: str, **fields: object) -> None:
-        """Log ``event`` unless ``key`` was logged less than ``every`` seconds ago (then count it)."""
+        """Log ``event`` as a warning unless ``key`` was logged less than ``every`` seconds ago (then count it)."""
+        if (unlogged := self._due(key)) is not None:
+            logger.warning(event, not_logged_since_last=unlogged, **fields)
+
+    def error(self, key: str, logger: FilteringBoundLogger, event: str, **fields: object) -> None:
+        """As :meth:`warning`, at error level."""
+        if (unlogged := self._due(key)) is not None:
+            logger.error(event, not_logged_since_last=unlogged, **fields)
+
+    def _due(self, key: str) -> int | None:
+        """The count held back since ``key``'s last line if a line is due now, else None (and one more held)."""
         now = time.monotonic()
         last, unlogged = self._last.get(key, (-self._every, 0))
         if now - last < self._every:
             self._last[key] = (last, unlogged + 1)
-            return
+            return None
         self._last[key] = (now, 0)
-        logger.warning(event, not_logged_since_last=unlogged, **fields)
+        return unlogged
 
 
 def library_logger(name: str) -> FilteringBoundLogger:

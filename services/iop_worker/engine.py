@@ -37,6 +37,7 @@ from google.protobuf import message as protobuf_message
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import ConnectionClosed, IopError, RunStream, code_name
 from iop_wire.dialer import KeepConnected
+from iop_wire.logs import RateLimitedLog
 from iop_wire.messages import error_message
 from iop_wire.openai import batches as rules
 from iop_wire.openai import errors as http
@@ -56,7 +57,7 @@ from iop_worker.store import (
     Usage,
     new_file_id,
 )
-from iop_worker.supervise import LogLimiter, repeat
+from iop_worker.supervise import repeat
 
 __all__ = ["Engine"]
 
@@ -111,7 +112,7 @@ class Engine:
         """Finished lines not yet written: written together, one transaction for all that ended meanwhile."""
         self._writing: asyncio.Task[None] | None = None
         self._counted_at = 0.0
-        self._unexpected_log = LogLimiter()
+        self._unexpected_log = RateLimitedLog(every=5.0)
         self._refill = max(1, settings.concurrency // 4)
         """Free slots that make a line's end start a step (lease): fewer wait for the poll."""
 
@@ -306,15 +307,15 @@ class Engine:
         line; the traceback is logged at most once per few seconds (a bad line may fail fast).
         """
         self.metrics.line_errors.inc()
-        if self._unexpected_log.allow():
-            _log.error(
-                "line failed unexpectedly",
-                batch_id=line.batch_id,
-                line=line.line,
-                attempts=line.attempts,
-                not_logged_since_last=self._unexpected_log.reset(),
-                exc_info=exc,
-            )
+        self._unexpected_log.error(
+            "unexpected",
+            _log,
+            "line failed unexpectedly",
+            batch_id=line.batch_id,
+            line=line.line,
+            attempts=line.attempts,
+            exc_info=exc,
+        )
         try:
             if line.attempts < self.settings.attempts:
                 await self.store.release(self.owner, [line.key])

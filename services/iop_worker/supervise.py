@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Iterable
 import structlog
 from prometheus_client import Counter
 
-__all__ = ["MAX_PAUSE", "LogLimiter", "first_failure", "repeat"]
+__all__ = ["MAX_PAUSE", "first_failure", "repeat"]
 
 _log = structlog.get_logger("iop.worker")
 FIRST_PAUSE = 0.5
@@ -58,26 +58,3 @@ async def first_failure(stop: Awaitable[object], parts: Iterable[asyncio.Task[No
             _log.error("worker part ended: stopping the worker", part=part.get_name(), error=repr(error))
             return part
     return None
-
-
-class LogLimiter:
-    """Lets one log line through per ``every`` seconds; counts the ones held back (said with the next)."""
-
-    def __init__(self, every: float = 5.0) -> None:
-        self.every = every
-        self._last = -every
-        self.held = 0
-
-    def allow(self) -> bool:
-        """Whether to log now; after a True, :attr:`held` is how many were held back before it."""
-        now = asyncio.get_running_loop().time()
-        if now - self._last < self.every:
-            self.held += 1
-            return False
-        self._last = now
-        return True
-
-    def reset(self) -> int:
-        """The count held back, set back to 0."""
-        held, self.held = self.held, 0
-        return held
