@@ -16,7 +16,7 @@ from iop_edge.keys import ApiKey, KeyStore
 from iop_wire.openai.errors import ApiError
 from iop_wire.openai.responses import json_bytes
 
-__all__ = ["JSON", "authenticate", "error_response", "read_body", "serve_json"]
+__all__ = ["JSON", "authenticate", "declared_length", "error_response", "read_body", "serve_json"]
 
 _log = structlog.get_logger("iop.edge")
 JSON = "application/json"
@@ -70,12 +70,18 @@ async def serve_json(
     return response
 
 
+def declared_length(request: Request) -> int | None:
+    """The body's length as its Content-Length says, when that is a plain ASCII number (else None:
+    the body is then counted as it arrives)."""
+    declared = request.headers.get("content-length", "")
+    return int(declared) if declared.isascii() and declared.isdigit() and len(declared) <= 20 else None
+
+
 async def read_body(request: Request, limit: int, timeout: float) -> bytes:
     """The whole request body; 413 once it is over ``limit`` bytes (declared or read), 408 when it
     has not all arrived ``timeout`` seconds after the handler started reading it, 499 when the
     client went away before sending it all."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if (declared := declared_length(request)) is not None and declared > limit:
         raise ApiError(413, f"the request body is {declared} bytes, over this edge's limit of {limit}")
     chunks, size = [], 0
     try:

@@ -246,7 +246,7 @@ class _Api:
         try:
             stream = await self.edge.upstream.open_run(run)
         except IopError as exc:
-            if exc.reason == pb.ERROR_REASON_TOO_LARGE or exc.code == pb.ERROR_CODE_FRAME_TOO_LARGE:
+            if exc.reason == pb.ERROR_REASON_TOO_LARGE:  # open_run: more than one frame carries
                 raise _too_large(run) from None
             raise from_iop(exc) from None
         except ConnectionClosed:

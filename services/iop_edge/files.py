@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from iop_edge.access import authenticate, caller_of, error_response, serve_json
+from iop_edge.access import authenticate, caller_of, declared_length, error_response, serve_json
 from iop_edge.forms import CHUNK_SIZE, Field, FileBytes, FileEnd, FileStart, FormEvent, UploadForm
 from iop_edge.keys import ApiKey
 from iop_edge.worker import STORE_TIMEOUT, Worker
@@ -163,8 +163,7 @@ class FileRoutes:
 
     async def _upload(self, request: Request, caller: str) -> pb.FileInfo:
         limit = self.edge.settings.http.max_file_bytes
-        declared = request.headers.get("content-length", "")
-        if declared.isascii() and declared.isdigit() and int(declared) > limit + _FORM_SLACK:
+        if (declared := declared_length(request)) is not None and declared > limit + _FORM_SLACK:
             self.edge.metrics.refused.labels("file_size").inc()
             raise ApiError(413, f"the request body is {declared} bytes, over this edge's file limit of {limit}")
         form = UploadForm(request.headers.get("content-type", ""))
