@@ -435,7 +435,7 @@ class Connection:
             return
         kind = envelope.WhichOneof("body")
         if kind == "run_event":
-            await self._on_run_event(envelope, body)
+            self._on_run_event(envelope, body)
         elif kind == "run_request":
             await self._on_run_request(envelope)
         elif kind == "heartbeat":
@@ -467,7 +467,7 @@ class Connection:
         else:
             future.set_result(envelope)
 
-    async def _on_run_event(self, envelope: pb.Envelope, body: bytes) -> None:
+    def _on_run_event(self, envelope: pb.Envelope, body: bytes) -> None:
         stream = self._streams.get(envelope.run_id)
         if stream is None:  # a run never opened here, or one whose terminal event came: delivered to no one
             self._violation("run_event_for_unknown_run", "event dropped: no such run", run_id=envelope.run_id)
