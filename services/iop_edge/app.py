@@ -12,7 +12,8 @@ error is a final ``data: {"error": ...}`` event. A client that goes away, stream
 cancels its run.
 
 Headers: ``x-request-id`` is the run id; ``x-iop-overhead-ms`` is the time spent inside IOP:
-for a whole answer, the time from the request's arrival to its answer minus the run's
+for a whole answer, the time from the request's arrival to its answer's head leaving (as
+the answer is handed to the server) minus the run's
 ``generation`` time, which is the backend's own time (for an HTTP backend, as the node's client
 saw it: from its request written to the response's last byte read; so the node's own work on
 the backend's answer counts as IOP's); for a stream, the time from the request's arrival to the
@@ -346,9 +347,7 @@ class _Api:
         return _Streamed(self, call, stream, opening=events, started_at=started_at, chunks=chunks).response()
 
     def _json(self, call: _Call, body: dict[str, Any], complete: pb.RunComplete) -> Response:
-        overhead = (time.perf_counter() - call.received) * 1000 - complete.timings.generation.ToNanoseconds() / 1e6
-        headers = {"x-iop-overhead-ms": f"{max(overhead, 0.0):.3f}"}
-        return Response(shape.json_bytes(body), media_type=JSON, headers=headers)
+        return _Answer(shape.json_bytes(body), call.received, complete.timings.generation.ToNanoseconds() / 1e9)
 
     def _error(self, call: _Call, error: ApiError) -> Response:
         return error_response(error, call.run_id)
@@ -434,6 +433,21 @@ class _Api:
     async def prometheus(self) -> Response:
         """GET /metrics: Prometheus exposition of the edge (and its wire connections)."""
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class _Answer(Response):
+    """A whole answer whose x-iop-overhead-ms is measured as its head leaves: the rendering of the
+    answer and the way out through the framework count as IOP's time too."""
+
+    def __init__(self, body: bytes, received: float, backend: float) -> None:
+        super().__init__(body, media_type=JSON)
+        self.received, self.backend = received, backend
+        """When the request's first byte was read; the backend's own time (seconds)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        overhead = (time.perf_counter() - self.received - self.backend) * 1000
+        self.raw_headers.append((b"x-iop-overhead-ms", b"%.3f" % max(overhead, 0.0)))
+        await super().__call__(scope, receive, send)
 
 
 class _Chunks(Protocol):

@@ -41,6 +41,9 @@ from iop_wire.certs import init_dir, tls_section
 
 HERE = Path(__file__).parent
 LATENCY_BLOCKS, LATENCY_BLOCK = 8, 50
+PAUSE = 0.005
+"""Seconds a client waits between requests in the header's second row (as an interactive client
+does): the platform's work after an answer left (records, metrics) is then done before the next."""
 THROUGHPUT_SECONDS = 5.0
 PACED_STREAMS, PACE, PACED_SECONDS = 256, 50, 4.0
 OPEN_STREAMS = 1000
@@ -55,8 +58,8 @@ def _rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def _upstream(pace: float = 0.0) -> tuple[subprocess.Popen[bytes], int]:
-    command = [sys.executable, str(HERE / "fast_openai.py"), "0", str(pace)]
+def _upstream(pace: float = 0.0, *, uvicorn: bool = False) -> tuple[subprocess.Popen[bytes], int]:
+    command = [sys.executable, str(HERE / "fast_openai.py"), "0", str(pace), *(["--uvicorn"] if uvicorn else [])]
     process = subprocess.Popen(command, stdout=subprocess.PIPE)
     assert process.stdout is not None
     return process, int(process.stdout.readline())
@@ -182,7 +185,12 @@ async def _streamed_tokens(session: aiohttp.ClientSession, url: str, headers: di
     return tokens
 
 
-async def _latency(edge: str, direct: str, key: str) -> list[tuple[str, str]]:
+async def _latency(
+    edge: str, direct: str, key: str, *, upstream: str = "", pause: float = 0.0
+) -> list[tuple[str, str]]:
+    """The latency rows, each request sent once the one before is read (after ``pause`` seconds);
+    with ``upstream`` (the upstream's kind, when not the bare asyncio one) or a pause, the header's
+    row alone."""
     auth = {"authorization": f"Bearer {key}", "content-type": "application/json"}
     plain = {"content-type": "application/json"}
     whole, stream = _body(16, stream=False), _body(16, stream=True)
@@ -196,7 +204,9 @@ async def _latency(edge: str, direct: str, key: str) -> list[tuple[str, str]]:
             for name, url, headers in order if block % 2 == 0 else reversed(order):
                 overheads = samples["header"] if name == "iop" else None
                 for _ in range(LATENCY_BLOCK):
+                    await asyncio.sleep(pause)
                     samples[name].append(await _whole(session, url, headers, whole, overheads))
+                    await asyncio.sleep(pause)
                     samples[f"{name}_ttft"].append(await _first_token(session, url, headers, stream))
     runs = LATENCY_BLOCKS * LATENCY_BLOCK
 
@@ -207,6 +217,14 @@ async def _latency(edge: str, direct: str, key: str) -> list[tuple[str, str]]:
     added99 = pct(samples["iop"], 0.99) - pct(samples["direct"], 0.99)
     ttft = pct(samples["iop_ttft"], 0.5) - pct(samples["direct_ttft"], 0.5)
     header = pct(samples["header"], 0.5)
+    if upstream or pause:
+        how = f"{upstream} upstream" if upstream else f"{pause * 1000:g} ms between requests"
+        return [
+            (
+                f"x-iop-overhead-ms p50 / added p50, non-streaming, {how} (target: within 20%)",
+                f"{header:.2f} / {added50:.2f} ms ({header / added50:.0%})",
+            )
+        ]
     return [
         (
             f"non-streaming at concurrency 1, p50 IOP / direct ({runs} each, 16 tokens)",
@@ -357,13 +375,24 @@ def main() -> None:
                 edge = f"http://127.0.0.1:{edge_port}/v1/chat/completions"
                 direct = f"http://127.0.0.1:{port}/v1/chat/completions"
                 rows += asyncio.run(_latency(edge, direct, key))
-                if LATENCY_ONLY:
-                    print_table(rows)
-                    return
-                rows += asyncio.run(_throughput(edge, key, pids))
-            rows += _users_route(port, Path(tmp) / "up")
+                rows += asyncio.run(_latency(edge, direct, key, pause=PAUSE))
+                if not LATENCY_ONLY:
+                    rows += asyncio.run(_throughput(edge, key, pids))
+            if not LATENCY_ONLY:
+                rows += _users_route(port, Path(tmp) / "up")
         finally:
             fast.terminate()
+        served, port = _upstream(uvicorn=True)
+        try:
+            with _platform(Path(tmp) / "uvicorn", port) as (pids, edge_port, key):
+                edge = f"http://127.0.0.1:{edge_port}/v1/chat/completions"
+                direct = f"http://127.0.0.1:{port}/v1/chat/completions"
+                rows += asyncio.run(_latency(edge, direct, key, upstream="FastAPI-on-uvicorn (as vLLM's)"))
+        finally:
+            served.terminate()
+        if LATENCY_ONLY:
+            print_table(rows)
+            return
         paced, port = _upstream(PACE)
         try:
             with _platform(Path(tmp) / "paced", port) as (pids, edge_port, key):

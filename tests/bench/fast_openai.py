@@ -1,6 +1,6 @@
 """A fast OpenAI-compatible streaming server for relay benchmarks: canned chunks, no model.
 
-    python fast_openai.py PORT [TOKENS_PER_SECOND]
+    python fast_openai.py PORT [TOKENS_PER_SECOND] [--uvicorn]
 
 POST /v1/chat/completions answers ``max_tokens`` SSE chunks, as fast as the socket takes them
 or, given TOKENS_PER_SECOND, one chunk at a time at that pace per stream (as real backends emit
@@ -8,13 +8,23 @@ tokens), then a usage chunk and ``data: [DONE]``; with ``"stream": false``, one 
 chat.completion of ``max_tokens`` tokens at once (given TOKENS_PER_SECOND, once they would have
 taken that long). GET /v1/models lists one model. HTTP/1.1
 keep-alive.
+
+By default the HTTP is a bare asyncio server (a lower bound on any backend's HTTP cost); with
+``--uvicorn`` the same answers come from a FastAPI app on uvicorn (uvloop, httptools), the stack
+vLLM, SGLang and llama-cpp-python serve their OpenAI APIs with.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
 
 _CHUNK = json.dumps(
     {
@@ -32,8 +42,8 @@ def _chunked(writer: asyncio.StreamWriter, data: bytes) -> None:
     writer.write(b"%x\r\n%s\r\n" % (len(data), data))
 
 
-def _whole(writer: asyncio.StreamWriter, count: int) -> None:
-    answer = json.dumps(
+def _answer_bytes(count: int) -> bytes:
+    return json.dumps(
         {
             "id": "chatcmpl-1",
             "object": "chat.completion",
@@ -45,6 +55,17 @@ def _whole(writer: asyncio.StreamWriter, count: int) -> None:
             "usage": {"prompt_tokens": 5, "completion_tokens": count, "total_tokens": count + 5},
         }
     ).encode()
+
+
+def _final(count: int) -> dict[str, object]:
+    return {
+        "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": count, "total_tokens": count + 5},
+    }
+
+
+def _whole(writer: asyncio.StreamWriter, count: int) -> None:
+    answer = _answer_bytes(count)
     writer.write(
         b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(answer), answer)
     )
@@ -69,11 +90,7 @@ async def _answer(writer: asyncio.StreamWriter, body: dict[str, object], pace: f
             await asyncio.sleep(max(0.0, due - loop.time()))
         elif index % 64 == 0:
             await writer.drain()
-    final = {
-        "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
-        "usage": {"prompt_tokens": 5, "completion_tokens": count, "total_tokens": count + 5},
-    }
-    _chunked(writer, b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n")
+    _chunked(writer, b"data: " + json.dumps(_final(count)).encode() + b"\n\ndata: [DONE]\n\n")
     writer.write(b"0\r\n\r\n")
     await writer.drain()
 
@@ -104,5 +121,47 @@ async def main(port: int, pace: float) -> None:
     await server.serve_forever()
 
 
+def _fastapi_app(pace: float) -> Any:
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return Response(_MODELS, media_type="application/json")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = json.loads(await request.body())
+        count = int(body.get("max_tokens") or 16)
+        if body.get("stream") is False:
+            if pace:
+                await asyncio.sleep(count / pace)
+            return Response(_answer_bytes(count), media_type="application/json")
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for _ in range(count):
+                yield b"data: " + _CHUNK + b"\n\n"
+                if pace:
+                    await asyncio.sleep(1 / pace)
+            yield b"data: " + json.dumps(_final(count)).encode() + b"\n\ndata: [DONE]\n\n"
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    return app
+
+
+def serve_uvicorn(port: int, pace: float) -> None:
+    import uvicorn
+
+    sock = socket.create_server(("127.0.0.1", port))
+    print(sock.getsockname()[1], flush=True)
+    config = uvicorn.Config(_fastapi_app(pace), loop="uvloop", http="httptools", log_level="warning")
+    uvicorn.Server(config).run(sockets=[sock])
+
+
 if __name__ == "__main__":
-    asyncio.run(main(int(sys.argv[1]) if len(sys.argv) > 1 else 0, float(sys.argv[2]) if len(sys.argv) > 2 else 0.0))
+    arguments = [argument for argument in sys.argv[1:] if argument != "--uvicorn"]
+    port, pace = int(arguments[0]) if arguments else 0, float(arguments[1]) if len(arguments) > 1 else 0.0
+    if "--uvicorn" in sys.argv:
+        serve_uvicorn(port, pace)
+    else:
+        asyncio.run(main(port, pace))
