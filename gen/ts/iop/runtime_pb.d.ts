@@ -400,6 +400,106 @@ export declare type Envelope = Message<"iop.Envelope"> & {
      */
     value: BatchCancel;
     case: "batchCancel";
+  } | {
+    /**
+     * join.hello: a machine joining, connected without a certificate, asks
+     * for the control-plane's CA certificate.
+     *
+     * @generated from field: iop.JoinHello join_hello = 49;
+     */
+    value: JoinHello;
+    case: "joinHello";
+  } | {
+    /**
+     * join.welcome: the answer to join.hello.
+     *
+     * @generated from field: iop.JoinWelcome join_welcome = 50;
+     */
+    value: JoinWelcome;
+    case: "joinWelcome";
+  } | {
+    /**
+     * join.request: a machine joining sends its join token and certificate
+     * request.
+     *
+     * @generated from field: iop.JoinRequest join_request = 51;
+     */
+    value: JoinRequest;
+    case: "joinRequest";
+  } | {
+    /**
+     * join.accepted: the answer to join.request: the node's certificate.
+     *
+     * @generated from field: iop.JoinAccepted join_accepted = 52;
+     */
+    value: JoinAccepted;
+    case: "joinAccepted";
+  } | {
+    /**
+     * cert.renew: a node asks for a new certificate before its own expires.
+     *
+     * @generated from field: iop.CertRenew cert_renew = 53;
+     */
+    value: CertRenew;
+    case: "certRenew";
+  } | {
+    /**
+     * cert.renewed: the answer to cert.renew.
+     *
+     * @generated from field: iop.CertRenewed cert_renewed = 54;
+     */
+    value: CertRenewed;
+    case: "certRenewed";
+  } | {
+    /**
+     * join_token.create: an admin creates a join token.
+     *
+     * @generated from field: iop.JoinTokenCreate join_token_create = 55;
+     */
+    value: JoinTokenCreate;
+    case: "joinTokenCreate";
+  } | {
+    /**
+     * join_token.created: the answer to join_token.create.
+     *
+     * @generated from field: iop.JoinTokenCreated join_token_created = 56;
+     */
+    value: JoinTokenCreated;
+    case: "joinTokenCreated";
+  } | {
+    /**
+     * join_tokens.list: an admin lists the join tokens.
+     *
+     * @generated from field: iop.JoinTokensList join_tokens_list = 57;
+     */
+    value: JoinTokensList;
+    case: "joinTokensList";
+  } | {
+    /**
+     * join_tokens.listed: the answer to join_tokens.list.
+     *
+     * @generated from field: iop.JoinTokensListed join_tokens_listed = 58;
+     */
+    value: JoinTokensListed;
+    case: "joinTokensListed";
+  } | {
+    /**
+     * join_token.revoke: an admin revokes a join token (answered by
+     * operation.done).
+     *
+     * @generated from field: iop.JoinTokenRevoke join_token_revoke = 59;
+     */
+    value: JoinTokenRevoke;
+    case: "joinTokenRevoke";
+  } | {
+    /**
+     * nodes.remove: an admin removes a node and revokes its certificate
+     * (answered by operation.done).
+     *
+     * @generated from field: iop.NodesRemove nodes_remove = 60;
+     */
+    value: NodesRemove;
+    case: "nodesRemove";
   } | { case: undefined; value?: undefined };
 };
 
@@ -1783,6 +1883,30 @@ export declare type NodeInfo = Message<"iop.NodeInfo"> & {
    * @generated from field: google.protobuf.Timestamp first_seen = 10;
    */
   firstSeen?: Timestamp | undefined;
+
+  /**
+   * The serial number (hex) of the certificate its connection presented;
+   * empty without TLS.
+   *
+   * @generated from field: string certificate_serial = 11;
+   */
+  certificateSerial: string;
+
+  /**
+   * When that certificate expires; unset without TLS.
+   *
+   * @generated from field: google.protobuf.Timestamp certificate_not_after = 12;
+   */
+  certificateNotAfter?: Timestamp | undefined;
+
+  /**
+   * True when the node registered with the shared development certificate
+   * (CN "node", from `iop certs init`), which may register any id: for one
+   * machine only.
+   *
+   * @generated from field: bool shared_certificate = 13;
+   */
+  sharedCertificate: boolean;
 };
 
 /**
@@ -2970,6 +3094,394 @@ export declare type BatchCancel = Message<"iop.BatchCancel"> & {
 export declare const BatchCancelSchema: GenMessage<BatchCancel>;
 
 /**
+ * join.hello: the first request of a machine joining the cluster, sent over a
+ * TLS connection that presented no client certificate and did not verify the
+ * control-plane's (the joiner has no CA yet). Answered by join.welcome. The
+ * joiner checks the CA against the hash it was given (sha256 of the CA's
+ * SubjectPublicKeyInfo, as `iop join-token create` prints it) and, if it
+ * matches, dials again verifying the control-plane's certificate with that
+ * CA before it sends join.request. A connection without a certificate may
+ * send join.hello and join.request only.
+ *
+ * @generated from message iop.JoinHello
+ */
+export declare type JoinHello = Message<"iop.JoinHello"> & {
+};
+
+/**
+ * Describes the message iop.JoinHello.
+ * Use `create(JoinHelloSchema)` to create a new message.
+ */
+export declare const JoinHelloSchema: GenMessage<JoinHello>;
+
+/**
+ * join.welcome: the answer to join.hello.
+ *
+ * @generated from message iop.JoinWelcome
+ */
+export declare type JoinWelcome = Message<"iop.JoinWelcome"> & {
+  /**
+   * The CA certificate (PEM) that signs the control-plane's certificate and
+   * every node's.
+   *
+   * @generated from field: string ca_pem = 1;
+   */
+  caPem: string;
+};
+
+/**
+ * Describes the message iop.JoinWelcome.
+ * Use `create(JoinWelcomeSchema)` to create a new message.
+ */
+export declare const JoinWelcomeSchema: GenMessage<JoinWelcome>;
+
+/**
+ * join.request: a joining machine's token and certificate request, sent over
+ * a connection that verified the control-plane's certificate. Answered by
+ * join.accepted, or an error: PERMISSION_DENIED with reason TOKEN_INVALID,
+ * TOKEN_EXPIRED, TOKEN_REVOKED, TOKEN_USED_UP or NAME_TAKEN;
+ * RESOURCE_EXHAUSTED with TOO_MANY_ATTEMPTS (too many failures from the
+ * address); INVALID_ARGUMENT for a malformed request or name. Every attempt
+ * is audited.
+ *
+ * @generated from message iop.JoinRequest
+ */
+export declare type JoinRequest = Message<"iop.JoinRequest"> & {
+  /**
+   * The join token, "iopjt-<id>.<secret>".
+   *
+   * @generated from field: string token = 1;
+   */
+  token: string;
+
+  /**
+   * A PKCS#10 certificate request (PEM) for a key made on the joining
+   * machine; its subject's CN is the node's name. Any other subject
+   * attribute (an OU other than "node") is refused.
+   *
+   * @generated from field: string csr_pem = 2;
+   */
+  csrPem: string;
+};
+
+/**
+ * Describes the message iop.JoinRequest.
+ * Use `create(JoinRequestSchema)` to create a new message.
+ */
+export declare const JoinRequestSchema: GenMessage<JoinRequest>;
+
+/**
+ * join.accepted: the node's certificate (CN its name, OU "node"), signed by
+ * the CA of join.welcome.
+ *
+ * @generated from message iop.JoinAccepted
+ */
+export declare type JoinAccepted = Message<"iop.JoinAccepted"> & {
+  /**
+   * The node's id: its certificate's CN.
+   *
+   * @generated from field: string node_id = 1;
+   */
+  nodeId: string;
+
+  /**
+   * The certificate (PEM).
+   *
+   * @generated from field: string certificate_pem = 2;
+   */
+  certificatePem: string;
+
+  /**
+   * When it expires; the node renews it (cert.renew) before then.
+   *
+   * @generated from field: google.protobuf.Timestamp not_after = 3;
+   */
+  notAfter?: Timestamp | undefined;
+};
+
+/**
+ * Describes the message iop.JoinAccepted.
+ * Use `create(JoinAcceptedSchema)` to create a new message.
+ */
+export declare const JoinAcceptedSchema: GenMessage<JoinAccepted>;
+
+/**
+ * cert.renew: a node asks, over its mTLS connection, for a certificate for a
+ * new key before its own expires. The request's CN must be the name in the
+ * node's present certificate. Answered by cert.renewed; the old certificate
+ * stays valid until it expires.
+ *
+ * @generated from message iop.CertRenew
+ */
+export declare type CertRenew = Message<"iop.CertRenew"> & {
+  /**
+   * A PKCS#10 certificate request (PEM) for the new key.
+   *
+   * @generated from field: string csr_pem = 1;
+   */
+  csrPem: string;
+};
+
+/**
+ * Describes the message iop.CertRenew.
+ * Use `create(CertRenewSchema)` to create a new message.
+ */
+export declare const CertRenewSchema: GenMessage<CertRenew>;
+
+/**
+ * cert.renewed: the answer to cert.renew.
+ *
+ * @generated from message iop.CertRenewed
+ */
+export declare type CertRenewed = Message<"iop.CertRenewed"> & {
+  /**
+   * The new certificate (PEM).
+   *
+   * @generated from field: string certificate_pem = 1;
+   */
+  certificatePem: string;
+
+  /**
+   * When it expires.
+   *
+   * @generated from field: google.protobuf.Timestamp not_after = 2;
+   */
+  notAfter?: Timestamp | undefined;
+};
+
+/**
+ * Describes the message iop.CertRenewed.
+ * Use `create(CertRenewedSchema)` to create a new message.
+ */
+export declare const CertRenewedSchema: GenMessage<CertRenewed>;
+
+/**
+ * join_token.create: an admin creates a token for machines to join with.
+ * Answered by join_token.created. The token's secret is shown once; the
+ * control-plane keeps only its hash.
+ *
+ * @generated from message iop.JoinTokenCreate
+ */
+export declare type JoinTokenCreate = Message<"iop.JoinTokenCreate"> & {
+  /**
+   * How long the token is valid; unset: one hour.
+   *
+   * @generated from field: google.protobuf.Duration ttl = 1;
+   */
+  ttl?: Duration | undefined;
+
+  /**
+   * How many machines may join with it; 0: one.
+   *
+   * @generated from field: uint32 uses = 2;
+   */
+  uses: number;
+
+  /**
+   * Names of the nodes joining with it must start with this; empty: any.
+   *
+   * @generated from field: string name_prefix = 3;
+   */
+  namePrefix: string;
+};
+
+/**
+ * Describes the message iop.JoinTokenCreate.
+ * Use `create(JoinTokenCreateSchema)` to create a new message.
+ */
+export declare const JoinTokenCreateSchema: GenMessage<JoinTokenCreate>;
+
+/**
+ * join_token.created: the answer to join_token.create.
+ *
+ * @generated from message iop.JoinTokenCreated
+ */
+export declare type JoinTokenCreated = Message<"iop.JoinTokenCreated"> & {
+  /**
+   * The token, "iopjt-<id>.<secret>": shown this once.
+   *
+   * @generated from field: string token = 1;
+   */
+  token: string;
+
+  /**
+   * The token as listed.
+   *
+   * @generated from field: iop.JoinTokenInfo info = 2;
+   */
+  info?: JoinTokenInfo | undefined;
+
+  /**
+   * The CA's hash for `iop join --ca`: "sha256:" and the hex SHA-256 of the
+   * CA certificate's SubjectPublicKeyInfo.
+   *
+   * @generated from field: string ca_hash = 3;
+   */
+  caHash: string;
+};
+
+/**
+ * Describes the message iop.JoinTokenCreated.
+ * Use `create(JoinTokenCreatedSchema)` to create a new message.
+ */
+export declare const JoinTokenCreatedSchema: GenMessage<JoinTokenCreated>;
+
+/**
+ * One join token, without its secret.
+ *
+ * @generated from message iop.JoinTokenInfo
+ */
+export declare type JoinTokenInfo = Message<"iop.JoinTokenInfo"> & {
+  /**
+   * The token's public id (the part before the ".").
+   *
+   * @generated from field: string id = 1;
+   */
+  id: string;
+
+  /**
+   * When it was created.
+   *
+   * @generated from field: google.protobuf.Timestamp created_at = 2;
+   */
+  createdAt?: Timestamp | undefined;
+
+  /**
+   * When it stops being accepted.
+   *
+   * @generated from field: google.protobuf.Timestamp expires_at = 3;
+   */
+  expiresAt?: Timestamp | undefined;
+
+  /**
+   * How many machines may join with it.
+   *
+   * @generated from field: uint32 uses = 4;
+   */
+  uses: number;
+
+  /**
+   * How many have.
+   *
+   * @generated from field: uint32 used = 5;
+   */
+  used: number;
+
+  /**
+   * Names joining with it must start with this.
+   *
+   * @generated from field: string name_prefix = 6;
+   */
+  namePrefix: string;
+
+  /**
+   * The admin certificate's name that created it.
+   *
+   * @generated from field: string created_by = 7;
+   */
+  createdBy: string;
+
+  /**
+   * Revoked by an admin.
+   *
+   * @generated from field: bool revoked = 8;
+   */
+  revoked: boolean;
+};
+
+/**
+ * Describes the message iop.JoinTokenInfo.
+ * Use `create(JoinTokenInfoSchema)` to create a new message.
+ */
+export declare const JoinTokenInfoSchema: GenMessage<JoinTokenInfo>;
+
+/**
+ * join_tokens.list: every join token, newest first. Answered by
+ * join_tokens.listed.
+ *
+ * @generated from message iop.JoinTokensList
+ */
+export declare type JoinTokensList = Message<"iop.JoinTokensList"> & {
+};
+
+/**
+ * Describes the message iop.JoinTokensList.
+ * Use `create(JoinTokensListSchema)` to create a new message.
+ */
+export declare const JoinTokensListSchema: GenMessage<JoinTokensList>;
+
+/**
+ * join_tokens.listed: the answer to join_tokens.list.
+ *
+ * @generated from message iop.JoinTokensListed
+ */
+export declare type JoinTokensListed = Message<"iop.JoinTokensListed"> & {
+  /**
+   * The tokens, newest first.
+   *
+   * @generated from field: repeated iop.JoinTokenInfo tokens = 1;
+   */
+  tokens: JoinTokenInfo[];
+};
+
+/**
+ * Describes the message iop.JoinTokensListed.
+ * Use `create(JoinTokensListedSchema)` to create a new message.
+ */
+export declare const JoinTokensListedSchema: GenMessage<JoinTokensListed>;
+
+/**
+ * join_token.revoke: no machine may join with the token any more. Answered
+ * by operation.done; an unknown id by an error with ERROR_CODE_NOT_FOUND.
+ *
+ * @generated from message iop.JoinTokenRevoke
+ */
+export declare type JoinTokenRevoke = Message<"iop.JoinTokenRevoke"> & {
+  /**
+   * The token's id.
+   *
+   * @generated from field: string id = 1;
+   */
+  id: string;
+};
+
+/**
+ * Describes the message iop.JoinTokenRevoke.
+ * Use `create(JoinTokenRevokeSchema)` to create a new message.
+ */
+export declare const JoinTokenRevokeSchema: GenMessage<JoinTokenRevoke>;
+
+/**
+ * nodes.remove: revoke every certificate issued to the node, close its
+ * connection at once and forget it; it may come back only by joining again
+ * with a new token. Answered by operation.done; an unknown node by an error
+ * with ERROR_CODE_NOT_FOUND.
+ *
+ * @generated from message iop.NodesRemove
+ */
+export declare type NodesRemove = Message<"iop.NodesRemove"> & {
+  /**
+   * The node to remove.
+   *
+   * @generated from field: string node_id = 1;
+   */
+  nodeId: string;
+
+  /**
+   * Why; recorded with the revocation.
+   *
+   * @generated from field: string reason = 2;
+   */
+  reason: string;
+};
+
+/**
+ * Describes the message iop.NodesRemove.
+ * Use `create(NodesRemoveSchema)` to create a new message.
+ */
+export declare const NodesRemoveSchema: GenMessage<NodesRemove>;
+
+/**
  * The kinds of run a node can execute.
  *
  * @generated from enum iop.RunKind
@@ -3163,6 +3675,68 @@ export enum ErrorReason {
    * @generated from enum value: ERROR_REASON_UNENCODABLE = 5;
    */
   UNENCODABLE = 5,
+
+  /**
+   * The join token is not one the control-plane issued, or its secret is
+   * wrong (PERMISSION_DENIED).
+   *
+   * @generated from enum value: ERROR_REASON_TOKEN_INVALID = 6;
+   */
+  TOKEN_INVALID = 6,
+
+  /**
+   * The join token expired (PERMISSION_DENIED).
+   *
+   * @generated from enum value: ERROR_REASON_TOKEN_EXPIRED = 7;
+   */
+  TOKEN_EXPIRED = 7,
+
+  /**
+   * The join token was revoked (PERMISSION_DENIED).
+   *
+   * @generated from enum value: ERROR_REASON_TOKEN_REVOKED = 8;
+   */
+  TOKEN_REVOKED = 8,
+
+  /**
+   * The join token has been used as many times as it allows
+   * (PERMISSION_DENIED).
+   *
+   * @generated from enum value: ERROR_REASON_TOKEN_USED_UP = 9;
+   */
+  TOKEN_USED_UP = 9,
+
+  /**
+   * Too many failed join attempts from the sender's address; wait for
+   * retry_after (RESOURCE_EXHAUSTED).
+   *
+   * @generated from enum value: ERROR_REASON_TOO_MANY_ATTEMPTS = 10;
+   */
+  TOO_MANY_ATTEMPTS = 10,
+
+  /**
+   * The name asked for is held by a live node (PERMISSION_DENIED on
+   * join.request).
+   *
+   * @generated from enum value: ERROR_REASON_NAME_TAKEN = 11;
+   */
+  NAME_TAKEN = 11,
+
+  /**
+   * The peer's certificate was revoked (PERMISSION_DENIED, at the preface or
+   * on node.register): it must join again with a new token.
+   *
+   * @generated from enum value: ERROR_REASON_CERTIFICATE_REVOKED = 12;
+   */
+  CERTIFICATE_REVOKED = 12,
+
+  /**
+   * A node's node.register names another id than its certificate
+   * (PERMISSION_DENIED).
+   *
+   * @generated from enum value: ERROR_REASON_IDENTITY_MISMATCH = 13;
+   */
+  IDENTITY_MISMATCH = 13,
 }
 
 /**

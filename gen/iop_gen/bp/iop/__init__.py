@@ -18,6 +18,8 @@ __all__ = (
     "CancelRequest",
     "CapabilityRequest",
     "CapabilityResponse",
+    "CertRenew",
+    "CertRenewed",
     "ChatMessage",
     "ContentPart",
     "Embedding",
@@ -41,6 +43,16 @@ __all__ = (
     "Heartbeat",
     "ImageUrl",
     "InputAudio",
+    "JoinAccepted",
+    "JoinHello",
+    "JoinRequest",
+    "JoinTokenCreate",
+    "JoinTokenCreated",
+    "JoinTokenInfo",
+    "JoinTokenRevoke",
+    "JoinTokensList",
+    "JoinTokensListed",
+    "JoinWelcome",
     "LedgerAttempt",
     "LedgerRun",
     "ModelInfo",
@@ -54,6 +66,7 @@ __all__ = (
     "NodesDrain",
     "NodesList",
     "NodesListed",
+    "NodesRemove",
     "NodesUndrain",
     "OperationDone",
     "PolicyApplied",
@@ -370,6 +383,52 @@ class ErrorReason(betterproto2.Enum):
     (INVALID_ARGUMENT).
     """
 
+    TOKEN_INVALID = 6
+    """
+    The join token is not one the control-plane issued, or its secret is
+    wrong (PERMISSION_DENIED).
+    """
+
+    TOKEN_EXPIRED = 7
+    """
+    The join token expired (PERMISSION_DENIED).
+    """
+
+    TOKEN_REVOKED = 8
+    """
+    The join token was revoked (PERMISSION_DENIED).
+    """
+
+    TOKEN_USED_UP = 9
+    """
+    The join token has been used as many times as it allows
+    (PERMISSION_DENIED).
+    """
+
+    TOO_MANY_ATTEMPTS = 10
+    """
+    Too many failed join attempts from the sender's address; wait for
+    retry_after (RESOURCE_EXHAUSTED).
+    """
+
+    NAME_TAKEN = 11
+    """
+    The name asked for is held by a live node (PERMISSION_DENIED on
+    join.request).
+    """
+
+    CERTIFICATE_REVOKED = 12
+    """
+    The peer's certificate was revoked (PERMISSION_DENIED, at the preface or
+    on node.register): it must join again with a new token.
+    """
+
+    IDENTITY_MISMATCH = 13
+    """
+    A node's node.register names another id than its certificate
+    (PERMISSION_DENIED).
+    """
+
     @classmethod
     def betterproto_value_to_renamed_proto_names(cls) -> dict[int, str]:
         return {
@@ -379,6 +438,14 @@ class ErrorReason(betterproto2.Enum):
             3: "ERROR_REASON_SLOW_CONSUMER",
             4: "ERROR_REASON_TOO_LARGE",
             5: "ERROR_REASON_UNENCODABLE",
+            6: "ERROR_REASON_TOKEN_INVALID",
+            7: "ERROR_REASON_TOKEN_EXPIRED",
+            8: "ERROR_REASON_TOKEN_REVOKED",
+            9: "ERROR_REASON_TOKEN_USED_UP",
+            10: "ERROR_REASON_TOO_MANY_ATTEMPTS",
+            11: "ERROR_REASON_NAME_TAKEN",
+            12: "ERROR_REASON_CERTIFICATE_REVOKED",
+            13: "ERROR_REASON_IDENTITY_MISMATCH",
         }
 
     @classmethod
@@ -390,6 +457,14 @@ class ErrorReason(betterproto2.Enum):
             "ERROR_REASON_SLOW_CONSUMER": 3,
             "ERROR_REASON_TOO_LARGE": 4,
             "ERROR_REASON_UNENCODABLE": 5,
+            "ERROR_REASON_TOKEN_INVALID": 6,
+            "ERROR_REASON_TOKEN_EXPIRED": 7,
+            "ERROR_REASON_TOKEN_REVOKED": 8,
+            "ERROR_REASON_TOKEN_USED_UP": 9,
+            "ERROR_REASON_TOO_MANY_ATTEMPTS": 10,
+            "ERROR_REASON_NAME_TAKEN": 11,
+            "ERROR_REASON_CERTIFICATE_REVOKED": 12,
+            "ERROR_REASON_IDENTITY_MISMATCH": 13,
         }
 
 
@@ -1000,6 +1075,46 @@ default_message_pool.register_message("iop", "CapabilityResponse", CapabilityRes
 
 
 @dataclass(eq=False, repr=False)
+class CertRenew(betterproto2.Message):
+    """
+    cert.renew: a node asks, over its mTLS connection, for a certificate for a
+    new key before its own expires. The request's CN must be the name in the
+    node's present certificate. Answered by cert.renewed; the old certificate
+    stays valid until it expires.
+    """
+
+    csr_pem: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    A PKCS#10 certificate request (PEM) for the new key.
+    """
+
+
+default_message_pool.register_message("iop", "CertRenew", CertRenew)
+
+
+@dataclass(eq=False, repr=False)
+class CertRenewed(betterproto2.Message):
+    """
+    cert.renewed: the answer to cert.renew.
+    """
+
+    certificate_pem: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The new certificate (PEM).
+    """
+
+    not_after: "datetime.datetime | None" = betterproto2.field(
+        2, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
+    )
+    """
+    When it expires.
+    """
+
+
+default_message_pool.register_message("iop", "CertRenewed", CertRenewed)
+
+
+@dataclass(eq=False, repr=False)
 class ChatMessage(betterproto2.Message):
     """
     One message of a chat conversation.
@@ -1353,6 +1468,82 @@ class Envelope(betterproto2.Message):
     batch_cancel: "BatchCancel | None" = betterproto2.field(48, betterproto2.TYPE_MESSAGE, optional=True, group="body")
     """
     batch.cancel: an edge cancels a batch.
+    """
+
+    join_hello: "JoinHello | None" = betterproto2.field(49, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    join.hello: a machine joining, connected without a certificate, asks
+    for the control-plane's CA certificate.
+    """
+
+    join_welcome: "JoinWelcome | None" = betterproto2.field(50, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    join.welcome: the answer to join.hello.
+    """
+
+    join_request: "JoinRequest | None" = betterproto2.field(51, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    join.request: a machine joining sends its join token and certificate
+    request.
+    """
+
+    join_accepted: "JoinAccepted | None" = betterproto2.field(
+        52, betterproto2.TYPE_MESSAGE, optional=True, group="body"
+    )
+    """
+    join.accepted: the answer to join.request: the node's certificate.
+    """
+
+    cert_renew: "CertRenew | None" = betterproto2.field(53, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    cert.renew: a node asks for a new certificate before its own expires.
+    """
+
+    cert_renewed: "CertRenewed | None" = betterproto2.field(54, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    cert.renewed: the answer to cert.renew.
+    """
+
+    join_token_create: "JoinTokenCreate | None" = betterproto2.field(
+        55, betterproto2.TYPE_MESSAGE, optional=True, group="body"
+    )
+    """
+    join_token.create: an admin creates a join token.
+    """
+
+    join_token_created: "JoinTokenCreated | None" = betterproto2.field(
+        56, betterproto2.TYPE_MESSAGE, optional=True, group="body"
+    )
+    """
+    join_token.created: the answer to join_token.create.
+    """
+
+    join_tokens_list: "JoinTokensList | None" = betterproto2.field(
+        57, betterproto2.TYPE_MESSAGE, optional=True, group="body"
+    )
+    """
+    join_tokens.list: an admin lists the join tokens.
+    """
+
+    join_tokens_listed: "JoinTokensListed | None" = betterproto2.field(
+        58, betterproto2.TYPE_MESSAGE, optional=True, group="body"
+    )
+    """
+    join_tokens.listed: the answer to join_tokens.list.
+    """
+
+    join_token_revoke: "JoinTokenRevoke | None" = betterproto2.field(
+        59, betterproto2.TYPE_MESSAGE, optional=True, group="body"
+    )
+    """
+    join_token.revoke: an admin revokes a join token (answered by
+    operation.done).
+    """
+
+    nodes_remove: "NodesRemove | None" = betterproto2.field(60, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    nodes.remove: an admin removes a node and revokes its certificate
+    (answered by operation.done).
     """
 
 
@@ -1766,6 +1957,250 @@ default_message_pool.register_message("iop", "InputAudio", InputAudio)
 
 
 @dataclass(eq=False, repr=False)
+class JoinAccepted(betterproto2.Message):
+    """
+    join.accepted: the node's certificate (CN its name, OU "node"), signed by
+    the CA of join.welcome.
+    """
+
+    node_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The node's id: its certificate's CN.
+    """
+
+    certificate_pem: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    The certificate (PEM).
+    """
+
+    not_after: "datetime.datetime | None" = betterproto2.field(
+        3, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
+    )
+    """
+    When it expires; the node renews it (cert.renew) before then.
+    """
+
+
+default_message_pool.register_message("iop", "JoinAccepted", JoinAccepted)
+
+
+@dataclass(eq=False, repr=False)
+class JoinHello(betterproto2.Message):
+    """
+    join.hello: the first request of a machine joining the cluster, sent over a
+    TLS connection that presented no client certificate and did not verify the
+    control-plane's (the joiner has no CA yet). Answered by join.welcome. The
+    joiner checks the CA against the hash it was given (sha256 of the CA's
+    SubjectPublicKeyInfo, as `iop join-token create` prints it) and, if it
+    matches, dials again verifying the control-plane's certificate with that
+    CA before it sends join.request. A connection without a certificate may
+    send join.hello and join.request only.
+    """
+
+    pass
+
+
+default_message_pool.register_message("iop", "JoinHello", JoinHello)
+
+
+@dataclass(eq=False, repr=False)
+class JoinRequest(betterproto2.Message):
+    """
+    join.request: a joining machine's token and certificate request, sent over
+    a connection that verified the control-plane's certificate. Answered by
+    join.accepted, or an error: PERMISSION_DENIED with reason TOKEN_INVALID,
+    TOKEN_EXPIRED, TOKEN_REVOKED, TOKEN_USED_UP or NAME_TAKEN;
+    RESOURCE_EXHAUSTED with TOO_MANY_ATTEMPTS (too many failures from the
+    address); INVALID_ARGUMENT for a malformed request or name. Every attempt
+    is audited.
+    """
+
+    token: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The join token, "iopjt-<id>.<secret>".
+    """
+
+    csr_pem: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    A PKCS#10 certificate request (PEM) for a key made on the joining
+    machine; its subject's CN is the node's name. Any other subject
+    attribute (an OU other than "node") is refused.
+    """
+
+
+default_message_pool.register_message("iop", "JoinRequest", JoinRequest)
+
+
+@dataclass(eq=False, repr=False)
+class JoinTokenCreate(betterproto2.Message):
+    """
+    join_token.create: an admin creates a token for machines to join with.
+    Answered by join_token.created. The token's secret is shown once; the
+    control-plane keeps only its hash.
+    """
+
+    ttl: "datetime.timedelta | None" = betterproto2.field(
+        1, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Duration, optional=True
+    )
+    """
+    How long the token is valid; unset: one hour.
+    """
+
+    uses: "int" = betterproto2.field(2, betterproto2.TYPE_UINT32)
+    """
+    How many machines may join with it; 0: one.
+    """
+
+    name_prefix: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    Names of the nodes joining with it must start with this; empty: any.
+    """
+
+
+default_message_pool.register_message("iop", "JoinTokenCreate", JoinTokenCreate)
+
+
+@dataclass(eq=False, repr=False)
+class JoinTokenCreated(betterproto2.Message):
+    """
+    join_token.created: the answer to join_token.create.
+    """
+
+    token: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The token, "iopjt-<id>.<secret>": shown this once.
+    """
+
+    info: "JoinTokenInfo | None" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, optional=True)
+    """
+    The token as listed.
+    """
+
+    ca_hash: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    The CA's hash for `iop join --ca`: "sha256:" and the hex SHA-256 of the
+    CA certificate's SubjectPublicKeyInfo.
+    """
+
+
+default_message_pool.register_message("iop", "JoinTokenCreated", JoinTokenCreated)
+
+
+@dataclass(eq=False, repr=False)
+class JoinTokenInfo(betterproto2.Message):
+    """
+    One join token, without its secret.
+    """
+
+    id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The token's public id (the part before the ".").
+    """
+
+    created_at: "datetime.datetime | None" = betterproto2.field(
+        2, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
+    )
+    """
+    When it was created.
+    """
+
+    expires_at: "datetime.datetime | None" = betterproto2.field(
+        3, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
+    )
+    """
+    When it stops being accepted.
+    """
+
+    uses: "int" = betterproto2.field(4, betterproto2.TYPE_UINT32)
+    """
+    How many machines may join with it.
+    """
+
+    used: "int" = betterproto2.field(5, betterproto2.TYPE_UINT32)
+    """
+    How many have.
+    """
+
+    name_prefix: "str" = betterproto2.field(6, betterproto2.TYPE_STRING)
+    """
+    Names joining with it must start with this.
+    """
+
+    created_by: "str" = betterproto2.field(7, betterproto2.TYPE_STRING)
+    """
+    The admin certificate's name that created it.
+    """
+
+    revoked: "bool" = betterproto2.field(8, betterproto2.TYPE_BOOL)
+    """
+    Revoked by an admin.
+    """
+
+
+default_message_pool.register_message("iop", "JoinTokenInfo", JoinTokenInfo)
+
+
+@dataclass(eq=False, repr=False)
+class JoinTokenRevoke(betterproto2.Message):
+    """
+    join_token.revoke: no machine may join with the token any more. Answered
+    by operation.done; an unknown id by an error with ERROR_CODE_NOT_FOUND.
+    """
+
+    id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The token's id.
+    """
+
+
+default_message_pool.register_message("iop", "JoinTokenRevoke", JoinTokenRevoke)
+
+
+@dataclass(eq=False, repr=False)
+class JoinTokensList(betterproto2.Message):
+    """
+    join_tokens.list: every join token, newest first. Answered by
+    join_tokens.listed.
+    """
+
+    pass
+
+
+default_message_pool.register_message("iop", "JoinTokensList", JoinTokensList)
+
+
+@dataclass(eq=False, repr=False)
+class JoinTokensListed(betterproto2.Message):
+    """
+    join_tokens.listed: the answer to join_tokens.list.
+    """
+
+    tokens: "list[JoinTokenInfo]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    The tokens, newest first.
+    """
+
+
+default_message_pool.register_message("iop", "JoinTokensListed", JoinTokensListed)
+
+
+@dataclass(eq=False, repr=False)
+class JoinWelcome(betterproto2.Message):
+    """
+    join.welcome: the answer to join.hello.
+    """
+
+    ca_pem: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The CA certificate (PEM) that signs the control-plane's certificate and
+    every node's.
+    """
+
+
+default_message_pool.register_message("iop", "JoinWelcome", JoinWelcome)
+
+
+@dataclass(eq=False, repr=False)
 class LedgerAttempt(betterproto2.Message):
     """
     One attempt of a run on a node.
@@ -2068,6 +2503,26 @@ class NodeInfo(betterproto2.Message):
     When the node first registered with this control-plane.
     """
 
+    certificate_serial: "str" = betterproto2.field(11, betterproto2.TYPE_STRING)
+    """
+    The serial number (hex) of the certificate its connection presented;
+    empty without TLS.
+    """
+
+    certificate_not_after: "datetime.datetime | None" = betterproto2.field(
+        12, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
+    )
+    """
+    When that certificate expires; unset without TLS.
+    """
+
+    shared_certificate: "bool" = betterproto2.field(13, betterproto2.TYPE_BOOL)
+    """
+    True when the node registered with the shared development certificate
+    (CN "node", from `iop certs init`), which may register any id: for one
+    machine only.
+    """
+
 
 default_message_pool.register_message("iop", "NodeInfo", NodeInfo)
 
@@ -2183,6 +2638,29 @@ class NodesListed(betterproto2.Message):
 
 
 default_message_pool.register_message("iop", "NodesListed", NodesListed)
+
+
+@dataclass(eq=False, repr=False)
+class NodesRemove(betterproto2.Message):
+    """
+    nodes.remove: revoke every certificate issued to the node, close its
+    connection at once and forget it; it may come back only by joining again
+    with a new token. Answered by operation.done; an unknown node by an error
+    with ERROR_CODE_NOT_FOUND.
+    """
+
+    node_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The node to remove.
+    """
+
+    reason: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    Why; recorded with the revocation.
+    """
+
+
+default_message_pool.register_message("iop", "NodesRemove", NodesRemove)
 
 
 @dataclass(eq=False, repr=False)

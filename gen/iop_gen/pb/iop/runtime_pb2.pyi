@@ -153,6 +153,34 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     surrogate in a string, nesting deeper than the codec allows)
     (INVALID_ARGUMENT).
     """
+    ERROR_REASON_TOKEN_INVALID: _ErrorReason.ValueType  # 6
+    """The join token is not one the control-plane issued, or its secret is
+    wrong (PERMISSION_DENIED).
+    """
+    ERROR_REASON_TOKEN_EXPIRED: _ErrorReason.ValueType  # 7
+    """The join token expired (PERMISSION_DENIED)."""
+    ERROR_REASON_TOKEN_REVOKED: _ErrorReason.ValueType  # 8
+    """The join token was revoked (PERMISSION_DENIED)."""
+    ERROR_REASON_TOKEN_USED_UP: _ErrorReason.ValueType  # 9
+    """The join token has been used as many times as it allows
+    (PERMISSION_DENIED).
+    """
+    ERROR_REASON_TOO_MANY_ATTEMPTS: _ErrorReason.ValueType  # 10
+    """Too many failed join attempts from the sender's address; wait for
+    retry_after (RESOURCE_EXHAUSTED).
+    """
+    ERROR_REASON_NAME_TAKEN: _ErrorReason.ValueType  # 11
+    """The name asked for is held by a live node (PERMISSION_DENIED on
+    join.request).
+    """
+    ERROR_REASON_CERTIFICATE_REVOKED: _ErrorReason.ValueType  # 12
+    """The peer's certificate was revoked (PERMISSION_DENIED, at the preface or
+    on node.register): it must join again with a new token.
+    """
+    ERROR_REASON_IDENTITY_MISMATCH: _ErrorReason.ValueType  # 13
+    """A node's node.register names another id than its certificate
+    (PERMISSION_DENIED).
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """The cases within an error code that callers tell apart. Decide by code and
@@ -179,6 +207,34 @@ ERROR_REASON_UNENCODABLE: ErrorReason.ValueType  # 5
 """The request cannot be carried as a run: it does not encode (a lone
 surrogate in a string, nesting deeper than the codec allows)
 (INVALID_ARGUMENT).
+"""
+ERROR_REASON_TOKEN_INVALID: ErrorReason.ValueType  # 6
+"""The join token is not one the control-plane issued, or its secret is
+wrong (PERMISSION_DENIED).
+"""
+ERROR_REASON_TOKEN_EXPIRED: ErrorReason.ValueType  # 7
+"""The join token expired (PERMISSION_DENIED)."""
+ERROR_REASON_TOKEN_REVOKED: ErrorReason.ValueType  # 8
+"""The join token was revoked (PERMISSION_DENIED)."""
+ERROR_REASON_TOKEN_USED_UP: ErrorReason.ValueType  # 9
+"""The join token has been used as many times as it allows
+(PERMISSION_DENIED).
+"""
+ERROR_REASON_TOO_MANY_ATTEMPTS: ErrorReason.ValueType  # 10
+"""Too many failed join attempts from the sender's address; wait for
+retry_after (RESOURCE_EXHAUSTED).
+"""
+ERROR_REASON_NAME_TAKEN: ErrorReason.ValueType  # 11
+"""The name asked for is held by a live node (PERMISSION_DENIED on
+join.request).
+"""
+ERROR_REASON_CERTIFICATE_REVOKED: ErrorReason.ValueType  # 12
+"""The peer's certificate was revoked (PERMISSION_DENIED, at the preface or
+on node.register): it must join again with a new token.
+"""
+ERROR_REASON_IDENTITY_MISMATCH: ErrorReason.ValueType  # 13
+"""A node's node.register names another id than its certificate
+(PERMISSION_DENIED).
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
 
@@ -428,6 +484,18 @@ class Envelope(_message.Message):
     BATCHES_LIST_FIELD_NUMBER: _builtins.int
     BATCHES_LISTED_FIELD_NUMBER: _builtins.int
     BATCH_CANCEL_FIELD_NUMBER: _builtins.int
+    JOIN_HELLO_FIELD_NUMBER: _builtins.int
+    JOIN_WELCOME_FIELD_NUMBER: _builtins.int
+    JOIN_REQUEST_FIELD_NUMBER: _builtins.int
+    JOIN_ACCEPTED_FIELD_NUMBER: _builtins.int
+    CERT_RENEW_FIELD_NUMBER: _builtins.int
+    CERT_RENEWED_FIELD_NUMBER: _builtins.int
+    JOIN_TOKEN_CREATE_FIELD_NUMBER: _builtins.int
+    JOIN_TOKEN_CREATED_FIELD_NUMBER: _builtins.int
+    JOIN_TOKENS_LIST_FIELD_NUMBER: _builtins.int
+    JOIN_TOKENS_LISTED_FIELD_NUMBER: _builtins.int
+    JOIN_TOKEN_REVOKE_FIELD_NUMBER: _builtins.int
+    NODES_REMOVE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Unique id of this envelope, chosen by its sender (a UUID or a counter
     unique within the connection).
@@ -618,6 +686,62 @@ class Envelope(_message.Message):
     def batch_cancel(self) -> Global___BatchCancel:
         """batch.cancel: an edge cancels a batch."""
 
+    @_builtins.property
+    def join_hello(self) -> Global___JoinHello:
+        """join.hello: a machine joining, connected without a certificate, asks
+        for the control-plane's CA certificate.
+        """
+
+    @_builtins.property
+    def join_welcome(self) -> Global___JoinWelcome:
+        """join.welcome: the answer to join.hello."""
+
+    @_builtins.property
+    def join_request(self) -> Global___JoinRequest:
+        """join.request: a machine joining sends its join token and certificate
+        request.
+        """
+
+    @_builtins.property
+    def join_accepted(self) -> Global___JoinAccepted:
+        """join.accepted: the answer to join.request: the node's certificate."""
+
+    @_builtins.property
+    def cert_renew(self) -> Global___CertRenew:
+        """cert.renew: a node asks for a new certificate before its own expires."""
+
+    @_builtins.property
+    def cert_renewed(self) -> Global___CertRenewed:
+        """cert.renewed: the answer to cert.renew."""
+
+    @_builtins.property
+    def join_token_create(self) -> Global___JoinTokenCreate:
+        """join_token.create: an admin creates a join token."""
+
+    @_builtins.property
+    def join_token_created(self) -> Global___JoinTokenCreated:
+        """join_token.created: the answer to join_token.create."""
+
+    @_builtins.property
+    def join_tokens_list(self) -> Global___JoinTokensList:
+        """join_tokens.list: an admin lists the join tokens."""
+
+    @_builtins.property
+    def join_tokens_listed(self) -> Global___JoinTokensListed:
+        """join_tokens.listed: the answer to join_tokens.list."""
+
+    @_builtins.property
+    def join_token_revoke(self) -> Global___JoinTokenRevoke:
+        """join_token.revoke: an admin revokes a join token (answered by
+        operation.done).
+        """
+
+    @_builtins.property
+    def nodes_remove(self) -> Global___NodesRemove:
+        """nodes.remove: an admin removes a node and revokes its certificate
+        (answered by operation.done).
+        """
+
     def __init__(
         self,
         *,
@@ -665,12 +789,24 @@ class Envelope(_message.Message):
         batches_list: Global___BatchesList | None = ...,
         batches_listed: Global___BatchesListed | None = ...,
         batch_cancel: Global___BatchCancel | None = ...,
+        join_hello: Global___JoinHello | None = ...,
+        join_welcome: Global___JoinWelcome | None = ...,
+        join_request: Global___JoinRequest | None = ...,
+        join_accepted: Global___JoinAccepted | None = ...,
+        cert_renew: Global___CertRenew | None = ...,
+        cert_renewed: Global___CertRenewed | None = ...,
+        join_token_create: Global___JoinTokenCreate | None = ...,
+        join_token_created: Global___JoinTokenCreated | None = ...,
+        join_tokens_list: Global___JoinTokensList | None = ...,
+        join_tokens_listed: Global___JoinTokensListed | None = ...,
+        join_token_revoke: Global___JoinTokenRevoke | None = ...,
+        nodes_remove: Global___NodesRemove | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["batch_cancel", b"batch_cancel", "batch_create", b"batch_create", "batch_get", b"batch_get", "batch_info", b"batch_info", "batches_list", b"batches_list", "batches_listed", b"batches_listed", "body", b"body", "cancel_request", b"cancel_request", "capability_request", b"capability_request", "capability_response", b"capability_response", "error", b"error", "file_chunk", b"file_chunk", "file_create", b"file_create", "file_data", b"file_data", "file_delete", b"file_delete", "file_deleted", b"file_deleted", "file_get", b"file_get", "file_info", b"file_info", "file_read", b"file_read", "file_upload_progress", b"file_upload_progress", "files_list", b"files_list", "files_listed", b"files_listed", "heartbeat", b"heartbeat", "node_drain", b"node_drain", "node_register", b"node_register", "node_registered", b"node_registered", "node_status", b"node_status", "nodes_drain", b"nodes_drain", "nodes_list", b"nodes_list", "nodes_listed", b"nodes_listed", "nodes_undrain", b"nodes_undrain", "operation_done", b"operation_done", "policy_applied", b"policy_applied", "policy_apply", b"policy_apply", "policy_show", b"policy_show", "policy_shown", b"policy_shown", "run_event", b"run_event", "run_request", b"run_request", "runs_list", b"runs_list", "runs_listed", b"runs_listed", "sent_at", b"sent_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch_cancel", b"batch_cancel", "batch_create", b"batch_create", "batch_get", b"batch_get", "batch_info", b"batch_info", "batches_list", b"batches_list", "batches_listed", b"batches_listed", "body", b"body", "cancel_request", b"cancel_request", "capability_request", b"capability_request", "capability_response", b"capability_response", "cert_renew", b"cert_renew", "cert_renewed", b"cert_renewed", "error", b"error", "file_chunk", b"file_chunk", "file_create", b"file_create", "file_data", b"file_data", "file_delete", b"file_delete", "file_deleted", b"file_deleted", "file_get", b"file_get", "file_info", b"file_info", "file_read", b"file_read", "file_upload_progress", b"file_upload_progress", "files_list", b"files_list", "files_listed", b"files_listed", "heartbeat", b"heartbeat", "join_accepted", b"join_accepted", "join_hello", b"join_hello", "join_request", b"join_request", "join_token_create", b"join_token_create", "join_token_created", b"join_token_created", "join_token_revoke", b"join_token_revoke", "join_tokens_list", b"join_tokens_list", "join_tokens_listed", b"join_tokens_listed", "join_welcome", b"join_welcome", "node_drain", b"node_drain", "node_register", b"node_register", "node_registered", b"node_registered", "node_status", b"node_status", "nodes_drain", b"nodes_drain", "nodes_list", b"nodes_list", "nodes_listed", b"nodes_listed", "nodes_remove", b"nodes_remove", "nodes_undrain", b"nodes_undrain", "operation_done", b"operation_done", "policy_applied", b"policy_applied", "policy_apply", b"policy_apply", "policy_show", b"policy_show", "policy_shown", b"policy_shown", "run_event", b"run_event", "run_request", b"run_request", "runs_list", b"runs_list", "runs_listed", b"runs_listed", "sent_at", b"sent_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_cancel", b"batch_cancel", "batch_create", b"batch_create", "batch_get", b"batch_get", "batch_info", b"batch_info", "batches_list", b"batches_list", "batches_listed", b"batches_listed", "body", b"body", "caller", b"caller", "cancel_request", b"cancel_request", "capability_request", b"capability_request", "capability_response", b"capability_response", "error", b"error", "file_chunk", b"file_chunk", "file_create", b"file_create", "file_data", b"file_data", "file_delete", b"file_delete", "file_deleted", b"file_deleted", "file_get", b"file_get", "file_info", b"file_info", "file_read", b"file_read", "file_upload_progress", b"file_upload_progress", "files_list", b"files_list", "files_listed", b"files_listed", "heartbeat", b"heartbeat", "id", b"id", "in_reply_to", b"in_reply_to", "node_drain", b"node_drain", "node_register", b"node_register", "node_registered", b"node_registered", "node_status", b"node_status", "nodes_drain", b"nodes_drain", "nodes_list", b"nodes_list", "nodes_listed", b"nodes_listed", "nodes_undrain", b"nodes_undrain", "operation_done", b"operation_done", "policy_applied", b"policy_applied", "policy_apply", b"policy_apply", "policy_show", b"policy_show", "policy_shown", b"policy_shown", "run_event", b"run_event", "run_id", b"run_id", "run_request", b"run_request", "runs_list", b"runs_list", "runs_listed", b"runs_listed", "sent_at", b"sent_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_cancel", b"batch_cancel", "batch_create", b"batch_create", "batch_get", b"batch_get", "batch_info", b"batch_info", "batches_list", b"batches_list", "batches_listed", b"batches_listed", "body", b"body", "caller", b"caller", "cancel_request", b"cancel_request", "capability_request", b"capability_request", "capability_response", b"capability_response", "cert_renew", b"cert_renew", "cert_renewed", b"cert_renewed", "error", b"error", "file_chunk", b"file_chunk", "file_create", b"file_create", "file_data", b"file_data", "file_delete", b"file_delete", "file_deleted", b"file_deleted", "file_get", b"file_get", "file_info", b"file_info", "file_read", b"file_read", "file_upload_progress", b"file_upload_progress", "files_list", b"files_list", "files_listed", b"files_listed", "heartbeat", b"heartbeat", "id", b"id", "in_reply_to", b"in_reply_to", "join_accepted", b"join_accepted", "join_hello", b"join_hello", "join_request", b"join_request", "join_token_create", b"join_token_create", "join_token_created", b"join_token_created", "join_token_revoke", b"join_token_revoke", "join_tokens_list", b"join_tokens_list", "join_tokens_listed", b"join_tokens_listed", "join_welcome", b"join_welcome", "node_drain", b"node_drain", "node_register", b"node_register", "node_registered", b"node_registered", "node_status", b"node_status", "nodes_drain", b"nodes_drain", "nodes_list", b"nodes_list", "nodes_listed", b"nodes_listed", "nodes_remove", b"nodes_remove", "nodes_undrain", b"nodes_undrain", "operation_done", b"operation_done", "policy_applied", b"policy_applied", "policy_apply", b"policy_apply", "policy_show", b"policy_show", "policy_shown", b"policy_shown", "run_event", b"run_event", "run_id", b"run_id", "run_request", b"run_request", "runs_list", b"runs_list", "runs_listed", b"runs_listed", "sent_at", b"sent_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["run_request", "run_event", "heartbeat", "cancel_request", "capability_request", "capability_response", "error", "node_register", "node_registered", "node_status", "node_drain", "nodes_list", "nodes_listed", "nodes_drain", "nodes_undrain", "operation_done", "policy_apply", "policy_applied", "policy_show", "policy_shown", "runs_list", "runs_listed", "file_create", "file_chunk", "file_upload_progress", "file_info", "file_get", "files_list", "files_listed", "file_read", "file_data", "file_delete", "file_deleted", "batch_create", "batch_info", "batch_get", "batches_list", "batches_listed", "batch_cancel"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["run_request", "run_event", "heartbeat", "cancel_request", "capability_request", "capability_response", "error", "node_register", "node_registered", "node_status", "node_drain", "nodes_list", "nodes_listed", "nodes_drain", "nodes_undrain", "operation_done", "policy_apply", "policy_applied", "policy_show", "policy_shown", "runs_list", "runs_listed", "file_create", "file_chunk", "file_upload_progress", "file_info", "file_get", "files_list", "files_listed", "file_read", "file_data", "file_delete", "file_deleted", "batch_create", "batch_info", "batch_get", "batches_list", "batches_listed", "batch_cancel", "join_hello", "join_welcome", "join_request", "join_accepted", "cert_renew", "cert_renewed", "join_token_create", "join_token_created", "join_tokens_list", "join_tokens_listed", "join_token_revoke", "nodes_remove"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -1966,6 +2102,9 @@ class NodeInfo(_message.Message):
     LAST_HEARTBEAT_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
     FIRST_SEEN_FIELD_NUMBER: _builtins.int
+    CERTIFICATE_SERIAL_FIELD_NUMBER: _builtins.int
+    CERTIFICATE_NOT_AFTER_FIELD_NUMBER: _builtins.int
+    SHARED_CERTIFICATE_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The node's id, as registered."""
     state: Global___NodeState.ValueType
@@ -1982,6 +2121,15 @@ class NodeInfo(_message.Message):
     """Runs the node executes at once, all models."""
     address: _builtins.str
     """The address (host:port) its registration connection comes from."""
+    certificate_serial: _builtins.str
+    """The serial number (hex) of the certificate its connection presented;
+    empty without TLS.
+    """
+    shared_certificate: _builtins.bool
+    """True when the node registered with the shared development certificate
+    (CN "node", from `iop certs init`), which may register any id: for one
+    machine only.
+    """
     @_builtins.property
     def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelLoad]:
         """Load per model, from the node's last node.status."""
@@ -1998,6 +2146,10 @@ class NodeInfo(_message.Message):
     def first_seen(self) -> _timestamp_pb2.Timestamp:
         """When the node first registered with this control-plane."""
 
+    @_builtins.property
+    def certificate_not_after(self) -> _timestamp_pb2.Timestamp:
+        """When that certificate expires; unset without TLS."""
+
     def __init__(
         self,
         *,
@@ -2011,10 +2163,13 @@ class NodeInfo(_message.Message):
         last_heartbeat: _timestamp_pb2.Timestamp | None = ...,
         address: _builtins.str = ...,
         first_seen: _timestamp_pb2.Timestamp | None = ...,
+        certificate_serial: _builtins.str = ...,
+        certificate_not_after: _timestamp_pb2.Timestamp | None = ...,
+        shared_certificate: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["first_seen", b"first_seen", "last_heartbeat", b"last_heartbeat"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["certificate_not_after", b"certificate_not_after", "first_seen", b"first_seen", "last_heartbeat", b"last_heartbeat"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capacity", b"capacity", "first_seen", b"first_seen", "in_flight", b"in_flight", "labels", b"labels", "last_heartbeat", b"last_heartbeat", "models", b"models", "node_id", b"node_id", "reason", b"reason", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capacity", b"capacity", "certificate_not_after", b"certificate_not_after", "certificate_serial", b"certificate_serial", "first_seen", b"first_seen", "in_flight", b"in_flight", "labels", b"labels", "last_heartbeat", b"last_heartbeat", "models", b"models", "node_id", b"node_id", "reason", b"reason", "shared_certificate", b"shared_certificate", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3145,3 +3300,396 @@ class BatchCancel(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___BatchCancel: _TypeAlias = BatchCancel  # noqa: Y015
+
+@_typing.final
+class JoinHello(_message.Message):
+    """join.hello: the first request of a machine joining the cluster, sent over a
+    TLS connection that presented no client certificate and did not verify the
+    control-plane's (the joiner has no CA yet). Answered by join.welcome. The
+    joiner checks the CA against the hash it was given (sha256 of the CA's
+    SubjectPublicKeyInfo, as `iop join-token create` prints it) and, if it
+    matches, dials again verifying the control-plane's certificate with that
+    CA before it sends join.request. A connection without a certificate may
+    send join.hello and join.request only.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinHello: _TypeAlias = JoinHello  # noqa: Y015
+
+@_typing.final
+class JoinWelcome(_message.Message):
+    """join.welcome: the answer to join.hello."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CA_PEM_FIELD_NUMBER: _builtins.int
+    ca_pem: _builtins.str
+    """The CA certificate (PEM) that signs the control-plane's certificate and
+    every node's.
+    """
+    def __init__(
+        self,
+        *,
+        ca_pem: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ca_pem", b"ca_pem"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinWelcome: _TypeAlias = JoinWelcome  # noqa: Y015
+
+@_typing.final
+class JoinRequest(_message.Message):
+    """join.request: a joining machine's token and certificate request, sent over
+    a connection that verified the control-plane's certificate. Answered by
+    join.accepted, or an error: PERMISSION_DENIED with reason TOKEN_INVALID,
+    TOKEN_EXPIRED, TOKEN_REVOKED, TOKEN_USED_UP or NAME_TAKEN;
+    RESOURCE_EXHAUSTED with TOO_MANY_ATTEMPTS (too many failures from the
+    address); INVALID_ARGUMENT for a malformed request or name. Every attempt
+    is audited.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    CSR_PEM_FIELD_NUMBER: _builtins.int
+    token: _builtins.str
+    """The join token, "iopjt-<id>.<secret>"."""
+    csr_pem: _builtins.str
+    """A PKCS#10 certificate request (PEM) for a key made on the joining
+    machine; its subject's CN is the node's name. Any other subject
+    attribute (an OU other than "node") is refused.
+    """
+    def __init__(
+        self,
+        *,
+        token: _builtins.str = ...,
+        csr_pem: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["csr_pem", b"csr_pem", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinRequest: _TypeAlias = JoinRequest  # noqa: Y015
+
+@_typing.final
+class JoinAccepted(_message.Message):
+    """join.accepted: the node's certificate (CN its name, OU "node"), signed by
+    the CA of join.welcome.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    CERTIFICATE_PEM_FIELD_NUMBER: _builtins.int
+    NOT_AFTER_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """The node's id: its certificate's CN."""
+    certificate_pem: _builtins.str
+    """The certificate (PEM)."""
+    @_builtins.property
+    def not_after(self) -> _timestamp_pb2.Timestamp:
+        """When it expires; the node renews it (cert.renew) before then."""
+
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        certificate_pem: _builtins.str = ...,
+        not_after: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["not_after", b"not_after"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["certificate_pem", b"certificate_pem", "node_id", b"node_id", "not_after", b"not_after"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinAccepted: _TypeAlias = JoinAccepted  # noqa: Y015
+
+@_typing.final
+class CertRenew(_message.Message):
+    """cert.renew: a node asks, over its mTLS connection, for a certificate for a
+    new key before its own expires. The request's CN must be the name in the
+    node's present certificate. Answered by cert.renewed; the old certificate
+    stays valid until it expires.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CSR_PEM_FIELD_NUMBER: _builtins.int
+    csr_pem: _builtins.str
+    """A PKCS#10 certificate request (PEM) for the new key."""
+    def __init__(
+        self,
+        *,
+        csr_pem: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["csr_pem", b"csr_pem"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CertRenew: _TypeAlias = CertRenew  # noqa: Y015
+
+@_typing.final
+class CertRenewed(_message.Message):
+    """cert.renewed: the answer to cert.renew."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CERTIFICATE_PEM_FIELD_NUMBER: _builtins.int
+    NOT_AFTER_FIELD_NUMBER: _builtins.int
+    certificate_pem: _builtins.str
+    """The new certificate (PEM)."""
+    @_builtins.property
+    def not_after(self) -> _timestamp_pb2.Timestamp:
+        """When it expires."""
+
+    def __init__(
+        self,
+        *,
+        certificate_pem: _builtins.str = ...,
+        not_after: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["not_after", b"not_after"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["certificate_pem", b"certificate_pem", "not_after", b"not_after"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CertRenewed: _TypeAlias = CertRenewed  # noqa: Y015
+
+@_typing.final
+class JoinTokenCreate(_message.Message):
+    """join_token.create: an admin creates a token for machines to join with.
+    Answered by join_token.created. The token's secret is shown once; the
+    control-plane keeps only its hash.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TTL_FIELD_NUMBER: _builtins.int
+    USES_FIELD_NUMBER: _builtins.int
+    NAME_PREFIX_FIELD_NUMBER: _builtins.int
+    uses: _builtins.int
+    """How many machines may join with it; 0: one."""
+    name_prefix: _builtins.str
+    """Names of the nodes joining with it must start with this; empty: any."""
+    @_builtins.property
+    def ttl(self) -> _duration_pb2.Duration:
+        """How long the token is valid; unset: one hour."""
+
+    def __init__(
+        self,
+        *,
+        ttl: _duration_pb2.Duration | None = ...,
+        uses: _builtins.int = ...,
+        name_prefix: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ttl", b"ttl"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name_prefix", b"name_prefix", "ttl", b"ttl", "uses", b"uses"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinTokenCreate: _TypeAlias = JoinTokenCreate  # noqa: Y015
+
+@_typing.final
+class JoinTokenCreated(_message.Message):
+    """join_token.created: the answer to join_token.create."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    INFO_FIELD_NUMBER: _builtins.int
+    CA_HASH_FIELD_NUMBER: _builtins.int
+    token: _builtins.str
+    """The token, "iopjt-<id>.<secret>": shown this once."""
+    ca_hash: _builtins.str
+    """The CA's hash for `iop join --ca`: "sha256:" and the hex SHA-256 of the
+    CA certificate's SubjectPublicKeyInfo.
+    """
+    @_builtins.property
+    def info(self) -> Global___JoinTokenInfo:
+        """The token as listed."""
+
+    def __init__(
+        self,
+        *,
+        token: _builtins.str = ...,
+        info: Global___JoinTokenInfo | None = ...,
+        ca_hash: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["info", b"info"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ca_hash", b"ca_hash", "info", b"info", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinTokenCreated: _TypeAlias = JoinTokenCreated  # noqa: Y015
+
+@_typing.final
+class JoinTokenInfo(_message.Message):
+    """One join token, without its secret."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    USES_FIELD_NUMBER: _builtins.int
+    USED_FIELD_NUMBER: _builtins.int
+    NAME_PREFIX_FIELD_NUMBER: _builtins.int
+    CREATED_BY_FIELD_NUMBER: _builtins.int
+    REVOKED_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """The token's public id (the part before the ".")."""
+    uses: _builtins.int
+    """How many machines may join with it."""
+    used: _builtins.int
+    """How many have."""
+    name_prefix: _builtins.str
+    """Names joining with it must start with this."""
+    created_by: _builtins.str
+    """The admin certificate's name that created it."""
+    revoked: _builtins.bool
+    """Revoked by an admin."""
+    @_builtins.property
+    def created_at(self) -> _timestamp_pb2.Timestamp:
+        """When it was created."""
+
+    @_builtins.property
+    def expires_at(self) -> _timestamp_pb2.Timestamp:
+        """When it stops being accepted."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        created_at: _timestamp_pb2.Timestamp | None = ...,
+        expires_at: _timestamp_pb2.Timestamp | None = ...,
+        uses: _builtins.int = ...,
+        used: _builtins.int = ...,
+        name_prefix: _builtins.str = ...,
+        created_by: _builtins.str = ...,
+        revoked: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "expires_at", b"expires_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "created_by", b"created_by", "expires_at", b"expires_at", "id", b"id", "name_prefix", b"name_prefix", "revoked", b"revoked", "used", b"used", "uses", b"uses"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinTokenInfo: _TypeAlias = JoinTokenInfo  # noqa: Y015
+
+@_typing.final
+class JoinTokensList(_message.Message):
+    """join_tokens.list: every join token, newest first. Answered by
+    join_tokens.listed.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinTokensList: _TypeAlias = JoinTokensList  # noqa: Y015
+
+@_typing.final
+class JoinTokensListed(_message.Message):
+    """join_tokens.listed: the answer to join_tokens.list."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKENS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tokens(self) -> _containers.RepeatedCompositeFieldContainer[Global___JoinTokenInfo]:
+        """The tokens, newest first."""
+
+    def __init__(
+        self,
+        *,
+        tokens: _abc.Iterable[Global___JoinTokenInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinTokensListed: _TypeAlias = JoinTokensListed  # noqa: Y015
+
+@_typing.final
+class JoinTokenRevoke(_message.Message):
+    """join_token.revoke: no machine may join with the token any more. Answered
+    by operation.done; an unknown id by an error with ERROR_CODE_NOT_FOUND.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """The token's id."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinTokenRevoke: _TypeAlias = JoinTokenRevoke  # noqa: Y015
+
+@_typing.final
+class NodesRemove(_message.Message):
+    """nodes.remove: revoke every certificate issued to the node, close its
+    connection at once and forget it; it may come back only by joining again
+    with a new token. Answered by operation.done; an unknown node by an error
+    with ERROR_CODE_NOT_FOUND.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """The node to remove."""
+    reason: _builtins.str
+    """Why; recorded with the revocation."""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodesRemove: _TypeAlias = NodesRemove  # noqa: Y015
