@@ -65,6 +65,10 @@ class PeerIdentity:
     """The certificate's common name."""
     role: Role | None
     """The certificate's role (OU); None for plaintext or a certificate without one."""
+    serial: str = ""
+    """The certificate's serial number, lower-case hex ("" without a certificate)."""
+    not_after: float | None = None
+    """When the certificate expires (epoch seconds; None without a certificate)."""
 
 
 ANONYMOUS = PeerIdentity(name="", role=None)
@@ -114,4 +118,7 @@ def peer_identity(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> PeerIdent
     subject = {key: value for rdn in rdns for key, value in rdn}
     role_name = subject.get("organizationalUnitName", "")
     role = Role(role_name) if role_name in Role._value2member_map_ else None
-    return PeerIdentity(name=subject.get("commonName", ""), role=role)
+    serial = str(cert.get("serialNumber", "")).lower().lstrip("0")
+    expires = cert.get("notAfter")
+    not_after = ssl.cert_time_to_seconds(expires) if isinstance(expires, str) else None
+    return PeerIdentity(name=subject.get("commonName", ""), role=role, serial=serial, not_after=not_after)
