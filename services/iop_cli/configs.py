@@ -1,10 +1,13 @@
 """The files ``iop up`` writes in its state folder, and the errors and look-ups it shares.
 
-On first start: development certificates, ``control-plane.yaml``, ``node.yaml`` (mock models, or
-one route per model of a ``--backend``), ``worker.yaml`` and ``edge.yaml`` with their ports (the
-customary one, else a free one), and the API key ``local``. Later starts keep the files and only
-set values in place (``set_value``; an ``edge.yaml`` of an older ``up`` gets its ``worker``
-section appended, ``add_section``), the rest of each file as the user left it. Also here: the
+On first start: development certificates, ``control-plane.yaml`` (its ``join.ca_key`` the CA's
+key, so that it can sign joining machines' certificates), ``node.yaml`` (mock models, or one
+route per model of a ``--backend``), ``worker.yaml`` and ``edge.yaml`` with their ports (the
+customary one, else a free one) and hosts (127.0.0.1 and the ``--listen`` addresses), and the API
+key ``local``. Later starts keep the files and only set values in place (``set_value``: the
+hosts when ``--listen`` is given; an ``edge.yaml`` of an older ``up`` gets its ``worker`` section
+appended, a ``control-plane.yaml`` its ``join`` section, ``add_section``), the rest of each file
+as the user left it. Also here: the
 small HTTP helpers the other ``up`` modules use.
 """
 
@@ -15,12 +18,13 @@ import json
 import socket
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from iop_cli.addresses import ensure_sans, listen_hosts
 from iop_cli.output import CliError
 from iop_wire.certs import init_dir, tls_section
 
@@ -40,23 +44,30 @@ DEFAULT_CONCURRENCY = 64
 # --- first start: certificates, configs, the API key --------------------------------------------------
 
 
-def prepare(state: Path, port: int | None, backend: str | None) -> None:
-    """Write what is missing under ``state`` (certificates, configs, API key); CliError if it cannot start."""
+def prepare(state: Path, port: int | None, backend: str | None, listen: Sequence[str] = ()) -> None:
+    """Write what is missing under ``state`` (certificates, configs, API key); CliError if it cannot start.
+
+    ``listen``: the addresses of ``--listen``, set as the listen hosts (beside 127.0.0.1) and
+    named in every certificate."""
     if port:
         _check_free(port)
     state.mkdir(parents=True, exist_ok=True)
     certs = state / "certs"
     if not (certs / "ca.crt").exists():
-        init_dir(certs)
+        init_dir(certs, extra_sans=listen)
         print(f"minted a development CA and per-role certificates in {certs}")
-    routes = _backend_routes(backend) if backend else None
-    control_plane = _prepare_control_plane(state)
+    else:
+        ensure_sans(certs, listen)
+    routes = backend_routes(backend) if backend else None
+    control_plane = _prepare_control_plane(state, listen)
     node = state / "node.yaml"
     if routes is not None or not node.exists():
-        node.write_text(yaml.safe_dump(_node_config(state, control_plane, routes), sort_keys=False))
+        address = f"127.0.0.1:{control_plane}"
+        written = node_config(state, node_id="local-node", address=address, tls=_tls(state, "node"), routes=routes)
+        node.write_text(yaml.safe_dump(written, sort_keys=False))
         print(f"wrote {node} ({'models of ' + str(backend) if routes else 'mock models'}; edit it to add routes)")
-    worker = _prepare_worker(state, control_plane)
-    _prepare_edge(state, control_plane, port, worker)
+    worker = _prepare_worker(state, control_plane, listen)
+    _prepare_edge(state, control_plane, port, worker, listen)
     for config in (node, state / "worker.yaml", state / "edge.yaml"):  # up points them at the control-plane it started
         if _yaml_node(config, ("control_plane", "address")) is None:
             raise CliError(
@@ -67,42 +78,55 @@ def prepare(state: Path, port: int | None, backend: str | None) -> None:
     _ensure_key(state)
 
 
-def _prepare_control_plane(state: Path) -> int:
+def _prepare_control_plane(state: Path, listen: Sequence[str]) -> int:
+    config = state / "control-plane.yaml"
+    port = _prepare_listener(
+        config, CONTROL_PLANE_PORT, "the control-plane", lambda port: _control_plane_config(state, port, listen), listen
+    )
+    if not _has_section(config, "join"):  # an older up's file; a join section of the user's is kept
+        add_section(config, "join", _join_section(state))
+    return port
+
+
+def _prepare_worker(state: Path, control_plane: int, listen: Sequence[str]) -> int:
     return _prepare_listener(
-        state / "control-plane.yaml",
-        CONTROL_PLANE_PORT,
-        "the control-plane",
-        lambda port: _control_plane_config(state, port),
+        state / "worker.yaml",
+        WORKER_PORT,
+        "the worker",
+        lambda port: _worker_config(state, control_plane, port, listen),
+        listen,
     )
 
 
-def _prepare_worker(state: Path, control_plane: int) -> int:
-    return _prepare_listener(
-        state / "worker.yaml", WORKER_PORT, "the worker", lambda port: _worker_config(state, control_plane, port)
-    )
-
-
-def _prepare_listener(config: Path, default: int, who: str, write: Callable[[int], dict[str, object]]) -> int:
+def _prepare_listener(
+    config: Path, default: int, who: str, write: Callable[[int], dict[str, object]], listen: Sequence[str]
+) -> int:
     """The port of a service listening at ``listen.port``: its config written if missing (``default``,
-    or a free port when that is taken), else read from it; CliError when the configured port is taken."""
+    or a free port when that is taken), else read from it (``listen.host`` set to ``listen`` when
+    given); CliError when the configured port is taken."""
     if not config.exists():
         port = _default_or_free(default, who)
         config.write_text(yaml.safe_dump(write(port), sort_keys=False))
         print(f"wrote {config}")
         return port
+    if listen:
+        set_value(config, ("listen", "host"), listen_hosts(listen))
     port = _port_of(config, ("listen", "port"), default)
     if port and not _free(port):
         raise CliError(f"127.0.0.1:{port} (listen.port of {config}) is in use", 2)
     return port
 
 
-def _prepare_edge(state: Path, control_plane: int, port: int | None, worker: int) -> None:
+def _prepare_edge(state: Path, control_plane: int, port: int | None, worker: int, listen: Sequence[str]) -> None:
     config = state / "edge.yaml"
     if not config.exists():
         chosen = _default_or_free(EDGE_PORT, "the edge") if port is None else port
-        config.write_text(yaml.safe_dump(_edge_config(state, control_plane, chosen, worker), sort_keys=False))
+        written = _edge_config(state, control_plane, chosen, worker, listen)
+        config.write_text(yaml.safe_dump(written, sort_keys=False))
         print(f"wrote {config}")
         return
+    if listen:
+        set_value(config, ("http", "host"), listen_hosts(listen))
     if yaml_value(config, ("worker", "address")) is None:  # an older up's edge.yaml: no worker yet
         add_section(config, "worker", _worker_address(worker))
     if port is not None:
@@ -131,24 +155,40 @@ def _tls(state: Path, role: str) -> dict[str, object]:
     return tls_section(state / "certs", role)
 
 
-def _control_plane_config(state: Path, port: int) -> dict[str, object]:
+def _control_plane_config(state: Path, port: int, listen: Sequence[str]) -> dict[str, object]:
     return {
-        "listen": {"host": "127.0.0.1", "port": port},
+        "listen": {"host": listen_hosts(listen), "port": port},
         "tls": _tls(state, "control-plane"),
         "store_path": str((state / "control-plane.db").resolve()),
         "metrics": {
             "host": "127.0.0.1",
             "port": _CONTROL_PLANE_METRICS_PORT if _free(_CONTROL_PLANE_METRICS_PORT) else 0,
         },
+        "join": _join_section(state),
     }
 
 
-def _node_config(state: Path, control_plane: int, routes: list[dict[str, Any]] | None) -> dict[str, object]:
+def _join_section(state: Path) -> dict[str, object]:
+    """The control-plane signs joining machines' certificates with the CA's key (``iop join-token create``)."""
+    return {"ca_key": str((state / "certs" / "ca.key").resolve())}
+
+
+def node_config(
+    state: Path,
+    *,
+    node_id: str,
+    address: str,
+    tls: dict[str, object],
+    routes: list[dict[str, Any]] | None,
+    server_name: str = "localhost",
+) -> dict[str, object]:
+    """A node's config: registered with the control-plane at ``address``, no listener of its own,
+    its history in ``state``, ``routes`` (None: the mock models)."""
     return {
-        "node_id": "local-node",
+        "node_id": node_id,
         "listen": {"enabled": False},
-        "control_plane": {"address": f"127.0.0.1:{control_plane}", "server_name": "localhost"},
-        "tls": _tls(state, "node"),
+        "control_plane": {"address": address, "server_name": server_name},
+        "tls": tls,
         "store_path": str((state / "node-runs.db").resolve()),
         "metrics": {"host": "127.0.0.1", "port": _NODE_METRICS_PORT if _free(_NODE_METRICS_PORT) else 0},
         "routes": routes
@@ -159,9 +199,9 @@ def _node_config(state: Path, control_plane: int, routes: list[dict[str, Any]] |
     }
 
 
-def _worker_config(state: Path, control_plane: int, port: int) -> dict[str, object]:
+def _worker_config(state: Path, control_plane: int, port: int, listen: Sequence[str]) -> dict[str, object]:
     return {
-        "listen": {"host": "127.0.0.1", "port": port},
+        "listen": {"host": listen_hosts(listen), "port": port},
         "tls": _tls(state, "worker"),
         "control_plane": {"address": f"127.0.0.1:{control_plane}", "server_name": "localhost"},
         "store": {"path": str((state / "worker.db").resolve())},
@@ -169,9 +209,9 @@ def _worker_config(state: Path, control_plane: int, port: int) -> dict[str, obje
     }
 
 
-def _edge_config(state: Path, control_plane: int, port: int, worker: int) -> dict[str, object]:
+def _edge_config(state: Path, control_plane: int, port: int, worker: int, listen: Sequence[str]) -> dict[str, object]:
     return {
-        "http": {"host": "127.0.0.1", "port": port},
+        "http": {"host": listen_hosts(listen), "port": port},
         "control_plane": {"address": f"127.0.0.1:{control_plane}", "server_name": "localhost"},
         "worker": _worker_address(worker),
         "tls": _tls(state, "edge"),
@@ -184,7 +224,7 @@ def _worker_address(port: int) -> dict[str, object]:
     return {"address": f"127.0.0.1:{port}", "server_name": "localhost"}
 
 
-def _backend_routes(backend: str) -> list[dict[str, Any]]:
+def backend_routes(backend: str) -> list[dict[str, Any]]:
     """One route per model the backend lists, each with the concurrency it can take; CliError (exit 2) if it
     cannot be asked."""
     ollama = backend.startswith("ollama:")
@@ -245,7 +285,8 @@ def _ensure_key(state: Path) -> None:
 # --- YAML values set in place, the rest of the file as the user left it ------------------------------
 
 
-def _yaml_node(config: Path, keys: tuple[str, str]) -> yaml.ScalarNode | None:
+def _yaml_node(config: Path, keys: tuple[str, str]) -> yaml.Node | None:
+    """The node at ``keys`` (section, key) in ``config``: a scalar or a list; None if there is none."""
     try:
         tree = yaml.compose(config.read_text(), Loader=yaml.SafeLoader)
     except (OSError, yaml.YAMLError):
@@ -253,15 +294,20 @@ def _yaml_node(config: Path, keys: tuple[str, str]) -> yaml.ScalarNode | None:
     for section, value in tree.value if isinstance(tree, yaml.MappingNode) else ():
         if section.value == keys[0] and isinstance(value, yaml.MappingNode):
             for key, found in value.value:
-                if key.value == keys[1] and isinstance(found, yaml.ScalarNode):
+                if key.value == keys[1] and isinstance(found, yaml.ScalarNode | yaml.SequenceNode):
                     return found
     return None
 
 
 def yaml_value(config: Path, keys: tuple[str, str]) -> str | None:
-    """The scalar at ``keys`` (section, key) in ``config``, as written; None if there is none."""
+    """The scalar at ``keys`` (section, key) in ``config``, as written; None if there is none (or a list)."""
     node = _yaml_node(config, keys)
-    return None if node is None else str(node.value)
+    return str(node.value) if isinstance(node, yaml.ScalarNode) else None
+
+
+def _written(node: yaml.Node) -> str | list[str]:
+    """A scalar's or a list of scalars' value, as written."""
+    return [str(item.value) for item in node.value] if isinstance(node, yaml.SequenceNode) else str(node.value)
 
 
 def _port_of(config: Path, keys: tuple[str, str], default: int) -> int:
@@ -272,17 +318,31 @@ def _port_of(config: Path, keys: tuple[str, str], default: int) -> int:
     return int(value) if value.isdigit() else 0
 
 
-def set_value(config: Path, keys: tuple[str, str], value: int | str) -> None:
+def set_value(config: Path, keys: tuple[str, str], value: int | str | list[str]) -> None:
     """Write ``value`` at ``keys`` into ``config``, the rest untouched; CliError if there is no such key."""
     node = _yaml_node(config, keys)
     name = ".".join(keys)
     if node is None:
         raise CliError(f"{config} has no {name} to set to {value}: add one, or remove the file to have it rewritten", 2)
-    if node.value != str(value):
+    before = _written(node)
+    if before != (value if isinstance(value, list) else str(value)):
         text = config.read_text()
-        written = str(value) if isinstance(value, int) else json.dumps(value)
-        config.write_text(text[: node.start_mark.index] + written + text[node.end_mark.index :])
-        print(f"{config}: {name} {node.value} -> {value}")
+        written = str(value) if isinstance(value, int) else json.dumps(value)  # JSON is YAML (flow style)
+        end = node.end_mark.index
+        config.write_text(text[: node.start_mark.index] + written + text[end:])
+        print(f"{config}: {name} {_shown(before)} -> {_shown(value)}")
+
+
+def _shown(value: int | str | list[str]) -> str:
+    return ", ".join(value) if isinstance(value, list) else str(value)
+
+
+def _has_section(config: Path, section: str) -> bool:
+    try:
+        data = yaml.safe_load(config.read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and section in data
 
 
 def add_section(config: Path, section: str, values: dict[str, object]) -> None:

@@ -1,7 +1,7 @@
 """``iop``: the command-line entry point.
 
     iop certs init DIR [--san NAME ...]   a CA and a certificate per role, files 0600
-    iop up [--dir DIR] [--port N] [--foreground] [--backend URL]   the whole platform; iop down stops it
+    iop up [--dir DIR] [--port N] [--listen ADDRESS ...] [--foreground] [--backend URL]   the whole platform
     iop status                            what iop up started: processes, addresses, health
     iop edge --config edge.yaml           run an edge (the OpenAI-compatible API)
     iop worker --config worker.yaml       run a worker (files and batch jobs)
@@ -12,7 +12,9 @@
     iop runs ls [--status S] [--model M] [--since 1h] [--limit N] [--json]   the node's run history
     iop runs show RUN_ID [--json]
     iop runs ls|show ... --control-plane [HOST:PORT]   the control-plane's run ledger (admin cert)
-    iop nodes ls [--json] | drain NODE [--reason R] | undrain NODE   operate a control-plane (admin cert)
+    iop nodes ls [--json] | drain NODE [--reason R] | undrain NODE | remove NODE   operate a control-plane
+    iop join-token create [--ttl 1h] [--uses N] [--name-prefix P] | ls [--json] | revoke ID   tokens to join with
+    iop join ADDRESS --token T --ca sha256:H [--name NAME] [--backend URL | --mock] [--dir DIR] [--foreground]
     iop policy show | apply FILE          the control-plane's policy in force; replace it
     iop batches ls [--limit N] [--json] | show ID [--json] | cancel ID   a worker's batches (admin cert)
     iop version, iop --version
@@ -59,6 +61,7 @@ def _up(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         foreground=args.foreground,
         backend=args.backend,
+        listen=args.listen,
     )
 
 
@@ -159,6 +162,20 @@ def _batches(args: argparse.Namespace) -> int:
     return code
 
 
+def _tokens(args: argparse.Namespace) -> int:
+    from iop_cli import tokens
+
+    action = getattr(tokens, args.tokens_action)
+    code: int = asyncio.run(action(args))
+    return code
+
+
+def _join(args: argparse.Namespace) -> int:
+    from iop_cli.join import join
+
+    return join(args)
+
+
 def _version(args: argparse.Namespace) -> int:
     print(f"iop {version('iop')}")
     return 0
@@ -216,6 +233,7 @@ def _parser() -> argparse.ArgumentParser:
     _runs_parsers(commands, common, state_dir, state_help)
     _ops_parsers(commands, common, state_dir)
     _batches_parsers(commands, common, state_dir)
+    _join_parser(commands, common, state_dir, state_help)
 
     commands.add_parser("version", help="print the version").set_defaults(run=_version)
     return parser
@@ -238,6 +256,14 @@ def _platform_parsers(
         "--backend",
         metavar="URL",
         help="serve an OpenAI-compatible server's models (URL) or Ollama's (ollama:URL) instead of mock models",
+    )
+    up.add_argument(
+        "--listen",
+        action="append",
+        default=[],
+        metavar="ADDRESS",
+        help="also listen on this IP or host name of this machine, for other machines (repeatable; "
+        "named in every certificate)",
     )
     up.set_defaults(run=_up)
     # Started by `iop up` (in the background) to keep the services running; not for users.
@@ -355,10 +381,29 @@ def _ops_parsers(
     ls.set_defaults(run=_ops, ops_action="nodes_ls")
     drain = nodes_commands.add_parser("drain", parents=[admin], help="no new runs to NODE; in-flight ones finish")
     undrain = nodes_commands.add_parser("undrain", parents=[admin], help="runs go to NODE again")
-    for sub, action in ((drain, "nodes_drain"), (undrain, "nodes_undrain")):
+    remove = nodes_commands.add_parser(
+        "remove", parents=[admin], help="revoke NODE's certificates and forget it: it returns only by joining again"
+    )
+    for sub, action in ((drain, "nodes_drain"), (undrain, "nodes_undrain"), (remove, "nodes_remove")):
         sub.add_argument("node", metavar="NODE")
         sub.add_argument("--reason", help="recorded as the reason of the state change")
         sub.set_defaults(run=_ops, ops_action=action)
+
+    tokens = commands.add_parser("join-token", help="tokens other machines join with (admin certificate)")
+    tokens_commands = tokens.add_subparsers(dest="tokens_command", required=True)
+    create = tokens_commands.add_parser(
+        "create", parents=[admin], help="a new token: prints the 'iop join' line to run on the new machine"
+    )
+    create.add_argument("--ttl", default="1h", help="how long it is valid: 30m, 1h, 7d (default 1h)")
+    create.add_argument("--uses", type=int, default=1, help="how many machines may join with it (default 1)")
+    create.add_argument("--name-prefix", metavar="P", help="names joining with it must start with P")
+    create.set_defaults(run=_tokens, tokens_action="join_token_create")
+    token_ls = tokens_commands.add_parser("ls", parents=[admin], help="every token: expiry, uses, state (no secrets)")
+    token_ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    token_ls.set_defaults(run=_tokens, tokens_action="join_token_ls")
+    revoke = tokens_commands.add_parser("revoke", parents=[admin], help="no machine may join with the token any more")
+    revoke.add_argument("id", metavar="ID", help="the token's id (the part after iopjt- and before the dot)")
+    revoke.set_defaults(run=_tokens, tokens_action="join_token_revoke")
 
     policy = commands.add_parser("policy", help="a control-plane's policy (admin certificate)")
     policy_commands = policy.add_subparsers(dest="policy_command", required=True)
@@ -398,6 +443,34 @@ def _batches_parsers(
     cancel = batches_commands.add_parser("cancel", parents=[admin], help="stop a batch; lines done so far are kept")
     cancel.add_argument("batch_id", metavar="ID")
     cancel.set_defaults(run=_batches, batches_action="batches_cancel")
+
+
+def _join_parser(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+    common: argparse.ArgumentParser,
+    state_dir: Path,
+    state_help: str,
+) -> None:
+    """``iop join``: this machine becomes a node of a control-plane elsewhere."""
+    join = commands.add_parser(
+        "join", parents=[common], help="make this machine a node of the control-plane at ADDRESS, and start it"
+    )
+    join.add_argument(
+        "address", metavar="ADDRESS", help="the control-plane's HOST:PORT, as 'iop join-token create' printed"
+    )
+    join.add_argument("--token", required=True, help="the join token (iopjt-...)")
+    join.add_argument("--ca", required=True, metavar="sha256:HASH", help="the control-plane's CA hash, checked first")
+    join.add_argument("--name", help="the node's name (default: this machine's host name)")
+    backend = join.add_mutually_exclusive_group()
+    backend.add_argument(
+        "--backend",
+        metavar="URL",
+        help="serve an OpenAI-compatible server's models (URL) or Ollama's (ollama:URL)",
+    )
+    backend.add_argument("--mock", action="store_true", help="serve the mock models (the default)")
+    join.add_argument("--dir", type=Path, default=state_dir, help=state_help)
+    join.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops the node")
+    join.set_defaults(run=_join)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

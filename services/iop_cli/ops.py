@@ -1,4 +1,4 @@
-"""``iop nodes ls|drain|undrain``, ``iop policy show|apply`` and ``iop runs ls|show --control-plane``:
+"""``iop nodes ls|drain|undrain|remove``, ``iop policy show|apply`` and ``iop runs ls|show --control-plane``:
 operate a control-plane over IOP.
 
 Each command dials the control-plane (``--control-plane HOST:PORT``, default
@@ -44,6 +44,7 @@ __all__ = [
     "iso",
     "nodes_drain",
     "nodes_ls",
+    "nodes_remove",
     "nodes_undrain",
     "policy_apply",
     "policy_show",
@@ -76,6 +77,13 @@ async def nodes_drain(args: argparse.Namespace) -> int:
 async def nodes_undrain(args: argparse.Namespace) -> int:
     """Runs go to the node again (once it is connected)."""
     return await _nodes_undrain(args)
+
+
+async def nodes_remove(args: argparse.Namespace) -> int:
+    """Revoke the node's certificates, close its connection, forget it: it comes back only by joining again."""
+    remove = pb.NodesRemove(node_id=args.node, reason=args.reason or "")
+    print((await ask(args, pb.Envelope(nodes_remove=remove))).operation_done.message)
+    return 0
 
 
 async def policy_show(args: argparse.Namespace) -> int:
@@ -258,6 +266,11 @@ def _node_dict(node: pb.NodeInfo, now: float) -> dict[str, Any]:
         "last_heartbeat_age_s": round(max(0.0, now - heartbeat), 3) if heartbeat is not None else None,
         "address": node.address,
         "first_seen": iso(first_seen) if first_seen is not None else None,
+        "certificate_serial": node.certificate_serial,
+        "certificate_not_after": iso(node.certificate_not_after.ToNanoseconds() / 1e9)
+        if node.HasField("certificate_not_after")
+        else None,
+        "shared_certificate": node.shared_certificate,
     }
 
 

@@ -3,7 +3,9 @@
 ``Platform`` is what one ``iop up`` started (through ``iop supervise``, or itself in
 ``--foreground``): it spawns ``iop control-plane``, ``iop node``, ``iop worker`` and ``iop edge``,
 writes their pid files, waits for their ready files and the edge's ``GET /ready``, relays their
-output in ``--foreground``, spawns one again for the supervisor, and stops them. The rest reads what a running platform
+output in ``--foreground``, spawns one again for the supervisor, and stops them. In a folder
+``iop join`` wrote (``joined.json``) the platform is the node alone, started once it wrote
+``registered: true`` in its ready file. The rest reads what a running platform
 left in the state folder (pid and ready files) and stops a process by its pid, for ``iop down``
 and ``iop status``.
 """
@@ -28,6 +30,8 @@ from iop_cli.configs import HTTP_TIMEOUT, set_value
 from iop_cli.output import CliError
 
 SERVICES = ("control-plane", "node", "worker", "edge")
+JOINED = "joined.json"
+"""What ``iop join`` writes in its folder: the control-plane's address, the node's name, the CA's hash."""
 _START_TIMEOUT = 30.0
 STOP_TIMEOUT = 60.0
 _LOG_TAIL = 2000
@@ -51,8 +55,23 @@ class Service:
 
 
 def services(state: Path) -> list[Service]:
-    """The platform's processes under ``state``, in start order."""
-    return [Service(name, state) for name in SERVICES]
+    """The platform's processes under ``state``, in start order (a joined folder: the node alone)."""
+    return [Service(name, state) for name in service_names(state)]
+
+
+def service_names(state: Path) -> tuple[str, ...]:
+    """The names of the platform's processes under ``state``, in start order."""
+    return ("node",) if is_joined(state) else SERVICES
+
+
+def is_joined(state: Path) -> bool:
+    """Whether ``iop join`` made ``state`` (a node of a control-plane elsewhere)."""
+    return (state / JOINED).exists()
+
+
+def read_joined(state: Path) -> dict[str, Any]:
+    """What ``iop join`` wrote in ``state``; {} when it is unreadable."""
+    return read_ready(state / JOINED) or {}
 
 
 # --- starting, watching and stopping the processes ----------------------------------------------------
@@ -67,7 +86,11 @@ class Platform:
         self.readers: list[threading.Thread] = []
 
     def start(self) -> dict[str, dict[str, Any]]:
-        """Start all four and wait until the edge serves a model; what each wrote to its ready file."""
+        """Start all four and wait until the edge serves a model; what each wrote to its ready file.
+
+        In a joined folder: start the node and wait until it registered."""
+        if is_joined(self.state):
+            return {"node": self._start_registered(Service("node", self.state))}
         control_plane, node, worker, edge = services(self.state)
         started = {"control-plane": self._start(control_plane)}
         address = f"127.0.0.1:{started['control-plane']['port']}"
@@ -118,6 +141,17 @@ class Platform:
             time.sleep(0.05)
         raise self._failed(service)
 
+    def _start_registered(self, node: Service) -> dict[str, Any]:
+        self.spawn(node)
+        deadline = time.monotonic() + _START_TIMEOUT
+        while time.monotonic() < deadline and self.processes[node.name].poll() is None:
+            if (started := read_ready(node.file(".ready"))) is not None and started.get("registered"):
+                return started
+            time.sleep(0.05)
+        code = self.processes[node.name].poll()
+        what = f"exited (code {code})" if code is not None else "did not register"
+        raise CliError(f"the node {what} within {_START_TIMEOUT:.0f} s; see {node.file('.log')}", 1)
+
     def _wait_served(self, edge: Service, port: int) -> None:
         deadline = time.monotonic() + _START_TIMEOUT
         while time.monotonic() < deadline and all(p.poll() is None for p in self.processes.values()):
@@ -139,7 +173,7 @@ class Platform:
 
     def stop(self) -> None:
         """SIGTERM the edge, the worker, the node, then the control-plane, each waited for (SIGKILL if it hangs)."""
-        for name in reversed(SERVICES):
+        for name in reversed(service_names(self.state)):
             process = self.processes.get(name)
             if process is None:
                 continue

@@ -2,8 +2,9 @@
 
 ``iop up`` returns once the platform serves, so the process that started the services cannot be
 the one that watches them: ``up`` starts this supervisor in its own session, and the supervisor
-starts the four services (``Platform.start``), then polls them. A service that exits by itself
-is started again after a backoff that doubles from 0.5 s up to 30 s; after ``CRASH_LOOP`` exits
+starts the four services (``Platform.start``; in a folder ``iop join`` made, the node alone),
+then polls them. A service that exits by itself is started again after a backoff that doubles
+from 0.5 s up to 30 s; after ``CRASH_LOOP`` exits
 within ``CRASH_WINDOW`` s it is left stopped (a crash loop: its log says why; ``iop down`` and
 ``iop up`` start again). Each exit is a warning line in ``DIR/supervise.log``. A restarted
 service keeps the port it had (``IOP_`` variables pin it, for configs that say 0), so the base
@@ -29,7 +30,7 @@ from typing import Any
 import structlog
 
 from iop_cli.output import CliError
-from iop_cli.platform import SERVICES, Platform, services
+from iop_cli.platform import Platform, service_names, services
 
 __all__ = ["CRASH_LOOP", "CRASH_WINDOW", "read_state", "state_file", "supervise"]
 
@@ -87,8 +88,10 @@ def supervise(state: Path, log_level: str | None) -> int:
         platform.stop()
         state_file(state).unlink(missing_ok=True)
         return 0
-    pins = {name: {variable: str(started[name]["port"])} for name, variable in _PORT_VARIABLES.items()}
-    watched = {name: Watched(pid=int(started[name]["pid"])) for name in SERVICES}
+    pins = {
+        name: {variable: str(started[name]["port"])} for name, variable in _PORT_VARIABLES.items() if name in started
+    }
+    watched = {name: Watched(pid=int(started[name]["pid"])) for name in service_names(state)}
     try:
         _watch(state, platform, watched, pins)
     except KeyboardInterrupt:

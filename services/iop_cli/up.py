@@ -62,10 +62,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from iop_cli.addresses import check_listen, others_use
 from iop_cli.configs import (
     CONTROL_PLANE_PORT,
     EDGE_PORT,
@@ -82,11 +83,14 @@ from iop_cli.platform import (
     Platform,
     Service,
     http_status,
+    is_joined,
     is_ours,
+    read_joined,
     read_pid,
     read_ready,
     running_pid,
     say,
+    service_names,
     services,
     terminate,
 )
@@ -97,7 +101,7 @@ from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.endpoint import dial
 from iop_wire.tls import TlsConfig
 
-__all__ = ["CONTROL_PLANE_PORT", "EDGE_PORT", "down", "status", "up"]
+__all__ = ["CONTROL_PLANE_PORT", "EDGE_PORT", "down", "start_supervised", "status", "up"]
 
 _SUPERVISED_START = 180.0  # the supervisor's Platform.start: 30 s for each service, then the edge's /ready
 _SUPERVISED_STOP = len(SERVICES) * STOP_TIMEOUT + 10  # it stops the services one after the other
@@ -110,18 +114,28 @@ def up(
     log_level: str | None = None,
     foreground: bool = False,
     backend: str | None = None,
+    listen: Sequence[str] = (),
 ) -> int:
-    """Start the platform under ``state``; returns the exit code (CliError: one line, nothing left running)."""
+    """Start the platform under ``state``; returns the exit code (CliError: one line, nothing left running).
+
+    ``listen``: addresses of this machine other machines reach it at (``--listen``)."""
+    if is_joined(state):
+        raise CliError(
+            f"{state} holds a node 'iop join' made: 'iop down --dir {state}' stops it; start a platform elsewhere "
+            "(--dir)",
+            2,
+        )
+    listen = check_listen(listen)
     with contextlib.ExitStack() as lock:
         lock.enter_context(only_up(state, "up"))
         running = {s.name: pid for s in _watched(state) if (pid := running_pid(s)) is not None}
         if running:
             return _already_running(state, running, port)
         check_files(state)  # before any port check or process: a broken file is named as what it is
-        prepare(state, port, backend)
+        prepare(state, port, backend, listen)
         if foreground:
             return _foreground(Platform(state, log_level, foreground=True), started=lock.close)
-        _print_started(state, _start_supervised(state, log_level), foreground=False)
+        _print_started(state, start_supervised(state, log_level), foreground=False)
         return 0
 
 
@@ -147,7 +161,7 @@ def _foreground(platform: Platform, started: Callable[[], None]) -> int:
             signal.signal(sig, handler)
 
 
-def _start_supervised(state: Path, log_level: str | None) -> dict[str, dict[str, Any]]:
+def start_supervised(state: Path, log_level: str | None) -> dict[str, dict[str, Any]]:
     """Start ``iop supervise`` in its own session and wait until it runs the platform; what each service wrote."""
     state_file(state).unlink(missing_ok=True)
     supervisor = Service("supervise", state)
@@ -174,7 +188,7 @@ def _wait_supervised(state: Path, process: subprocess.Popen[bytes], supervisor: 
     while time.monotonic() < deadline:
         found = read_state(state) or {}
         if found.get("phase") == "running":
-            return {name: read_ready(state / f"{name}.ready") or {} for name in SERVICES}
+            return {name: read_ready(state / f"{name}.ready") or {} for name in service_names(state)}
         if found.get("phase") == "failed":
             process.wait(timeout=STOP_TIMEOUT)
             supervisor.file(".pid").unlink(missing_ok=True)
@@ -240,6 +254,7 @@ def status(state: Path, *, as_json: bool = False) -> int:
     supervised = (read_state(state) or {}).get("services", {})
     rows = [{**_status_row(service), **_restarts(supervised.get(service.name))} for service in services(state)]
     header = ["SERVICE", "PID", "ADDRESS", "HEALTH", "RESTARTS", "LAST EXIT"]
+    reached = [f"{r['service']} {', '.join(r['others_use'])}" for r in rows if r.get("others_use")]
     cells = [
         [
             r["service"],
@@ -251,7 +266,8 @@ def status(state: Path, *, as_json: bool = False) -> int:
         ]
         for r in rows
     ]
-    emit(rows, as_json=as_json, text=table([header, *cells]))
+    text = table([header, *cells]) + (f"\nfrom other machines: {'; '.join(reached)}" if reached else "")
+    emit(rows, as_json=as_json, text=text)
     return 0 if all(r["up"] for r in rows) else 1
 
 
@@ -286,6 +302,7 @@ def _print_started(state: Path, started: dict[str, dict[str, Any]], foreground: 
         f"worker at 127.0.0.1:{worker['port']} (mTLS; files and batches), pid {worker['pid']}" + _metrics(worker),
         f"edge at http://127.0.0.1:{edge['port']}, pid {edge['pid']}, metrics http://127.0.0.1:{edge['port']}/metrics",
         f"models: {', '.join(models)}",
+        *_reachable(state, control_plane["port"], edge["port"]),
         "",
         f"base URL: {base}",
         f"API key: {key}",
@@ -303,6 +320,19 @@ def _print_started(state: Path, started: dict[str, dict[str, Any]], foreground: 
         "stop: Ctrl-C" if foreground else f"stop: {iop_command('down', *_dir_args(state))}",
     ]
     say("\n".join(lines))
+
+
+def _reachable(state: Path, control_plane: int, edge: int) -> list[str]:
+    """What other machines use (``--listen``): the control-plane's and the edge's addresses, how to join."""
+    hosts = others_use(state / "control-plane.yaml")
+    if not hosts:
+        return []
+    edges = [f"http://{host}:{edge}/v1" for host in others_use(state / "edge.yaml", "http")]
+    return [
+        f"from other machines: control-plane {', '.join(f'{host}:{control_plane}' for host in hosts)}"
+        + (f", edge {', '.join(edges)}" if edges else ""),
+        f"another machine joins with the line {iop_command('join-token', 'create', *_dir_args(state))} prints",
+    ]
 
 
 def _metrics(started: dict[str, Any]) -> str:
@@ -368,19 +398,44 @@ def _status_row(service: Service) -> dict[str, Any]:
         return row
     if ready is None:
         return {**row, "health": "starting"}
+    return {**row, **_health(service, ready), **_others_use(service, ready.get("port"))}
+
+
+def _health(service: Service, ready: dict[str, Any]) -> dict[str, Any]:
+    """Address, health and whether it is up, of a service that wrote its ready file."""
+    port = ready.get("port")
     match service.name:
         case "control-plane":
-            return {**row, "address": f"127.0.0.1:{ready['port']}", "health": "ok", "up": True}
+            return {"address": f"127.0.0.1:{port}", "health": "ok", "up": True}
+        case "node" if is_joined(service.state):
+            return _joined_node(service.state, ready)
         case "node":
             state = _node_state(service.state, str(ready.get("node_id", "")))
-            return {**row, "address": f"registered as {ready.get('node_id')}", "health": state, "up": state == "ready"}
+            return {"address": f"registered as {ready.get('node_id')}", "health": state, "up": state == "ready"}
         case "worker":
             health = _worker_health(int(ready["port"]), service.state / "certs")
-            return {**row, "address": f"127.0.0.1:{ready['port']}", "health": health, "up": health == "ok"}
+            return {"address": f"127.0.0.1:{port}", "health": health, "up": health == "ok"}
         case _:
-            code = http_status(f"http://127.0.0.1:{ready['port']}/health")
+            code = http_status(f"http://127.0.0.1:{port}/health")
             health = "ok" if code == 200 else f"HTTP {code}" if code else "not answering"
-            return {**row, "address": f"http://127.0.0.1:{ready['port']}/v1", "health": health, "up": code == 200}
+            return {"address": f"http://127.0.0.1:{port}/v1", "health": health, "up": code == 200}
+
+
+def _others_use(service: Service, port: object) -> dict[str, Any]:
+    """The addresses other machines reach a listening service at (``iop up --listen``)."""
+    if service.name == "node":
+        return {}
+    if service.name == "edge":
+        return {"others_use": [f"http://{host}:{port}/v1" for host in others_use(service.file(".yaml"), "http")]}
+    return {"others_use": [f"{host}:{port}" for host in others_use(service.file(".yaml"))]}
+
+
+def _joined_node(state: Path, ready: dict[str, Any]) -> dict[str, Any]:
+    """A joined node's row: registered with the control-plane ``iop join`` named, once it said so."""
+    joined = read_joined(state)
+    address = f"registered as {ready.get('node_id')} with {joined.get('address', '?')}"
+    registered = bool(ready.get("registered"))
+    return {"address": address, "health": "ready" if registered else "not registered", "up": registered}
 
 
 def _node_state(state: Path, node_id: str) -> str:

@@ -1,9 +1,11 @@
-"""Operations an admin certificate may ask for: list, drain and undrain nodes; show and apply policy;
-list runs from the ledger.
+"""Operations an admin certificate may ask for: list, drain, undrain and remove nodes; show and
+apply policy; list runs from the ledger.
 
 A drain is kept in the control-plane only: no new runs go to the node, its runs in flight
 finish, and ``nodes.undrain`` lifts it (the node is not sent ``node.drain``, which it could not
-take back). A drain holds across the node's reconnections.
+take back). A drain holds across the node's reconnections. Removing a node revokes every
+certificate it was issued (and the one it presented), closes its connection at once and forgets
+it: it comes back only by joining again with a new token.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import structlog
 
+from iop_control_plane.identity import IdentityStore
 from iop_control_plane.nodes import NodeSessions
 from iop_control_plane.policy import load_policy
 from iop_control_plane.registry import NodeState, NodeView
@@ -45,8 +48,10 @@ class PolicyInForce:
 class Operations:
     """The admin message handlers."""
 
-    def __init__(self, scheduler: Scheduler, sessions: NodeSessions, policy: PolicyInForce) -> None:
-        self.scheduler, self.sessions, self.policy = scheduler, sessions, policy
+    def __init__(
+        self, scheduler: Scheduler, sessions: NodeSessions, policy: PolicyInForce, identity: IdentityStore
+    ) -> None:
+        self.scheduler, self.sessions, self.policy, self.identity = scheduler, sessions, policy, identity
 
     def handlers(self) -> dict[str, MessageHandler]:
         """``{body field: handler}`` for an admin's connection."""
@@ -54,6 +59,7 @@ class Operations:
             "nodes_list": self.nodes_list,
             "nodes_drain": self.nodes_drain,
             "nodes_undrain": self.nodes_undrain,
+            "nodes_remove": self.nodes_remove,
             "policy_show": self.policy_show,
             "policy_apply": self.policy_apply,
             "runs_list": self.runs_list,
@@ -82,6 +88,32 @@ class Operations:
             self.sessions.mark(node.node_id, NodeState.READY, message.reason or f"undrained by {inbound.peer.name}")
         done = pb.OperationDone(message=f"node {node.node_id} {node.state.value}")
         await inbound.reply(pb.Envelope(operation_done=done))
+
+    async def nodes_remove(self, inbound: Inbound) -> None:
+        """Revoke the node's certificates, close its connection at once and forget it."""
+        message = inbound.envelope.nodes_remove
+        node_id, sessions = message.node_id, self.sessions
+        reason = message.reason or f"removed by {inbound.peer.name}"
+        connection = sessions.connections.get(node_id)
+        peer = connection.peer if connection is not None else None
+        shared = node_id in sessions.shared
+        presented = (peer.serial, peer.not_after) if peer is not None and peer.serial and not shared else None
+        revoked = await self.identity.revoke_node(node_id, reason, also=presented)
+        error = IopError(
+            pb.ERROR_CODE_PERMISSION_DENIED,
+            f"node {node_id} was removed ({reason}): its certificate is revoked; join again with a new token",
+            reason=pb.ERROR_REASON_CERTIFICATE_REVOKED,
+        )
+        if not await sessions.forget(node_id, error) and not revoked:
+            raise IopError(pb.ERROR_CODE_NOT_FOUND, f"no node {node_id[:80]!r} is registered or holds a certificate")
+        _log.warning("node removed", node_id=node_id, reason=reason, revoked=revoked, by=inbound.peer.name)
+        said = f"node {node_id} removed; {len(revoked)} certificate(s) revoked"
+        if shared:
+            said += (
+                "; it used the shared development certificate, which is not revoked (every local node uses it):"
+                " it can register again"
+            )
+        await inbound.reply(pb.Envelope(operation_done=pb.OperationDone(message=said)))
 
     async def runs_list(self, inbound: Inbound) -> None:
         """Runs from the ledger, newest first (what is committed: the writer batches)."""
@@ -169,7 +201,13 @@ class Operations:
             in_flight=sum(model.in_flight for model in models),
             capacity=sum(model.capacity for model in models),
             address=sessions.addresses.get(node.node_id, ""),
+            shared_certificate=node.node_id in sessions.shared,
         )
+        connection = sessions.connections.get(node.node_id)
+        if connection is not None and connection.peer.serial:
+            info.certificate_serial = connection.peer.serial
+            if connection.peer.not_after is not None:
+                info.certificate_not_after.FromNanoseconds(int(connection.peer.not_after * 1e9))
         if (seen := sessions.last_seen.get(node.node_id)) is not None:
             info.last_heartbeat.FromNanoseconds(int(seen * 1e9))
         if (first := sessions.store.first_seen.get(node.node_id)) is not None:

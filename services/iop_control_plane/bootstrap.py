@@ -5,7 +5,9 @@ sessions, the listener, metrics) and unwinds it in reverse on ``stop``. The list
 each connection by its certificate's role: ``node`` registers and reports; ``edge`` and
 ``worker`` submit runs and ask capabilities; ``admin`` also operates. Other roles are refused
 at the preface (PERMISSION_DENIED); a role sending what it may not gets PERMISSION_DENIED too.
-Without TLS there are no roles: every peer may do everything (tests and local demos only).
+With ``join.ca_key`` the listener also takes peers without a certificate, which may only join
+(:mod:`iop_control_plane.joining`); a revoked certificate is refused at the preface. Without TLS
+there are no roles: every peer may do everything (tests and local demos only).
 """
 
 from __future__ import annotations
@@ -13,13 +15,15 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 import ssl
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import structlog
 from prometheus_client import start_http_server
 
 from iop_control_plane.admin import Operations, PolicyInForce
+from iop_control_plane.identity import IdentityStore
+from iop_control_plane.joining import Joining
 from iop_control_plane.metrics import ControlPlaneMetrics
 from iop_control_plane.nodes import NodeSessions
 from iop_control_plane.policy import load_policy
@@ -30,6 +34,7 @@ from iop_control_plane.settings import ConfigError, Problem, Settings, StartErro
 from iop_control_plane.store import AuditStore
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import EventSink, Handler, Inbound, IopError, Listener, MessageHandler, PeerIdentity, Role
+from iop_wire.certs import Authority
 from iop_wire.metrics import expose
 from iop_wire.settings import EventLoop, bind_error
 
@@ -37,8 +42,19 @@ __all__ = ["ControlPlaneApp", "build_control_plane", "read_policy"]
 
 _log = structlog.get_logger("iop.control_plane")
 _ROLES = frozenset({Role.NODE, Role.EDGE, Role.WORKER, Role.ADMIN})
-_NODE_MESSAGES = ("node_register", "node_status")
-_ADMIN_MESSAGES = ("nodes_list", "nodes_drain", "nodes_undrain", "policy_show", "policy_apply", "runs_list")
+_NODE_MESSAGES = ("node_register", "node_status", "cert_renew")
+_ADMIN_MESSAGES = (
+    "nodes_list",
+    "nodes_drain",
+    "nodes_undrain",
+    "nodes_remove",
+    "policy_show",
+    "policy_apply",
+    "runs_list",
+    "join_token_create",
+    "join_tokens_list",
+    "join_token_revoke",
+)
 
 
 def read_policy(path: Path | None) -> PolicyInForce:
@@ -66,6 +82,7 @@ class ControlPlaneApp:
     sessions: NodeSessions
     runs: RunRelay
     operations: Operations
+    joining: Joining
     metrics: ControlPlaneMetrics
     listener: Listener | None = None
     metrics_port: int | None = None
@@ -108,17 +125,26 @@ class ControlPlaneApp:
         _log.info("control-plane stopped")
 
     def handler_for(self, peer: PeerIdentity) -> Handler:
-        """What a peer may do, by its certificate's role (everything without TLS)."""
-        tls = self.settings.tls.enabled
+        """What a peer may do, by its certificate's role (everything without TLS); a peer without a
+        certificate may only join."""
+        tls, joining = self.settings.tls.enabled, self.joining
+        if peer.certless:  # never the edge's and worker's table below: nobody vouched for it
+            return joining.certless_handler()
         capabilities = {"capability_request": self._capabilities}
-        node = {"node_register": self.sessions.on_register, "node_status": self.sessions.on_status}
-        admin = self.operations.handlers()
+        node: dict[str, MessageHandler] = {
+            "node_register": self.sessions.on_register,
+            "node_status": self.sessions.on_status,
+            **joining.node_handlers(),
+        }
+        admin = self.operations.handlers() | joining.admin_handlers()
+        off = joining.off_handlers()
         if not tls:
-            return Handler(run=self.runs.run, messages={**capabilities, **node, **admin})
+            return Handler(run=self.runs.run, messages={**capabilities, **node, **admin, **off})
         if peer.role is Role.NODE:
-            return Handler(run=_refuse_run, messages={**node, **_denied(_ADMIN_MESSAGES, peer)})
+            return Handler(run=_refuse_run, messages={**node, **_denied(_ADMIN_MESSAGES, peer), **off})
         allowed = admin if peer.role is Role.ADMIN else _denied(_ADMIN_MESSAGES, peer)
-        return Handler(run=self.runs.run, messages={**capabilities, **allowed, **_denied(_NODE_MESSAGES, peer)})
+        messages = {**capabilities, **allowed, **_denied(_NODE_MESSAGES, peer), **off}
+        return Handler(run=self.runs.run, messages=messages)
 
     async def _capabilities(self, inbound: Inbound) -> None:
         await inbound.reply(pb.Envelope(capability_response=self.sessions.ready_capabilities()))
@@ -130,6 +156,12 @@ class ControlPlaneApp:
         except (OSError, sqlite3.Error) as exc:
             raise StartError([Problem("store_path", f"cannot open {store.path}: {exc}")]) from None
         self._stack.push_async_callback(store.aclose)
+        identity = self.joining.store
+        try:
+            await identity.open()
+        except (OSError, sqlite3.Error) as exc:
+            raise StartError([Problem("store_path", f"cannot open {identity.path}: {exc}")]) from None
+        self._stack.push_async_callback(identity.aclose)
 
     async def _listen(self) -> None:
         settings = self.settings
@@ -137,13 +169,18 @@ class ControlPlaneApp:
             heartbeat_interval=settings.heartbeat_interval, max_frame_size=settings.max_frame_size
         )
         config = settings.listen.config(settings.tls, connection, _ROLES)
+        if self.joining.authority is not None:
+            config = replace(config, certless=True, certless_timeout=settings.join.anonymous_timeout)
+        screen = self.joining.screen if settings.tls.enabled else None
         try:
-            self.listener = await Listener(config, self.handler_for).start()
+            listener = await Listener(config, self.handler_for, screen=screen).start()
         except ssl.SSLError as exc:
             raise StartError([Problem("tls", f"OpenSSL cannot use these files: {exc.reason or exc}")]) from None
         except OSError as exc:
-            raise bind_error("listen", config.host, config.port, exc) from None
-        self._stack.push_async_callback(self.listener.close, "control-plane shutting down")
+            raise bind_error("listen", ", ".join(config.hosts), config.port, exc) from None
+        self.listener = listener
+        self.joining.connections = lambda: listener.connections
+        self._stack.push_async_callback(listener.close, "control-plane shutting down")
 
     def _serve_metrics(self, host: str, port: int) -> None:
         try:
@@ -189,12 +226,34 @@ def build_control_plane(settings: Settings, *, policy: PolicyInForce | None = No
         registration_grace=settings.registration_grace,
     )
     registry.on_more_room(runs.wake)  # a node registered, reported or was made ready: admit waiters
+    identity = IdentityStore(settings.store_path)
+    joining = Joining(
+        settings.join,
+        settings.identity,
+        store=identity,
+        sessions=sessions,
+        metrics=metrics,
+        authority=_authority(settings),
+    )
+    if settings.tls.enabled:
+        sessions.vet = joining.vet_registration
     return ControlPlaneApp(
         settings=settings,
         registry=registry,
         scheduler=scheduler,
         sessions=sessions,
         runs=runs,
-        operations=Operations(scheduler, sessions, policy),
+        operations=Operations(scheduler, sessions, policy, identity),
+        joining=joining,
         metrics=metrics,
     )
+
+
+def _authority(settings: Settings) -> Authority | None:
+    """The CA that signs joining nodes' certificates, when ``join.ca_key`` is set (checked by the settings)."""
+    if settings.join.ca_key is None or settings.tls.ca is None:
+        return None
+    try:
+        return Authority.load(settings.tls.ca, settings.join.ca_key)
+    except (OSError, ValueError, TypeError) as exc:  # changed since the settings were read
+        raise ConfigError([Problem("join.ca_key", f"cannot use {settings.join.ca_key}: {exc}")]) from None

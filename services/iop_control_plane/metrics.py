@@ -68,6 +68,32 @@ class ControlPlaneMetrics:
             "Runs not recorded in the ledger because its write backlog was full.",
             registry=self.registry,
         )
+        self.join_attempts = Counter(
+            "iop_control_plane_join_attempts_total",
+            "join.request attempts, by outcome (accepted, token_invalid, token_expired, token_revoked, token_used_up,"
+            " name_taken, bad_request, too_many_attempts).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.registrations_refused = Counter(
+            "iop_control_plane_registrations_refused_total",
+            "node.register and cert.renew refused for the certificate presented, by reason"
+            " (identity_mismatch, certificate_revoked).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.connections_refused = Counter(
+            "iop_control_plane_connections_refused_total",
+            "Connections refused at the preface by the control-plane's own checks, by reason (certificate_revoked).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.certificates_issued = Counter(
+            "iop_control_plane_certificates_issued_total",
+            "Node certificates signed, by how (join, renew).",
+            ["how"],
+            registry=self.registry,
+        )
         self.registry.register(_NodesByState(nodes))
 
     def watch_queue(self, queue: AdmissionQueue[Any]) -> None:

@@ -3,7 +3,9 @@
 A node is ready once registered, and unavailable the moment its connection closes (the wire
 closes the connection of a peer silent, or not reading, for 3 heartbeat intervals). Its id
 is taken while its connection is open: a second registration under that id is refused and
-the live one keeps serving. Drains set by an admin hold across the node's reconnections.
+the live one keeps serving. Drains set by an admin hold across the node's reconnections. With
+TLS, :attr:`NodeSessions.vet` (the identity rule) decides whether a certificate may register the
+id it names; :meth:`NodeSessions.forget` closes a removed node's connection and drops it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import time
+from collections.abc import Callable
 
 import structlog
 
@@ -18,7 +21,8 @@ from iop_control_plane.registry import ModelLoad, NodeState, Registry, Status
 from iop_control_plane.store import AuditStore
 from iop_control_plane.text import NAME_CHARS
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_wire import Connection, Inbound, IopError
+from iop_wire import Connection, Inbound, IopError, PeerIdentity
+from iop_wire.messages import error_envelope
 
 __all__ = ["NodeSessions", "loads", "status"]
 
@@ -55,6 +59,11 @@ class NodeSessions:
         """Node id -> the address its connection came from."""
         self.drained: set[str] = set()
         """Nodes an admin drained: draining also when they register again."""
+        self.vet: Callable[[str, PeerIdentity], bool] | None = None
+        """The identity rule (TLS on): raises IopError to refuse ``node_id`` for the peer's certificate;
+        True when the peer holds the shared development certificate."""
+        self.shared: set[str] = set()
+        """Nodes registered with the shared development certificate."""
         self._by_connection: dict[str, str] = {}
         self._watchers: set[asyncio.Task[None]] = set()
 
@@ -79,6 +88,7 @@ class NodeSessions:
                 pb.ERROR_CODE_INVALID_ARGUMENT,
                 f"node.register needs a node_id of 1-{NAME_CHARS} characters, not {shown}",
             )
+        shared = self.vet(node_id, inbound.peer) if self.vet is not None else False
         current = self.connection(node_id)
         if current is not None and current is not connection:
             _log.warning("registration refused", node_id=node_id, reason="id is live", peer=inbound.peer.name)
@@ -101,6 +111,16 @@ class NodeSessions:
             node_id, labels=labels, address=self.addresses[node_id], models=self.registry.nodes[node_id].models
         )
         self.store.state_changed(node_id, NodeState.READY.value, "registered")
+        if shared and node_id not in self.shared:
+            _log.warning(
+                "node registered with the shared development certificate",
+                node_id=node_id,
+                reason="any process holding it may register any id: for one machine only; join machines instead",
+            )
+        if shared:
+            self.shared.add(node_id)
+        else:
+            self.shared.discard(node_id)
         if node_id in self.drained:
             self.mark(node_id, NodeState.DRAINING, "drained by an admin")
         models = sorted(self.registry.nodes[node_id].models)
@@ -136,6 +156,24 @@ class NodeSessions:
             adapters.setdefault(name, pb.AdapterInfo(name=name)).models.append(model)
         total = sum(model.max_concurrency for model in merged.values())
         return pb.CapabilityResponse(node_id="control-plane", adapters=adapters.values(), max_concurrency=total)
+
+    async def forget(self, node_id: str, error: IopError) -> bool:
+        """Drop ``node_id`` from the registry and close its connection at once, telling it ``error``;
+        False when it was not registered."""
+        known = node_id in self.registry.nodes
+        connection = self.connections.pop(node_id, None)  # first: its watcher then sees it replaced
+        for kept in (self.capabilities, self.last_seen, self.addresses):
+            kept.pop(node_id, None)
+        self.drained.discard(node_id)
+        self.shared.discard(node_id)
+        self.registry.remove(node_id)
+        if known:
+            self.store.state_changed(node_id, "removed", error.message)
+        if connection is not None and not connection.closed:
+            self._by_connection.pop(connection.id, None)
+            connection.send_nowait(error_envelope(error), urgent=True)
+            await connection.close(error.message, code=error.code)
+        return known
 
     def _registered_as(self, connection: Connection) -> str:
         node_id = self._by_connection.get(connection.id)

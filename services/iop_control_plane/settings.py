@@ -2,7 +2,8 @@
 
 Nested keys use ``__`` in the environment: ``IOP_LISTEN__PORT=7500`` overrides ``listen.port``.
 A bad value raises :class:`ConfigError` whose message is one line naming every bad key.
-Relative paths in the file (``tls.*``, ``store_path``, ``policy_path``) are taken from its folder.
+Relative paths in the file (``tls.*``, ``join.ca_key``, ``store_path``, ``policy_path``) are taken
+from its folder.
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from iop_wire.certs import Authority
 from iop_wire.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_wire.settings import (
     ConfigError,
@@ -20,13 +22,14 @@ from iop_wire.settings import (
     EventLoop,
     ListenSettings,
     Problem,
+    SettingError,
     StartError,
     TlsSettings,
 )
 from iop_wire.settings import Section as _Section
 from iop_wire.settings import load_settings as _load
 
-__all__ = ["ConfigError", "Problem", "Settings", "StartError", "load_settings"]
+__all__ = ["ConfigError", "IdentitySettings", "JoinSettings", "Problem", "Settings", "StartError", "load_settings"]
 
 
 class ControlPlaneListenSettings(ListenSettings):
@@ -45,6 +48,30 @@ class MetricsSettings(_Section):
     """Port of the /metrics HTTP server; unset disables it, 0 picks a free one."""
 
 
+class JoinSettings(_Section):
+    """Machines joining with a token: the control-plane signs their node certificates."""
+
+    ca_key: Path | None = None
+    """The private key of the CA in ``tls.ca``; unset: joining is off (join.* is refused UNAVAILABLE)."""
+    certificate_lifetime: float = Field(604800.0, ge=60)
+    """Seconds a node certificate (joined or renewed) is valid; nodes renew after 2/3 of it."""
+    max_failures: int = Field(10, ge=1)
+    """Failed join attempts one source address may make per ``failure_window``; more are refused
+    RESOURCE_EXHAUSTED (TOO_MANY_ATTEMPTS) without looking at the token."""
+    failure_window: float = Field(60.0, gt=0)
+    """Seconds over which ``max_failures`` is counted."""
+    anonymous_timeout: float = Field(30.0, gt=0)
+    """Seconds a connection without a certificate (a machine joining) stays open."""
+
+
+class IdentitySettings(_Section):
+    """How a node's certificate names it."""
+
+    shared_node_certificate: bool = True
+    """Let the shared development certificate (CN ``node``, from ``iop certs init``) register any
+    node id: for one machine only. Every other node certificate registers only its own CN."""
+
+
 class Settings(BaseSettings):
     """Everything ``iop control-plane`` reads at start-up."""
 
@@ -55,6 +82,8 @@ class Settings(BaseSettings):
     connection: ConnectionSettings = ConnectionSettings()
     """Limits every connection gets (runs, requests, frame time, unread bytes, heartbeat clamp)."""
     metrics: MetricsSettings = MetricsSettings()
+    join: JoinSettings = JoinSettings()
+    identity: IdentitySettings = IdentitySettings()
     heartbeat_interval: float = Field(5.0, gt=0)
     """Seconds between heartbeats on every connection: peers judge the control-plane by it (3
     missed: dead). It judges each peer by the interval that peer announces (node: 1 s)."""
@@ -83,6 +112,21 @@ class Settings(BaseSettings):
     """Lowest level logged."""
     event_loop: EventLoop = "uvloop"
     """The event loop ``iop control-plane`` runs on: uvloop (libuv) or the standard library's."""
+
+    @model_validator(mode="after")
+    def _join_signs_with_the_ca(self) -> Settings:
+        key = self.join.ca_key
+        if key is None:
+            return self
+        if not self.tls.enabled or self.tls.ca is None:
+            raise SettingError(("join.ca_key", "needs tls.enabled and tls.ca: it is the key of that CA"))
+        try:
+            Authority.load(self.tls.ca, key)
+        except OSError as exc:
+            raise SettingError(("join.ca_key", f"cannot read {key}: {exc.strerror or exc}")) from None
+        except (ValueError, TypeError):  # not a key, not EC, encrypted, or another CA's
+            raise SettingError(("join.ca_key", f"{key} is not the unencrypted EC key of the CA in tls.ca")) from None
+        return self
 
 
 def load_settings(path: Path | None) -> Settings:

@@ -1,10 +1,11 @@
 """``iop edge --config edge.yaml``: serve the OpenAI-compatible API until SIGTERM or SIGINT.
 
-uvicorn runs the FastAPI app on uvloop with httptools (HTTP/1.1), on a socket bound here so that
-a port in use is one line naming it. Start-up problems end the process with exit code 2 and one
-line on stderr naming the setting. ``--ready-file PATH`` is written once it serves (JSON: pid,
-port) and removed when it stops. SIGTERM stops taking connections, lets requests in progress
-finish (uvicorn's graceful shutdown), then closes the control-plane and worker connections.
+uvicorn runs the FastAPI app on uvloop with httptools (HTTP/1.1), on sockets bound here (one per
+address of ``http.host``, all on one port) so that a port in use is one line naming it.
+Start-up problems end the process with exit code 2 and one line on stderr naming the setting.
+``--ready-file PATH`` is written once it serves (JSON: pid, port) and removed when it stops.
+SIGTERM stops taking connections, lets requests in progress finish (uvicorn's graceful
+shutdown), then closes the control-plane and worker connections.
 """
 
 from __future__ import annotations
@@ -58,19 +59,35 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
-def _bind(settings: Settings) -> socket.socket:
-    http = settings.http
-    family = socket.AF_INET6 if ":" in http.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+def _bind(settings: Settings) -> list[socket.socket]:
+    """One listening socket per ``http.host``, all on one port (with port 0, the one the first got)."""
+    port, bound = settings.http.port, []
+    try:
+        for host in settings.http.hosts:
+            bound.append(_bind_one(host, port))
+            port = bound[0].getsockname()[1]
+    except StartError:
+        _close(bound)
+        raise
+    return bound
+
+
+def _bind_one(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((http.host, http.port))
+        sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise bind_error("http", http.host, http.port, exc) from None
+        raise bind_error("http", host, port, exc) from None
     sock.listen(2048)
     sock.setblocking(False)  # noqa: FBT003 - the socket API's own flag
     return sock
+
+
+def _close(sockets: list[socket.socket]) -> None:
+    for sock in sockets:
+        sock.close()
 
 
 def _head_limits(settings: Settings) -> HeadLimits:
@@ -79,7 +96,7 @@ def _head_limits(settings: Settings) -> HeadLimits:
 
 
 async def _serve(settings: Settings, ready_file: Path | None) -> int:
-    sock = _bind(settings)  # first: a port in use is the only line printed
+    sockets = _bind(settings)  # first: a port in use is the only line printed
     metrics = EdgeMetrics()
     expose(metrics.registry)
     worker = worker_pool(settings)
@@ -89,10 +106,10 @@ async def _serve(settings: Settings, ready_file: Path | None) -> int:
         try:
             await edge.keys.open()
         except OSError as exc:
-            sock.close()
+            _close(sockets)
             raise StartError([Problem("keys_path", f"cannot open {settings.keys_path}: {exc}")]) from None
         except StartError:
-            sock.close()
+            _close(sockets)
             raise
         if not len(edge.keys):
             _log.warning(
@@ -122,14 +139,15 @@ async def _serve(settings: Settings, ready_file: Path | None) -> int:
         loop.add_signal_handler(signum, server.stop)
     edge.upstream.start()
     worker.start()
-    port = sock.getsockname()[1]
+    port = sockets[0].getsockname()[1]
     try:
-        serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+        serving = asyncio.ensure_future(server.serve(sockets=sockets))
         while not server.started and not serving.done():  # noqa: ASYNC110 - uvicorn sets a flag, no event
             await asyncio.sleep(0.01)
         if server.started:
             _log.info(
                 "edge started",
+                hosts=list(settings.http.hosts),
                 port=port,
                 control_plane=edge.upstream.address,
                 worker=worker.address or None,
@@ -144,6 +162,6 @@ async def _serve(settings: Settings, ready_file: Path | None) -> int:
         await asyncio.gather(edge.upstream.aclose(), worker.aclose())
         if edge.keys is not None:
             await edge.keys.aclose()
-        sock.close()
+        _close(sockets)
         _log.info("edge stopped")
     return 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from iop_wire.settings import (
@@ -31,8 +31,8 @@ __all__ = ["ConfigError", "Problem", "Settings", "StartError", "load_settings"]
 class HttpSettings(_Section):
     """The OpenAI-compatible HTTP API."""
 
-    host: str = "127.0.0.1"
-    """Address to bind."""
+    host: str | list[str] = "127.0.0.1"
+    """Address to bind, or a list of them (``[127.0.0.1, 10.0.0.5]``): one socket each, the same port."""
     port: int = Field(8000, ge=0, le=65535)
     """Port to bind; 0 picks a free one."""
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
@@ -54,6 +54,19 @@ class HttpSettings(_Section):
     connection closed. (nginx allows 32 KiB of headers by default, Node.js 16 KiB.)"""
     max_headers: int = Field(100, ge=10)
     """Most headers in one request; more are answered 431 and the connection closed (Apache's default)."""
+
+    @field_validator("host")
+    @classmethod
+    def _some_host(cls, host: str | list[str]) -> str | list[str]:
+        if not host or (isinstance(host, list) and not all(host)):
+            raise ValueError("name an address to bind, or a list of them")
+        return host
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        """Every address to bind, in order (duplicates once)."""
+        return tuple(dict.fromkeys([self.host] if isinstance(self.host, str) else self.host))
+
     max_file_bytes: int = Field(512 * 1024 * 1024, ge=1)
     """Largest file POST /v1/files takes (streamed to the worker, never held); a larger one is answered 413."""
 

@@ -1,11 +1,12 @@
 """The node's composition root: settings in, a running node out. Nothing is built at import time.
 
 :class:`NodeApp` owns the lifecycle. ``start`` puts every part onto one ``AsyncExitStack`` in
-order (adapters, run history, the task group of background loops, listener, registration,
-metrics); ``stop`` drains the node, then unwinds the stack in reverse: metrics and registration
-stop, the listener closes (ending its runs), the task group waits for its loops, the history
-commits and closes, the adapters close; whatever fails, the rest still closes. A part that
-cannot start raises :class:`StartError` naming its setting, after the parts before it closed.
+order (adapters, run history, the task group of background loops, listener, registration and
+the certificate's renewal, metrics); ``stop`` drains the node, then unwinds the stack in
+reverse: metrics, renewal and registration stop, the listener closes (ending its runs), the
+task group waits for its loops, the history commits and closes, the adapters close; whatever
+fails, the rest still closes. A part that cannot start raises :class:`StartError` naming its
+setting, after the parts before it closed.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from iop_node.adapters import REGISTRY
 from iop_node.core import Node
 from iop_node.metrics import NodeMetrics
 from iop_node.ports import Adapter, RunStore
+from iop_node.renewal import CertificateRenewal
 from iop_node.router import Limits, Router
 from iop_node.settings import ConfigError, Problem, Settings, StartError
 from iop_node.store import SqliteRunStore
@@ -82,6 +84,7 @@ class NodeApp:
     connection_config: ConnectionConfig
     listener: Listener | None = None
     registration: Registration | None = None
+    renewal: CertificateRenewal | None = None
     metrics_port: int | None = None
     _stack: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
 
@@ -153,6 +156,15 @@ class NodeApp:
         task = tasks.create_task(registration.run_forever(), name="iop-register")
         self._stack.push_async_callback(_stop_registration, registration, task)
         self.registration = registration
+        tls = settings.tls
+        if tls.enabled and tls.cert is not None and tls.key is not None:
+            self._renew(tasks, CertificateRenewal(tls.cert, tls.key, registration.link.connected))
+
+    def _renew(self, tasks: asyncio.TaskGroup, renewal: CertificateRenewal) -> None:
+        """Keep the certificate renewed over the registration's connection (a joined node's lives days)."""
+        renewing = tasks.create_task(renewal.run_forever(), name="iop-renew-certificate")
+        self._stack.callback(renewing.cancel)
+        self.renewal = renewal
 
     def _serve_metrics(self, host: str, port: int) -> None:
         try:

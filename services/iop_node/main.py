@@ -6,6 +6,8 @@ good one that cannot be used (``iop node: listen.port (line 3): 127.0.0.1:7401 i
 
 ``--ready-file PATH`` is written once the node serves (JSON: pid, node_id, port, metrics_port)
 and removed when it stops: how ``iop up`` (or a supervisor) learns that it is ready and where.
+A node with a control-plane writes it again once it first registered, with ``registered: true``
+(``iop join`` waits for that).
 ``--dev`` runs without a config file: loopback, TLS off, one mock model, and a warning saying so.
 """
 
@@ -85,14 +87,12 @@ async def _serve(app: NodeApp, ready_file: Path | None) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    registered: asyncio.Task[None] | None = None
     async with app:
         if ready_file is not None:
-            write_ready_file(
-                ready_file,
-                node_id=app.node.node_id,
-                port=app.listener.port if app.listener else None,
-                metrics_port=app.metrics_port,
-            )
+            _write_ready(app, ready_file, registered=False)
+            if app.registration is not None:
+                registered = asyncio.create_task(_when_registered(app, ready_file), name="iop-ready-registered")
         # Everything made so far (modules, settings, the app) lives as long as the process: frozen,
         # the collector no longer walks it. Node CPU per one-token run fell by ~10 us (README).
         gc.collect()
@@ -100,6 +100,25 @@ async def _serve(app: NodeApp, ready_file: Path | None) -> int:
         try:
             await stop.wait()
         finally:  # the node no longer takes runs once it stops: not ready
+            if registered is not None:
+                registered.cancel()
             if ready_file is not None:
                 ready_file.unlink(missing_ok=True)  # noqa: ASYNC240 - one unlink while stopping; nothing waits on it
     return 0
+
+
+async def _when_registered(app: NodeApp, ready_file: Path) -> None:
+    """The ready file again once the node first registered: ``registered: true``."""
+    assert app.registration is not None
+    await app.registration.registered.wait()
+    _write_ready(app, ready_file, registered=True)
+
+
+def _write_ready(app: NodeApp, ready_file: Path, *, registered: bool) -> None:
+    write_ready_file(
+        ready_file,
+        node_id=app.node.node_id,
+        port=app.listener.port if app.listener else None,
+        metrics_port=app.metrics_port,
+        registered=registered,
+    )

@@ -55,6 +55,8 @@ class Registration:
         self._changed = asyncio.Event()
         self._reported = -1
         self.registrations = 0
+        self.registered = asyncio.Event()
+        """Set once the node first registered."""
         node.on_load_change(self._on_load_change)
 
     @property
@@ -83,6 +85,7 @@ class Registration:
                 pb.ERROR_CODE_PROTOCOL_VIOLATION, "the control-plane answered node.register with something else"
             )
         self.registrations += 1
+        self.registered.set()
         _log.info("registered", node_id=self._node.node_id, address=self.link.target.address)
 
     async def _report_until_closed(self, connection: Connection) -> None:

@@ -29,6 +29,7 @@ __all__ = [
     "init_dir",
     "key_pem",
     "new_key",
+    "requested_name",
 ]
 
 _DEFAULT_SANS = ("localhost", "127.0.0.1")
@@ -96,6 +97,32 @@ def ca_hash(ca_pem: bytes) -> str:
     digest = hashes.Hash(hashes.SHA256())
     digest.update(spki)
     return "sha256:" + digest.finalize().hex()
+
+
+def requested_name(csr_pem: bytes, role: Role | str = "node") -> str:
+    """The CN a PKCS#10 request asks for, after the checks :meth:`Authority.sign_request` makes
+    (RequestError if it would refuse it): look at the name before signing anything."""
+    return _checked_request(csr_pem, role)[1]
+
+
+def _checked_request(csr_pem: bytes, role: Role | str) -> tuple[x509.CertificateSigningRequest, str]:
+    """The parsed request and its CN; RequestError if malformed, badly signed, nameless, of another
+    role, or for a key that is neither EC nor RSA."""
+    try:
+        request = x509.load_pem_x509_csr(csr_pem)
+    except ValueError:
+        raise RequestError("the certificate request is not a PEM PKCS#10 request") from None
+    if not request.is_signature_valid:
+        raise RequestError("the certificate request's signature does not match its key")
+    name = _attribute(request.subject, NameOID.COMMON_NAME)
+    if not name:
+        raise RequestError("the certificate request names no CN")
+    asked = _attribute(request.subject, NameOID.ORGANIZATIONAL_UNIT_NAME)
+    if asked and asked != str(role):
+        raise RequestError(f"the certificate request asks for role {asked!r}; only {str(role)!r} is issued here")
+    if not isinstance(request.public_key(), ec.EllipticCurvePublicKey | rsa.RSAPublicKey):
+        raise RequestError("the certificate request's key must be EC or RSA")
+    return request, name
 
 
 def certificate_facts(cert_pem: bytes) -> CertificateFacts:
@@ -188,21 +215,9 @@ class Authority:
         ``role`` as OU, whatever else the request asks; valid from a minute ago for ``lifetime``.
         RequestError if the request is malformed, not signed by its key, has no CN, or an OU
         other than ``role``."""
-        try:
-            request = x509.load_pem_x509_csr(csr_pem)
-        except ValueError:
-            raise RequestError("the certificate request is not a PEM PKCS#10 request") from None
-        if not request.is_signature_valid:
-            raise RequestError("the certificate request's signature does not match its key")
-        name = _attribute(request.subject, NameOID.COMMON_NAME)
-        if not name:
-            raise RequestError("the certificate request names no CN")
-        asked = _attribute(request.subject, NameOID.ORGANIZATIONAL_UNIT_NAME)
-        if asked and asked != str(role):
-            raise RequestError(f"the certificate request asks for role {asked!r}; only {str(role)!r} is issued here")
+        request, name = _checked_request(csr_pem, role)
         public_key = request.public_key()
-        if not isinstance(public_key, ec.EllipticCurvePublicKey | rsa.RSAPublicKey):
-            raise RequestError("the certificate request's key must be EC or RSA")
+        assert isinstance(public_key, ec.EllipticCurvePublicKey | rsa.RSAPublicKey)  # checked
         now = datetime.datetime.now(datetime.UTC)
         subject = _subject(name, role)
         cert = (

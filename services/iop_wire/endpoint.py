@@ -5,6 +5,13 @@ ASCII text ``IOP/1 <codec>`` (``proto`` or ``json``). A listener that accepts th
 the dialer's role) answers with the same frame, and both ends then exchange envelopes in that
 codec. Otherwise it answers with one Error envelope, encoded in the codec the dialer asked for
 when it knows it (protobuf binary if not), and closes the connection.
+
+A listener binds one socket per address in ``hosts``, all on one port. After TLS and before it
+answers the preface, it refuses a peer whose role it does not take, and asks its ``screen`` (a
+control-plane's revoked certificates) about every verified peer. With ``certless`` it also
+takes TLS peers without a certificate (machines joining): they are served by the handler made
+for :data:`~iop_wire.tls.CERTLESS`, count against the per-address bounds, and are closed after
+``certless_timeout``.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from iop_wire.messages import error_envelope
 from iop_wire.metrics import HANDSHAKES, LIMIT_HITS
 from iop_wire.tls import PeerIdentity, Role, TlsConfig, client_context, peer_identity, server_context
 
-__all__ = ["HandlerFactory", "Listener", "ListenerConfig", "dial", "open_stream", "preface"]
+__all__ = ["HandlerFactory", "Listener", "ListenerConfig", "Screen", "dial", "open_stream", "preface"]
 
 _log = library_logger("iop.wire")  # silent below WARNING until the application configures logging
 _PREFACE_PREFIX = b"IOP/1 "
@@ -47,16 +54,21 @@ def preface(codec: str) -> bytes:
 class ListenerConfig:
     """Where and how a service listens, and how much any peer may make it hold."""
 
-    host: str = "127.0.0.1"
-    """Address to bind."""
+    hosts: tuple[str, ...] = ("127.0.0.1",)
+    """Addresses to bind, one socket each, all on ``port``."""
     port: int = 0
-    """Port to bind; 0 picks a free one (see :attr:`Listener.port`)."""
+    """Port to bind; 0: the first address picks a free one, the others take the same (see :attr:`Listener.port`)."""
     tls: TlsConfig = field(default_factory=TlsConfig)
     """mTLS settings; with ``enabled`` every client must present a certificate from ``ca``."""
     codecs: tuple[str, ...] = ("proto", "json")
     """Codecs dialers may ask for."""
     allowed_roles: frozenset[Role] | None = None
     """Certificate roles accepted; None accepts any verified certificate."""
+    certless: bool = False
+    """Also take TLS peers that present no certificate (``ssl.CERT_OPTIONAL``), served by the handler made
+    for :data:`~iop_wire.tls.CERTLESS`; a certificate that is presented is verified as always."""
+    certless_timeout: float = 30.0
+    """Seconds a certless peer's connection stays open, whatever it does."""
     handshake_timeout: float = 10.0
     """Seconds a dialer has for the TLS handshake and the preface."""
     first_byte_timeout: float = 3.0
@@ -73,8 +85,15 @@ class ListenerConfig:
     connection: ConnectionConfig = field(default_factory=ConnectionConfig)
     """Limits and timers of each accepted connection."""
 
+    @property
+    def host(self) -> str:
+        """The first address bound (the one to name in messages)."""
+        return self.hosts[0]
+
 
 HandlerFactory = Callable[[PeerIdentity], Handler | None]
+Screen = Callable[[PeerIdentity], IopError | None]
+"""Asked about every peer with a verified certificate after TLS: an error refuses it at the preface."""
 
 
 class Listener:
@@ -84,13 +103,16 @@ class Listener:
     connection, gracefully) on the way out.
     """
 
-    def __init__(self, config: ListenerConfig, handler: Handler | HandlerFactory | None = None) -> None:
+    def __init__(
+        self, config: ListenerConfig, handler: Handler | HandlerFactory | None = None, *, screen: Screen | None = None
+    ) -> None:
         self.config = config
         self.connections: set[Connection] = set()
         self._make_handler: HandlerFactory = (lambda _: handler) if isinstance(handler, Handler | None) else handler
-        self._ssl = server_context(config.tls) if config.tls.enabled else None
-        self._socket: socket.socket | None = None
-        self._accepting: asyncio.Task[None] | None = None
+        self._screen = screen
+        self._ssl = server_context(config.tls, certless=config.certless) if config.tls.enabled else None
+        self._sockets: list[socket.socket] = []
+        self._accepting: list[asyncio.Task[None]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         """One per accepted socket: its handshake, then its connection's life."""
         self._handshaking: set[asyncio.Task[None]] = set()
@@ -102,29 +124,33 @@ class Listener:
 
     @property
     def port(self) -> int:
-        """The bound port."""
-        assert self._socket is not None, "listener not started"
-        port: int = self._socket.getsockname()[1]
+        """The bound port (the same on every address)."""
+        assert self._sockets, "listener not started"
+        port: int = self._sockets[0].getsockname()[1]
         return port
 
+    @property
+    def addresses(self) -> list[tuple[str, int]]:
+        """Every bound (host, port)."""
+        return [(str(name[0]), int(name[1])) for name in (listening.getsockname() for listening in self._sockets)]
+
     async def start(self) -> Listener:
-        """Bind and start accepting; returns self. OSError (port in use, unknown host) if it cannot bind."""
-        loop = asyncio.get_running_loop()
-        infos = await loop.getaddrinfo(
-            self.config.host, self.config.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )
-        family, kind, proto, _, address = infos[0]
-        listening = socket.socket(family, kind, proto)
+        """Bind every host and start accepting; returns self. OSError (port in use, unknown host) if
+        one cannot be bound (then none is)."""
+        port = self.config.port
         try:
-            listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listening.bind(address)
-            listening.listen(min(socket.SOMAXCONN, 4096))
-            listening.setblocking(False)  # noqa: FBT003 - the socket API takes it positionally
+            for host in self.config.hosts:
+                listening = await _bind(host, port)
+                self._sockets.append(listening)
+                port = listening.getsockname()[1]  # port 0: the others take the port the first got
         except BaseException:
-            listening.close()
+            for listening in self._sockets:
+                listening.close()
+            self._sockets.clear()
             raise
-        self._socket = listening
-        self._accepting = asyncio.create_task(self._accept_loop(listening), name="iop-accept")
+        self._accepting = [
+            asyncio.create_task(self._accept_loop(listening), name="iop-accept") for listening in self._sockets
+        ]
         return self
 
     async def __aenter__(self) -> Listener:
@@ -137,10 +163,10 @@ class Listener:
 
     def stop_accepting(self) -> None:
         """Stop taking new connections; the open ones go on."""
-        if self._accepting is not None:
-            self._accepting.cancel()
-        if self._socket is not None:
-            self._socket.close()
+        for task in self._accepting:
+            task.cancel()
+        for listening in self._sockets:
+            listening.close()
 
     async def close(self, reason: str = "server shutting down") -> None:
         """Stop accepting and close every connection gracefully."""
@@ -148,8 +174,7 @@ class Listener:
         for task in list(self._handshaking):  # cut off: nothing there to close gracefully
             task.cancel()
         await asyncio.gather(*(c.close(reason) for c in list(self.connections)), return_exceptions=True)
-        pending = [task for task in (self._accepting, *self._tasks) if task is not None]
-        await asyncio.gather(*pending, return_exceptions=True)
+        await asyncio.gather(*self._accepting, *self._tasks, return_exceptions=True)
 
     async def _accept_loop(self, listening: socket.socket) -> None:
         """Accept sockets; each gets its TLS handshake and preface in a task of its own."""
@@ -183,6 +208,8 @@ class Listener:
         connection, key = accepted
         self.connections.add(connection)
         try:
+            if connection.peer.certless:
+                await _close_after(connection, self.config.certless_timeout)
             await connection.wait_closed()
         finally:
             self.connections.discard(connection)
@@ -263,14 +290,8 @@ class Listener:
             await _refuse(writer, codec or CODECS["proto"], error, log)
             return None
         assert codec is not None
-        allowed = self.config.allowed_roles
-        if allowed is not None and peer.role not in allowed:
-            names = ", ".join(sorted(allowed))
-            error = HandshakeError(
-                pb.ERROR_CODE_PERMISSION_DENIED,
-                f"role {peer.role or '(none)'} of {peer.name or 'anonymous'} may not connect here; allowed: {names}",
-            )
-            await _refuse(writer, codec, error, log)
+        if (refusal := self._refusal(peer)) is not None:
+            await _refuse(writer, codec, refusal, log)
             return None
         address = writer.get_extra_info("peername")
         key = peer.name if peer.name else f"address {address[0] if address else '?'}"
@@ -285,7 +306,7 @@ class Listener:
             return None
         self._per_peer[key] += 1
         writer.write(preface(codec.name))
-        label = f"{peer.name or 'anonymous'}/{codec.name}"
+        label = f"{peer.name or ('certless' if peer.certless else 'anonymous')}/{codec.name}"
         connection = Connection(
             reader,
             writer,
@@ -297,6 +318,48 @@ class Listener:
             side="accepted",
         )
         return connection.start(), key
+
+    def _refusal(self, peer: PeerIdentity) -> IopError | None:
+        """Why ``peer`` may not connect here (its role, or the screen's verdict); None when it may."""
+        if peer.certless:
+            if self.config.certless:
+                return None
+            # Only a listener taking certless peers lets TLS through without a certificate.
+            return HandshakeError(pb.ERROR_CODE_PERMISSION_DENIED, "a client certificate is required here")
+        allowed = self.config.allowed_roles
+        if allowed is not None and peer.role not in allowed:
+            names = ", ".join(sorted(allowed))
+            return HandshakeError(
+                pb.ERROR_CODE_PERMISSION_DENIED,
+                f"role {peer.role or '(none)'} of {peer.name or 'anonymous'} may not connect here; allowed: {names}",
+            )
+        if self._screen is not None and peer.serial:
+            return self._screen(peer)
+        return None
+
+
+async def _bind(host: str, port: int) -> socket.socket:
+    """A listening, non-blocking socket on ``host:port``."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, address = infos[0]
+    listening = socket.socket(family, kind, proto)
+    try:
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listening.bind(address)
+        listening.listen(min(socket.SOMAXCONN, 4096))
+        listening.setblocking(False)  # noqa: FBT003 - the socket API takes it positionally
+    except BaseException:
+        listening.close()
+        raise
+    return listening
+
+
+async def _close_after(connection: Connection, seconds: float) -> None:
+    """Close ``connection`` once ``seconds`` have passed (unless it closed before)."""
+    try:
+        await asyncio.wait_for(connection.wait_closing(), seconds)
+    except TimeoutError:
+        await connection.close(f"a connection without a certificate is closed after {seconds:g} s")
 
 
 def _drop(conn: socket.socket, writer: asyncio.StreamWriter | None) -> None:
@@ -382,10 +445,14 @@ async def open_stream(
     codec: str = "proto",
     server_hostname: str | None = None,
     timeout: float = 10.0,
+    context: ssl.SSLContext | None = None,
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """Connect, complete TLS and the preface, and return the raw stream pair."""
+    """Connect, complete TLS and the preface, and return the raw stream pair.
+
+    ``context`` replaces the one ``tls`` would build (a machine joining has no certificate yet:
+    see :func:`iop_wire.tls.certless_context`)."""
     get_codec(codec)
-    context = client_context(tls) if tls.enabled else None
+    context = context or (client_context(tls) if tls.enabled else None)
     hostname = (server_hostname or host) if context else None
 
     async def connect() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -421,14 +488,15 @@ async def _read_answer(reader: asyncio.StreamReader, codec: str) -> IopError | N
     if envelope.WhichOneof("body") != "error":
         return HandshakeError(pb.ERROR_CODE_PROTOCOL_VIOLATION, "listener answered the preface with a non-error")
     err = envelope.error
-    return HandshakeError(err.code, err.message, retryable=err.retryable)
+    return HandshakeError(err.code, err.message, retryable=err.retryable, reason=err.reason)
 
 
 class dial:  # noqa: N801 - used like a function: ``await dial(...)`` or ``async with dial(...) as c``
     """Open an IOP connection to ``host:port``; ``handler`` serves what the peer asks of us.
 
     ``connection = await dial(...)`` returns it open; ``async with dial(...) as connection:``
-    also closes it (gracefully) on the way out.
+    also closes it (gracefully) on the way out. ``context`` replaces the TLS context ``tls`` would
+    build (:func:`iop_wire.tls.certless_context` for a machine joining).
     """
 
     def __init__(
@@ -443,8 +511,9 @@ class dial:  # noqa: N801 - used like a function: ``await dial(...)`` or ``async
         server_hostname: str | None = None,
         expect_roles: Collection[Role] | None = None,
         timeout: float = 10.0,
+        context: ssl.SSLContext | None = None,
     ) -> None:
-        self._args = (host, port, tls, codec, handler, config, server_hostname, expect_roles, timeout)
+        self._args = (host, port, tls, codec, handler, config, server_hostname, expect_roles, timeout, context)
         self._connection: Connection | None = None
 
     def __await__(self) -> Generator[object, None, Connection]:
@@ -461,9 +530,9 @@ class dial:  # noqa: N801 - used like a function: ``await dial(...)`` or ``async
             await self._connection.close()
 
     async def _open(self) -> Connection:
-        host, port, tls, codec, handler, config, server_hostname, expect_roles, timeout = self._args
+        host, port, tls, codec, handler, config, server_hostname, expect_roles, timeout, context = self._args
         reader, writer = await open_stream(
-            host, port, tls=tls, codec=codec, server_hostname=server_hostname, timeout=timeout
+            host, port, tls=tls, codec=codec, server_hostname=server_hostname, timeout=timeout, context=context
         )
         peer = peer_identity(writer.get_extra_info("ssl_object"))
         if expect_roles is not None and peer.role not in expect_roles:

@@ -227,10 +227,10 @@ class ControlPlaneAddress(Section):
 class ListenSettings(Section):
     """Where a service listens, and how many connections it takes."""
 
-    host: str = "127.0.0.1"
-    """Address to bind."""
+    host: str | list[str] = "127.0.0.1"
+    """Address to bind, or several (``[127.0.0.1, 10.0.0.5]``): one socket each, all on ``port``."""
     port: int = Field(0, ge=0, le=65535)
-    """Port to bind; 0 picks a free one."""
+    """Port to bind; 0 picks a free one (the same for every host)."""
     enabled: bool = True
     """Listen at all."""
     max_connections: int = Field(1024, ge=1)
@@ -247,12 +247,26 @@ class ListenSettings(Section):
     first_byte_timeout: float = Field(3.0, gt=0)
     """Seconds an accepted socket may send nothing (a TLS client says hello at once); then it is closed."""
 
+    @field_validator("host")
+    @classmethod
+    def _some_host(cls, host: str | list[str]) -> str | list[str]:
+        if isinstance(host, list) and not host:
+            raise ValueError("name at least one address to listen on")
+        if isinstance(host, list) and len(set(host)) != len(host):
+            raise ValueError(f"an address is named twice in {host}")
+        return host
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        """``host`` as a tuple of one or more addresses."""
+        return (self.host,) if isinstance(self.host, str) else tuple(self.host)
+
     def config(
         self, tls: TlsSettings, connection: ConnectionConfig, allowed_roles: frozenset[Role] | None
     ) -> ListenerConfig:
         """The wire's listener config; roles are checked only with TLS (there are none without)."""
         return ListenerConfig(
-            host=self.host,
+            hosts=self.hosts,
             port=self.port,
             tls=tls.config(),
             allowed_roles=allowed_roles if tls.enabled else None,

@@ -2,7 +2,10 @@
 
 A certificate names its holder in the subject: CN is the name (``node-7``), OU the role
 (one of :class:`Role`). Listeners require a client certificate signed by the configured CA
-(TLS 1.2 minimum) and accept only the roles they are for; see ``endpoint``.
+(TLS 1.2 minimum) and accept only the roles they are for; see ``endpoint``. A listener that
+takes certless peers (a control-plane that lets machines join) asks for a certificate without
+requiring one: a peer that presents none is :data:`CERTLESS`, one that presents one is verified
+as always.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ from typing import cast
 
 __all__ = [
     "ANONYMOUS",
+    "CERTLESS",
     "TRUSTED_ROLES",
     "PeerIdentity",
     "Role",
     "TlsConfig",
     "acting_caller",
+    "certless_context",
     "client_context",
     "peer_identity",
     "server_context",
@@ -69,9 +74,14 @@ class PeerIdentity:
     """The certificate's serial number, lower-case hex ("" without a certificate)."""
     not_after: float | None = None
     """When the certificate expires (epoch seconds; None without a certificate)."""
+    certless: bool = False
+    """Over TLS but without a client certificate (a listener taking certless peers): nobody vouched for it."""
 
 
 ANONYMOUS = PeerIdentity(name="", role=None)
+"""A peer over plaintext TCP."""
+CERTLESS = PeerIdentity(name="", role=None, certless=True)
+"""A peer over TLS that presented no certificate (only where a listener takes certless peers)."""
 
 TRUSTED_ROLES = frozenset({Role.CONTROL_PLANE, Role.EDGE, Role.WORKER})
 """Roles that act for others: only their requests may name a caller other than themselves."""
@@ -97,10 +107,11 @@ def _context(purpose: ssl.Purpose, config: TlsConfig) -> ssl.SSLContext:
     return context
 
 
-def server_context(config: TlsConfig) -> ssl.SSLContext:
-    """A listener's context: client certificates required and verified against the CA."""
+def server_context(config: TlsConfig, *, certless: bool = False) -> ssl.SSLContext:
+    """A listener's context: client certificates required and verified against the CA (with
+    ``certless``, asked for and verified when presented, but not required)."""
     context = _context(ssl.Purpose.CLIENT_AUTH, config)
-    context.verify_mode = ssl.CERT_REQUIRED
+    context.verify_mode = ssl.CERT_OPTIONAL if certless else ssl.CERT_REQUIRED
     return context
 
 
@@ -109,11 +120,27 @@ def client_context(config: TlsConfig) -> ssl.SSLContext:
     return _context(ssl.Purpose.SERVER_AUTH, config)
 
 
+def certless_context(ca_pem: bytes | None = None) -> ssl.SSLContext:
+    """A dialer's context without a certificate of its own (a machine joining): with ``ca_pem`` it
+    verifies the server's certificate and name against that CA; without, it verifies nothing (only
+    for asking a control-plane for its CA, which the caller then checks against a pinned hash)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if ca_pem is None:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    else:
+        context.load_verify_locations(cadata=ca_pem.decode())
+    return context
+
+
 def peer_identity(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> PeerIdentity:
-    """The verified peer's name and role; anonymous when there is no TLS."""
+    """The verified peer's name and role; anonymous when there is no TLS, certless when TLS carried no certificate."""
     if ssl_object is None:
         return ANONYMOUS
-    cert = ssl_object.getpeercert() or {}
+    cert = ssl_object.getpeercert()
+    if not cert:
+        return CERTLESS
     rdns = cast("tuple[tuple[tuple[str, str], ...], ...]", cert.get("subject", ()))
     subject = {key: value for rdn in rdns for key, value in rdn}
     role_name = subject.get("organizationalUnitName", "")

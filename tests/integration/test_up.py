@@ -417,10 +417,10 @@ _LISTING = {"object": "list", "data": [{"id": "m", "owned_by": "someone"}]}
     ],
 )
 def test_backend_routes_take_the_concurrency_the_server_says(answers: dict[str, object], concurrency: int) -> None:
-    from iop_cli.configs import _backend_routes
+    from iop_cli.configs import backend_routes
 
     with _backend(answers) as url:
-        assert [route["max_concurrency"] for route in _backend_routes(url)] == [concurrency]
+        assert [route["max_concurrency"] for route in backend_routes(url)] == [concurrency]
 
 
 def test_foreground_stops_the_others_when_one_exits(state: Path) -> None:

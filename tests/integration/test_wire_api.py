@@ -118,7 +118,8 @@ async def test_handler_table_routes_by_body_and_replies_name_the_request(
         await assert_eventually(lambda: len(table.statuses) == 1)
         (status,) = table.statuses
         assert status.envelope.node_status.in_flight == 2
-        assert status.peer == PeerIdentity("test-edge", Role.EDGE) and status.connection in listener.connections
+        assert (status.peer.name, status.peer.role) == ("test-edge", Role.EDGE) and status.peer.serial
+        assert status.connection in listener.connections
         events = [e async for e in await client.open_run(_request("r"))]  # runs go to run=
         assert events[-1].WhichOneof("event") == "complete"
 

@@ -1,0 +1,295 @@
+"""``iop join ADDRESS --token T --ca sha256:H``: this machine becomes a node of the control-plane at ADDRESS.
+
+What goes over the network, in order:
+
+1. A TLS connection that verifies nothing and presents no certificate (this machine has no CA
+   yet) carries ``join.hello``, which holds nothing; ``join.welcome`` brings the control-plane's
+   CA. Its hash (``iop_wire.certs.ca_hash``) must be the one given with ``--ca``: if it is not,
+   the connection closes and nothing else is sent (one line, exit 2).
+2. The node's private key is made here (``DIR/certs/node.key``, 0600; it never leaves the
+   machine), and a certificate request for it (CN the node's name). A second connection, which
+   verifies the control-plane's certificate against that CA and ADDRESS's host, carries
+   ``join.request`` (the token and the request); ``join.accepted`` brings the node's certificate
+   (``DIR/certs/node.crt``, beside ``DIR/certs/ca.crt``).
+
+Then ``DIR/node.yaml`` (the node named as its certificate, registered with ADDRESS; routes as
+``iop up --backend`` writes them, or the mock models) and ``DIR/joined.json`` (address, name, CA
+hash, time) are written and the node starts as ``iop up`` starts the platform: under ``iop
+supervise`` in the background (``--foreground``: attached), the node alone. ``join`` returns once
+the node registered, printing its name, the control-plane and the models it serves. ``iop down``
+and ``iop status`` in DIR handle it. Every failure is one line, exit 2; a folder that joined
+already says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import os
+import re
+import signal
+import socket
+import ssl
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from iop_cli.configs import backend_routes, node_config
+from iop_cli.output import CliError
+from iop_cli.platform import JOINED, Platform, is_joined, read_joined, say
+from iop_cli.preflight import only_up
+from iop_cli.shell import iop_command
+from iop_cli.up import start_supervised
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire.certs import ca_hash, certificate_facts, certificate_request, key_pem, new_key
+from iop_wire.codec import get_codec
+from iop_wire.connection import Connection
+from iop_wire.endpoint import preface
+from iop_wire.errors import IopError
+from iop_wire.framing import HEADER_SIZE
+from iop_wire.tls import Role
+
+__all__ = ["join"]
+
+_TIMEOUT = 10.0
+_CODEC = "proto"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+_PIN = re.compile(r"sha256:[0-9a-f]{64}")
+_ROLE_NAMES = frozenset(role.value for role in Role)
+
+
+def join(args: argparse.Namespace) -> int:
+    """Join the control-plane at ``args.address``; the exit code (CliError: one line, exit 2)."""
+    state: Path = args.dir
+    _refuse_taken(state)
+    host, port = _address(args.address)
+    name = _name(args.name)
+    _check_token(args.token)
+    if not _PIN.fullmatch(args.ca):
+        raise CliError(
+            f"--ca must be sha256: and 64 hex digits (as 'iop join-token create' prints it), not {args.ca!r}"
+        )
+    routes = backend_routes(args.backend) if args.backend else None  # before anything is sent: nothing wasted
+    state.mkdir(parents=True, exist_ok=True)
+    with only_up(state, "join"):
+        _refuse_taken(state)
+        asyncio.run(_join(state, (host, port), name, args.token, args.ca))
+        _write_node(state, name, args.address, host, routes)
+        (state / JOINED).write_text(json.dumps(_joined(args.address, name, args.ca), indent=2) + "\n")
+    if args.foreground:
+        return _foreground(Platform(state, args.log_level, foreground=True))
+    try:
+        started = start_supervised(state, args.log_level)
+    except CliError as exc:
+        raise CliError(str(exc), 2) from None
+    _print_joined(state, started["node"])
+    return 0
+
+
+async def _join(state: Path, address: tuple[str, int], name: str, token: str, pin: str) -> None:
+    """Steps 1 and 2: the CA checked against ``pin``, then the key, the request and the certificate."""
+    host, port = address
+    where = f"the control-plane at {host}:{port}"
+    welcome = await _ask(host, port, _unverified(), pb.Envelope(join_hello=pb.JoinHello()), where)
+    ca_pem = welcome.join_welcome.ca_pem.encode()
+    try:
+        presented = ca_hash(ca_pem)
+    except ValueError:
+        raise CliError(f"{where} sent no CA certificate in join.welcome: nothing was sent") from None
+    if presented != pin:
+        raise CliError(f"{where} presented CA {presented}, not the {pin} given with --ca: nothing was sent")
+    certs = state / "certs"
+    certs.mkdir(exist_ok=True)
+    key = new_key()
+    _write_private(certs / "node.key", key_pem(key))
+    request = pb.JoinRequest(token=token, csr_pem=certificate_request(key, name).decode())
+    accepted = (await _ask(host, port, _pinned(ca_pem), pb.Envelope(join_request=request), where)).join_accepted
+    certificate = accepted.certificate_pem.encode()
+    try:
+        facts = certificate_facts(certificate)
+    except ValueError:
+        raise CliError(f"{where} answered join.request without a certificate") from None
+    if facts.name != name:
+        raise CliError(f"{where} issued a certificate for {facts.name!r}, not {name!r}")
+    _write_private(certs / "node.crt", certificate)
+    _write_private(certs / "ca.crt", ca_pem)
+
+
+async def _ask(host: str, port: int, context: ssl.SSLContext, request: pb.Envelope, where: str) -> pb.Envelope:
+    """One request over a new TLS connection with ``context`` (no client certificate); its answer."""
+    try:
+        connection = await asyncio.wait_for(_open(host, port, context), _TIMEOUT)
+    except ssl.SSLCertVerificationError as exc:
+        raise CliError(
+            f"{where} presented a certificate the pinned CA does not vouch for: {exc.verify_message}"
+        ) from None
+    except IopError as exc:
+        raise CliError(f"{where} refused the connection: {exc.message}") from None
+    except TimeoutError:
+        raise CliError(f"cannot reach {where}: timed out") from None
+    except ConnectionRefusedError:
+        raise CliError(f"cannot reach {where}: connection refused") from None
+    except OSError as exc:  # ssl.SSLError included: a listener that takes no connection without a certificate
+        raise CliError(f"cannot join through {where}: {_reason(exc)}") from None
+    try:
+        return await connection.request(request, timeout=_TIMEOUT)
+    except IopError as exc:
+        raise CliError(exc.message) from None
+    except TimeoutError:
+        raise CliError(f"{where} did not answer in {_TIMEOUT:g} s") from None
+    finally:
+        await connection.close("joined")
+
+
+async def _open(host: str, port: int, context: ssl.SSLContext) -> Connection:
+    """A connection through TLS and the preface, as ``iop_wire.endpoint.dial`` opens one, without a certificate."""
+    reader, writer = await asyncio.open_connection(host, port, ssl=context, server_hostname=host)
+    try:
+        writer.write(preface(_CODEC))
+        size = int.from_bytes(await reader.readexactly(HEADER_SIZE), "big")
+        body = await reader.readexactly(min(size, 1024 * 1024))
+    except (asyncio.IncompleteReadError, ConnectionError) as exc:
+        writer.transport.abort()
+        raise IopError(pb.ERROR_CODE_UNAVAILABLE, "it closed the connection before the preface's answer") from exc
+    except BaseException:
+        writer.transport.abort()
+        raise
+    if body != preface(_CODEC)[HEADER_SIZE:]:
+        writer.transport.abort()
+        error = get_codec(_CODEC).decode(body).error
+        raise IopError(error.code, error.message or "it answered the preface with something else")
+    return Connection(reader, writer, get_codec(_CODEC), label=f"{host}:{port}").start()
+
+
+def _unverified() -> ssl.SSLContext:
+    """Step 1's context: the CA is not known yet; what arrives is checked against the pin instead."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+def _pinned(ca_pem: bytes) -> ssl.SSLContext:
+    """Step 2's context: the control-plane's certificate verified against the pinned CA, and its name."""
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cadata=ca_pem.decode())
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context
+
+
+def _reason(exc: OSError) -> str:
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS: {exc.reason or exc}" + (
+            " (it takes no connection without a certificate: is joining on, join.ca_key?)"
+            if "CERTIFICATE_REQUIRED" in str(exc).upper() or "CERTIFICATE REQUIRED" in str(exc).upper()
+            else ""
+        )
+    return str(exc.strerror or exc)
+
+
+# --- what the command checks, writes and prints ------------------------------------------------------
+
+
+def _refuse_taken(state: Path) -> None:
+    if is_joined(state):
+        joined = read_joined(state)
+        raise CliError(
+            f"already joined {joined.get('address', '?')} as {joined.get('name', '?')} in {state} "
+            f"({iop_command('down', '--dir', str(state))}, then remove {state} to join again)"
+        )
+    if (state / "control-plane.yaml").exists():
+        raise CliError(f"{state} holds the platform 'iop up' made; join with --dir ANOTHER_FOLDER")
+
+
+def _address(address: str) -> tuple[str, int]:
+    host, colon, port = address.rpartition(":")
+    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise CliError(f"ADDRESS must be HOST:PORT (as 'iop join-token create' prints it), not {address!r}")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+def _name(name: str | None) -> str:
+    """``--name``, else this machine's host name made a node name; CliError if it cannot be one."""
+    if name is None:
+        cleaned = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).lstrip("._-")[:63]
+        if _NAME.fullmatch(cleaned) and cleaned not in _ROLE_NAMES:
+            return cleaned
+        raise CliError(f"this machine's host name {socket.gethostname()!r} is no node name: pass --name NAME")
+    if not _NAME.fullmatch(name) or name in _ROLE_NAMES:
+        raise CliError(
+            f"--name {name!r}: a node name is 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit, "
+            f"and none of {', '.join(sorted(_ROLE_NAMES))}"
+        )
+    return name
+
+
+def _check_token(token: str) -> None:
+    if not token.startswith("iopjt-") or "." not in token:
+        raise CliError("--token must be a join token, iopjt-ID.SECRET (as 'iop join-token create' prints it)")
+
+
+def _write_node(state: Path, name: str, address: str, host: str, routes: list[dict[str, Any]] | None) -> None:
+    certs = (state / "certs").resolve()
+    tls = {
+        "enabled": True,
+        "cert": str(certs / "node.crt"),
+        "key": str(certs / "node.key"),
+        "ca": str(certs / "ca.crt"),
+    }
+    config = node_config(state, node_id=name, address=address, tls=tls, routes=routes, server_name=host)
+    (state / "node.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def _joined(address: str, name: str, pin: str) -> dict[str, str]:
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    return {"address": address, "name": name, "ca": pin, "joined_at": now}
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+
+
+def _print_joined(state: Path, node: dict[str, Any]) -> None:
+    joined = read_joined(state)
+    models = _models(state)
+    dir_args = ["--dir", str(state)]
+    print(f"joined {joined['address']} as node {joined['name']}, pid {node.get('pid')}")
+    print(f"serves: {', '.join(models) or '(no routes)'}")
+    print(f"status: {iop_command('status', *dir_args)}")
+    print(f"log: {state / 'node.log'}")
+    print(f"stop: {iop_command('down', *dir_args)}")
+
+
+def _models(state: Path) -> list[str]:
+    with contextlib.suppress(OSError, yaml.YAMLError, TypeError, KeyError):
+        return [str(route["model"]) for route in yaml.safe_load((state / "node.yaml").read_text())["routes"]]
+    return []
+
+
+def _foreground(platform: Platform) -> int:
+    """--foreground: the node attached, its output relayed; Ctrl-C or SIGTERM stop it."""
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        node = platform.start()["node"]
+        _print_joined(platform.state, node)
+        return platform.watch()
+    except CliError as exc:
+        platform.stop()
+        raise CliError(str(exc), 2) from None
+    except KeyboardInterrupt:
+        say("stopping")
+        platform.stop()
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
