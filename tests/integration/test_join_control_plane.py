@@ -347,6 +347,8 @@ async def test_the_control_plane_keeps_serving_while_joins_are_attacked(pki: Pki
             ]
             assert await asyncio.wait_for(asyncio.gather(*(_closed_by_listener(r) for r, _ in flood)), 10)
             assert _limit_hits("handshakes_per_address") - refused >= 16  # beyond the bound: closed at accept
+            for _, writer in flood:
+                writer.close()
             _, request = csr("gpu-1")
             for guess in range(4):  # guessed tokens, then the bound
                 await _refused(cp, pki, f"iopjt-aaaaaa.{guess:032x}", request)
