@@ -23,7 +23,7 @@ from iop_cli.output import CliError
 from iop_wire.certs import Authority
 from iop_wire.tls import Role
 
-__all__ = ["LOOPBACK", "check_listen", "ensure_sans", "listen_hosts", "others_use"]
+__all__ = ["LOOPBACK", "check_listen", "configured_hosts", "ensure_sans", "listen_hosts", "others_use"]
 
 LOOPBACK = "127.0.0.1"
 _THIS_MACHINE_ONLY = frozenset({LOOPBACK, "::1", "localhost"})
@@ -61,15 +61,19 @@ def listen_hosts(addresses: Sequence[str]) -> str | list[str]:
     return [LOOPBACK, *(a for a in addresses if a != LOOPBACK)] if addresses else LOOPBACK
 
 
+def configured_hosts(config: Path, section: str = "listen") -> list[str]:
+    """The hosts in ``section.host`` of ``config`` (127.0.0.1 when it names none)."""
+    try:
+        host = yaml.safe_load(config.read_text())[section]["host"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return [LOOPBACK]
+    hosts = [host] if isinstance(host, str) else host if isinstance(host, list) else []
+    return [str(h) for h in hosts] or [LOOPBACK]
+
+
 def others_use(config: Path, section: str = "listen") -> list[str]:
     """The hosts in ``section.host`` of ``config`` that other machines use (not loopback); [] if none."""
-    try:
-        data = yaml.safe_load(config.read_text())
-        host = data[section]["host"]
-    except (OSError, yaml.YAMLError, KeyError, TypeError):
-        return []
-    hosts = [host] if isinstance(host, str) else host if isinstance(host, list) else []
-    return [str(h) for h in hosts if str(h) not in _THIS_MACHINE_ONLY]
+    return [host for host in configured_hosts(config, section) if host not in _THIS_MACHINE_ONLY]
 
 
 def ensure_sans(certs: Path, addresses: Sequence[str]) -> None:

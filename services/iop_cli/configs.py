@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from iop_cli.addresses import ensure_sans, listen_hosts
+from iop_cli.addresses import LOOPBACK, configured_hosts, ensure_sans, listen_hosts
 from iop_cli.output import CliError
 from iop_wire.certs import init_dir, tls_section
 
@@ -35,6 +35,7 @@ _NODE_METRICS_PORT = 9464  # Prometheus' customary port for a node's metrics
 _CONTROL_PLANE_METRICS_PORT = 9465
 _WORKER_METRICS_PORT = 9466
 HTTP_TIMEOUT = 5.0
+_PORT_TRIES = 20  # a free port on 127.0.0.1 may be taken on a --listen address: another is tried
 # Runs at once per model of a --backend (see backend_concurrency): what each kind of server takes.
 OLLAMA_CONCURRENCY = 4  # OLLAMA_NUM_PARALLEL is not served over HTTP; 4 is its own default where memory allows
 VLLM_CONCURRENCY = 256  # vLLM's max_num_seqs default
@@ -49,8 +50,9 @@ def prepare(state: Path, port: int | None, backend: str | None, listen: Sequence
 
     ``listen``: the addresses of ``--listen``, set as the listen hosts (beside 127.0.0.1) and
     named in every certificate."""
-    if port:
-        _check_free(port)
+    edge = state / "edge.yaml"
+    if port:  # before anything is written
+        _check_free(port, _hosts(listen) if listen or not edge.exists() else configured_hosts(edge, "http"))
     state.mkdir(parents=True, exist_ok=True)
     certs = state / "certs"
     if not (certs / "ca.crt").exists():
@@ -105,22 +107,23 @@ def _prepare_listener(
     or a free port when that is taken), else read from it (``listen.host`` set to ``listen`` when
     given); CliError when the configured port is taken."""
     if not config.exists():
-        port = _default_or_free(default, who)
+        port = _default_or_free(default, who, _hosts(listen))
         config.write_text(yaml.safe_dump(write(port), sort_keys=False))
         print(f"wrote {config}")
         return port
     if listen:
         set_value(config, ("listen", "host"), listen_hosts(listen))
     port = _port_of(config, ("listen", "port"), default)
-    if port and not _free(port):
-        raise CliError(f"127.0.0.1:{port} (listen.port of {config}) is in use", 2)
+    hosts = configured_hosts(config)
+    if port and not _free(port, hosts):
+        raise CliError(f"port {port} (listen.port of {config}) is in use on {', '.join(hosts)}", 2)
     return port
 
 
 def _prepare_edge(state: Path, control_plane: int, port: int | None, worker: int, listen: Sequence[str]) -> None:
     config = state / "edge.yaml"
     if not config.exists():
-        chosen = _default_or_free(EDGE_PORT, "the edge") if port is None else port
+        chosen = _default_or_free(EDGE_PORT, "the edge", _hosts(listen)) if port is None else port
         written = _edge_config(state, control_plane, chosen, worker, listen)
         config.write_text(yaml.safe_dump(written, sort_keys=False))
         print(f"wrote {config}")
@@ -132,22 +135,33 @@ def _prepare_edge(state: Path, control_plane: int, port: int | None, worker: int
     if port is not None:
         set_value(config, ("http", "port"), port)
     configured = _port_of(config, ("http", "port"), EDGE_PORT)
-    if port is None and configured and not _free(configured):
-        raise CliError(f"127.0.0.1:{configured} (http.port of {config}) is in use; pass --port N, or 0 for any", 2)
+    hosts = configured_hosts(config, "http")
+    if port is None and configured and not _free(configured, hosts):
+        raise CliError(
+            f"port {configured} (http.port of {config}) is in use on {', '.join(hosts)}; pass --port N, or 0 for any", 2
+        )
 
 
-def _check_free(port: int) -> None:
-    if not _free(port):
-        raise CliError(f"port {port} is in use on 127.0.0.1; pass another --port, or 0 for any free one", 2)
+def _hosts(listen: Sequence[str]) -> list[str]:
+    hosts = listen_hosts(listen)
+    return [hosts] if isinstance(hosts, str) else hosts
 
 
-def _default_or_free(port: int, who: str) -> int:
-    if _free(port):
-        return port
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        chosen: int = probe.getsockname()[1]
-    print(f"port {port} is in use: {who} takes port {chosen}")
+def _check_free(port: int, hosts: Sequence[str]) -> None:
+    if not _free(port, hosts):
+        raise CliError(f"port {port} is in use on {', '.join(hosts)}; pass another --port, or 0 for any free one", 2)
+
+
+def _default_or_free(port: int, who: str, hosts: Sequence[str]) -> int:
+    """``port`` if every host has it free, else a port that every host has free (printed)."""
+    chosen = port
+    for _ in range(_PORT_TRIES):
+        if _free(chosen, hosts):
+            break
+        with socket.create_server((hosts[0], 0)) as probe:
+            chosen = probe.getsockname()[1]
+    if chosen != port:
+        print(f"port {port} is in use: {who} takes port {chosen}")
     return chosen
 
 
@@ -376,12 +390,13 @@ def reason(exc: BaseException) -> str:
     return str(getattr(exc, "strerror", None) or exc) or type(exc).__name__
 
 
-def _free(port: int) -> bool:
-    """Whether a server could listen on ``port`` (servers reuse addresses: TIME_WAIT does not count)."""
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
+def _free(port: int, hosts: Sequence[str] = (LOOPBACK,)) -> bool:
+    """Whether a server could listen on ``port`` at every one of ``hosts`` (servers reuse addresses:
+    TIME_WAIT does not count)."""
+    try:
+        with contextlib.ExitStack() as held:
+            for host in hosts:
+                held.enter_context(socket.create_server((host, port)))  # SO_REUSEADDR, as the services
+    except OSError:
+        return False
     return True

@@ -46,17 +46,13 @@ from iop_cli.shell import iop_command
 from iop_cli.up import start_supervised
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.certs import ca_hash, certificate_facts, certificate_request, key_pem, new_key
-from iop_wire.codec import get_codec
-from iop_wire.connection import Connection
-from iop_wire.endpoint import preface
+from iop_wire.endpoint import dial
 from iop_wire.errors import IopError
-from iop_wire.framing import HEADER_SIZE
-from iop_wire.tls import Role
+from iop_wire.tls import Role, certless_context
 
 __all__ = ["join"]
 
 _TIMEOUT = 10.0
-_CODEC = "proto"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 _PIN = re.compile(r"sha256:[0-9a-f]{64}")
 _ROLE_NAMES = frozenset(role.value for role in Role)
@@ -94,7 +90,7 @@ async def _join(state: Path, address: tuple[str, int], name: str, token: str, pi
     """Steps 1 and 2: the CA checked against ``pin``, then the key, the request and the certificate."""
     host, port = address
     where = f"the control-plane at {host}:{port}"
-    welcome = await _ask(host, port, _unverified(), pb.Envelope(join_hello=pb.JoinHello()), where)
+    welcome = await _ask(host, port, certless_context(), pb.Envelope(join_hello=pb.JoinHello()), where)
     ca_pem = welcome.join_welcome.ca_pem.encode()
     try:
         presented = ca_hash(ca_pem)
@@ -107,7 +103,9 @@ async def _join(state: Path, address: tuple[str, int], name: str, token: str, pi
     key = new_key()
     _write_private(certs / "node.key", key_pem(key))
     request = pb.JoinRequest(token=token, csr_pem=certificate_request(key, name).decode())
-    accepted = (await _ask(host, port, _pinned(ca_pem), pb.Envelope(join_request=request), where)).join_accepted
+    accepted = (
+        await _ask(host, port, certless_context(ca_pem), pb.Envelope(join_request=request), where)
+    ).join_accepted
     certificate = accepted.certificate_pem.encode()
     try:
         facts = certificate_facts(certificate)
@@ -121,8 +119,11 @@ async def _join(state: Path, address: tuple[str, int], name: str, token: str, pi
 
 async def _ask(host: str, port: int, context: ssl.SSLContext, request: pb.Envelope, where: str) -> pb.Envelope:
     """One request over a new TLS connection with ``context`` (no client certificate); its answer."""
+    expect = {Role.CONTROL_PLANE} if context.verify_mode == ssl.CERT_REQUIRED else None
     try:
-        connection = await asyncio.wait_for(_open(host, port, context), _TIMEOUT)
+        connection = await dial(
+            host, port, context=context, server_hostname=host, expect_roles=expect, timeout=_TIMEOUT
+        )
     except ssl.SSLCertVerificationError as exc:
         raise CliError(
             f"{where} presented a certificate the pinned CA does not vouch for: {exc.verify_message}"
@@ -143,42 +144,6 @@ async def _ask(host: str, port: int, context: ssl.SSLContext, request: pb.Envelo
         raise CliError(f"{where} did not answer in {_TIMEOUT:g} s") from None
     finally:
         await connection.close("joined")
-
-
-async def _open(host: str, port: int, context: ssl.SSLContext) -> Connection:
-    """A connection through TLS and the preface, as ``iop_wire.endpoint.dial`` opens one, without a certificate."""
-    reader, writer = await asyncio.open_connection(host, port, ssl=context, server_hostname=host)
-    try:
-        writer.write(preface(_CODEC))
-        size = int.from_bytes(await reader.readexactly(HEADER_SIZE), "big")
-        body = await reader.readexactly(min(size, 1024 * 1024))
-    except (asyncio.IncompleteReadError, ConnectionError) as exc:
-        writer.transport.abort()
-        raise IopError(pb.ERROR_CODE_UNAVAILABLE, "it closed the connection before the preface's answer") from exc
-    except BaseException:
-        writer.transport.abort()
-        raise
-    if body != preface(_CODEC)[HEADER_SIZE:]:
-        writer.transport.abort()
-        error = get_codec(_CODEC).decode(body).error
-        raise IopError(error.code, error.message or "it answered the preface with something else")
-    return Connection(reader, writer, get_codec(_CODEC), label=f"{host}:{port}").start()
-
-
-def _unverified() -> ssl.SSLContext:
-    """Step 1's context: the CA is not known yet; what arrives is checked against the pin instead."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
-    return context
-
-
-def _pinned(ca_pem: bytes) -> ssl.SSLContext:
-    """Step 2's context: the control-plane's certificate verified against the pinned CA, and its name."""
-    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cadata=ca_pem.decode())
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    return context
 
 
 def _reason(exc: OSError) -> str:

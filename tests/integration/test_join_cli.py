@@ -99,7 +99,7 @@ def _nodes(platform: Path) -> dict[str, dict[str, Any]]:
 def _join_attempts(platform: Path) -> dict[str, float]:
     """``iop_control_plane_join_attempts_total`` by outcome, from the control-plane's metrics."""
     port = json.loads((platform / "control-plane.ready").read_text())["metrics_port"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:  # noqa: S310 - loopback
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
         text = answer.read().decode()
     found = re.findall(r'^iop_control_plane_join_attempts_total\{outcome="([a-z_]+)"\} (\S+)$', text, re.MULTILINE)
     return {outcome: float(value) for outcome, value in found}
@@ -128,7 +128,7 @@ def test_listen_puts_the_address_in_every_config_and_certificate(platform: Path)
 
 def test_the_edge_and_the_control_plane_answer_on_the_listen_address(platform: Path) -> None:
     edge = json.loads((platform / "edge.ready").read_text())["port"]
-    with urllib.request.urlopen(f"http://{LISTEN}:{edge}/health", timeout=10) as answer:  # noqa: S310 - loopback
+    with urllib.request.urlopen(f"http://{LISTEN}:{edge}/health", timeout=10) as answer:
         assert answer.status == 200
     port = json.loads((platform / "control-plane.ready").read_text())["port"]
     listed = _iop("nodes", "ls", "--dir", str(platform), "--control-plane", f"{LISTEN}:{port}", "--server-name", LISTEN)
@@ -258,7 +258,9 @@ def test_bad_arguments_are_one_line_before_anything_is_sent(platform: Path, mach
         _failed_in_one_line(_join(bad, machine, "fine"))
     _failed_in_one_line(_join(join_args, machine, "node"))  # a role's name
     _failed_in_one_line(_join(join_args, machine, "bad/name"))
-    _failed_in_one_line(_iop("join", "127.0.0.1:9", "--token", join_args[2], "--ca", join_args[4], "--dir", str(machine)))
+    _failed_in_one_line(
+        _iop("join", "127.0.0.1:9", "--token", join_args[2], "--ca", join_args[4], "--dir", str(machine))
+    )
 
 
 def test_a_removed_node_is_closed_and_cannot_come_back(platform: Path, machine: Path) -> None:
@@ -290,3 +292,14 @@ def test_a_joined_node_renews_its_certificate_and_stays_registered(platform: Pat
     assert cert.stat().st_mode & 0o777 == 0o600
     assert _nodes(platform)["gpu-renew"]["state"] == "ready"
     assert "certificate renewed" in (machine / "node.log").read_text()
+
+
+def test_a_port_taken_on_a_listen_address_alone_is_not_chosen() -> None:
+    import socket
+
+    from iop_cli.configs import _default_or_free
+
+    with socket.create_server(("127.0.0.3", 0)) as held:
+        taken = held.getsockname()[1]
+        chosen = _default_or_free(taken, "the test", ["127.0.0.1", "127.0.0.3"])
+    assert chosen != taken

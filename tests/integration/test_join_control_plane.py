@@ -347,6 +347,8 @@ async def test_the_control_plane_keeps_serving_while_joins_are_attacked(pki: Pki
             ]
             assert await asyncio.wait_for(asyncio.gather(*(_closed_by_listener(r) for r, _ in flood)), 10)
             assert _limit_hits("handshakes_per_address") - refused >= 16  # beyond the bound: closed at accept
+            for _, writer in flood:
+                writer.close()
             _, request = csr("gpu-1")
             for guess in range(4):  # guessed tokens, then the bound
                 await _refused(cp, pki, f"iopjt-aaaaaa.{guess:032x}", request)
@@ -365,3 +367,16 @@ async def test_the_control_plane_keeps_serving_while_joins_are_attacked(pki: Pki
             assert kinds(await collect(running))[-1] == "error"  # the old one streamed until cancelled
             assert cp.registry.nodes["node-a"].state is NodeState.READY
             await edge.close()
+
+
+async def test_certless_connections_count_against_the_per_peer_bound_by_address(pki: Pki, tmp_path: Path) -> None:
+    settings = join_settings(pki, tmp_path, listen={"port": 0, "max_connections_per_peer": 2})
+    async with build_control_plane(settings) as cp:
+        held = [await certless(cp), await certless(cp)]
+        with pytest.raises(HandshakeError) as third:
+            await certless(cp)
+        assert third.value.code == pb.ERROR_CODE_RESOURCE_EXHAUSTED and "address 127.0.0.1" in third.value.message
+        edge = await client(cp, pki)  # a certificate is its own peer: not held back by the address
+        assert (await edge.capabilities()).node_id == "control-plane"
+        for connection in (*held, edge):
+            await connection.close()
