@@ -232,6 +232,7 @@ def test_b_and_c_registered_under_their_names_from_their_own_addresses(cluster: 
     listed = cluster.nodes()
     for name, machine in (("node-b", cluster.network.b), ("node-c", cluster.network.c)):
         assert listed[name]["state"] == "ready", listed[name]
+        assert listed[name]["shared_certificate"] is False, listed[name]  # its own certificate, named node-b/-c
         assert str(listed[name]["address"]).startswith(f"{machine.address}:"), listed[name]
     joined = json.loads((cluster.root / "b" / "joined.json").read_text())
     assert joined["name"] == "node-b" and joined["address"] == cluster.address, joined
