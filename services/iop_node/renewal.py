@@ -2,8 +2,10 @@
 
 A joined node's certificate lives days, not years (``iop join``). Once two thirds of its lifetime
 have passed, the node makes a new key, sends ``cert.renew`` with a certificate request for it on
-the mTLS connection it is registered on, and writes the key, then the certificate it gets back,
-each whole (written aside, then renamed over the old) to the paths of its ``tls`` settings. The
+the mTLS connection it is registered on, and puts the key and the certificate it gets back in
+place of the old pair at the paths of its ``tls`` settings (both written aside first, then
+renamed; a node stopped midway completes it at its next start, before its settings check the
+pair: :func:`finish_interrupted_renewal`). The
 live connection goes on with the old certificate; every dial builds its TLS context from the
 files (``iop_wire.endpoint.open_stream``), so the next one presents the new certificate. A
 renewal that fails is tried again after min(60 s, a tenth of the time left). A certificate that
@@ -28,7 +30,7 @@ from iop_wire.connection import Connection
 from iop_wire.errors import IopError
 from iop_wire.tls import Role
 
-__all__ = ["CertificateRenewal", "renew_at"]
+__all__ = ["CertificateRenewal", "finish_interrupted_renewal", "renew_at"]
 
 _log = structlog.get_logger("iop.node")
 _RETRY_CAP = 60.0
@@ -94,8 +96,7 @@ class CertificateRenewal:
         facts = certificate_facts(pem)
         if facts.name != name:
             raise ValueError(f"the renewed certificate names {facts.name!r}, not {name!r}")
-        await asyncio.to_thread(_replace, self.key, key_pem(key))
-        await asyncio.to_thread(_replace, self.cert, pem)
+        await asyncio.to_thread(_install, self.cert, self.key, pem, key_pem(key))
         self.renewals += 1
         _log.info("certificate renewed", node_id=name, serial=facts.serial, not_after=facts.not_after.isoformat())
 
@@ -111,12 +112,43 @@ class CertificateRenewal:
         )
 
 
-def _replace(path: Path, data: bytes) -> None:
-    """Write ``path`` whole (mode 0600): aside first, then renamed over it, so a reader sees old or new."""
-    draft = path.with_name(path.name + ".new")
-    fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def _draft(path: Path) -> Path:
+    return path.with_name(path.name + ".new")
+
+
+def _write_whole(path: Path, data: bytes) -> None:
+    """``path`` written whole (mode 0600, synced): aside first, then renamed, so it is old or new."""
+    aside = path.with_name(path.name + ".tmp")
+    fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as handle:
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
-    draft.replace(path)
+    aside.replace(path)
+
+
+def _install(cert: Path, key: Path, cert_pem: bytes, key_data: bytes) -> None:
+    """Put a new certificate and key in place. Both are written beside the old ones first
+    (``.new``, the key's before the certificate's), then renamed over them (the key, then the
+    certificate): a stop at any point leaves the old pair, or drafts that
+    :func:`finish_interrupted_renewal` completes at the next start."""
+    _write_whole(_draft(key), key_data)
+    _write_whole(_draft(cert), cert_pem)
+    _draft(key).replace(key)
+    _draft(cert).replace(cert)
+
+
+def finish_interrupted_renewal(cert: Path, key: Path) -> str | None:
+    """Complete (or drop) a renewal stopped between its writes, so the certificate and key match;
+    what was done, None when nothing was. The certificate's draft exists only once both drafts
+    are whole: then the renewal is completed; a key draft alone is dropped (the old pair stands)."""
+    cert_draft, key_draft = _draft(cert), _draft(key)
+    if cert_draft.exists():
+        if key_draft.exists():
+            key_draft.replace(key)
+        cert_draft.replace(cert)
+        return "completed a certificate renewal that was stopped midway"
+    if key_draft.exists():
+        key_draft.unlink()
+        return "dropped the key of a certificate renewal that was stopped before its certificate came"
+    return None

@@ -7,12 +7,15 @@ Relative paths in the file (``tls.*``, ``store_path``) are taken from the file's
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, Literal
 
+import structlog
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from iop_node.renewal import finish_interrupted_renewal
 from iop_wire.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_wire.settings import (
     ConfigError,
@@ -30,6 +33,8 @@ from iop_wire.settings import Section as _Section
 from iop_wire.settings import load_settings as _load
 
 __all__ = ["ConfigError", "Problem", "RouteSettings", "Settings", "StartError", "load_settings", "one_line"]
+
+_log = structlog.get_logger("iop.node")
 
 
 class NodeConnectionSettings(ConnectionSettings):
@@ -126,6 +131,20 @@ class Settings(BaseSettings):
     """The event loop ``iop node`` runs on: uvloop (libuv) or the standard library's."""
     routes: list[RouteSettings] = Field(default_factory=list)
     """The route table."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _finish_renewal(cls, data: Any) -> Any:
+        """A certificate renewal the node was stopped in the middle of is completed before the
+        ``tls`` files are checked as a pair (``iop_node.renewal.finish_interrupted_renewal``)."""
+        tls = data.get("tls") if isinstance(data, dict) else None
+        cert, key = (tls.get("cert"), tls.get("key")) if isinstance(tls, dict) else (None, None)
+        if isinstance(cert, str | Path) and isinstance(key, str | Path):
+            with contextlib.suppress(OSError):  # unreadable: the tls check says so, naming the key
+                done = finish_interrupted_renewal(Path(cert), Path(key))
+                if done:
+                    _log.warning(done, cert=str(cert))
+        return data
 
     @model_validator(mode="after")
     def _unique_models(self) -> Settings:
