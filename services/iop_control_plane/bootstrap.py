@@ -170,7 +170,14 @@ class ControlPlaneApp:
         )
         config = settings.listen.config(settings.tls, connection, _ROLES)
         if self.joining.authority is not None:
-            config = replace(config, certless=True, certless_timeout=settings.join.anonymous_timeout)
+            join = settings.join
+            config = replace(
+                config,
+                certless=True,
+                certless_timeout=join.anonymous_timeout,
+                max_certless=join.max_anonymous,
+                max_certless_per_address=join.max_anonymous_per_address,
+            )
         screen = self.joining.screen if settings.tls.enabled else None
         try:
             listener = await Listener(config, self.handler_for, screen=screen).start()

@@ -62,6 +62,11 @@ class JoinSettings(_Section):
     """Seconds over which ``max_failures`` is counted."""
     anonymous_timeout: float = Field(30.0, gt=0)
     """Seconds a connection without a certificate (a machine joining) stays open."""
+    max_anonymous: int = Field(32, ge=1)
+    """Connections without a certificate open at once, from all addresses; more are refused
+    RESOURCE_EXHAUSTED at the preface, so they never take the room of nodes and edges."""
+    max_anonymous_per_address: int = Field(4, ge=1)
+    """Connections without a certificate open at once from one source address."""
 
 
 class IdentitySettings(_Section):

@@ -69,6 +69,11 @@ class ListenerConfig:
     for :data:`~iop_wire.tls.CERTLESS`; a certificate that is presented is verified as always."""
     certless_timeout: float = 30.0
     """Seconds a certless peer's connection stays open, whatever it does."""
+    max_certless: int = 32
+    """Certless connections open at once, from all addresses: nobody vouched for them, so they may
+    never take the room of peers with certificates (a joiner needs one for about a second)."""
+    max_certless_per_address: int = 4
+    """Certless connections open at once from one source address."""
     handshake_timeout: float = 10.0
     """Seconds a dialer has for the TLS handshake and the preface."""
     first_byte_timeout: float = 3.0
@@ -118,6 +123,8 @@ class Listener:
         self._handshaking: set[asyncio.Task[None]] = set()
         """The tasks among those still in their TLS handshake or preface."""
         self._per_peer: Counter[str] = Counter()
+        self._certless = 0
+        """Certless connections open (counted once their preface is answered)."""
         self._handshakes_from: Counter[str] = Counter()
         """Handshakes under way, by source IP address."""
         self._log_limiter = RateLimitedLog()
@@ -207,11 +214,14 @@ class Listener:
             return
         connection, key = accepted
         self.connections.add(connection)
+        certless = connection.peer.certless
+        self._certless += certless
         try:
-            if connection.peer.certless:
+            if certless:
                 await _close_after(connection, self.config.certless_timeout)
             await connection.wait_closed()
         finally:
+            self._certless -= certless
             self.connections.discard(connection)
             self._per_peer[key] -= 1
             if self._per_peer[key] <= 0:
@@ -295,14 +305,8 @@ class Listener:
             return None
         address = writer.get_extra_info("peername")
         key = peer.name if peer.name else f"address {address[0] if address else '?'}"
-        if self._per_peer[key] >= self.config.max_connections_per_peer:
-            LIMIT_HITS.labels("connections_per_peer").inc()
-            error = HandshakeError(
-                pb.ERROR_CODE_RESOURCE_EXHAUSTED,
-                f"{key} already has {self.config.max_connections_per_peer} connections open here",
-                retryable=True,
-            )
-            await _refuse(writer, codec, error, log)
+        if (full := self._full(peer, key)) is not None:
+            await _refuse(writer, codec, full, log)
             return None
         self._per_peer[key] += 1
         writer.write(preface(codec.name))
@@ -318,6 +322,24 @@ class Listener:
             side="accepted",
         )
         return connection.start(), key
+
+    def _full(self, peer: PeerIdentity, key: str) -> HandshakeError | None:
+        """RESOURCE_EXHAUSTED when ``peer`` (``key``: its name, or address) has all the connections it
+        may hold here: per peer, and for a certless one also per address and in all; None when not."""
+        config = self.config
+        if peer.certless:
+            limit = min(config.max_certless_per_address, config.max_connections_per_peer)
+            what = f"{key} already has {{}} certless connections open here"
+            if self._per_peer[key] < limit and self._certless >= config.max_certless:
+                limit, what = config.max_certless, "{} certless connections are open here (machines joining)"
+                LIMIT_HITS.labels("certless_connections").inc()
+                return HandshakeError(pb.ERROR_CODE_RESOURCE_EXHAUSTED, what.format(limit), retryable=True)
+        else:
+            limit, what = config.max_connections_per_peer, f"{key} already has {{}} connections open here"
+        if self._per_peer[key] < limit:
+            return None
+        LIMIT_HITS.labels("connections_per_peer").inc()
+        return HandshakeError(pb.ERROR_CODE_RESOURCE_EXHAUSTED, what.format(limit), retryable=True)
 
     def _refusal(self, peer: PeerIdentity) -> IopError | None:
         """Why ``peer`` may not connect here (its role, or the screen's verdict); None when it may."""

@@ -380,3 +380,26 @@ async def test_certless_connections_count_against_the_per_peer_bound_by_address(
         assert (await edge.capabilities()).node_id == "control-plane"
         for connection in (*held, edge):
             await connection.close()
+
+
+async def test_certless_connections_in_all_are_bounded_and_never_crowd_out_certificates(
+    pki: Pki, tmp_path: Path
+) -> None:
+    settings = join_settings(pki, tmp_path, join={"max_anonymous": 2, "max_anonymous_per_address": 4})
+    async with build_control_plane(settings) as cp:
+        held = [await certless(cp), await certless(cp)]
+        with pytest.raises(HandshakeError) as third:
+            await certless(cp)
+        assert third.value.code == pb.ERROR_CODE_RESOURCE_EXHAUSTED
+        assert "2 certless connections are open here" in third.value.message
+        hits = cp.metrics.registry.get_sample_value("iop_wire_limit_hits_total", {"limit": "certless_connections"})
+        assert hits is not None and hits >= 1
+        edge = await client(cp, pki)  # a peer with a certificate still gets in
+        assert (await edge.capabilities()).node_id == "control-plane"
+        await held[0].close()
+        listener = cp.listener
+        assert listener is not None
+        await assert_eventually(lambda: sum(c.peer.certless for c in listener.connections) == 1)
+        replacement = await certless(cp)  # room again once one closed
+        for connection in (held[1], replacement, edge):
+            await connection.close()
