@@ -30,7 +30,6 @@ import datetime
 import json
 import os
 import re
-import signal
 import socket
 import ssl
 from pathlib import Path
@@ -40,10 +39,10 @@ import yaml
 
 from iop_cli.configs import backend_routes, node_config
 from iop_cli.output import CliError
-from iop_cli.platform import JOINED, Platform, is_joined, read_joined, say
+from iop_cli.platform import JOINED, Platform, is_joined, read_joined
 from iop_cli.preflight import only_up
 from iop_cli.shell import iop_command
-from iop_cli.up import start_supervised
+from iop_cli.up import run_attached, start_supervised
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.certs import ca_hash, certificate_facts, certificate_request, key_pem, new_key
 from iop_wire.endpoint import dial
@@ -239,22 +238,7 @@ def _models(state: Path) -> list[str]:
 
 def _foreground(platform: Platform) -> int:
     """--foreground: the node attached, its output relayed; Ctrl-C or SIGTERM stop it."""
-    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        node = platform.start()["node"]
-        _print_joined(platform.state, node)
-        return platform.watch()
+        return run_attached(platform, lambda services: _print_joined(platform.state, services["node"]))
     except CliError as exc:
-        platform.stop()
         raise CliError(str(exc), 2) from None
-    except KeyboardInterrupt:
-        say("stopping")
-        platform.stop()
-        return 0
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt

@@ -101,7 +101,7 @@ from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.endpoint import dial
 from iop_wire.tls import TlsConfig
 
-__all__ = ["CONTROL_PLANE_PORT", "EDGE_PORT", "down", "start_supervised", "status", "up"]
+__all__ = ["CONTROL_PLANE_PORT", "EDGE_PORT", "down", "run_attached", "start_supervised", "status", "up"]
 
 _SUPERVISED_START = 180.0  # the supervisor's Platform.start: 30 s for each service, then the edge's /ready
 _SUPERVISED_STOP = len(SERVICES) * STOP_TIMEOUT + 10  # it stops the services one after the other
@@ -143,11 +143,22 @@ def _foreground(platform: Platform, started: Callable[[], None]) -> int:
     """Start the services attached: their output relayed; Ctrl-C, SIGTERM or one exiting stops all.
 
     ``started`` is called once they run (the lock goes: ``iop down`` from elsewhere may stop them)."""
+
+    def print_started(services: dict[str, dict[str, Any]]) -> None:
+        _print_started(platform.state, services, foreground=True)
+        started()
+
+    return run_attached(platform, print_started)
+
+
+def run_attached(platform: Platform, on_start: Callable[[dict[str, dict[str, Any]]], None]) -> int:
+    """Run ``platform`` attached (``iop up --foreground``, ``iop join --foreground``): ``on_start``
+    gets what each service wrote to its ready file once they run; Ctrl-C or SIGTERM stops them
+    (exit 0), one exiting stops the others (its code); a CliError stops them and goes on up."""
     # Set, not inherited: a shell starting `iop up &` has it ignore SIGINT, which Python keeps.
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        _print_started(platform.state, platform.start(), foreground=True)
-        started()
+        on_start(platform.start())
         return platform.watch()
     except CliError:
         platform.stop()

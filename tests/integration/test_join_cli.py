@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -228,6 +229,38 @@ def test_a_machine_joins_serves_and_stops(platform: Path, machine: Path) -> None
     down = _iop("down", "--dir", str(machine))
     assert down.returncode == 0 and "node" in down.stdout, down.stdout + down.stderr
     _assert_eventually(lambda: _nodes(platform).get("gpu-b", {}).get("state") != "ready", "gpu-b gone from ready")
+
+
+def test_a_machine_joined_in_the_foreground_stops_on_ctrl_c(platform: Path, machine: Path) -> None:
+    join_args, _ = _token(platform)
+    command = [*IOP, "join", *join_args, "--name", "gpu-fg", "--dir", str(machine), "--foreground"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV) as process:
+        try:
+            assert process.stdout is not None
+            seen = []
+            for line in process.stdout:  # the node's own output follows, prefixed "node | "
+                seen.append(line)
+                if line.startswith("joined "):
+                    break
+            assert seen and seen[-1].startswith(f"joined {join_args[0]} as node gpu-fg"), seen
+            assert _nodes(platform)["gpu-fg"]["state"] == "ready"
+            process.send_signal(signal.SIGINT)
+            rest, _ = process.communicate(timeout=30)
+            assert process.returncode == 0, rest
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    _assert_eventually(lambda: _nodes(platform).get("gpu-fg", {}).get("state") != "ready", "gpu-fg gone from ready")
+    assert not (machine / "node.pid").exists() or not _alive(machine / "node.pid")
+
+
+def _alive(pid_file: Path) -> bool:
+    try:
+        os.kill(int(pid_file.read_text().split()[0]), 0)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def test_a_wrong_ca_hash_sends_nothing_but_hello(platform: Path, machine: Path) -> None:
