@@ -155,10 +155,15 @@ class NodeApp:
         self._stack.push_async_callback(self.listener.close, "node shutting down")
 
     def _register(self, tasks: asyncio.TaskGroup) -> None:
-        settings = self.settings
+        settings, registered = self.settings, asyncio.Event()  # the ready file's "registered": with any
         for address in settings.control_plane.all_addresses:
             registration = Registration(
-                self.node, settings.control_plane, settings.tls.config(), self.connection_config, address=address
+                self.node,
+                settings.control_plane,
+                settings.tls.config(),
+                self.connection_config,
+                address=address,
+                registered=registered,
             )
             task = tasks.create_task(registration.run_forever(), name=f"iop-register-{address}")
             self._stack.push_async_callback(_stop_registration, registration, task)

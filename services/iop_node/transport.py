@@ -55,8 +55,10 @@ class Registration:
         config: ConnectionConfig,
         *,
         address: str | None = None,
+        registered: asyncio.Event | None = None,
     ) -> None:
-        """``address``: which of ``settings.all_addresses`` (default: the first)."""
+        """``address``: which of ``settings.all_addresses`` (default: the first); ``registered``: an
+        event the registrations with the other control-planes share (set by whichever comes first)."""
         self.link = KeepConnected(
             settings.target(tls, config, address=address),
             self._register,
@@ -67,8 +69,8 @@ class Registration:
         self._changed = asyncio.Event()
         self._reported = -1
         self.registrations = 0
-        self.registered = asyncio.Event()
-        """Set once the node first registered."""
+        self.registered = registered or asyncio.Event()
+        """Set once the node first registered (with any control-plane, when shared)."""
         node.on_load_change(self._on_load_change)
 
     @property
