@@ -50,7 +50,8 @@ class Pool:
         connection = settings.connection.config(heartbeat_interval=settings.heartbeat_interval)
         targets = section.targets(settings.tls.config(), connection, role) if section.all_addresses else []
         backoff = section.backoff()
-        self.links = Links([KeepConnected(target, backoff=backoff) for target in targets for _ in range(connections)])
+        # Interleaved (a, b, a, b): taken in turn, consecutive runs go to different control-planes.
+        self.links = Links([KeepConnected(target, backoff=backoff) for _ in range(connections) for target in targets])
         self.address = ", ".join(self.links.addresses)
         """Every peer's ``host:port``, for messages."""
 
@@ -99,7 +100,8 @@ class Upstream(Pool):
 
     async def open_run(self, request: pb.RunRequest) -> FailoverStream:
         """Submit a run on a connection that is up; opened again elsewhere if that one dies before output."""
-        self.connection()  # the error when none is configured or up
+        if not self.links.up():
+            self.connection()  # the pool's error: none configured, or none reachable
         return await open_run_anywhere(self.links, request, urgent=False)  # written at the end of the turn
 
     async def capabilities(self) -> pb.CapabilityResponse:
