@@ -72,11 +72,11 @@ class HttpSettings(_Section):
 
 
 class UpstreamSettings(ControlPlaneAddress):
-    """The control-plane the edge submits runs to, over a small pool of mTLS connections."""
+    """The control-plane(s) the edge submits runs to, over a small pool of mTLS connections to each."""
 
     address: str | None = "127.0.0.1:7400"
     connections: int = Field(2, ge=1, le=64)
-    """Connections in the pool; runs are spread over those that are up."""
+    """Connections to each control-plane; runs are spread over every one that is up."""
     capabilities_ttl: float = Field(2.0, ge=0)
     """Seconds a capability answer (GET /v1/models) is reused."""
 
@@ -117,7 +117,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _has_control_plane(self) -> Settings:
-        if self.control_plane.address is None:
+        if not self.control_plane.all_addresses:
             raise ValueError("control_plane.address is required: the edge submits every run to a control-plane")
         return self
 

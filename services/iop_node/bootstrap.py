@@ -1,9 +1,9 @@
 """The node's composition root: settings in, a running node out. Nothing is built at import time.
 
 :class:`NodeApp` owns the lifecycle. ``start`` puts every part onto one ``AsyncExitStack`` in
-order (adapters, run history, the task group of background loops, listener, registration and
-the certificate's renewal, metrics); ``stop`` drains the node, then unwinds the stack in
-reverse: metrics, renewal and registration stop, the listener closes (ending its runs), the
+order (adapters, run history, the task group of background loops, listener, a registration per
+control-plane and the certificate's renewal, metrics); ``stop`` drains the node, then unwinds
+the stack in reverse: metrics, renewal and registrations stop, the listener closes (ending its runs), the
 task group waits for its loops, the history commits and closes, the adapters close; whatever
 fails, the rest still closes. A part that cannot start raises :class:`StartError` naming its
 setting, after the parts before it closed.
@@ -36,6 +36,7 @@ from iop_node.settings import ConfigError, Problem, Settings, StartError
 from iop_node.store import SqliteRunStore
 from iop_node.transport import Registration, node_handler
 from iop_wire.connection import ConnectionConfig
+from iop_wire.dialer import Links
 from iop_wire.endpoint import Listener
 from iop_wire.metrics import expose
 from iop_wire.settings import bind_error, problems, resolve_paths
@@ -84,6 +85,9 @@ class NodeApp:
     connection_config: ConnectionConfig
     listener: Listener | None = None
     registration: Registration | None = None
+    """The registration with the first control-plane (one of :attr:`registrations`)."""
+    registrations: list[Registration] = field(default_factory=list)
+    """One per control-plane (``control_plane.address`` or ``addresses``)."""
     renewal: CertificateRenewal | None = None
     metrics_port: int | None = None
     _stack: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
@@ -103,7 +107,7 @@ class NodeApp:
             tasks = await self._stack.enter_async_context(asyncio.TaskGroup())
             if self.settings.listen.enabled:
                 await self._listen()
-            if self.settings.control_plane.address:
+            if self.settings.control_plane.all_addresses:
                 self._register(tasks)
             if self.settings.metrics.port is not None:
                 self._serve_metrics(self.settings.metrics.host, self.settings.metrics.port)
@@ -151,14 +155,24 @@ class NodeApp:
         self._stack.push_async_callback(self.listener.close, "node shutting down")
 
     def _register(self, tasks: asyncio.TaskGroup) -> None:
-        settings = self.settings
-        registration = Registration(self.node, settings.control_plane, settings.tls.config(), self.connection_config)
-        task = tasks.create_task(registration.run_forever(), name="iop-register")
-        self._stack.push_async_callback(_stop_registration, registration, task)
-        self.registration = registration
+        settings, registered = self.settings, asyncio.Event()  # the ready file's "registered": with any
+        for address in settings.control_plane.all_addresses:
+            registration = Registration(
+                self.node,
+                settings.control_plane,
+                settings.tls.config(),
+                self.connection_config,
+                address=address,
+                registered=registered,
+            )
+            task = tasks.create_task(registration.run_forever(), name=f"iop-register-{address}")
+            self._stack.push_async_callback(_stop_registration, registration, task)
+            self.registrations.append(registration)
+        self.registration = self.registrations[0]
         tls = settings.tls
         if tls.enabled and tls.cert is not None and tls.key is not None:
-            self._renew(tasks, CertificateRenewal(tls.cert, tls.key, registration.link.connected))
+            links = Links([registration.link for registration in self.registrations])
+            self._renew(tasks, CertificateRenewal(tls.cert, tls.key, links.connected))
 
     def _renew(self, tasks: asyncio.TaskGroup, renewal: CertificateRenewal) -> None:
         """Keep the certificate renewed over the registration's connection (a joined node's lives days)."""

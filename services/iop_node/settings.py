@@ -83,7 +83,8 @@ class RouteSettings(_Section):
 
 
 class ControlPlaneSettings(ControlPlaneAddress):
-    """Registered mode: the control-plane this node dials."""
+    """Registered mode: the control-plane this node dials (``address``), or every one of several
+    (``addresses``): the node registers with each and reports its load to each."""
 
     status_step: int = Field(1, ge=1)
     """Send node.status between heartbeats once in-flight + queued changed by this much."""

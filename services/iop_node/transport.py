@@ -1,7 +1,10 @@
-"""The node's transports: the handler table it serves with, and registration with a control-plane.
+"""The node's transports: the handler table it serves with, and registration with its control-planes.
 
 Runs arriving either way go to the same ``Node``, so direct and relayed runs are served alike.
-Only the connection this node dialed to its control-plane takes ``node.drain``.
+Only a connection this node dialed to a control-plane takes ``node.drain``. With several
+control-planes (``control_plane.addresses``) the node keeps one :class:`Registration` per
+control-plane, each on its own connection with its own redial backoff, and reports its load to
+each; the node's own admission decides what runs, whichever control-plane sent them.
 """
 
 from __future__ import annotations
@@ -42,11 +45,22 @@ def node_handler(node: Node, *, control_plane: bool = False) -> Handler:
 
 
 class Registration:
-    """Keeps the node registered with its control-plane: dial, register, report, reconnect."""
+    """Keeps the node registered with one control-plane: dial, register, report, reconnect."""
 
-    def __init__(self, node: Node, settings: ControlPlaneSettings, tls: TlsConfig, config: ConnectionConfig) -> None:
+    def __init__(
+        self,
+        node: Node,
+        settings: ControlPlaneSettings,
+        tls: TlsConfig,
+        config: ConnectionConfig,
+        *,
+        address: str | None = None,
+        registered: asyncio.Event | None = None,
+    ) -> None:
+        """``address``: which of ``settings.all_addresses`` (default: the first); ``registered``: an
+        event the registrations with the other control-planes share (set by whichever comes first)."""
         self.link = KeepConnected(
-            settings.target(tls, config),
+            settings.target(tls, config, address=address),
             self._register,
             handler=node_handler(node, control_plane=True),
             backoff=settings.backoff(),
@@ -55,8 +69,8 @@ class Registration:
         self._changed = asyncio.Event()
         self._reported = -1
         self.registrations = 0
-        self.registered = asyncio.Event()
-        """Set once the node first registered."""
+        self.registered = registered or asyncio.Event()
+        """Set once the node first registered (with any control-plane, when shared)."""
         node.on_load_change(self._on_load_change)
 
     @property

@@ -13,7 +13,8 @@ Layers, bottom up (each usable and testable without the ones above it):
 - ``connection``: one TCP connection carrying many runs both ways, heartbeats, bounds, and
   what it serves (:class:`Handler`: a run handler and ``{body field: handler}``).
 - ``endpoint``: :class:`Listener` and :func:`dial`, the preface (codec agreement), role checks.
-- ``dialer``: :class:`KeepConnected`, one connection kept open with backoff and jitter.
+- ``dialer``: :class:`KeepConnected`, one connection kept open with backoff and jitter; :class:`Links`, several.
+- ``failover``: :func:`open_run_anywhere`, a run opened again on another peer while it has no output.
 - ``settings``: the TLS, listen and limit settings every service shares, and the YAML loader.
 
 Messages are the upb classes generated in ``iop_gen.pb.iop.runtime_pb2``.
@@ -22,7 +23,7 @@ Messages are the upb classes generated in ``iop_gen.pb.iop.runtime_pb2``.
 from __future__ import annotations
 
 from iop_wire.connection import Connection, ConnectionConfig, Handler, Inbound, MessageHandler, RunHandler
-from iop_wire.dialer import Backoff, KeepConnected, Target
+from iop_wire.dialer import Backoff, KeepConnected, Links, Target
 from iop_wire.endpoint import Listener, ListenerConfig, dial
 from iop_wire.errors import ConnectionClosed, DecodeError, FrameError, HandshakeError, IopError, code_name
 from iop_wire.runs import TERMINAL_EVENTS, EventSink, RunStream, relay
@@ -43,6 +44,7 @@ __all__ = [
     "Inbound",
     "IopError",
     "KeepConnected",
+    "Links",
     "Listener",
     "ListenerConfig",
     "MessageHandler",

@@ -8,23 +8,34 @@ What a node does for its control-plane, and an edge or a worker will do for thei
 
     async with KeepConnected(Target("cp.internal", 7400, tls=tls), session, handler=handler) as link:
         connection = await link.connected()
+
+Several peers of one kind (control-planes run active-active) are one :class:`Links`: a
+:class:`KeepConnected` per connection, each redialing on its own, and a connection that is up
+picked in turn::
+
+    links = Links([KeepConnected(target) for target in targets])
+    links.start()
+    connection = links.pick()                  # or IopError UNAVAILABLE when none is up
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import random
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.connection import Connection, ConnectionConfig, Handler
 from iop_wire.endpoint import dial
 from iop_wire.errors import IopError
 from iop_wire.logs import library_logger
 from iop_wire.tls import Role, TlsConfig
 
-__all__ = ["Backoff", "KeepConnected", "Session", "Target"]
+__all__ = ["Backoff", "KeepConnected", "Links", "Session", "Target"]
 
 _log = library_logger("iop.wire")  # silent below WARNING until the application configures logging
 
@@ -160,3 +171,61 @@ class KeepConnected:
             self._up.clear()
             if not connection.closed:
                 await connection.close("session ended")
+
+
+class Links:
+    """Connections to several peers (or several to one), each kept by its own :class:`KeepConnected`.
+
+    :meth:`pick` takes a connection that is up, in turn, skipping the peers in ``exclude``: runs
+    are spread over every peer that is up, and one that is down costs nothing but being skipped.
+    """
+
+    def __init__(self, links: Sequence[KeepConnected]) -> None:
+        self.links = list(links)
+        self._turn = itertools.count()
+
+    @property
+    def addresses(self) -> list[str]:
+        """Every peer's ``host:port``, once each, in order."""
+        return list(dict.fromkeys(link.target.address for link in self.links))
+
+    def start(self) -> None:
+        """Start dialing every connection."""
+        for link in self.links:
+            link.start()
+
+    async def stop(self) -> None:
+        """Stop every connection (runs still open on them end with an error)."""
+        await asyncio.gather(*(link.stop() for link in self.links))
+
+    def up(self) -> list[KeepConnected]:
+        """The links whose connection is open now."""
+        return [link for link in self.links if link.connection is not None and not link.connection.closed]
+
+    def pick(self, exclude: Collection[str] = ()) -> KeepConnected:
+        """A link that is up, in turn, whose peer is not in ``exclude``; UNAVAILABLE (retryable) if none."""
+        links = self.links
+        start = next(self._turn)
+        for offset in range(len(links)):
+            link = links[(start + offset) % len(links)]
+            if link.target.address not in exclude and link.connection is not None and not link.connection.closed:
+                return link
+        peers = ", ".join(address for address in self.addresses if address not in exclude) or "no other peer"
+        raise IopError(pb.ERROR_CODE_UNAVAILABLE, f"no connection is up ({peers})", retryable=True)
+
+    async def connected(self, timeout: float | None = None) -> Connection:
+        """A connection that is up, waiting up to ``timeout`` seconds for any to be."""
+        if not self.links:
+            raise IopError(pb.ERROR_CODE_UNAVAILABLE, "no peer is configured")
+        async with asyncio.timeout(timeout):
+            while True:
+                with contextlib.suppress(IopError):
+                    connection = self.pick().connection
+                    if connection is not None:
+                        return connection
+                waits = [asyncio.ensure_future(link.connected()) for link in self.links]
+                try:
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for wait in waits:
+                        wait.cancel()

@@ -107,6 +107,10 @@ class RunStream:
             return None
         return self._take()[0]
 
+    def next_frame_nowait(self) -> tuple[pb.RunEvent, bytes] | None:
+        """:meth:`next_frame` if the event has arrived, else None."""
+        return self._take() if self._events else None
+
     def _take(self) -> tuple[pb.RunEvent, bytes]:
         item = self._events.popleft()
         self.buffered_bytes -= len(item[1])

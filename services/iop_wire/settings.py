@@ -185,10 +185,16 @@ class ConnectionSettings(Section):
 
 
 class ControlPlaneAddress(Section):
-    """The control-plane a service dials (a node registering, an edge or a worker submitting runs)."""
+    """The control-plane(s) a service dials (a node registering, an edge or a worker submitting runs).
+
+    One (``address``) or several (``addresses``, active-active): a node registers with each, an
+    edge or a worker keeps connections to each and spreads runs over those that are up.
+    """
 
     address: str | None = None
-    """``host:port`` of the control-plane; unset means none."""
+    """``host:port`` of the control-plane; unset means none (or see ``addresses``)."""
+    addresses: list[str] | None = None
+    """Several control-planes (``[cp-a:7400, cp-b:7400]``), instead of ``address``."""
     server_name: str | None = None
     """Name to verify in the control-plane's certificate; defaults to the host."""
     reconnect_initial: float = Field(0.5, gt=0)
@@ -200,28 +206,71 @@ class ControlPlaneAddress(Section):
     @classmethod
     def _host_and_port(cls, address: str | None) -> str | None:
         if address is not None:
-            _, colon, port = address.rpartition(":")
-            if not colon or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"{address!r} has no port: write host:port, for example cp.internal:7400")
+            _check_address(address)
         return address
 
-    def endpoint(self) -> tuple[str, int]:
-        """``address`` as (host, port); the host defaults to 127.0.0.1 and loses IPv6 brackets."""
-        assert self.address is not None
-        host, _, port = self.address.rpartition(":")
+    @field_validator("addresses")
+    @classmethod
+    def _hosts_and_ports(cls, addresses: list[str] | None) -> list[str] | None:
+        if addresses is None:
+            return None
+        if not addresses:
+            raise ValueError("name at least one host:port, or leave addresses unset")
+        for address in addresses:
+            _check_address(address)
+        if len(set(addresses)) != len(addresses):
+            raise ValueError(f"an address is named twice in {addresses}")
+        return addresses
+
+    @model_validator(mode="after")
+    def _one_form(self) -> Self:
+        if self.addresses is not None and "address" in self.model_fields_set and self.address is not None:
+            raise SettingError(("addresses", "set address or addresses, not both"))
+        return self
+
+    @property
+    def all_addresses(self) -> tuple[str, ...]:
+        """Every control-plane's ``host:port``: ``addresses``, else ``address``; empty when neither."""
+        if self.addresses is not None:
+            return tuple(self.addresses)
+        return (self.address,) if self.address is not None else ()
+
+    def endpoint(self, address: str | None = None) -> tuple[str, int]:
+        """``address`` (default: the first of :attr:`all_addresses`) as (host, port); the host
+        defaults to 127.0.0.1 and loses IPv6 brackets."""
+        address = address or self.all_addresses[0]
+        host, _, port = address.rpartition(":")
         return host.removeprefix("[").removesuffix("]") or "127.0.0.1", int(port)
 
-    def target(self, tls: TlsConfig, connection: ConnectionConfig, role: Role = Role.CONTROL_PLANE) -> Target:
-        """How to dial ``address``: with ``tls``, the peer's certificate checked for ``server_name`` and ``role``."""
-        host, port = self.endpoint()
+    def target(
+        self,
+        tls: TlsConfig,
+        connection: ConnectionConfig,
+        role: Role = Role.CONTROL_PLANE,
+        *,
+        address: str | None = None,
+    ) -> Target:
+        """How to dial ``address`` (default: the first): with ``tls``, the peer's certificate checked
+        for ``server_name`` and ``role``."""
+        host, port = self.endpoint(address)
         expect = {role} if tls.enabled else None
         return Target(
             host, port, tls=tls, server_hostname=self.server_name or host, expect_roles=expect, connection=connection
         )
 
+    def targets(self, tls: TlsConfig, connection: ConnectionConfig, role: Role = Role.CONTROL_PLANE) -> list[Target]:
+        """How to dial each of :attr:`all_addresses`, in order."""
+        return [self.target(tls, connection, role, address=address) for address in self.all_addresses]
+
     def backoff(self) -> Backoff:
         """The redial delays: ``reconnect_initial`` doubling up to ``reconnect_max``."""
         return Backoff(self.reconnect_initial, self.reconnect_max)
+
+
+def _check_address(address: str) -> None:
+    _, colon, port = address.rpartition(":")
+    if not colon or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{address!r} has no port: write host:port, for example cp.internal:7400")
 
 
 class ListenSettings(Section):

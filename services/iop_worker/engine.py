@@ -36,7 +36,7 @@ from google.protobuf import message as protobuf_message
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import ConnectionClosed, IopError, RunStream, code_name
-from iop_wire.dialer import KeepConnected
+from iop_wire.dialer import Links
 from iop_wire.logs import RateLimitedLog
 from iop_wire.messages import error_message
 from iop_wire.openai import batches as rules
@@ -93,7 +93,7 @@ class Engine:
     def __init__(
         self,
         store: JobStore,
-        control_plane: KeepConnected,
+        control_plane: Links,
         settings: BatchSettings,
         metrics: WorkerMetrics,
         *,

@@ -26,7 +26,7 @@ from prometheus_client import start_http_server
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import EventSink, Handler, IopError, Listener, PeerIdentity, Role
-from iop_wire.dialer import KeepConnected
+from iop_wire.dialer import KeepConnected, Links
 from iop_wire.metrics import expose
 from iop_wire.settings import bind_error, run_service, write_ready_file
 from iop_worker.batches import Batches
@@ -61,11 +61,14 @@ def open_store(settings: Settings) -> JobStore:
     return SqliteJobStore(settings.store.path)
 
 
-def _control_plane(settings: Settings) -> KeepConnected:
-    """The worker's link to the control-plane (role worker), redialed with backoff."""
+def _control_plane(settings: Settings) -> Links:
+    """The worker's links to its control-plane(s) (role control-plane), each redialed with backoff:
+    a line's run goes to one that is up, and a run lost with its connection is tried again."""
     cp = settings.control_plane
     connection = settings.connection.config(heartbeat_interval=settings.heartbeat_interval)
-    return KeepConnected(cp.target(settings.tls.config(), connection), backoff=cp.backoff())
+    return Links(
+        [KeepConnected(target, backoff=cp.backoff()) for target in cp.targets(settings.tls.config(), connection)]
+    )
 
 
 async def _listen(settings: Settings, handler_for: Callable[[PeerIdentity], Handler]) -> Listener:

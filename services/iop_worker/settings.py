@@ -111,7 +111,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _has_control_plane(self) -> Settings:
-        if self.control_plane.address is None:
+        if not self.control_plane.all_addresses:
             raise ValueError("control_plane.address is required: the worker runs every line through a control-plane")
         return self
 

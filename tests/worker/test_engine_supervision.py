@@ -19,7 +19,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from iop_wire.dialer import KeepConnected, Target
+from iop_wire.dialer import KeepConnected, Links, Target
 from iop_worker.engine import Engine
 from iop_worker.metrics import WorkerMetrics
 from iop_worker.pg_store import PgJobStore
@@ -48,7 +48,7 @@ async def running() -> AsyncIterator[list[asyncio.Task[None]]]:
 
 def _engine(store: JobStore, metrics: WorkerMetrics) -> Engine:
     settings = BatchSettings(poll_interval=0.05, lease_seconds=1.0)
-    return Engine(store, KeepConnected(UNUSED), settings, metrics, name="supervised")
+    return Engine(store, Links([KeepConnected(UNUSED)]), settings, metrics, name="supervised")
 
 
 async def _finishes_a_batch(store: JobStore) -> None:

@@ -1,0 +1,155 @@
+"""Runs over several control-planes (``iop_wire.failover``), against peers written with the wire API:
+a connection that dies before the run's first output is left for another peer, and the reader
+sees one clean stream; after output the run ends NODE_LOST (retryable)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+from conftest import Pki, assert_eventually
+from node_helpers import chat, kinds, text
+
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire.connection import ConnectionConfig, Handler
+from iop_wire.dialer import KeepConnected, Links, Target
+from iop_wire.endpoint import Listener, ListenerConfig
+from iop_wire.failover import open_run_anywhere
+from iop_wire.runs import EventSink
+from iop_wire.tls import Role
+
+Serve = Callable[[pb.RunRequest, EventSink, Listener], Awaitable[None]]
+
+
+class Peer:
+    """A control-plane stand-in serving runs with ``serve``; it can die (close every connection) at will."""
+
+    def __init__(self, pki: Pki, serve: Serve) -> None:
+        self.pki, self.serve = pki, serve
+        self.runs: list[str] = []
+        self.listener: Listener | None = None
+        self.port = 0
+
+    async def start(self) -> Peer:
+        async def run(request: pb.RunRequest, sink: EventSink) -> None:
+            self.runs.append(request.run_id)
+            assert self.listener is not None
+            await self.serve(request, sink, self.listener)
+
+        config = ListenerConfig(
+            tls=self.pki.config("cp", Role.CONTROL_PLANE),
+            allowed_roles=frozenset({Role.EDGE}),
+            connection=ConnectionConfig(heartbeat_interval=0.5),
+        )
+        self.listener = await Listener(config, Handler(run=run)).start()
+        self.port = self.listener.port
+        return self
+
+    @property
+    def address(self) -> str:
+        return f"localhost:{self.port}"
+
+
+async def _answer(request: pb.RunRequest, sink: EventSink, listener: Listener) -> None:
+    await sink.start(node_id="n", model=request.model, adapter="fake")
+    for word in ("one", "two", "three"):
+        await sink.delta(word + " ")
+    await sink.complete(pb.FINISH_REASON_STOP)
+
+
+def _crash(sink: EventSink, listener: Listener) -> None:
+    """The peer process killed, as its dialer sees it: no goodbye, the socket reset; it listens no more."""
+    listener.stop_accepting()
+    sink._connection._writer.transport.abort()  # type: ignore[attr-defined]
+
+
+async def _die_before_output(request: pb.RunRequest, sink: EventSink, listener: Listener) -> None:
+    await sink.start(node_id="n", model=request.model, adapter="fake")
+    await asyncio.sleep(0.05)
+    _crash(sink, listener)
+    await asyncio.sleep(10)
+
+
+async def _die_after_output(request: pb.RunRequest, sink: EventSink, listener: Listener) -> None:
+    await sink.start(node_id="n", model=request.model, adapter="fake")
+    await sink.delta("one ")
+    await asyncio.sleep(0.05)
+    _crash(sink, listener)
+    await asyncio.sleep(10)
+
+
+async def _shutting_down(request: pb.RunRequest, sink: EventSink, listener: Listener) -> None:
+    from iop_wire.errors import IopError
+
+    await sink.error(IopError(pb.ERROR_CODE_SHUTTING_DOWN, "stopping", retryable=True))
+
+
+@asynccontextmanager
+async def _links(pki: Pki, *peers: Peer) -> AsyncIterator[Links]:
+    tls = pki.config("edge-t", Role.EDGE)
+    config = ConnectionConfig(heartbeat_interval=0.5)
+    links = Links([KeepConnected(Target("localhost", p.port, tls=tls, connection=config)) for p in peers])
+    links.start()
+    try:
+        await assert_eventually(lambda: len(links.up()) == len(peers))
+        yield links
+    finally:
+        await links.stop()
+        for peer in peers:
+            assert peer.listener is not None
+            await peer.listener.close()
+
+
+async def _read(links: Links, request: pb.RunRequest) -> tuple[list[pb.RunEvent], int]:
+    stream = await open_run_anywhere(links, request)
+    async with asyncio.timeout(10), stream:
+        events = [event async for event in stream]
+    return events, stream.reopened
+
+
+@pytest.mark.parametrize("dying", [_die_before_output, _shutting_down], ids=["connection-lost", "shutting-down"])
+async def test_a_run_left_before_output_is_opened_again_and_read_as_one_stream(pki: Pki, dying: Serve) -> None:
+    doomed, healthy = await Peer(pki, dying).start(), await Peer(pki, _answer).start()
+    async with _links(pki, doomed, healthy) as links:
+        for _ in range(2):  # whichever peer the turn starts with
+            events, reopened = await _read(links, chat())
+            assert kinds(events) == ["start", "delta", "delta", "delta", "complete"], "one start, nothing lost"
+            assert text(events) == "one two three "
+            if doomed.runs and reopened:
+                break
+        assert doomed.runs and healthy.runs
+
+
+async def test_a_run_lost_after_output_ends_node_lost_retryable(pki: Pki) -> None:
+    doomed = await Peer(pki, _die_after_output).start()
+    async with _links(pki, doomed) as links:
+        events, reopened = await _read(links, chat())
+    assert kinds(events) == ["start", "delta", "error"] and reopened == 0
+    error = events[-1].error
+    assert error.code == pb.ERROR_CODE_NODE_LOST and error.retryable
+    assert doomed.address in error.message and "after 1 output" in error.message
+
+
+async def test_a_run_with_no_peer_left_ends_with_the_retryable_loss(pki: Pki) -> None:
+    doomed = await Peer(pki, _die_before_output).start()
+    async with _links(pki, doomed) as links:
+        events, reopened = await _read(links, chat())
+    assert kinds(events) == ["start", "error"] and reopened == 0
+    assert events[-1].error.retryable and events[-1].error.code != pb.ERROR_CODE_NODE_LOST
+
+
+async def test_a_cancelled_run_is_not_opened_again(pki: Pki) -> None:
+    slow, healthy = await Peer(pki, _die_before_output).start(), await Peer(pki, _answer).start()
+    async with _links(pki, slow, healthy) as links:
+        while True:
+            stream = await open_run_anywhere(links, chat())
+            if stream.address == slow.address:
+                break
+            [event async for event in stream]
+        await assert_eventually(lambda: bool(slow.runs))  # a run cancelled before it started is another matter
+        stream.cancel_nowait("the client went away")
+        async with asyncio.timeout(10):
+            events = [event async for event in stream]
+    assert kinds(events)[-1] == "error" and stream.reopened == 0
