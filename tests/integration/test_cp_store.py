@@ -6,6 +6,7 @@ certificates and revocations, the change counters replicas poll, and schema vers
 from __future__ import annotations
 
 import asyncio
+import socket
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -16,8 +17,10 @@ import pytest
 from cp_store_helpers import fresh_database, postgres  # noqa: F401 - the session's server fixture
 from worker.pg_server import PgServer
 
+from iop_control_plane.bootstrap import build_control_plane
 from iop_control_plane.ledger import Attempt, LedgerEntry
 from iop_control_plane.pg_store import PgStore, shown_url
+from iop_control_plane.settings import ConfigError, Settings, StartError, load_settings
 from iop_control_plane.sqlite_store import SqliteStore
 from iop_control_plane.state import SCHEMA_VERSION, NodeSeen, Opened, Placed, StateChanged, StateStore, StoreTooNew
 from iop_gen.pb.iop import runtime_pb2 as pb
@@ -210,3 +213,32 @@ async def test_control_planes_opening_one_database_together_migrate_it_once(post
 def test_a_password_is_never_shown() -> None:
     assert shown_url("postgresql://iop:s3cret@db.internal:5432/iop") == "postgresql://iop:***@db.internal:5432/iop"
     assert shown_url("postgresql://iop@db/iop") == "postgresql://iop@db/iop"
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("mysql://iop@db/iop", "store.url (line 1): must start with postgresql://"),
+        ("postgresql://iop@db", "store.url (line 1): name the host and the database"),
+        ("postgresql://iop@db:99999/iop", "store.url (line 1): not a URL"),
+    ],
+)
+def test_a_bad_store_url_is_one_line_naming_the_key(url: str, said: str, tmp_path: Path) -> None:
+    config = tmp_path / "cp.yaml"
+    config.write_text(f"store: {{url: '{url}'}}\n")
+    with pytest.raises(ConfigError) as refused:
+        load_settings(config)
+    assert said in str(refused.value) and "\n" not in str(refused.value)
+
+
+async def test_a_database_that_cannot_be_reached_stops_the_start_naming_the_key(tmp_path: Path) -> None:
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    settings = Settings.model_validate(
+        {"listen": {"port": 0}, "store": {"url": f"postgresql://iop:secret@127.0.0.1:{port}/iop", "timeout": 1}}
+    )
+    with pytest.raises(StartError) as refused:
+        await build_control_plane(settings).start()
+    assert str(refused.value).startswith("store.url: cannot open postgresql://iop:***@127.0.0.1")
+    assert "secret" not in str(refused.value)
