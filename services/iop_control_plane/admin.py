@@ -1,19 +1,26 @@
 """Operations an admin certificate may ask for: list, drain, undrain and remove nodes; show and
 apply policy; list runs from the ledger.
 
-A drain is kept in the control-plane only: no new runs go to the node, its runs in flight
+A drain is kept by the control-planes only: no new runs go to the node, its runs in flight
 finish, and ``nodes.undrain`` lifts it (the node is not sent ``node.drain``, which it could not
-take back). A drain holds across the node's reconnections. Removing a node revokes every
-certificate it was issued (and the one it presented), closes its connection at once and forgets
-it: it comes back only by joining again with a new token.
+take back). A drain holds across the node's reconnections and restarts of the control-plane.
+Removing a node revokes every certificate it was issued (and the one it presented), closes its
+connection at once and forgets it: it comes back only by joining again with a new token.
+
+Drains, removals and applied policies are written to the state store before they take effect
+here (an admin's request fails UNAVAILABLE when the store cannot take them), and other
+control-planes sharing the store follow within ``store.poll_interval``
+(:mod:`iop_control_plane.replicas`). Every applied policy is kept, numbered; the newest is in force.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
-import sqlite3
 import time
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import TypeVar
 
 import structlog
 
@@ -22,6 +29,7 @@ from iop_control_plane.nodes import NodeSessions
 from iop_control_plane.policy import load_policy
 from iop_control_plane.registry import NodeState, NodeView
 from iop_control_plane.scheduler import Scheduler
+from iop_control_plane.state import PolicyRecord, StateStore
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import Inbound, IopError, MessageHandler
 from iop_wire.settings import ConfigError
@@ -29,6 +37,7 @@ from iop_wire.settings import ConfigError
 __all__ = ["Operations", "PolicyInForce"]
 
 _log = structlog.get_logger("iop.control_plane")
+_T = TypeVar("_T")
 _STATES = {
     NodeState.READY: pb.NODE_STATE_READY,
     NodeState.UNAVAILABLE: pb.NODE_STATE_UNAVAILABLE,
@@ -39,10 +48,12 @@ _STATES = {
 class PolicyInForce:
     """The policy text in force, with its version (hex SHA-256 of the text), time and source."""
 
-    def __init__(self, text: str = "", source: str = "default") -> None:
+    def __init__(self, text: str = "", source: str = "default", serial: int = 0) -> None:
         self.text, self.source = text, source
         self.version = hashlib.sha256(text.encode()).hexdigest()
         self.loaded_at = time.time_ns()
+        self.serial = serial
+        """Its number in the state store (0: not recorded there)."""
 
 
 class Operations:
@@ -52,6 +63,8 @@ class Operations:
         self, scheduler: Scheduler, sessions: NodeSessions, policy: PolicyInForce, identity: IdentityStore
     ) -> None:
         self.scheduler, self.sessions, self.policy, self.identity = scheduler, sessions, policy, identity
+        self.state: StateStore = identity.store
+        self._reloads: set[asyncio.Task[None]] = set()
 
     def handlers(self) -> dict[str, MessageHandler]:
         """``{body field: handler}`` for an admin's connection."""
@@ -74,15 +87,18 @@ class Operations:
         """No new runs to the node until undrained."""
         message = inbound.envelope.nodes_drain
         node = self._node(message.node_id)
+        reason = message.reason or f"drained by {inbound.peer.name}"
+        await _stored(self.state.set_drain(node.node_id, reason, inbound.peer.name, drained=True), "the drain")
         self.sessions.drained.add(node.node_id)
         if node.state is NodeState.READY:
-            self.sessions.mark(node.node_id, NodeState.DRAINING, message.reason or f"drained by {inbound.peer.name}")
+            self.sessions.mark(node.node_id, NodeState.DRAINING, reason)
         await inbound.reply(pb.Envelope(operation_done=pb.OperationDone(message=f"node {node.node_id} draining")))
 
     async def nodes_undrain(self, inbound: Inbound) -> None:
         """New runs go to the node again (if it is connected)."""
         message = inbound.envelope.nodes_undrain
         node = self._node(message.node_id)
+        await _stored(self.state.set_drain(node.node_id, "", inbound.peer.name, drained=False), "the undrain")
         self.sessions.drained.discard(node.node_id)
         if node.state is NodeState.DRAINING and self.sessions.connection(node.node_id) is not None:
             self.sessions.mark(node.node_id, NodeState.READY, message.reason or f"undrained by {inbound.peer.name}")
@@ -98,7 +114,9 @@ class Operations:
         peer = connection.peer if connection is not None else None
         shared = node_id in sessions.shared
         presented = (peer.serial, peer.not_after) if peer is not None and peer.serial and not shared else None
-        revoked = await self.identity.revoke_node(node_id, reason, also=presented)
+        revoked = await _stored(self.identity.revoke_node(node_id, reason, also=presented), "the revocation")
+        if node_id in sessions.drained:
+            await _stored(self.state.set_drain(node_id, "", inbound.peer.name, drained=False), "the removal")
         error = IopError(
             pb.ERROR_CODE_PERMISSION_DENIED,
             f"node {node_id} was removed ({reason}): its certificate is revoked; join again with a new token",
@@ -121,9 +139,9 @@ class Operations:
             listed = await self.sessions.store.runs(inbound.envelope.runs_list)
         except ValueError as exc:
             raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, str(exc)) from None
-        except sqlite3.Error as exc:
-            _log.error("ledger read failed", reason=str(exc))
-            raise IopError(pb.ERROR_CODE_INTERNAL, f"cannot read the run ledger: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - any driver's error: the admin gets one line
+            _log.error("ledger read failed", reason=str(exc) or type(exc).__name__)
+            raise IopError(pb.ERROR_CODE_UNAVAILABLE, f"cannot read the run ledger: {exc}") from None
         await inbound.reply(pb.Envelope(runs_listed=listed))
 
     async def policy_show(self, inbound: Inbound) -> None:
@@ -137,42 +155,67 @@ class Operations:
         """Validate and apply a policy; an invalid one changes nothing."""
         message = inbound.envelope.policy_apply
         try:
-            self.apply(message.yaml, message.source or f"policy.apply by {inbound.peer.name}")
+            load_policy(message.yaml)
         except ConfigError as exc:
             _log.warning("policy refused", reason=str(exc), peer=inbound.peer.name)
             raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, str(exc)) from None
+        await self.record(message.yaml, message.source or f"policy.apply by {inbound.peer.name}", inbound.peer.name)
         applied = pb.PolicyApplied(version=self.policy.version)
         applied.loaded_at.FromNanoseconds(self.policy.loaded_at)
         await inbound.reply(pb.Envelope(policy_applied=applied))
 
-    def apply(self, text: str, source: str) -> PolicyInForce:
-        """Validate ``text`` and put it in force; ConfigError (one line naming the key) changes nothing."""
+    async def record(self, text: str, source: str, applied_by: str) -> PolicyInForce:
+        """Record a valid policy in the store as the newest, then put it in force here (replicas follow);
+        IopError UNAVAILABLE when the store cannot take it (nothing changes)."""
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        record = await _stored(self.state.add_policy(text, digest, source, applied_by), "the policy")
+        return self.apply(text, source, serial=record.version)
+
+    def apply(self, text: str, source: str, *, serial: int = 0) -> PolicyInForce:
+        """Validate ``text`` and put it in force here only; ConfigError (one line naming the key) changes nothing."""
         policy = load_policy(text)
         self.scheduler.apply(policy)
-        self.policy = PolicyInForce(text, source)
-        _log.info("policy applied", version=self.policy.version, source=source)
+        self.policy = PolicyInForce(text, source, serial)
+        _log.info("policy applied", version=self.policy.version, number=serial or None, source=source)
         return self.policy
 
-    def reload(self, path: Path | None) -> PolicyInForce | None:
-        """Read the policy file again (on SIGHUP); a bad file is logged and the old policy stays."""
+    def follow(self, newest: PolicyRecord) -> None:
+        """Put in force the store's newest policy (recorded here or by a replica) unless it is already."""
+        if newest.version == self.policy.serial:
+            return
+        try:
+            self.apply(newest.text, newest.source, serial=newest.version)
+        except ConfigError as exc:  # written by a control-plane whose policy rules differ
+            _log.error("stored policy refused", reason=str(exc), number=newest.version, kept=self.policy.version)
+            self.policy.serial = newest.version  # not again every poll
+
+    def reload(self, path: Path | None) -> None:
+        """Read the policy file again (on SIGHUP) and record it (in a task); a bad file is logged and the
+        old policy stays."""
         if path is None:
             _log.warning("policy not reloaded", reason="no policy_path is set")
-            return None
+            return
         try:
             text = path.read_text(encoding="utf-8")
+            load_policy(text)
         except (OSError, UnicodeDecodeError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
             _log.error(
-                "policy reload refused",
-                reason=f"policy_path: cannot read {path}: {reason}",
-                kept=self.policy.version,
+                "policy reload refused", reason=f"policy_path: cannot read {path}: {reason}", kept=self.policy.version
             )
-            return None
-        try:
-            return self.apply(text, str(path))
+            return
         except ConfigError as exc:
             _log.error("policy reload refused", reason=f"policy_path: {path}: {exc}", kept=self.policy.version)
-            return None
+            return
+        task = asyncio.get_running_loop().create_task(self._record_reload(text, str(path)), name="iop-policy-reload")
+        self._reloads.add(task)
+        task.add_done_callback(self._reloads.discard)
+
+    async def _record_reload(self, text: str, source: str) -> None:
+        try:
+            await self.record(text, source, "SIGHUP")
+        except IopError as exc:
+            _log.error("policy reload refused", reason=exc.message, kept=self.policy.version)
 
     def _node(self, node_id: str) -> NodeView:
         node = self.sessions.registry.nodes.get(node_id)
@@ -213,3 +256,12 @@ class Operations:
         if (first := sessions.store.first_seen.get(node.node_id)) is not None:
             info.first_seen.FromNanoseconds(int(first * 1e9))
         return info
+
+
+async def _stored(write: Awaitable[_T], what: str) -> _T:
+    """Await a write to the state store; IopError UNAVAILABLE (retryable) when it cannot take it."""
+    try:
+        return await write
+    except Exception as exc:  # noqa: BLE001 - any driver's error: the admin gets one line
+        _log.error("state store write failed", what=what, reason=str(exc) or type(exc).__name__)
+        raise IopError(pb.ERROR_CODE_UNAVAILABLE, f"cannot record {what} in the state store: {exc}") from None

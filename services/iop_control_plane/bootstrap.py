@@ -1,9 +1,10 @@
 """The control-plane's composition root: settings in, a running control-plane out.
 
-:class:`ControlPlaneApp` puts every part onto one ``AsyncExitStack`` (the audit store, the node
-sessions, the listener, metrics) and unwinds it in reverse on ``stop``. The listener serves
-each connection by its certificate's role: ``node`` registers and reports; ``edge`` and
-``worker`` submit runs and ask capabilities; ``admin`` also operates. Other roles are refused
+:class:`ControlPlaneApp` puts every part onto one ``AsyncExitStack`` (the state store and the poll
+of what replicas change in it, the node sessions, the listener, metrics) and unwinds it in
+reverse on ``stop``. The listener serves each connection by its certificate's role: ``node``
+registers and reports; ``edge`` and ``worker`` submit runs and ask capabilities; ``admin`` also
+operates. Other roles are refused
 at the preface (PERMISSION_DENIED); a role sending what it may not gets PERMISSION_DENIED too.
 With ``join.ca_key`` the listener also takes peers without a certificate, which may only join
 (:mod:`iop_control_plane.joining`); a revoked certificate is refused at the preface. Without TLS
@@ -12,8 +13,8 @@ there are no roles: every peer may do everything (tests and local demos only).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import sqlite3
 import ssl
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -26,11 +27,15 @@ from iop_control_plane.identity import IdentityStore
 from iop_control_plane.joining import Joining
 from iop_control_plane.metrics import ControlPlaneMetrics
 from iop_control_plane.nodes import NodeSessions
+from iop_control_plane.pg_store import PgStore
 from iop_control_plane.policy import load_policy
 from iop_control_plane.registry import Registry
 from iop_control_plane.relay import RunRelay
+from iop_control_plane.replicas import Replicas
 from iop_control_plane.scheduler import Scheduler
 from iop_control_plane.settings import ConfigError, Problem, Settings, StartError
+from iop_control_plane.sqlite_store import SqliteStore
+from iop_control_plane.state import StateStore
 from iop_control_plane.store import AuditStore
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import EventSink, Handler, Inbound, IopError, Listener, MessageHandler, PeerIdentity, Role
@@ -84,6 +89,7 @@ class ControlPlaneApp:
     operations: Operations
     joining: Joining
     metrics: ControlPlaneMetrics
+    replicas: Replicas
     listener: Listener | None = None
     metrics_port: int | None = None
     _stack: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
@@ -150,18 +156,31 @@ class ControlPlaneApp:
         await inbound.reply(pb.Envelope(capability_response=self.sessions.ready_capabilities()))
 
     async def _open_store(self) -> None:
-        store = self.sessions.store
+        store, key = self.sessions.store, "store.url" if self.settings.store.url else "store_path"
         try:
             await store.open()
-        except (OSError, sqlite3.Error) as exc:
-            raise StartError([Problem("store_path", f"cannot open {store.path}: {exc}")]) from None
+        except Exception as exc:  # noqa: BLE001 - any driver's error, as one line naming the key
+            raise StartError([Problem(key, f"cannot open {store.state.name}: {exc or type(exc).__name__}")]) from None
         self._stack.push_async_callback(store.aclose)
-        identity = self.joining.store
         try:
-            await identity.open()
-        except (OSError, sqlite3.Error) as exc:
-            raise StartError([Problem("store_path", f"cannot open {identity.path}: {exc}")]) from None
-        self._stack.push_async_callback(identity.aclose)
+            await self._take_state()
+        except Exception as exc:  # noqa: BLE001 - any driver's error, as one line naming the key
+            raise StartError([Problem(key, f"cannot read {store.state.name}: {exc or type(exc).__name__}")]) from None
+        task = asyncio.create_task(self.replicas.run(), name="iop-replicas")
+        self._stack.push_async_callback(_cancel, task)
+
+    async def _take_state(self) -> None:
+        """Revoked serials, drains and the policy from the store; the policy given at start is recorded
+        when the store holds none."""
+        state, operations = self.sessions.store.state, self.operations
+        await self.joining.store.open()
+        self.sessions.drained = set(await state.drains())
+        newest = await state.newest_policy()
+        if newest is not None:
+            operations.follow(newest)
+        elif operations.policy.text:
+            await operations.record(operations.policy.text, operations.policy.source, "start")
+        await self.replicas.start()
 
     async def _listen(self) -> None:
         settings = self.settings
@@ -214,12 +233,14 @@ def _denied(kinds: tuple[str, ...], peer: PeerIdentity) -> dict[str, MessageHand
 
 
 def build_control_plane(settings: Settings, *, policy: PolicyInForce | None = None) -> ControlPlaneApp:
-    """Wire a control-plane from ``settings`` (the policy file is read here unless given)."""
+    """Wire a control-plane from ``settings`` (the policy file is read here unless given; at start the
+    store's newest policy, when it holds one, is put in force instead)."""
     policy = policy or read_policy(settings.policy_path)
     registry = Registry()
     scheduler = Scheduler(registry, load_policy(policy.text))
     metrics = ControlPlaneMetrics(registry)
-    store = AuditStore(settings.store_path, max_runs=settings.ledger_max_runs, dropped=metrics.ledger_dropped)
+    state = _state_store(settings)
+    store = AuditStore(state, max_runs=settings.ledger_max_runs, dropped=metrics.ledger_dropped)
     sessions = NodeSessions(registry, store, heartbeat_interval=settings.heartbeat_interval)
     expose(metrics.registry)  # the wire's limits and connections, served with the control-plane's
     runs = RunRelay(
@@ -233,7 +254,7 @@ def build_control_plane(settings: Settings, *, policy: PolicyInForce | None = No
         registration_grace=settings.registration_grace,
     )
     registry.on_more_room(runs.wake)  # a node registered, reported or was made ready: admit waiters
-    identity = IdentityStore(settings.store_path)
+    identity = IdentityStore(state)
     joining = Joining(
         settings.join,
         settings.identity,
@@ -244,16 +265,34 @@ def build_control_plane(settings: Settings, *, policy: PolicyInForce | None = No
     )
     if settings.tls.enabled:
         sessions.vet = joining.vet_registration
+    operations = Operations(scheduler, sessions, policy, identity)
+    replicas = Replicas(
+        state, operations=operations, sessions=sessions, identity=identity, interval=settings.store.poll_interval
+    )
     return ControlPlaneApp(
         settings=settings,
         registry=registry,
         scheduler=scheduler,
         sessions=sessions,
         runs=runs,
-        operations=Operations(scheduler, sessions, policy, identity),
+        operations=operations,
         joining=joining,
         metrics=metrics,
+        replicas=replicas,
     )
+
+
+def _state_store(settings: Settings) -> StateStore:
+    """PostgreSQL at ``store.url``, else the SQLite file ``store_path``."""
+    if settings.store.url is None:
+        return SqliteStore(settings.store_path)
+    return PgStore(settings.store.url, max_connections=settings.store.max_connections, timeout=settings.store.timeout)
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 def _authority(settings: Settings) -> Authority | None:

@@ -1,16 +1,19 @@
-"""The run ledger: every run the control-plane placed or refused, with each attempt, in SQLite.
+"""The run ledger: every run the control-plane placed or refused, with each attempt.
 
 A run's row is built in memory while it runs (:class:`LedgerEntry`) and handed to the audit
 store's writer when it ends, which commits it with whatever else is queued in one transaction,
-off the path that relays events. Rows beyond ``max_runs`` are pruned, oldest first.
+off the path that relays events. Rows beyond ``max_runs`` are pruned, oldest first. This module
+builds the rows and reads them back; the SQL runs in the state store
+(:mod:`iop_control_plane.state`: SQLite or PostgreSQL).
 
 A run in progress has a row in ``open_runs`` (written when it is received, its node set when
-it is placed), deleted in the transaction that writes its ledger row: a run that starts and
-ends within one commit window writes neither. Rows still open when the control-plane starts
-were in flight when it stopped without ending them (killed, crashed): :func:`recover` moves
-them to the ledger as ``interrupted``. Every string is clipped (:mod:`iop_control_plane.text`). Read by
-``runs.list`` (admin; ``iop runs ls/show --control-plane``) from a connection of its own, in a
-thread: a long query never blocks the event loop or the writer (WAL).
+it is placed, with the control-plane that holds it), deleted in the transaction that writes its
+ledger row: a run that starts and ends within one commit window writes neither. Rows left open
+by a control-plane that stopped without ending them (killed, crashed) are moved to the ledger as
+``interrupted`` (:func:`interrupted`): at start for a SQLite file, and by any live replica once
+that control-plane has been silent for a while in a shared store. Every string is clipped
+(:mod:`iop_control_plane.text`). Read by ``runs.list`` (admin; ``iop runs ls/show
+--control-plane``) off the event loop: a long query never blocks it or the writer.
 """
 
 from __future__ import annotations
@@ -18,13 +21,32 @@ from __future__ import annotations
 import datetime
 import sqlite3
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from iop_control_plane.text import TEXT_CHARS, clip
 from iop_gen.pb.iop import runtime_pb2 as pb
 
-__all__ = ["MAX_LIST", "STATUSES", "Attempt", "LedgerEntry", "insert", "opened", "placed", "prune", "query", "recover"]
+__all__ = [
+    "ATTEMPT_COLUMNS",
+    "MAX_LIST",
+    "OPEN_COLUMNS",
+    "RUN_COLUMNS",
+    "STATUSES",
+    "Attempt",
+    "LedgerEntry",
+    "attempt_rows",
+    "filters",
+    "interrupted",
+    "names",
+    "open_row",
+    "placed_row",
+    "query",
+    "run_message",
+    "run_row",
+]
 
 STATUSES = ("completed", "failed", "cancelled", "interrupted")
 """A run's final status in the ledger."""
@@ -32,25 +54,6 @@ MAX_LIST = 1000
 """Most runs one runs.list returns."""
 _DEFAULT_LIST = 50
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS runs (
-    id INTEGER PRIMARY KEY, run_id TEXT NOT NULL, requester TEXT NOT NULL, connection TEXT NOT NULL,
-    caller TEXT NOT NULL, model TEXT NOT NULL, node_id TEXT NOT NULL, status TEXT NOT NULL,
-    error_code INTEGER NOT NULL, error_message TEXT NOT NULL, received_at REAL NOT NULL,
-    ttft REAL, duration REAL NOT NULL, prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL,
-    usage_estimated INTEGER NOT NULL, finish_reason INTEGER NOT NULL, outputs INTEGER NOT NULL);
-CREATE INDEX IF NOT EXISTS runs_by_run_id ON runs (run_id);
-CREATE TABLE IF NOT EXISTS run_attempts (
-    run INTEGER NOT NULL, attempt INTEGER NOT NULL, node_id TEXT NOT NULL, model TEXT NOT NULL,
-    outcome TEXT NOT NULL, reason TEXT NOT NULL, started_after REAL NOT NULL, duration REAL NOT NULL,
-    PRIMARY KEY (run, attempt));
-CREATE INDEX IF NOT EXISTS run_attempts_by_node ON run_attempts (node_id);
-CREATE TABLE IF NOT EXISTS open_runs (
-    id INTEGER PRIMARY KEY, run_id TEXT NOT NULL, requester TEXT NOT NULL, connection TEXT NOT NULL,
-    caller TEXT NOT NULL, model TEXT NOT NULL, received_at REAL NOT NULL,
-    node_id TEXT NOT NULL DEFAULT '', node_model TEXT NOT NULL DEFAULT '', attempt INTEGER NOT NULL DEFAULT 0,
-    placed_after REAL NOT NULL DEFAULT 0);
-"""
 _INTERRUPTED = "the control-plane stopped while the run was in progress"
 
 
@@ -108,99 +111,80 @@ class LedgerEntry:
             self.status = "cancelled" if event.error.code == pb.ERROR_CODE_CANCELLED else "failed"
 
 
-def opened(db: sqlite3.Connection, entry: LedgerEntry) -> None:
-    """Note a run in progress in ``open_runs`` (inside the caller's transaction)."""
-    cursor = db.execute(
-        "INSERT INTO open_runs (run_id, requester, connection, caller, model, received_at) VALUES (?, ?, ?, ?, ?, ?)",
-        (*_names(entry), entry.received_at),
-    )
-    entry.open_row = cursor.lastrowid
+RUN_COLUMNS = (
+    "run_id, requester, connection, caller, model, node_id, status, error_code, error_message, received_at, "
+    "ttft, duration, prompt_tokens, completion_tokens, usage_estimated, finish_reason, outputs"
+)
+ATTEMPT_COLUMNS = "run, attempt, node_id, model, outcome, reason, started_after, duration"
+OPEN_COLUMNS = "run_id, requester, connection, caller, model, received_at, node_id, node_model, attempt, placed_after"
 
 
-def placed(db: sqlite3.Connection, entry: LedgerEntry, attempt: int, at: Attempt) -> None:
-    """Note in ``open_runs`` the node of the run's attempt number ``attempt``."""
-    if entry.open_row is not None:
-        update = "UPDATE open_runs SET node_id = ?, node_model = ?, attempt = ?, placed_after = ? WHERE id = ?"
-        db.execute(update, (clip(at.node_id), clip(at.model), attempt, at.started - entry.received, entry.open_row))
+def open_row(entry: LedgerEntry, owner: str) -> tuple[object, ...]:
+    """``open_runs`` (run_id, requester, connection, caller, model, received_at, owner) of a run received."""
+    return (*names(entry), entry.received_at, owner)
 
 
-def insert(db: sqlite3.Connection, entry: LedgerEntry) -> None:
-    """Write one run and its attempts, and close its row in ``open_runs`` (inside the caller's transaction)."""
+def placed_row(entry: LedgerEntry, attempt: int, at: Attempt) -> tuple[object, ...]:
+    """``open_runs`` (node_id, node_model, attempt, placed_after) of a run's attempt placed."""
+    return (clip(at.node_id), clip(at.model), attempt, at.started - entry.received)
+
+
+def run_row(entry: LedgerEntry) -> tuple[object, ...]:
+    """A ended run's ``runs`` row, in :data:`RUN_COLUMNS` order."""
     usage = entry.usage or pb.Usage()
     ttft = None if entry.first_output is None else entry.first_output - entry.received
     node_id = entry.attempts[-1].node_id if entry.attempts else ""
-    cursor = db.execute(
-        "INSERT INTO runs VALUES (NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    return (
+        *names(entry),
+        clip(node_id),
+        entry.status,
+        entry.error_code,
+        clip(entry.error_message, TEXT_CHARS),
+        entry.received_at,
+        ttft,
+        entry.ended - entry.received,
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        int(usage.estimated),
+        entry.finish_reason,
+        entry.outputs,
+    )
+
+
+def attempt_rows(entry: LedgerEntry) -> list[tuple[object, ...]]:
+    """Its ``run_attempts`` rows without the run's id (:data:`ATTEMPT_COLUMNS` after ``run``)."""
+    return [
         (
-            *_names(entry),
-            clip(node_id),
-            entry.status,
-            entry.error_code,
-            clip(entry.error_message, TEXT_CHARS),
-            entry.received_at,
-            ttft,
-            entry.ended - entry.received,
-            usage.prompt_tokens,
-            usage.completion_tokens,
-            int(usage.estimated),
-            entry.finish_reason,
-            entry.outputs,
-        ),
-    )
-    db.executemany(
-        "INSERT INTO run_attempts VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-        [
-            (
-                cursor.lastrowid,
-                number,
-                clip(attempt.node_id),
-                clip(attempt.model),
-                attempt.outcome,
-                clip(attempt.reason, TEXT_CHARS),
-                attempt.started - entry.received,
-                attempt.ended - attempt.started,
-            )
-            for number, attempt in enumerate(entry.attempts, 1)
-        ],
-    )
-    if entry.open_row is not None:
-        db.execute("DELETE FROM open_runs WHERE id = ?", (entry.open_row,))
+            number,
+            clip(attempt.node_id),
+            clip(attempt.model),
+            attempt.outcome,
+            clip(attempt.reason, TEXT_CHARS),
+            attempt.started - entry.received,
+            attempt.ended - attempt.started,
+        )
+        for number, attempt in enumerate(entry.attempts, 1)
+    ]
 
 
-def recover(db: sqlite3.Connection) -> int:
-    """Move the runs left in ``open_runs`` to the ledger as ``interrupted``; how many (at start, one transaction)."""
-    with db:
-        rows = db.execute("SELECT * FROM open_runs ORDER BY id").fetchall()
-        for _, *names, received_at, node_id, node_model, attempt, placed_after in rows:
-            where = f"; attempt {attempt} on node {node_id}" if node_id else "; not yet placed"
-            cursor = db.execute(
-                "INSERT INTO runs VALUES (NULL, ?, ?, ?, ?, ?, ?, 'interrupted', ?, ?, ?, NULL, 0, 0, 0, 0, 0, 0)",
-                (*names, node_id, pb.ERROR_CODE_UNAVAILABLE, _INTERRUPTED + where, received_at),
-            )
-            if node_id:
-                row = (cursor.lastrowid, attempt, node_id, node_model, "interrupted", _INTERRUPTED, placed_after)
-                db.execute("INSERT INTO run_attempts VALUES (?, ?, ?, ?, ?, ?, ?, 0)", row)
-        db.execute("DELETE FROM open_runs")
-    return len(rows)
+def interrupted(row: tuple[Any, ...]) -> tuple[tuple[object, ...], tuple[object, ...] | None]:
+    """The ``runs`` row (and attempt row without the run's id) of an ``open_runs`` row in
+    :data:`OPEN_COLUMNS` order, left open by a control-plane that stopped."""
+    *run_names, received_at, node_id, node_model, attempt, placed_after = row
+    where = f"; attempt {attempt} on node {node_id}" if node_id else "; not yet placed"
+    run = (*run_names, node_id, "interrupted", pb.ERROR_CODE_UNAVAILABLE, _INTERRUPTED + where, received_at,
+           None, 0.0, 0, 0, 0, 0, 0)  # fmt: skip
+    tried = (attempt, node_id, node_model, "interrupted", _INTERRUPTED, placed_after, 0.0) if node_id else None
+    return run, tried
 
 
-def _names(entry: LedgerEntry) -> tuple[str, ...]:
+def names(entry: LedgerEntry) -> tuple[str, ...]:
     """(run id, requester, connection, caller, model), each clipped."""
     return tuple(clip(name) for name in (entry.run_id, entry.requester, entry.connection, entry.caller, entry.model))
 
 
-def prune(db: sqlite3.Connection, keep: int) -> int:
-    """Delete all but the newest ``keep`` runs; how many went."""
-    (newest,) = db.execute("SELECT COALESCE(MAX(id), 0) FROM runs").fetchone()
-    cut = newest - keep
-    if cut <= 0:
-        return 0
-    db.execute("DELETE FROM run_attempts WHERE run <= ?", (cut,))
-    return db.execute("DELETE FROM runs WHERE id <= ?", (cut,)).rowcount
-
-
-def query(path: Path, request: pb.RunsList) -> pb.RunsListed:
-    """The runs ``request`` asks for, newest first, from a read-only connection of its own.
+def filters(request: pb.RunsList, mark: Callable[[int], str]) -> tuple[str, list[object], int]:
+    """``request``'s WHERE clause (placeholders from ``mark(n)``, n from 1), its values, and its limit.
 
     ValueError (one line) for a status that is not one of :data:`STATUSES`.
     """
@@ -209,28 +193,36 @@ def query(path: Path, request: pb.RunsList) -> pb.RunsListed:
     where, params = [], list[object]()
     for column in ("run_id", "status", "model"):
         if value := getattr(request, column):
-            where.append(f"{column} = ?")
             params.append(value)
+            where.append(f"{column} = {mark(len(params))}")
     if request.HasField("since"):
-        where.append("received_at >= ?")
         params.append(request.since.ToNanoseconds() / 1e9)
+        where.append(f"received_at >= {mark(len(params))}")
     if request.node_id:
-        where.append("id IN (SELECT run FROM run_attempts WHERE node_id = ?)")
         params.append(request.node_id)
+        where.append(f"id IN (SELECT run FROM run_attempts WHERE node_id = {mark(len(params))})")  # noqa: S608 - a placeholder
     limit = min(request.limit or _DEFAULT_LIST, MAX_LIST)
-    clauses = f"WHERE {' AND '.join(where)}" if where else ""
-    sql = f"SELECT * FROM runs {clauses} ORDER BY id DESC LIMIT ?"  # noqa: S608 - fixed clauses; values bound
+    return (f"WHERE {' AND '.join(where)}" if where else ""), params, limit
+
+
+def query(path: Path, request: pb.RunsList) -> pb.RunsListed:
+    """The runs ``request`` asks for, newest first, from a read-only connection of its own to the
+    SQLite file ``path``; ValueError (one line) for a status that is not one of :data:`STATUSES`."""
+    clauses, params, limit = filters(request, lambda _: "?")
+    sql = f"SELECT id, {RUN_COLUMNS} FROM runs {clauses} ORDER BY id DESC LIMIT ?"  # noqa: S608 - fixed clauses; values bound
     db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
         rows = db.execute(sql, (*params, limit + 1)).fetchall()
-        runs = [_run(db, row) for row in rows[:limit]]
+        attempts = f"SELECT {ATTEMPT_COLUMNS} FROM run_attempts WHERE run = ? ORDER BY attempt"  # noqa: S608
+        runs = [run_message(row, db.execute(attempts, (row[0],)).fetchall()) for row in rows[:limit]]
     finally:
         db.close()
     return pb.RunsListed(runs=runs, more=len(rows) > limit)
 
 
-def _run(db: sqlite3.Connection, row: tuple[object, ...]) -> pb.LedgerRun:
-    (id_, run_id, requester, connection, caller, model, node_id, status, code, message, received_at, ttft,
+def run_message(row: Sequence[object], attempts: Iterable[Sequence[Any]]) -> pb.LedgerRun:
+    """A ``runs`` row (id, then :data:`RUN_COLUMNS`) and its attempts' rows as runs.list shows them."""
+    (_, run_id, requester, connection, caller, model, node_id, status, code, message, received_at, ttft,
      duration, prompt, completion, estimated, finish, outputs) = row  # fmt: skip
     run = pb.LedgerRun(
         run_id=str(run_id),
@@ -250,7 +242,6 @@ def _run(db: sqlite3.Connection, row: tuple[object, ...]) -> pb.LedgerRun:
     if ttft is not None:
         run.ttft.FromTimedelta(datetime.timedelta(seconds=_float(ttft)))
     run.duration.FromTimedelta(datetime.timedelta(seconds=_float(duration)))
-    attempts = db.execute("SELECT * FROM run_attempts WHERE run = ? ORDER BY attempt", (id_,))
     for _, _, node, attempt_model, outcome, reason, started_after, took in attempts:
         attempt = run.attempts.add(node_id=node, model=attempt_model, outcome=outcome, reason=reason)
         attempt.started_after.FromTimedelta(datetime.timedelta(seconds=started_after))

@@ -3,7 +3,9 @@
 A node is ready once registered, and unavailable the moment its connection closes (the wire
 closes the connection of a peer silent, or not reading, for 3 heartbeat intervals). Its id
 is taken while its connection is open: a second registration under that id is refused and
-the live one keeps serving. Drains set by an admin hold across the node's reconnections. With
+the live one keeps serving. Drains set by an admin hold across the node's reconnections, and
+those set through another control-plane sharing the store are followed (:meth:`NodeSessions.follow_drains`,
+as are its revocations: :meth:`NodeSessions.revoked`). With
 TLS, :attr:`NodeSessions.vet` (the identity rule) decides whether a certificate may register the
 id it names; :meth:`NodeSessions.forget` closes a removed node's connection and drops it.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Set
 
 import structlog
 
@@ -156,6 +158,33 @@ class NodeSessions:
             adapters.setdefault(name, pb.AdapterInfo(name=name)).models.append(model)
         total = sum(model.max_concurrency for model in merged.values())
         return pb.CapabilityResponse(node_id="control-plane", adapters=adapters.values(), max_concurrency=total)
+
+    def follow_drains(self, drains: Mapping[str, str]) -> None:
+        """Take the store's drained nodes (set here or by a replica): drain the new ones, undrain the others."""
+        for node_id in drains.keys() - self.drained:
+            self.drained.add(node_id)
+            node = self.registry.nodes.get(node_id)
+            if node is not None and node.state is NodeState.READY:
+                self.mark(node_id, NodeState.DRAINING, drains[node_id] or "drained by an admin")
+        for node_id in self.drained - drains.keys():
+            self.drained.discard(node_id)
+            node = self.registry.nodes.get(node_id)
+            if node is not None and node.state is NodeState.DRAINING and self.connection(node_id) is not None:
+                self.mark(node_id, NodeState.READY, "undrained by an admin")
+
+    async def revoked(self, serials: Set[str]) -> list[str]:
+        """Forget the nodes whose connection presents one of the newly revoked ``serials`` (revoked by a
+        replica: removed there); the ids forgotten."""
+        gone = [node_id for node_id, conn in self.connections.items() if conn.peer.serial in serials]
+        for node_id in gone:
+            error = IopError(
+                pb.ERROR_CODE_PERMISSION_DENIED,
+                f"node {node_id} was removed: its certificate is revoked; join again with a new token",
+                reason=pb.ERROR_REASON_CERTIFICATE_REVOKED,
+            )
+            await self.forget(node_id, error)
+            _log.warning("node removed", node_id=node_id, reason="its certificate was revoked by another control-plane")
+        return gone
 
     async def forget(self, node_id: str, error: IopError) -> bool:
         """Drop ``node_id`` from the registry and close its connection at once, telling it ``error``;

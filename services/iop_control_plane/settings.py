@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from iop_wire.certs import Authority
@@ -29,7 +30,16 @@ from iop_wire.settings import (
 from iop_wire.settings import Section as _Section
 from iop_wire.settings import load_settings as _load
 
-__all__ = ["ConfigError", "IdentitySettings", "JoinSettings", "Problem", "Settings", "StartError", "load_settings"]
+__all__ = [
+    "ConfigError",
+    "IdentitySettings",
+    "JoinSettings",
+    "Problem",
+    "Settings",
+    "StartError",
+    "StoreSettings",
+    "load_settings",
+]
 
 
 class ControlPlaneListenSettings(ListenSettings):
@@ -69,6 +79,37 @@ class JoinSettings(_Section):
     """Connections without a certificate open at once from one source address."""
 
 
+class StoreSettings(_Section):
+    """Where the control-plane keeps its state: a SQLite file (``store_path``), or PostgreSQL shared by
+    every control-plane given the same ``url`` (policy, drains, removals and the ledger follow)."""
+
+    url: str | None = None
+    """``postgresql://user[:password]@host[:port]/database``; unset: the SQLite file ``store_path``."""
+    poll_interval: float = Field(0.5, gt=0, le=10)
+    """Seconds between two looks at a shared store for what other control-planes changed (policy,
+    drains, revoked certificates): a change made on one is in force on all within about this."""
+    max_connections: int = Field(4, ge=2, le=100)
+    """Connections to PostgreSQL this control-plane keeps at most."""
+    timeout: float = Field(5.0, gt=0)
+    """Seconds one connection attempt or statement may take before it fails (and is retried)."""
+
+    @field_validator("url")
+    @classmethod
+    def _postgresql(cls, url: str | None) -> str | None:
+        if url is None:
+            return None
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 - raises ValueError for a bad port
+        except ValueError as exc:
+            raise ValueError(f"not a URL: {exc}") from None
+        if parts.scheme not in ("postgresql", "postgres"):
+            raise ValueError(f"must start with postgresql:// (got {parts.scheme + '://' if parts.scheme else url!r})")
+        if not parts.hostname or not parts.path.strip("/"):
+            raise ValueError("name the host and the database: postgresql://user@host:5432/database")
+        return url
+
+
 class IdentitySettings(_Section):
     """How a node's certificate names it."""
 
@@ -89,17 +130,20 @@ class Settings(BaseSettings):
     metrics: MetricsSettings = MetricsSettings()
     join: JoinSettings = JoinSettings()
     identity: IdentitySettings = IdentitySettings()
+    store: StoreSettings = StoreSettings()
     heartbeat_interval: float = Field(5.0, gt=0)
     """Seconds between heartbeats on every connection: peers judge the control-plane by it (3
     missed: dead). It judges each peer by the interval that peer announces (node: 1 s)."""
     max_frame_size: int = Field(DEFAULT_MAX_FRAME_SIZE, ge=1024)
     """Largest frame accepted, bytes."""
     store_path: Path = Path(".iop/control-plane.db")
-    """SQLite file of the node audit (nodes, state changes) and the run ledger."""
+    """SQLite file of the control-plane's state (node audit, run ledger, policies, drains, join
+    tokens, certificates) when ``store.url`` is unset."""
     ledger_max_runs: int = Field(1_000_000, ge=1)
     """Runs the ledger (in ``store_path``) keeps; older ones are deleted."""
     policy_path: Path | None = None
-    """The policy file (YAML) in force at start; unset: the default policy."""
+    """The policy file (YAML) put in force at start when the store holds none (a store's newest policy
+    wins: one applied since, or by another control-plane); unset: the default policy."""
     attempts: int = Field(3, ge=1, le=10)
     """Nodes a run may be tried on, where the policy file sets no ``attempts``."""
     queue_size: int = Field(256, ge=0)

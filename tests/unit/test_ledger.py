@@ -146,7 +146,9 @@ async def test_every_stored_string_is_clipped(tmp_path: Path) -> None:
     await (reopened := AuditStore(tmp_path / "cp.db")).open()  # the open run is recovered, clipped too
     await reopened.aclose()
     runs = ledger.query(tmp_path / "cp.db", pb.RunsList()).runs
-    assert len(runs) == 2 and sum(file.stat().st_size for file in tmp_path.glob("cp.db*")) < 100_000
+    assert (
+        len(runs) == 2 and sum(file.stat().st_size for file in tmp_path.glob("cp.db*")) < 200_000
+    )  # a few pages per table: nothing near the 1 MB strings
     for run in runs:
         names = [run.run_id, run.requester, run.connection, run.caller, run.model, run.node_id]
         names += [name for attempt in run.attempts for name in (attempt.node_id, attempt.model)]

@@ -1,0 +1,308 @@
+"""The control-plane's state in PostgreSQL (:class:`iop_control_plane.state.StateStore`), shared by
+every control-plane given the same ``store.url``.
+
+A pool of a few connections (asyncpg). The schema is created or migrated under an advisory lock,
+so control-planes starting together do not race. Times that replicas compare (a control-plane's
+last heartbeat, judged by another to recover its open runs) are the server's clock, so machines
+whose clocks disagree still agree. A join token's use is one conditional UPDATE: two replicas
+never admit more machines than it allows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+
+from iop_control_plane import ledger
+from iop_control_plane.ledger import LedgerEntry
+from iop_control_plane.state import (
+    SCHEMA_VERSION,
+    Dialect,
+    NodeSeen,
+    Opened,
+    Placed,
+    PolicyRecord,
+    StateChanged,
+    TokenRow,
+    Write,
+    steps,
+)
+from iop_gen.pb.iop import runtime_pb2 as pb
+
+__all__ = ["PgStore", "shown_url"]
+
+_DIALECT = Dialect(real="double precision", int="bigint", serial="bigserial PRIMARY KEY")
+_SCHEMA_LOCK = 0x10B_C951  # the advisory lock key held while migrating
+_NOW = "extract(epoch from statement_timestamp())::float8"
+_POLICY = "SELECT version, text, source, applied_by, applied_at FROM policies"
+_RUN = f"INSERT INTO runs ({ledger.RUN_COLUMNS}) VALUES ({', '.join(f'${n}' for n in range(1, 18))}) RETURNING id"  # noqa: S608
+_ATTEMPT = f"INSERT INTO run_attempts ({ledger.ATTEMPT_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)"  # noqa: S608
+_OPEN = (
+    "INSERT INTO open_runs (run_id, requester, connection, caller, model, received_at, owner) "
+    "VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING id"
+)
+_PLACED = "UPDATE open_runs SET node_id = $1, node_model = $2, attempt = $3, placed_after = $4 WHERE id = $5"
+_UPSERT_NODE = """
+INSERT INTO nodes (node_id, labels, address, models, first_seen, last_seen) VALUES ($1, $2, $3, $4, $5, $5)
+ON CONFLICT (node_id) DO UPDATE SET labels = excluded.labels, address = excluded.address,
+    models = excluded.models, last_seen = excluded.last_seen
+"""
+_RECOVER = f"""
+DELETE FROM open_runs WHERE owner != $1 AND owner NOT IN (SELECT owner FROM replicas WHERE seen_at >= {_NOW} - $2)
+RETURNING {ledger.OPEN_COLUMNS}
+"""  # noqa: S608 - fixed columns
+
+
+def shown_url(url: str) -> str:
+    """``url`` without its password, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+class PgStore:
+    """The state in a PostgreSQL database."""
+
+    shared = True
+
+    def __init__(self, url: str, *, max_connections: int = 4, timeout: float = 5.0) -> None:
+        """``url``: ``postgresql://user@host:port/database``; ``timeout``: seconds for one connection attempt
+        and one statement, so a database that went away fails a write instead of holding it."""
+        self.url = url
+        self.name = shown_url(url)
+        self._owner = ""
+        self._max, self._timeout = max_connections, timeout
+        self._pool: asyncpg.Pool[asyncpg.Record] | None = None
+
+    async def open(self, owner: str) -> None:
+        """Connect, and create or migrate the schema; StoreTooNew when a newer control-plane did."""
+        self._owner = owner
+        pool = await asyncpg.create_pool(
+            self.url, min_size=1, max_size=self._max, timeout=self._timeout, command_timeout=self._timeout
+        )
+        try:
+            async with pool.acquire() as conn, conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock($1)", _SCHEMA_LOCK)
+                await conn.execute("CREATE TABLE IF NOT EXISTS control_plane_schema (version integer NOT NULL)")
+                version = await conn.fetchval("SELECT max(version) FROM control_plane_schema") or 0
+                for sql in steps(version, _DIALECT):
+                    await conn.execute(sql)
+                if version < SCHEMA_VERSION:
+                    await conn.execute("DELETE FROM control_plane_schema")
+                    await conn.execute("INSERT INTO control_plane_schema (version) VALUES ($1)", SCHEMA_VERSION)
+        except BaseException:
+            await pool.close()
+            raise
+        self._pool = pool
+
+    async def aclose(self) -> None:
+        """Close the pool."""
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            await pool.close()
+
+    def _db(self) -> asyncpg.Pool[asyncpg.Record]:
+        if self._pool is None:
+            raise asyncpg.InterfaceError("the state store is not open")
+        return self._pool
+
+    # -- audit and ledger ---------------------------------------------------------------------
+
+    async def commit(self, batch: Sequence[Write], touched: Mapping[str, float]) -> None:
+        """Write the batch in one transaction."""
+        ending = {id(write) for write in batch if isinstance(write, LedgerEntry)}
+        async with self._db().acquire() as conn, conn.transaction():
+            for write in batch:
+                match write:
+                    case LedgerEntry():
+                        run = await conn.fetchval(_RUN, *ledger.run_row(write))
+                        await conn.executemany(_ATTEMPT, [(run, *row) for row in ledger.attempt_rows(write)])
+                        if write.open_row is not None:
+                            await conn.execute("DELETE FROM open_runs WHERE id = $1", write.open_row)
+                    case Opened(entry) if id(entry) not in ending:
+                        entry.open_row = await conn.fetchval(_OPEN, *ledger.open_row(entry, self._owner))
+                    case Placed(entry, number, attempt) if id(entry) not in ending and entry.open_row is not None:
+                        await conn.execute(_PLACED, *ledger.placed_row(entry, number, attempt), entry.open_row)
+                    case NodeSeen(node_id, labels, address, models, at):
+                        await conn.execute(_UPSERT_NODE, node_id, labels, address, models, at)
+                    case StateChanged(node_id, at, state, reason):
+                        sql = "INSERT INTO node_events (node_id, at, state, reason) VALUES ($1, $2, $3, $4)"
+                        await conn.execute(sql, node_id, at, state, reason)
+                    case _:
+                        pass
+            if touched:
+                sql = "UPDATE nodes SET last_seen = $1 WHERE node_id = $2"
+                await conn.executemany(sql, [(at, node_id) for node_id, at in touched.items()])
+
+    async def recover(self, stale_after: float) -> int:
+        """Move open runs of control-planes silent for ``stale_after`` s to the ledger (row locks: once)."""
+        async with self._db().acquire() as conn, conn.transaction():
+            rows = await conn.fetch(_RECOVER, self._owner, stale_after)
+            for row in rows:
+                run, tried = ledger.interrupted(tuple(row))
+                number = await conn.fetchval(_RUN, *run)
+                if tried is not None:
+                    await conn.execute(_ATTEMPT, number, *tried)
+            forget = f"DELETE FROM replicas WHERE owner != $1 AND seen_at < {_NOW} - $2"  # noqa: S608 - fixed clock
+            await conn.execute(forget, self._owner, stale_after)
+        return len(rows)
+
+    async def heartbeat(self) -> None:
+        """Note this control-plane alive, by the server's clock."""
+        sql = (
+            f"INSERT INTO replicas (owner, seen_at) VALUES ($1, {_NOW}) "  # noqa: S608 - fixed clock
+            "ON CONFLICT (owner) DO UPDATE SET seen_at = excluded.seen_at"
+        )
+        await self._db().execute(sql, self._owner)
+
+    async def prune(self, max_runs: int, max_events: int) -> None:
+        """Delete all but the newest runs and state changes."""
+        async with self._db().acquire() as conn, conn.transaction():
+            cut = await conn.fetchval("SELECT COALESCE(MAX(id), 0) FROM runs") - max_runs
+            if cut > 0:
+                await conn.execute("DELETE FROM run_attempts WHERE run <= $1", cut)
+                await conn.execute("DELETE FROM runs WHERE id <= $1", cut)
+            sql = "DELETE FROM node_events WHERE ctid IN (SELECT ctid FROM node_events ORDER BY at DESC OFFSET $1)"
+            await conn.execute(sql, max_events)
+
+    async def nodes(self) -> list[tuple[str, float, str]]:
+        """Every node seen."""
+        return [tuple(row) for row in await self._db().fetch("SELECT node_id, first_seen, models FROM nodes")]
+
+    async def events(self, node_id: str) -> list[tuple[str, str]]:
+        """(state, reason) of a node's changes, oldest first."""
+        rows = await self._db().fetch("SELECT state, reason FROM node_events WHERE node_id = $1 ORDER BY at", node_id)
+        return [(row[0], row[1]) for row in rows]
+
+    async def runs(self, request: pb.RunsList) -> pb.RunsListed:
+        """Runs from the ledger, newest first."""
+        clauses, params, limit = ledger.filters(request, lambda n: f"${n}")
+        marks = itertools.count(len(params) + 1)
+        sql = f"SELECT id, {ledger.RUN_COLUMNS} FROM runs {clauses} ORDER BY id DESC LIMIT ${next(marks)}"  # noqa: S608
+        attempts = (
+            f"SELECT {ledger.ATTEMPT_COLUMNS} FROM run_attempts WHERE run = ANY($1::bigint[]) ORDER BY run, attempt"  # noqa: S608
+        )
+        async with self._db().acquire() as conn:
+            rows = await conn.fetch(sql, *params, limit + 1)
+            shown = rows[:limit]
+            tried: dict[int, list[Any]] = {}
+            for row in await conn.fetch(attempts, [row[0] for row in shown]):
+                tried.setdefault(row[0], []).append(tuple(row))
+        runs = [ledger.run_message(tuple(row), tried.get(row[0], [])) for row in shown]
+        return pb.RunsListed(runs=runs, more=len(rows) > limit)
+
+    async def changes(self) -> dict[str, int]:
+        """Each change kind's counter."""
+        return {row[0]: row[1] for row in await self._db().fetch("SELECT kind, serial FROM changes")}
+
+    # -- policy and drains --------------------------------------------------------------------
+
+    async def add_policy(self, text: str, sha256: str, source: str, applied_by: str) -> PolicyRecord:
+        """Record a policy put in force."""
+        now = time.time()
+        sql = (
+            "INSERT INTO policies (text, sha256, source, applied_by, applied_at) "
+            "VALUES ($1, $2, $3, $4, $5) RETURNING version"
+        )
+        async with self._db().acquire() as conn, conn.transaction():
+            version = await conn.fetchval(sql, text, sha256, source, applied_by, now)
+            await conn.execute("UPDATE changes SET serial = serial + 1 WHERE kind = 'policy'")
+        return PolicyRecord(version, text, source, applied_by, now)
+
+    async def newest_policy(self) -> PolicyRecord | None:
+        """The policy in force, if any."""
+        row = await self._db().fetchrow(_POLICY + " ORDER BY version DESC LIMIT 1")
+        return None if row is None else PolicyRecord(*row)
+
+    async def policies(self) -> list[PolicyRecord]:
+        """Every applied policy, newest first."""
+        return [PolicyRecord(*row) for row in await self._db().fetch(_POLICY + " ORDER BY version DESC")]
+
+    async def set_drain(self, node_id: str, reason: str, drained_by: str, *, drained: bool) -> None:
+        """Drain or undrain a node."""
+        async with self._db().acquire() as conn, conn.transaction():
+            if drained:
+                sql = """INSERT INTO drains (node_id, reason, drained_by, at) VALUES ($1, $2, $3, $4)
+                    ON CONFLICT (node_id) DO UPDATE SET reason = excluded.reason, drained_by = excluded.drained_by,
+                    at = excluded.at"""
+                await conn.execute(sql, node_id, reason, drained_by, time.time())
+            else:
+                await conn.execute("DELETE FROM drains WHERE node_id = $1", node_id)
+            await conn.execute("UPDATE changes SET serial = serial + 1 WHERE kind = 'drains'")
+
+    async def drains(self) -> dict[str, str]:
+        """Drained node id -> reason."""
+        return {row[0]: row[1] for row in await self._db().fetch("SELECT node_id, reason FROM drains")}
+
+    # -- identity -----------------------------------------------------------------------------
+
+    async def add_token(self, row: TokenRow) -> None:
+        """Store a new join token."""
+        await self._db().execute("INSERT INTO join_tokens VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)", *row)
+
+    async def tokens(self, token_id: str | None = None) -> list[TokenRow]:
+        """Every token (or one), newest first."""
+        sql = "SELECT * FROM join_tokens WHERE $1::text IS NULL OR id = $1 ORDER BY created_at DESC"
+        return [tuple(row) for row in await self._db().fetch(sql, token_id)]
+
+    async def revoke_token(self, token_id: str, at: float) -> bool:
+        """Mark a token revoked."""
+        sql = "UPDATE join_tokens SET revoked_at = coalesce(revoked_at, $1) WHERE id = $2"
+        return _changed(await self._db().execute(sql, at, token_id)) > 0
+
+    async def use_token(self, token_id: str) -> bool:
+        """Count one use."""
+        sql = "UPDATE join_tokens SET used = used + 1 WHERE id = $1 AND used < uses"
+        return _changed(await self._db().execute(sql, token_id)) > 0
+
+    async def add_attempt(self, at: float, token_id: str, address: str, name: str, outcome: str) -> None:
+        """Record one join attempt."""
+        sql = "INSERT INTO join_audit VALUES ($1, $2, $3, $4, $5)"
+        await self._db().execute(sql, at, token_id, address, name, outcome)
+
+    async def attempts(self) -> list[tuple[str, str, str, str]]:
+        """Join attempts, oldest first."""
+        rows = await self._db().fetch("SELECT token_id, address, name, outcome FROM join_audit ORDER BY at")
+        return [(row[0], row[1], row[2], row[3]) for row in rows]
+
+    async def issue(self, node_id: str, serial: str, not_after: float, at: float) -> None:
+        """Record a certificate issued."""
+        sql = """INSERT INTO node_certificates VALUES ($1, $2, $3, $4, NULL, '') ON CONFLICT (serial) DO UPDATE
+            SET node_id = excluded.node_id, issued_at = excluded.issued_at, not_after = excluded.not_after,
+            revoked_at = NULL, reason = ''"""
+        await self._db().execute(sql, serial, node_id, at, not_after)
+
+    async def revoke_node(self, node_id: str, reason: str, at: float, also: tuple[str, float] | None) -> list[str]:
+        """Revoke a node's certificates; the serials."""
+        async with self._db().acquire() as conn, conn.transaction():
+            if also is not None:
+                sql = "INSERT INTO node_certificates VALUES ($1, $2, $3, $4, NULL, '') ON CONFLICT DO NOTHING"
+                await conn.execute(sql, also[0], node_id, at, also[1])
+            rows = await conn.fetch(
+                "UPDATE node_certificates SET revoked_at = $1, reason = $2 WHERE node_id = $3 AND revoked_at IS NULL "
+                "RETURNING serial",
+                at,
+                reason,
+                node_id,
+            )
+            if rows:
+                await conn.execute("UPDATE changes SET serial = serial + 1 WHERE kind = 'revocations'")
+        return [row[0] for row in rows]
+
+    async def revoked(self) -> set[str]:
+        """Every revoked serial."""
+        rows = await self._db().fetch("SELECT serial FROM node_certificates WHERE revoked_at IS NOT NULL")
+        return {row[0] for row in rows}
+
+
+def _changed(status: str) -> int:
+    """The row count of a command status such as ``UPDATE 3``."""
+    return int(status.rsplit(" ", 1)[-1])

@@ -1,0 +1,244 @@
+"""The control-plane's state store (issue 20, item 1): one suite, run on a SQLite file and on a real
+PostgreSQL. Ledger and open-runs journal, node audit, numbered policies, drains, join tokens,
+certificates and revocations, the change counters replicas poll, and schema versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import asyncpg
+import pytest
+from cp_store_helpers import fresh_database, postgres  # noqa: F401 - the session's server fixture
+from worker.pg_server import PgServer
+
+from iop_control_plane.bootstrap import build_control_plane
+from iop_control_plane.ledger import Attempt, LedgerEntry
+from iop_control_plane.pg_store import PgStore, shown_url
+from iop_control_plane.settings import ConfigError, Settings, StartError, load_settings
+from iop_control_plane.sqlite_store import SqliteStore
+from iop_control_plane.state import SCHEMA_VERSION, NodeSeen, Opened, Placed, StateChanged, StateStore, StoreTooNew
+from iop_gen.pb.iop import runtime_pb2 as pb
+
+Open = Callable[[str], Awaitable[StateStore]]
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Open]:
+    """Opens stores (as owner ``name``) on one fresh SQLite file or PostgreSQL database; closed after the test."""
+    if request.param == "sqlite":
+
+        def build() -> StateStore:
+            return SqliteStore(tmp_path / "cp.db")
+
+    else:
+        url = await fresh_database(request.getfixturevalue("postgres"))
+
+        def build() -> StateStore:
+            return PgStore(url)
+
+    opened: list[StateStore] = []
+
+    async def make(owner: str) -> StateStore:
+        store = build()
+        await store.open(owner)
+        opened.append(store)
+        return store
+
+    yield make
+    for store in opened:
+        await store.aclose()
+
+
+def _ended(run_id: str, *nodes: str) -> LedgerEntry:
+    entry = LedgerEntry(run_id, "edge-1", "conn-1", "alice", "mock-small")
+    for node in nodes:
+        entry.attempts.append(Attempt(node, "mock-small", entry.received, "completed", "", entry.received + 0.1))
+    entry.ending(pb.RunEvent(complete=pb.RunComplete(usage=pb.Usage(prompt_tokens=3, completion_tokens=5))))
+    return entry
+
+
+async def test_the_ledger_keeps_runs_and_their_attempts(open_store: Open) -> None:
+    store = await open_store("cp-a")
+    await store.commit([_ended("r1", "node-a"), _ended("r2", "node-a", "node-b")], {})
+    listed = await store.runs(pb.RunsList())
+    assert [run.run_id for run in listed.runs] == ["r2", "r1"] and not listed.more
+    assert [a.node_id for a in listed.runs[0].attempts] == ["node-a", "node-b"]
+    assert listed.runs[0].usage.completion_tokens == 5 and listed.runs[0].status == "completed"
+    only_b = await store.runs(pb.RunsList(node_id="node-b", limit=1))
+    assert [run.run_id for run in only_b.runs] == ["r2"]
+    assert [run.run_id for run in (await store.runs(pb.RunsList(limit=1))).runs] == ["r2"]
+    with pytest.raises(ValueError, match="unknown status"):
+        await store.runs(pb.RunsList(status="done"))
+    await store.prune(1, 10)
+    assert [run.run_id for run in (await store.runs(pb.RunsList())).runs] == ["r2"]
+
+
+async def test_runs_in_progress_of_a_silent_control_plane_are_recorded_interrupted(open_store: Open) -> None:
+    first, second = await open_store("cp-a"), await open_store("cp-b")
+    waiting, placed, ended = (LedgerEntry(name, "edge-1", "c", "alice", "m") for name in ("w", "p", "e"))
+    placed.attempts.append(Attempt("node-a", "m", placed.received))
+    await first.heartbeat()
+    await first.commit([Opened(waiting), Opened(placed), Opened(ended)], {})
+    await first.commit([Placed(placed, 1, placed.attempts[0])], {})
+    ended.ending(None)
+    await first.commit([ended], {})
+    assert await second.recover(60.0) == 0  # cp-a is alive: its runs are its own
+    assert await second.recover(0.0) == 2  # silent (here: for any time at all): recorded once
+    assert await second.recover(0.0) == 0
+    runs = {run.run_id: run for run in (await second.runs(pb.RunsList())).runs}
+    assert runs["e"].status == "cancelled" and runs["w"].status == runs["p"].status == "interrupted"
+    assert "attempt 1 on node node-a" in runs["p"].error_message and runs["p"].attempts[0].outcome == "interrupted"
+    assert "not yet placed" in runs["w"].error_message
+
+
+async def test_the_node_audit_keeps_nodes_and_state_changes(open_store: Open) -> None:
+    store = await open_store("cp-a")
+    await store.commit([NodeSeen("node-a", '{"zone": "a"}', "127.0.0.1", '["m"]', 10.0)], {})
+    await store.commit([StateChanged("node-a", 11.0, "ready", "registered")], {"node-a": 12.0})
+    await store.commit([StateChanged("node-a", 13.0, "draining", "by ops")], {})
+    assert await store.nodes() == [("node-a", 10.0, '["m"]')]
+    assert await store.events("node-a") == [("ready", "registered"), ("draining", "by ops")]
+
+
+async def test_policies_are_numbered_and_the_newest_is_in_force(open_store: Open) -> None:
+    store = await open_store("cp-a")
+    assert await store.newest_policy() is None
+    before = await store.changes()
+    first = await store.add_policy("defaults: {}\n", "a" * 64, "policy.yaml", "start")
+    second = await store.add_policy("callers: {}\n", "b" * 64, "iop policy apply", "ops")
+    assert second.version > first.version
+    newest = await store.newest_policy()
+    assert newest is not None and (newest.version, newest.text, newest.applied_by) == (
+        second.version,
+        "callers: {}\n",
+        "ops",
+    )
+    assert [p.version for p in await store.policies()] == [second.version, first.version]
+    assert (await store.changes())["policy"] == before["policy"] + 2
+
+
+async def test_drains_are_kept_and_counted(open_store: Open) -> None:
+    store = await open_store("cp-a")
+    await store.set_drain("node-a", "maintenance", "ops", drained=True)
+    await store.set_drain("node-b", "", "ops", drained=True)
+    await store.set_drain("node-b", "", "ops", drained=False)
+    assert await store.drains() == {"node-a": "maintenance"}
+    assert (await store.changes())["drains"] == 3
+
+
+async def test_tokens_certificates_and_revocations(open_store: Open) -> None:
+    store = await open_store("cp-a")
+    now = time.time()
+    await store.add_token(("abc123", "f" * 64, now, now + 60, 1, 0, "gpu-", "ops", None))
+    assert await store.use_token("abc123") and not await store.use_token("abc123")  # one use, across replicas too
+    assert (await store.tokens("abc123"))[0][5] == 1 and len(await store.tokens()) == 1
+    assert await store.revoke_token("abc123", now) and not await store.revoke_token("nope00", now)
+    await store.add_attempt(now, "abc123", "10.0.0.1", "gpu-1", "accepted")
+    assert await store.attempts() == [("abc123", "10.0.0.1", "gpu-1", "accepted")]
+    await store.issue("gpu-1", "0a", now + 60, now)
+    await store.issue("gpu-1", "0b", now + 60, now)
+    revocations = (await store.changes())["revocations"]
+    assert sorted(await store.revoke_node("gpu-1", "removed", now, ("0c", now + 60))) == ["0a", "0b", "0c"]
+    assert await store.revoke_node("gpu-1", "again", now, None) == []  # nothing new: not counted
+    assert await store.revoked() == {"0a", "0b", "0c"}
+    assert (await store.changes())["revocations"] == revocations + 1
+
+
+async def test_a_store_newer_than_the_code_refuses_to_open(open_store: Open) -> None:
+    store = await open_store("cp-a")
+    if isinstance(store, SqliteStore):
+        with sqlite3.connect(store.path) as db:
+            db.execute("UPDATE control_plane_schema SET version = ?", (SCHEMA_VERSION + 1,))
+        again: StateStore = SqliteStore(store.path)
+    else:
+        assert isinstance(store, PgStore)
+        connection = await asyncpg.connect(store.url)
+        await connection.execute("UPDATE control_plane_schema SET version = $1", SCHEMA_VERSION + 1)
+        await connection.close()
+        again = PgStore(store.url)
+    with pytest.raises(StoreTooNew, match=f"version {SCHEMA_VERSION + 1}, newer"):
+        await again.open("cp-b")
+
+
+_V1_FILE = """
+CREATE TABLE nodes (node_id TEXT PRIMARY KEY, labels TEXT NOT NULL, address TEXT NOT NULL, models TEXT NOT NULL,
+    first_seen REAL NOT NULL, last_seen REAL NOT NULL);
+CREATE TABLE node_events (node_id TEXT NOT NULL, at REAL NOT NULL, state TEXT NOT NULL, reason TEXT NOT NULL);
+CREATE TABLE open_runs (id INTEGER PRIMARY KEY, run_id TEXT NOT NULL, requester TEXT NOT NULL, connection TEXT NOT NULL,
+    caller TEXT NOT NULL, model TEXT NOT NULL, received_at REAL NOT NULL, node_id TEXT NOT NULL DEFAULT '',
+    node_model TEXT NOT NULL DEFAULT '', attempt INTEGER NOT NULL DEFAULT 0, placed_after REAL NOT NULL DEFAULT 0);
+CREATE TABLE node_certificates (serial TEXT PRIMARY KEY, node_id TEXT NOT NULL, issued_at REAL NOT NULL,
+    not_after REAL NOT NULL, revoked_at REAL, reason TEXT NOT NULL);
+INSERT INTO nodes VALUES ('node-a', '{}', '127.0.0.1', '["m"]', 5.0, 6.0);
+INSERT INTO open_runs (run_id, requester, connection, caller, model, received_at)
+    VALUES ('old', 'e', 'c', 'x', 'm', 1.0);
+INSERT INTO node_certificates VALUES ('0f', 'node-a', 1.0, 2.0, 3.0, 'removed');
+"""
+
+
+async def test_a_sqlite_file_of_an_earlier_version_migrates_forward(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as db:  # as issue 19's control-plane left it: no version table
+        db.executescript(_V1_FILE)
+    store = SqliteStore(path)
+    await store.open("cp-a")
+    try:
+        assert await store.nodes() == [("node-a", 5.0, '["m"]')] and await store.revoked() == {"0f"}
+        assert await store.recover(0.0) == 1  # its run left open is recorded interrupted
+        assert [run.status for run in (await store.runs(pb.RunsList())).runs] == ["interrupted"]
+        assert await store.changes() == {"policy": 0, "drains": 0, "revocations": 0}
+    finally:
+        await store.aclose()
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT version FROM control_plane_schema").fetchall() == [(SCHEMA_VERSION,)]
+
+
+async def test_control_planes_opening_one_database_together_migrate_it_once(postgres: PgServer) -> None:  # noqa: F811
+    url = await fresh_database(postgres)
+    stores = [PgStore(url) for _ in range(3)]
+    await asyncio.gather(*(store.open(f"cp-{n}") for n, store in enumerate(stores)))
+    try:
+        assert await stores[0].changes() == {"policy": 0, "drains": 0, "revocations": 0}
+    finally:
+        for store in stores:
+            await store.aclose()
+
+
+def test_a_password_is_never_shown() -> None:
+    assert shown_url("postgresql://iop:s3cret@db.internal:5432/iop") == "postgresql://iop:***@db.internal:5432/iop"
+    assert shown_url("postgresql://iop@db/iop") == "postgresql://iop@db/iop"
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("mysql://iop@db/iop", "store.url (line 1): must start with postgresql://"),
+        ("postgresql://iop@db", "store.url (line 1): name the host and the database"),
+        ("postgresql://iop@db:99999/iop", "store.url (line 1): not a URL"),
+    ],
+)
+def test_a_bad_store_url_is_one_line_naming_the_key(url: str, said: str, tmp_path: Path) -> None:
+    config = tmp_path / "cp.yaml"
+    config.write_text(f"store: {{url: '{url}'}}\n")
+    with pytest.raises(ConfigError) as refused:
+        load_settings(config)
+    assert said in str(refused.value) and "\n" not in str(refused.value)
+
+
+async def test_a_database_that_cannot_be_reached_stops_the_start_naming_the_key(tmp_path: Path) -> None:
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    settings = Settings.model_validate(
+        {"listen": {"port": 0}, "store": {"url": f"postgresql://iop:secret@127.0.0.1:{port}/iop", "timeout": 1}}
+    )
+    with pytest.raises(StartError) as refused:
+        await build_control_plane(settings).start()
+    assert str(refused.value).startswith("store.url: cannot open postgresql://iop:***@127.0.0.1")
+    assert "secret" not in str(refused.value)
