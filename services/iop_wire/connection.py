@@ -73,6 +73,8 @@ class Handler:
 class _Served:
     task: asyncio.Task[None]
     sink: EventSink
+    started: bool = False
+    """The task began: cancelling it now reaches the handler (before, it would never run at all)."""
 
 
 def _first_line(exc: BaseException) -> str:
@@ -552,6 +554,11 @@ class Connection:
     async def _serve(self, run: RunHandler, request: pb.RunRequest, sink: EventSink) -> None:
         error: IopError | None = None
         try:
+            served = self._served.get(sink.run_id)
+            if served is not None and served.sink is sink:
+                served.started = True
+            if sink.cancel_reason:  # cancel.request came before the task ran: the handler never starts
+                raise asyncio.CancelledError
             await run(request, sink)
             if not sink.finished:
                 error = IopError(pb.ERROR_CODE_INTERNAL, "run ended without complete or error")
@@ -576,7 +583,8 @@ class Connection:
         served = self._served.get(message.run_id or envelope.run_id)
         if served is not None:
             served.sink.cancel_reason = message.reason or "cancelled by client"
-            served.task.cancel()
+            if served.started:  # a task cancelled before it runs never runs: it would end no run
+                served.task.cancel()
 
     async def _on_message(self, handler: MessageHandler, envelope: pb.Envelope) -> None:
         if len(self._requests) >= self.config.max_requests:

@@ -491,6 +491,25 @@ async def test_duplicate_live_run_id_is_refused_and_the_live_run_goes_on(
     assert sum(e.WhichOneof("event") == "start" for e in events) == 1
 
 
+async def test_a_run_cancelled_in_the_same_read_as_its_request_ends_cancelled_and_frees_its_place(
+    listen: StartListener, attackers: Callable[[Listener], Awaitable[Stream]]
+) -> None:
+    listener = await listen()
+    reader, writer = await attackers(listener)
+    request = pb.CancelRequest(run_id="early", reason="changed mind")
+    cancel = pb.Envelope(id="c-1", run_id="early", cancel_request=request)
+    writer.write(_run_frame("early", tokens=2_000) + frame(cancel))  # both in one read: the run never started
+    envelope = await read_envelope(reader)
+    assert envelope.run_id == "early" and envelope.run_event.WhichOneof("event") == "error", envelope
+    assert envelope.run_event.error.code == pb.ERROR_CODE_CANCELLED
+    assert envelope.run_event.error.message == "changed mind"
+    served = _served(listener)
+    await assert_eventually(lambda: "early" not in served._served)  # its place among max_runs is free
+    writer.write(_run_frame("after"))
+    events = [await read_envelope(reader) for _ in range(5)]
+    assert [e.run_event.WhichOneof("event") for e in events] == ["start", "delta", "delta", "delta", "complete"]
+
+
 @dataclass(frozen=True)
 class _Refusal:
     codecs: tuple[str, ...]
