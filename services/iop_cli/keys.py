@@ -1,64 +1,134 @@
 """``iop keys create|ls|revoke``: the edge's API keys.
 
-The key file is ``--db FILE``, else ``keys_path`` of ``--config edge.yaml``, else that of
-``DIR/edge.yaml`` for ``--dir DIR`` (default ``$IOP_STATE_DIR`` or ``.iop``), else
-``DIR/edge-keys.db``. ``create`` makes the file when missing; ``ls`` and ``revoke`` refuse a
-missing file (exit 2). A running edge sees every change within about a second.
+The store is ``--store-url postgresql://...`` (shared by edges), else ``--db FILE``, else
+``store.url`` or ``keys_path`` of ``--config edge.yaml``, else of ``DIR/edge.yaml`` for ``--dir
+DIR`` (default ``$IOP_STATE_DIR`` or ``.iop``), else ``DIR/edge-keys.db``. ``create`` makes a key
+file when missing; ``ls`` and ``revoke`` refuse a missing file (exit 2). Running edges see every
+change within about a second.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
-import sqlite3
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 from iop_cli.output import CliError, emit, table, warn
 from iop_cli.shell import state_file
-from iop_edge.keys import KeyInfo, create_key, list_keys, revoke_key
+from iop_edge.key_storage import STORE_ERRORS, KeyInfo, KeyStorage, SchemaTooNew
+from iop_edge.keys import check_limits, check_name, create_key, digest, list_keys, new_secret, revoke_key
+from iop_edge.pg_keys import PgKeyStorage
 from iop_edge.settings import ConfigError, load_settings
 
 __all__ = ["create", "ls", "revoke"]
 
 _HEADERS = ("NAME", "KEY ID", "CREATED", "RPM", "TPM", "MAX-CONCURRENT", "STATUS")
+T = TypeVar("T")
 
 
 def create(args: argparse.Namespace) -> int:
     """Create a key and print its secret (stdout, alone on its line); it is never shown again."""
-    path, _ = _key_file(args)
-    try:
-        secret = create_key(path, args.name, rpm=args.rpm, tpm=args.tpm, max_concurrent=args.max_concurrent)
-    except ValueError as exc:
-        raise CliError(str(exc)) from None
-    except (sqlite3.Error, OSError) as exc:
-        raise CliError(f"cannot write the key file {path}: {exc}") from None
+    limits = {"rpm": args.rpm, "tpm": args.tpm, "max_concurrent": args.max_concurrent}
+    url = _store_url(args)
+    if url is not None:
+        try:
+            check_name(args.name)
+            check_limits(args.rpm, args.tpm, args.max_concurrent)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+        secret = new_secret()
+        _in_store(url, "write", lambda store: store.create(args.name, digest(secret), **limits))
+        where = PgKeyStorage(url).name
+    else:
+        path, _ = _key_file(args)
+        try:
+            secret = create_key(path, args.name, **limits)
+        except (ValueError, SchemaTooNew) as exc:
+            raise CliError(str(exc)) from None
+        except STORE_ERRORS as exc:
+            raise CliError(f"cannot write the key file {path}: {exc}") from None
+        where = str(path)
     print(secret)
-    warn("keys", f"key {args.name} created in {path}; this is the only time it is shown")
+    warn("keys", f"key {args.name} created in {where}; this is the only time it is shown")
     return 0
 
 
 def ls(args: argparse.Namespace) -> int:
     """List the keys (never their secrets) as a table, or JSON with ``--json``."""
-    path = _existing_file(args)
-    try:
-        keys = list_keys(path)
-    except (sqlite3.Error, OSError) as exc:
-        raise CliError(f"cannot read the key file {path}: {exc}") from None
+    url = _store_url(args)
+    if url is not None:
+        keys = _in_store(url, "read", lambda store: store.list_keys())
+    else:
+        path = _existing_file(args)
+        try:
+            keys = list_keys(path)
+        except SchemaTooNew as exc:
+            raise CliError(str(exc)) from None
+        except STORE_ERRORS as exc:
+            raise CliError(f"cannot read the key file {path}: {exc}") from None
     emit([_plain(key) for key in keys], as_json=args.json, text=_table(keys) if keys else "no keys")
     return 0
 
 
 def revoke(args: argparse.Namespace) -> int:
     """Revoke a key: exit 1 if there is no active key of that name."""
-    path = _existing_file(args)
-    try:
-        revoked = revoke_key(path, args.name)
-    except (sqlite3.Error, OSError) as exc:
-        raise CliError(f"cannot write the key file {path}: {exc}") from None
+    url = _store_url(args)
+    if url is not None:
+        revoked = _in_store(url, "write", lambda store: store.revoke(args.name))
+    else:
+        path = _existing_file(args)
+        try:
+            revoked = revoke_key(path, args.name)
+        except SchemaTooNew as exc:
+            raise CliError(str(exc)) from None
+        except STORE_ERRORS as exc:
+            raise CliError(f"cannot write the key file {path}: {exc}") from None
     if not revoked:
         raise CliError(f"no key {args.name!r}", 1)
     print(f"key {args.name} revoked")
     return 0
+
+
+def _in_store(url: str, verb: str, work: Callable[[KeyStorage], Awaitable[T]]) -> T:
+    """``work`` done on the PostgreSQL store at ``url``; CliError (one line) when it cannot be."""
+
+    async def run() -> T:
+        store = PgKeyStorage(url, max_connections=1, timeout=10.0)
+        await store.open()
+        try:
+            return await work(store)
+        finally:
+            await store.aclose()
+
+    try:
+        return asyncio.run(run())
+    except (ValueError, SchemaTooNew) as exc:
+        raise CliError(" ".join(str(exc).split())) from None
+    except STORE_ERRORS as exc:
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        raise CliError(f"cannot {verb} the key store {PgKeyStorage(url).name}: {message}") from None
+
+
+def _store_url(args: argparse.Namespace) -> str | None:
+    """``--store-url``, else ``store.url`` of the config (``--config``, ``DIR/edge.yaml``) unless ``--db`` is given."""
+    if args.store_url is not None:
+        if not args.store_url.startswith(("postgresql://", "postgres://")):
+            raise CliError(f"--store-url must be a postgresql:// URL, not {args.store_url!r}")
+        return str(args.store_url)
+    if args.db is not None:
+        return None
+    config: Path | None = args.config
+    if config is None and (args.dir / "edge.yaml").is_file():
+        config = args.dir / "edge.yaml"
+    if config is None:
+        return None
+    try:
+        return load_settings(config).store.url
+    except ConfigError as exc:
+        raise CliError(f"bad config: {exc}") from None
 
 
 def _key_file(args: argparse.Namespace) -> tuple[Path, str]:
@@ -80,7 +150,7 @@ def _existing_file(args: argparse.Namespace) -> Path:
     if not path.is_file():
         raise CliError(
             f"no key file at {path} ({source}); 'iop keys create NAME' makes one, "
-            "or point at it with --db FILE, --config edge.yaml or --dir DIR"
+            "or point at it with --db FILE, --config edge.yaml, --dir DIR or --store-url URL"
         )
     return path
 

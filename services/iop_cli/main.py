@@ -307,6 +307,7 @@ def _keys_parsers(
     ):
         sub = keys.add_parser(name, parents=[common], help=helptext)
         sub.add_argument("--db", type=Path, help="the key file (default: keys_path of the config)")
+        sub.add_argument("--store-url", help="the edges' shared PostgreSQL store (default: store.url of the config)")
         sub.add_argument("--config", type=Path, help="edge settings to take keys_path from")
         sub.add_argument("--dir", type=Path, default=state_dir, help=f"{state_help}: its edge.yaml's keys_path")
         sub.set_defaults(run=_keys, keys_action=name)

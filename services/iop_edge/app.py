@@ -42,7 +42,8 @@ from iop_edge.batches import BatchRoutes
 from iop_edge.edge import Edge
 from iop_edge.files import FileRoutes
 from iop_edge.head import ARRIVED
-from iop_edge.keys import ApiKey, Lease, LimitExceeded
+from iop_edge.keys import ApiKey, LimitExceeded
+from iop_edge.shared import Held
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import ConnectionClosed, IopError
 from iop_wire.framing import DEFAULT_MAX_FRAME_SIZE
@@ -63,7 +64,7 @@ class _Call:
     """When the request's first byte was read (perf_counter)."""
     run_id: str
     key: ApiKey | None
-    lease: Lease | None = None
+    lease: Held | None = None
     requested: str = ""
     """The model the request named."""
     model: str = ""
@@ -143,7 +144,7 @@ class _Api:
             self.metrics.in_flight.inc()
             try:
                 call.key = self._authenticate(request)
-                self._admit(call)  # before the body: one still arriving holds its key's slot too
+                await self._admit(call)  # before the body: one still arriving holds its key's slot too
                 data = parse.parse_body(await self._body(request, call.route))
                 response = await handle(request, call, data)
                 streaming = isinstance(response, _EventStream)
@@ -163,6 +164,8 @@ class _Api:
         if call.lease is not None:
             call.lease.release(call.tokens)
             call.lease = None
+        if call.key is not None and self.edge.usage is not None:
+            self.edge.usage.record(call.key.name, call.tokens)
 
     async def _chat(self, request: Request, call: _Call, data: dict[str, Any]) -> Response:
         chat = parse.chat_request(data, call.run_id)
@@ -221,12 +224,13 @@ class _Api:
 
     # -- runs ---------------------------------------------------------------------------------
 
-    def _admit(self, call: _Call) -> None:
+    async def _admit(self, call: _Call) -> None:
         """The key's limits taken for the request (429 over them); released when it ends."""
         if call.key is None:
             return
+        limits = self.edge.limits
         try:
-            call.lease = self.edge.limiter.acquire(call.key)
+            call.lease = self.edge.limiter.acquire(call.key) if limits is None else await limits.acquire(call.key)
         except LimitExceeded as exc:
             self.metrics.refused.labels(exc.limit).inc()
             raise ApiError(429, exc.message, code="rate_limit_exceeded", retry_after=exc.retry_after) from None

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from iop_edge.keys import KeyStore, Limiter
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.settings import Settings
+from iop_edge.shared import SharedLimits
 from iop_edge.upstream import Pool, Upstream
+from iop_edge.usage import UsageRecorder
 
 __all__ = ["Edge"]
 
@@ -26,5 +28,10 @@ class Edge:
     """The worker's pool (files and batches); None: those endpoints answer 503."""
     keys: KeyStore | None = None
     limiter: Limiter = field(default_factory=Limiter)
+    """The keys' limits kept by this edge alone (a key file)."""
+    limits: SharedLimits | None = None
+    """The keys' limits shared with the other edges of ``store.url``; None: ``limiter``."""
+    usage: UsageRecorder | None = None
+    """Where finished requests' usage goes; None: not recorded (``auth: none``)."""
     started: int = field(default_factory=lambda: int(time.time()))
     in_flight: int = 0

@@ -23,13 +23,13 @@ import uvicorn
 from iop_edge.app import build_app
 from iop_edge.edge import Edge
 from iop_edge.head import HeadLimits, head_protocol
-from iop_edge.keys import KeyStore
+from iop_edge.keyring import open_keyring
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.refusals import Refusals
 from iop_edge.settings import Settings, StartError, load_settings
 from iop_edge.upstream import Upstream, worker_pool
 from iop_wire.metrics import expose
-from iop_wire.settings import Problem, bind_error, run_service, write_ready_file
+from iop_wire.settings import bind_error, run_service, write_ready_file
 
 __all__ = ["run"]
 
@@ -101,20 +101,17 @@ async def _serve(settings: Settings, ready_file: Path | None) -> int:
     expose(metrics.registry)
     worker = worker_pool(settings)
     edge = Edge(settings=settings, upstream=Upstream(settings), metrics=metrics, worker=worker)
+    keyring = None
     if settings.auth == "keys":
-        edge.keys = KeyStore(settings.keys_path)
         try:
-            await edge.keys.open()
-        except OSError as exc:
-            _close(sockets)
-            raise StartError([Problem("keys_path", f"cannot open {settings.keys_path}: {exc}")]) from None
+            keyring = await open_keyring(edge)
         except StartError:
             _close(sockets)
             raise
-        if not len(edge.keys):
+        if not len(keyring.keys):
             _log.warning(
                 "no API keys",
-                reason=f"{settings.keys_path} holds none: every request gets 401 until 'iop keys create NAME'",
+                reason=f"{keyring.keys.storage.name} holds none: every request gets 401 until 'iop keys create NAME'",
             )
     else:
         _log.warning(
@@ -160,8 +157,8 @@ async def _serve(settings: Settings, ready_file: Path | None) -> int:
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)  # noqa: ASYNC240 - one unlink while stopping
         await asyncio.gather(edge.upstream.aclose(), worker.aclose())
-        if edge.keys is not None:
-            await edge.keys.aclose()
+        if keyring is not None:
+            await keyring.aclose()
         _close(sockets)
         _log.info("edge stopped")
     return 0

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-__all__ = ["EdgeMetrics"]
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from iop_edge.edge import Edge
+
+__all__ = ["EdgeMetrics", "KeyCollector"]
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -49,3 +57,33 @@ class EdgeMetrics:
             ["route"],
             registry=self.registry,
         )
+
+
+class KeyCollector(Collector):
+    """The keys' figures, read from their parts when scraped: the store, the shared limits, the usage backlog."""
+
+    def __init__(self, edge: Edge) -> None:
+        self._edge = edge
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """One sample each (the limit figures only with a shared store)."""
+        edge = self._edge
+        keys, usage, limits = edge.keys, edge.usage, edge.limits
+        if keys is not None:
+            up = not keys.failing and (limits is None or not limits.failing)
+            yield GaugeMetricFamily("iop_edge_key_store_up", "1 while the key store answers, else 0.", value=int(up))
+        if usage is not None:
+            yield CounterMetricFamily(
+                "iop_edge_usage_dropped", "Requests whose usage was not recorded: backlog full.", value=usage.dropped
+            )
+            yield GaugeMetricFamily(
+                "iop_edge_usage_backlog_rows", "Usage rows (key, minute) waiting to be written.", value=len(usage)
+            )
+        if limits is not None:
+            yield CounterMetricFamily(
+                "iop_edge_limit_store_calls", "Budget takes and slot holds sent to the store.", value=limits.takes
+            )
+            yield CounterMetricFamily(
+                "iop_edge_limit_waits", "Requests that waited on a budget take (share ran out).", value=limits.waits
+            )
+            yield GaugeMetricFamily("iop_edge_limit_edges", "Edges seen sharing the store.", value=limits.edges)

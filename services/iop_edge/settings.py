@@ -25,7 +25,7 @@ from iop_wire.settings import (
 from iop_wire.settings import Section as _Section
 from iop_wire.settings import load_settings as _load
 
-__all__ = ["ConfigError", "Problem", "Settings", "StartError", "load_settings"]
+__all__ = ["ConfigError", "Problem", "Settings", "StartError", "StoreSettings", "load_settings"]
 
 
 class HttpSettings(_Section):
@@ -90,6 +90,26 @@ class WorkerSettings(ControlPlaneAddress):
     """Connections in the pool; requests are spread over those that are up (an upload keeps to one)."""
 
 
+class StoreSettings(_Section):
+    """Where the API keys, their usage and their shared limits live: unset, the SQLite ``keys_path``."""
+
+    url: str | None = None
+    """``postgresql://user[:password]@host:5432/database``, shared by every edge (and ``iop keys --store-url``):
+    keys created or revoked anywhere hold on every edge within ``refresh`` seconds, and each key's
+    limits hold across the edges. Unset: the key file ``keys_path``, limits kept by this edge alone."""
+    refresh: float = Field(0.5, gt=0, le=1.0)
+    """Seconds between two looks for created or revoked keys."""
+    usage_backlog: int = Field(10_000, ge=1)
+    """Usage rows (one per key and minute) kept while the store is away; past it, requests go unrecorded (counted)."""
+
+    @field_validator("url")
+    @classmethod
+    def _postgres(cls, url: str | None) -> str | None:
+        if url is not None and not url.startswith(("postgresql://", "postgres://")):
+            raise ValueError("must be a postgresql:// URL (unset: the SQLite file keys_path)")
+        return url
+
+
 class Settings(BaseSettings):
     """Everything ``iop edge`` reads at start-up."""
 
@@ -107,7 +127,9 @@ class Settings(BaseSettings):
     auth: Literal["keys", "none"] = "keys"
     """keys: every request needs an API key from ``keys_path``; none: no keys (local development only)."""
     keys_path: Path = Path(".iop/edge-keys.db")
-    """SQLite file of API keys (hashed), written by ``iop keys``."""
+    """SQLite file of API keys (hashed), written by ``iop keys``; used when ``store.url`` is unset."""
+    store: StoreSettings = StoreSettings()
+    """The key store shared by several edges (PostgreSQL)."""
     request_timeout: float = Field(600.0, gt=0)
     """Seconds a request may take, queueing included; then 504. Sent as the run's deadline."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -1,0 +1,218 @@
+"""The key store in PostgreSQL (``store.url``): every edge, and ``iop keys``, share one.
+
+Times are the server's (``statement_timestamp()``), so edges whose clocks disagree still agree
+on a budget's window and a slot's lapse. A budget take or a slot hold locks its key's row
+(``pg_advisory_xact_lock`` on the key's name), so concurrent edges never grant one unit twice.
+The schema is created and migrated under an advisory lock, in one transaction, as the worker's.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from collections.abc import Mapping, Sequence
+
+import asyncpg
+
+from iop_edge.key_storage import (
+    MIGRATIONS,
+    SCHEMA_VERSION,
+    ApiKey,
+    Grant,
+    KeyInfo,
+    UsageRow,
+    UsageTotal,
+    check_version,
+    retry_after,
+)
+
+__all__ = ["PgKeyStorage", "shown_url"]
+
+_SCHEMA_LOCK = 0x1ED6_E4E7  # the advisory lock key held while migrating
+_NOW = "extract(epoch from statement_timestamp())::float8"
+_BUMP = "UPDATE key_changes SET version = version + 1"
+_LOCK_KEY = "SELECT pg_advisory_xact_lock(hashtext('iop_edge_key:' || $1))"
+_LIST = "SELECT name, key_id, created_at, revoked_at, rpm, tpm, max_concurrent FROM keys ORDER BY created_at, name"
+_ACTIVE = "SELECT hash, name, key_id, rpm, tpm, max_concurrent FROM keys WHERE revoked_at IS NULL"
+_ADD_USAGE = """
+INSERT INTO key_usage VALUES ($1, $2, $3, $4, $5) ON CONFLICT (name, edge, minute) DO UPDATE
+SET requests = key_usage.requests + excluded.requests, tokens = key_usage.tokens + excluded.tokens
+"""
+_HOLD = f"""
+INSERT INTO key_slots VALUES ($1, $2, $3, {_NOW}) ON CONFLICT (name, edge)
+DO UPDATE SET slots = excluded.slots, at = excluded.at
+"""  # noqa: S608 - no input in the SQL
+
+
+def shown_url(url: str) -> str:
+    """``url`` without its password, for messages and logs."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+class PgKeyStorage:
+    """The key store in a PostgreSQL database; conforms to ``key_storage.KeyStorage``."""
+
+    def __init__(self, url: str, *, max_connections: int = 4, timeout: float = 2.0) -> None:
+        """``url``: ``postgresql://user@host:port/database``; ``timeout``: seconds a statement or connect may take."""
+        self.url = url
+        self.name = shown_url(url)
+        self._max = max_connections
+        self._timeout = timeout
+        self._pool: asyncpg.Pool[asyncpg.Record] | None = None
+
+    async def open(self) -> None:
+        """Connect, and create or migrate the tables."""
+        pool = await asyncpg.create_pool(
+            self.url, min_size=1, max_size=self._max, timeout=self._timeout, command_timeout=self._timeout
+        )
+        try:
+            async with pool.acquire() as conn, conn.transaction():
+                await _migrate(conn, self.name)
+        except BaseException:
+            await pool.close()
+            raise
+        self._pool = pool
+
+    async def aclose(self) -> None:
+        """Close the connections (at once: a store that went away must not hold up a stopping edge)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.terminate()
+
+    @property
+    def pool(self) -> asyncpg.Pool[asyncpg.Record]:
+        """The open pool."""
+        if self._pool is None:
+            raise RuntimeError(f"the key store {self.name} is not open")
+        return self._pool
+
+    async def create(
+        self, name: str, digest: str, *, rpm: int | None, tpm: int | None, max_concurrent: int | None
+    ) -> None:
+        """Add a key; ValueError if ``name`` has an active one."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(_LOCK_KEY, name)
+            revoked = await conn.fetchrow("SELECT revoked_at FROM keys WHERE name = $1", name)
+            if revoked is not None and revoked[0] is None:
+                raise ValueError(f"key {name!r} exists; revoke it first or pick another name")
+            await conn.execute("DELETE FROM keys WHERE name = $1", name)
+            await conn.execute(
+                f"INSERT INTO keys VALUES ($1, $2, $3, {_NOW}, NULL, $4, $5, $6)",  # noqa: S608 - no input in the SQL
+                name,
+                f"key_{digest[:12]}",
+                digest,
+                rpm,
+                tpm,
+                max_concurrent,
+            )
+            await conn.execute(_BUMP)
+
+    async def revoke(self, name: str) -> bool:
+        """Revoke the active key ``name``; whether there was one."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            status = await conn.execute(
+                f"UPDATE keys SET revoked_at = {_NOW} WHERE name = $1 AND revoked_at IS NULL",  # noqa: S608
+                name,
+            )
+            await conn.execute(_BUMP)
+        return status != "UPDATE 0"
+
+    async def list_keys(self) -> list[KeyInfo]:
+        """Every key, oldest first."""
+        return [KeyInfo(*row) for row in await self.pool.fetch(_LIST)]
+
+    async def changes(self) -> object:
+        """The change counter."""
+        return await self.pool.fetchval("SELECT version FROM key_changes")
+
+    async def active(self) -> dict[str, ApiKey]:
+        """The active keys by digest."""
+        return {row[0]: ApiKey(*row[1:]) for row in await self.pool.fetch(_ACTIVE)}
+
+    async def add_usage(self, rows: Sequence[UsageRow], edge: str) -> None:
+        """Add the rows, in one transaction."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.executemany(_ADD_USAGE, [(row.name, edge, row.minute, row.requests, row.tokens) for row in rows])
+
+    async def usage(self) -> Mapping[str, UsageTotal]:
+        """Recorded usage per key."""
+        rows = await self.pool.fetch(
+            "SELECT name, sum(requests)::bigint, sum(tokens)::bigint FROM key_usage GROUP BY name"
+        )
+        return {row[0]: UsageTotal(row[1], row[2]) for row in rows}
+
+    async def take(self, name: str, kind: str, edge: str, *, want: int, debt: int, limit: int, window: float) -> Grant:
+        """Grant up to ``want`` units within ``limit`` per ``window``, and record ``debt``."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(_LOCK_KEY, name)
+            now: float = await conn.fetchval(f"SELECT {_NOW}")
+            await conn.execute(
+                "DELETE FROM key_grants WHERE name = $1 AND kind = $2 AND at <= $3", name, kind, now - window
+            )
+            rows = await conn.fetch(
+                "SELECT at, units FROM key_grants WHERE name = $1 AND kind = $2 ORDER BY at", name, kind
+            )
+            grants = [(row[0], row[1]) for row in rows]
+            granted = max(0, min(want, limit - debt - sum(units for _, units in grants)))
+            grant_id = None
+            if granted + debt > 0:
+                grant_id = await conn.fetchval(
+                    "INSERT INTO key_grants (name, kind, edge, at, units) VALUES ($1, $2, $3, $4, $5) RETURNING id",
+                    name,
+                    kind,
+                    edge,
+                    now,
+                    granted + debt,
+                )
+                grants.append((now, granted + debt))
+        wait = retry_after(grants, limit, now, window) if granted < want else 0.0
+        return Grant(grant_id, granted, wait)
+
+    async def give_back(self, returns: Sequence[tuple[int, int]]) -> None:
+        """Take unused units off their grants."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.executemany(
+                "UPDATE key_grants SET units = greatest(units - $1, 0) WHERE id = $2",
+                [(units, grant_id) for grant_id, units in returns],
+            )
+
+    async def hold_slots(self, name: str, edge: str, *, want: int, limit: int, ttl: float) -> int:
+        """Hold up to ``want`` of the ``limit`` slots not held by other edges."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(_LOCK_KEY, name)
+            await conn.execute(f"DELETE FROM key_slots WHERE name = $1 AND at <= {_NOW} - $2", name, ttl)  # noqa: S608
+            others = await conn.fetchval(
+                "SELECT coalesce(sum(slots), 0)::bigint FROM key_slots WHERE name = $1 AND edge != $2", name, edge
+            )
+            held = max(0, min(want, limit - int(others)))
+            await conn.execute(_HOLD, name, edge, held)
+        return held
+
+    async def heartbeat(self, edge: str, *, ttl: float) -> int:
+        """Note ``edge`` alive; the edges seen within ``ttl`` seconds."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(
+                f"INSERT INTO key_edges VALUES ($1, {_NOW}) ON CONFLICT (edge) DO UPDATE SET at = excluded.at",  # noqa: S608
+                edge,
+            )
+            await conn.execute(f"DELETE FROM key_edges WHERE at <= {_NOW} - $1", 10 * ttl)  # noqa: S608
+            count = await conn.fetchval(f"SELECT count(*) FROM key_edges WHERE at > {_NOW} - $1", ttl)  # noqa: S608
+        return int(count)
+
+
+async def _migrate(conn: asyncpg.pool.PoolConnectionProxy[asyncpg.Record], store: str) -> None:
+    await conn.execute("SELECT pg_advisory_xact_lock($1)", _SCHEMA_LOCK)
+    await conn.execute("CREATE TABLE IF NOT EXISTS edge_schema_version (version integer NOT NULL)")
+    version = await conn.fetchval("SELECT version FROM edge_schema_version")
+    if version is None:
+        await conn.execute("INSERT INTO edge_schema_version (version) VALUES (0)")
+        version = 0
+    check_version(version, store)
+    for step in MIGRATIONS[version:]:
+        for statement in step:
+            await conn.execute(statement.format(real="double precision", id="BIGSERIAL PRIMARY KEY"))
+    if version < SCHEMA_VERSION:
+        await conn.execute("UPDATE edge_schema_version SET version = $1", SCHEMA_VERSION)
