@@ -33,6 +33,12 @@ class ControlPlaneMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.decision_time = Histogram(
+            "iop_control_plane_decision_seconds",
+            "Time one scheduling decision took (Scheduler.choose: resolution, candidates, pick).",
+            buckets=(2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 1e-2),
+            registry=self.registry,
+        )
         self.background_yields = Counter(
             "iop_control_plane_background_yields_total",
             "Background runs (priority < 0) that arrived to find interactive runs awaiting their first output"

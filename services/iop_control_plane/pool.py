@@ -37,9 +37,10 @@ class ModelPool:
     def __init__(self, vnodes: int = 100, *, within: ModelPool | None = None) -> None:
         self.views: dict[str, ModelView] = {}
         """Candidates by node id."""
-        self.ring: HashRing = within.ring if within else HashRing(vnodes)
-        """The consistent-hash ring: this pool's own, or that of the pool ``within`` (whose nodes include these)."""
-        self._owns_ring = within is None
+        self._within, self._vnodes = within, vnodes
+        self._ring: HashRing | None = None
+        """Made on first use: a node joining a ring costs a pass over its points (a second for
+        1,000 nodes), which pools no session-affinity decision asks for never pay."""
         self._heap: list[_Entry] = []
         self._live: dict[str, _Entry] = {}
         self._turn: list[str] = []
@@ -48,15 +49,30 @@ class ModelPool:
     def __len__(self) -> int:
         return len(self.views)
 
+    @property
+    def ring(self) -> HashRing:
+        """The consistent-hash ring: this pool's own, or that of the pool ``within`` (whose nodes include these)."""
+        if self._within is not None:
+            return self._within.ring
+        if self._ring is None:
+            self._ring = HashRing(self._vnodes)
+            for node_id in self._turn:
+                self._ring.add(node_id)
+        return self._ring
+
     def update(self, view: ModelView) -> None:
         """Add ``view``'s node, or take its new load into account."""
         node_id = view.node.node_id
         if node_id not in self.views:
             self.views[node_id] = view
             self._turn.append(node_id)
-            if self._owns_ring:
-                self.ring.add(node_id)
-        entry = (view.load / view.capacity, next(_order), node_id)
+            if self._ring is not None:
+                self._ring.add(node_id)
+        share = view.load / view.capacity
+        live = self._live.get(node_id)
+        if live is not None and live[0] == share:
+            return  # an unchanged report (every idle node, every second): the heap stays as it is
+        entry = (share, next(_order), node_id)
         self._live[node_id] = entry
         heappush(self._heap, entry)
         if len(self._heap) > 2 * len(self._live) + 64:
@@ -72,8 +88,8 @@ class ModelPool:
         del self._turn[index]
         if index < self._cursor:
             self._cursor -= 1
-        if self._owns_ring:
-            self.ring.remove(node_id)
+        if self._ring is not None:
+            self._ring.remove(node_id)
 
     def least_loaded(self, accept: Accept) -> ModelView | None:
         """The accepted candidate with the lowest load / capacity; None when none is accepted."""

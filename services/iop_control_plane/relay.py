@@ -201,9 +201,11 @@ class RunRelay:
 
     def _choose(self, run: _Run, model: str, exclude: frozenset[str] = frozenset()) -> Decision:
         background = run.priority < 0 and self.background_yield > 0
+        began = time.perf_counter()
         decision = self.scheduler.choose(
             model, session=run.session, caller=run.caller, exclude=exclude, background=background
         )
+        self.metrics.decision_time.observe(time.perf_counter() - began)
         run.log.debug("decision", outcome=decision.outcome, policy=decision.policy, reason=decision.reason)
         self.metrics.decisions.labels(decision.policy, decision.outcome).inc()
         if decision.yielded:
@@ -214,9 +216,11 @@ class RunRelay:
         assert isinstance(waiter, _Queued)
         held = time.monotonic() - waiter.since
         background = waiter.priority < 0 and held < self.background_yield
+        began = time.perf_counter()
         decision = self.scheduler.choose(
             waiter.model, session=waiter.session, caller=waiter.caller, exclude=waiter.exclude, background=background
         )
+        self.metrics.decision_time.observe(time.perf_counter() - began)
         if decision.yielded and self._held is None:  # placed anyway once held for background_yield
             self._held = asyncio.get_running_loop().call_later(self.background_yield - held, self._hold_ended)
         if decision.outcome == "all_busy":
