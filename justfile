@@ -96,3 +96,4 @@ bench:
     python tests/bench/edge_bench.py
     python tests/bench/batch_bench.py
     python tests/bench/ledger_bench.py
+    python tests/bench/fleet_bench.py
