@@ -74,13 +74,14 @@ def _load(config: Path, loader: Callable[[Path], Any]) -> Any:
 
 
 def _check_keys(keys: Path) -> None:
+    from iop_edge.key_storage import SchemaTooNew
     from iop_edge.keys import list_keys
 
     if not keys.exists():
         return
     try:
         list_keys(keys)
-    except (sqlite3.Error, OSError) as exc:
+    except (sqlite3.Error, OSError, SchemaTooNew) as exc:
         raise CliError(f"cannot use the key file {keys} (keys_path of edge.yaml): {exc}") from None
 
 

@@ -10,6 +10,7 @@ import contextlib
 import fcntl
 import os
 import socket
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -69,6 +70,11 @@ def _corrupt_keys(state: Path) -> None:
     (state / "edge-keys.db").write_bytes(b"not a database" * 512)
 
 
+def _newer_keys(state: Path) -> None:
+    with contextlib.closing(sqlite3.connect(state / "edge-keys.db")) as db, db:  # as a newer edge would leave it
+        db.execute("UPDATE schema_version SET version = version + 100")
+
+
 def _bad_certificate(state: Path) -> None:
     (state / "certs" / "edge.crt").write_text("garbage\n")
 
@@ -84,10 +90,19 @@ def _empty_api_key(state: Path) -> None:
         (_directory_edge, "edge.yaml is not a file"),
         (_bad_edge_value, "http.header_timeout"),
         (_corrupt_keys, "edge-keys.db"),
+        (_newer_keys, "newer than this edge's"),
         (_bad_certificate, "tls.cert"),
         (_empty_api_key, "api-key is empty"),
     ],
-    ids=["binary-edge-yaml", "directory-edge-yaml", "bad-edge-value", "corrupt-keys", "bad-certificate", "empty-key"],
+    ids=[
+        "binary-edge-yaml",
+        "directory-edge-yaml",
+        "bad-edge-value",
+        "corrupt-keys",
+        "newer-keys",
+        "bad-certificate",
+        "empty-key",
+    ],
 )
 def test_a_broken_file_is_one_line_before_any_process(state: Path, breaks: Callable[[Path], None], named: str) -> None:
     breaks(state)
