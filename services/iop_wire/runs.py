@@ -440,7 +440,8 @@ async def relay(
 
     The caller decides what the terminal event means: forward it (``sink.forward``), or try
     the run elsewhere when it failed before any output (``sink.outputs == 0``). If the task
-    is cancelled (the requester cancelled or went away), the run is cancelled upstream too.
+    is cancelled (the requester cancelled or went away), or forwarding fails (the requester's
+    connection closed under it), the run is cancelled upstream too: nobody reads it any more.
     ``first_output`` is called once, when the run's first output has been forwarded.
     """
     as_received = stream.codec == "proto"  # only protobuf bytes can be forwarded as they are
@@ -458,6 +459,6 @@ async def relay(
             if first_output is not None and sink.outputs:
                 first_output()
                 first_output = None
-    except asyncio.CancelledError:
+    except BaseException:  # CancelledError, or ConnectionClosed from a requester gone mid-forward
         stream.cancel_nowait(sink.cancel_reason or "cancelled by the requester")
         raise
