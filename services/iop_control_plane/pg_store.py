@@ -117,9 +117,17 @@ class PgStore:
     # -- audit and ledger ---------------------------------------------------------------------
 
     async def commit(self, batch: Sequence[Write], touched: Mapping[str, float]) -> None:
-        """Write the batch in one transaction."""
+        """Write the batch in one transaction. Rows of ``nodes`` are written first, in node id order:
+        control-planes sharing the database write the same nodes' rows, and two transactions taking
+        them in different orders deadlock (PostgreSQL aborts one: seen with two replicas)."""
         ending = {id(write) for write in batch if isinstance(write, LedgerEntry)}
+        seen = sorted((w for w in batch if isinstance(w, NodeSeen)), key=lambda w: w.node_id)
         async with self._db().acquire() as conn, conn.transaction():
+            for node in seen:  # the last report of a node wins, as in batch order (sorted() is stable)
+                await conn.execute(_UPSERT_NODE, node.node_id, node.labels, node.address, node.models, node.at)
+            if touched:
+                sql = "UPDATE nodes SET last_seen = $1 WHERE node_id = $2"
+                await conn.executemany(sql, [(touched[node_id], node_id) for node_id in sorted(touched)])
             for write in batch:
                 match write:
                     case LedgerEntry():
@@ -131,16 +139,11 @@ class PgStore:
                         entry.open_row = await conn.fetchval(_OPEN, *ledger.open_row(entry, self._owner))
                     case Placed(entry, number, attempt) if id(entry) not in ending and entry.open_row is not None:
                         await conn.execute(_PLACED, *ledger.placed_row(entry, number, attempt), entry.open_row)
-                    case NodeSeen(node_id, labels, address, models, at):
-                        await conn.execute(_UPSERT_NODE, node_id, labels, address, models, at)
                     case StateChanged(node_id, at, state, reason):
                         sql = "INSERT INTO node_events (node_id, at, state, reason) VALUES ($1, $2, $3, $4)"
                         await conn.execute(sql, node_id, at, state, reason)
-                    case _:
+                    case _:  # NodeSeen: written above
                         pass
-            if touched:
-                sql = "UPDATE nodes SET last_seen = $1 WHERE node_id = $2"
-                await conn.executemany(sql, [(at, node_id) for node_id, at in touched.items()])
 
     async def recover(self, stale_after: float) -> int:
         """Move open runs of control-planes silent for ``stale_after`` s to the ledger (row locks: once)."""
