@@ -29,7 +29,7 @@ from typing import Any
 import asyncpg
 import httpx2 as httpx
 import pytest
-from worker.pg_server import PgServer, _run, _server_user, create_database
+from worker.pg_server import PgServer, create_database
 
 from iop_wire.certs import init_dir, tls_section
 
@@ -146,21 +146,6 @@ def nginx(root: Path, edge_ports: list[int]) -> Iterator[int]:
             popen.kill()
             popen.wait(timeout=10)
         log.close()
-
-
-def stop_postgres(server: PgServer, binaries: Path) -> None:
-    """Stop ``server`` at once (its clients see their connections close), keeping its data."""
-    assert server.data is not None
-    _run(_server_user(), binaries / "pg_ctl", "-D", server.data, "-m", "immediate", "-w", "stop")
-
-
-def start_postgres(server: PgServer, binaries: Path) -> None:
-    """Start ``server`` again on its port, as ``pg_server`` did."""
-    assert server.data is not None
-    folder = server.data.parent
-    options = f"-p {server.port} -k {folder} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
-    log = folder / "server.log"
-    _run(_server_user(), binaries / "pg_ctl", "-D", server.data, "-l", log, "-o", options, "-w", "-t", "30", "start")
 
 
 @dataclass

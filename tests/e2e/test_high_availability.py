@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx2 as httpx
 import pytest
-from worker.pg_server import PgServer, pg_server, required_binaries
+from worker.pg_server import PgServer, pg_server, required_binaries, start_server, stop_server
 
 from .conftest import wait_for
 from .ha_helpers import (
@@ -41,8 +41,6 @@ from .ha_helpers import (
     nginx_binary,
     platform,
     sending,
-    start_postgres,
-    stop_postgres,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -193,13 +191,13 @@ def test_postgresql_stopped_for_10_s(ha: Platform) -> None:
     with sending(streamers):
         time.sleep(2.0)
         stopped = time.monotonic()
-        stop_postgres(ha.server, binaries)
+        stop_server(ha.server, binaries)
         try:
             while time.monotonic() < stopped + 10.0:
                 refused_while_away.append(httpx.get(f"{ha.base}/v1/models", headers=headers, timeout=5).status_code)
                 time.sleep(0.5)
         finally:
-            start_postgres(ha.server, binaries)
+            start_server(ha.server, binaries)
         back = time.monotonic()
         time.sleep(2.0)
     outcomes = [outcome for streamer in streamers for outcome in streamer.outcomes]

@@ -10,10 +10,9 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from worker.pg_server import PgServer, _run, _server_user, create_database, pg_server, required_binaries
+from worker.pg_server import PgServer, create_database, pg_server, required_binaries, start_server, stop_server
 
 __all__ = ["fresh_database", "postgres", "start_server", "stop_server"]
 
@@ -30,18 +29,3 @@ def postgres() -> Iterator[PgServer]:
 async def fresh_database(server: PgServer) -> str:
     """The URL of a new, empty database on ``server``."""
     return server.url(await create_database(server, f"cp_{os.getpid()}_{next(_databases)}"))
-
-
-def stop_server(server: PgServer, binaries: Path) -> None:
-    """Stop ``server`` at once (clients see their connections closed), keeping its data."""
-    assert server.data is not None
-    _run(_server_user(), binaries / "pg_ctl", "-D", server.data, "-m", "immediate", "-w", "stop")
-
-
-def start_server(server: PgServer, binaries: Path) -> None:
-    """Start ``server`` again on its port (as :func:`worker.pg_server.pg_server` did)."""
-    assert server.data is not None
-    folder = server.data.parent
-    options = f"-p {server.port} -k {folder} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
-    log = folder / "server.log"
-    _run(_server_user(), binaries / "pg_ctl", "-D", server.data, "-l", log, "-o", options, "-w", "-t", "30", "start")

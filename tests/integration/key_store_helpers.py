@@ -9,7 +9,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from worker.pg_server import PgServer, _run, _server_user, create_database, find_binaries
+from worker import pg_server as pg
+from worker.pg_server import PgServer, create_database, find_binaries
 
 from iop_edge.key_storage import KeyStorage
 from iop_edge.pg_keys import PgKeyStorage
@@ -35,15 +36,12 @@ def factory(kind: str, where: str | Path) -> StorageFactory:
 def stop_server(server: PgServer) -> None:
     """Stop the server (fast shutdown: clients are disconnected)."""
     binaries = find_binaries()
-    assert binaries is not None and server.data is not None
-    _run(_server_user(), binaries / "pg_ctl", "-D", server.data, "-m", "fast", "-w", "stop")
+    assert binaries is not None
+    pg.stop_server(server, binaries, mode="fast")
 
 
 def start_server(server: PgServer) -> None:
     """Start a stopped server again on its port."""
     binaries = find_binaries()
-    assert binaries is not None and server.data is not None
-    folder = server.data.parent
-    options = f"-p {server.port} -k {folder} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
-    log = folder / "server.log"
-    _run(_server_user(), binaries / "pg_ctl", "-D", server.data, "-l", log, "-o", options, "-w", "-t", "30", "start")
+    assert binaries is not None
+    pg.start_server(server, binaries)

@@ -81,16 +81,31 @@ def pg_server(binaries: Path) -> Iterator[PgServer]:
         if run_as is not None:
             os.chown(folder, run_as.pw_uid, run_as.pw_gid)
         _run(run_as, binaries / "initdb", "-D", data, "-A", "trust", "-U", _USER, "--no-sync", "-E", "UTF8")
-        port = _free_port()
-        options = f"-p {port} -k {folder} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
-        log = folder / "server.log"
-        _run(run_as, binaries / "pg_ctl", "-D", data, "-l", log, "-o", options, "-w", "-t", "30", "start")
+        server = PgServer(_free_port(), data)
+        start_server(server, binaries)
         try:
-            yield PgServer(port, data)
+            yield server
         finally:
-            _run(run_as, binaries / "pg_ctl", "-D", data, "-m", "fast", "-w", "stop")
+            stop_server(server, binaries, mode="fast")
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def start_server(server: PgServer, binaries: Path) -> None:
+    """Start ``server`` (its data folder made by :func:`pg_server`) on its port: at first, and again
+    after :func:`stop_server` (tests of an outage)."""
+    assert server.data is not None
+    folder = server.data.parent
+    options = f"-p {server.port} -k {folder} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
+    log = folder / "server.log"
+    _run(_server_user(), binaries / "pg_ctl", "-D", server.data, "-l", log, "-o", options, "-w", "-t", "30", "start")
+
+
+def stop_server(server: PgServer, binaries: Path, *, mode: str = "immediate") -> None:
+    """Stop ``server``, keeping its data: ``immediate`` (the default) as a crash would, its clients'
+    connections closed at once; ``fast`` for a clean shutdown."""
+    assert server.data is not None
+    _run(_server_user(), binaries / "pg_ctl", "-D", server.data, "-m", mode, "-w", "stop")
 
 
 def _server_user() -> pwd.struct_passwd | None:
