@@ -12,10 +12,12 @@ upload holds neither a long transaction nor a large buffer.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterable, AsyncIterator, Sequence
-from typing import Any
+import functools
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar, cast
 
 import asyncpg
+import structlog
 
 from iop_worker.store import (
     BATCH_COLUMNS,
@@ -45,6 +47,9 @@ from iop_worker.store import (
 )
 
 __all__ = ["SCHEMA_VERSION", "PgJobStore"]
+
+_log = structlog.get_logger("iop.worker")
+_Operation = TypeVar("_Operation", bound=Callable[..., Awaitable[Any]])
 
 _RESULTS_PAGE = 500  # finished lines read per query by results()
 _SCHEMA_LOCK = 0x10B_3070  # the advisory lock key held while creating the schema
@@ -97,6 +102,42 @@ _RESULTS = (
 )
 
 
+# A session the server ended (a restart, a failover, pg_terminate_backend) stays in asyncpg's pool
+# until used, and then fails, at times with InternalClientError ("cannot switch to state 15; another
+# operation (2) is in progress", asyncpg issues 784 and 1069) rather than a lost connection. All the
+# pool's sessions went together, so all are replaced and the operation is tried once more.
+_SESSION_LOST = (
+    asyncpg.exceptions.InternalClientError,
+    asyncpg.exceptions.ConnectionDoesNotExistError,
+    asyncpg.exceptions.InterfaceError,
+    ConnectionResetError,
+)
+
+
+def _on_fresh_sessions(operation: _Operation) -> _Operation:
+    """Run ``operation`` again once on new sessions if the server had ended the pool's.
+
+    Each operation is one transaction or one statement, so a session lost in it left nothing done,
+    unless only COMMIT's reply was lost. Run again then: create_batch fails on its id (the primary
+    key), finish and release find the lease gone and say so, and lines leased twice wait out the
+    first lease as any worker's lost lease does. None is applied twice.
+    """
+
+    @functools.wraps(operation)
+    async def again(store: PgJobStore, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await operation(store, *args, **kwargs)
+        except _SESSION_LOST as lost:
+            store.sessions_lost += 1
+            _log.warning(
+                "job store sessions lost; retrying on new ones", operation=operation.__name__, error=repr(lost)
+            )
+            await store._connections().expire_connections()
+            return await operation(store, *args, **kwargs)
+
+    return cast("_Operation", again)
+
+
 class PgJobStore:
     """The job store in a PostgreSQL database; conforms to ``iop_worker.store.JobStore``."""
 
@@ -104,6 +145,7 @@ class PgJobStore:
         """``url``: ``postgresql://user@host:port/database``; the pool keeps between the two numbers of connections."""
         self.url = url
         self.lease_takeovers = 0
+        self.sessions_lost = 0  # operations that met sessions the server had ended, and ran again
         self._sizes = (min_connections, max_connections)
         self._pool: asyncpg.Pool[asyncpg.Record] | None = None
 
@@ -147,11 +189,13 @@ class PgJobStore:
         await pool.execute("UPDATE files SET bytes = $1, status = $2 WHERE id = $3", size, record.status, record.id)
         return dataclasses.replace(record, bytes=size)
 
+    @_on_fresh_sessions
     async def get_file(self, file_id: str) -> FileRecord | None:
         """A stored file, or None (also while it is being written)."""
         row = await self._connections().fetchrow(_FILES + "WHERE id = $1 AND status != $2", file_id, UPLOADING)
         return None if row is None else file_from_row(row)
 
+    @_on_fresh_sessions
     async def list_files(
         self, *, after: str | None = None, limit: int = 20, purpose: str | None = None, caller: str | None = None
     ) -> tuple[list[FileRecord], bool]:
@@ -171,6 +215,7 @@ class PgJobStore:
             yield bytes(data)
             seq += 1
 
+    @_on_fresh_sessions
     async def drop_uploads(self, started_before: int) -> int:
         """Delete files still being written that were started before ``started_before``, with their content."""
         stale = "SELECT id FROM files WHERE status = $1 AND created_at < $2"
@@ -181,12 +226,14 @@ class PgJobStore:
             )
             return _changed(status)
 
+    @_on_fresh_sessions
     async def delete_file(self, file_id: str) -> bool:
         """Delete a file and its content; whether it existed."""
         async with self._connections().acquire() as conn, conn.transaction():
             await conn.execute("DELETE FROM file_chunks WHERE file_id = $1", file_id)
             return _changed(await conn.execute("DELETE FROM files WHERE id = $1", file_id)) > 0
 
+    @_on_fresh_sessions
     async def create_batch(self, batch: BatchRecord, lines: Sequence[LineRecord]) -> None:
         """Store a batch and its lines, in one transaction (the lines by COPY)."""
         marks = ", ".join(f"${index}" for index in range(1, len(BATCH_COLUMNS) + 1))
@@ -195,6 +242,7 @@ class PgJobStore:
             await conn.execute(f"INSERT INTO batches ({', '.join(BATCH_COLUMNS)}) VALUES ({marks})", *batch_row(batch))  # noqa: S608
             await conn.copy_records_to_table("lines", records=rows, columns=LINE_COLUMNS)
 
+    @_on_fresh_sessions
     async def add_lines(self, lines: Sequence[LineRecord]) -> None:
         """Store more lines of a batch being validated, in one transaction; a line already stored is kept."""
         marks = ", ".join(f"${index}" for index in range(1, len(LINE_COLUMNS) + 1))
@@ -202,11 +250,13 @@ class PgJobStore:
         async with self._connections().acquire() as conn, conn.transaction():
             await conn.executemany(sql, [line_row(line) for line in lines])
 
+    @_on_fresh_sessions
     async def get_batch(self, batch_id: str) -> BatchRecord | None:
         """A batch, or None."""
         row = await self._connections().fetchrow(_BATCHES + "WHERE id = $1", batch_id)
         return None if row is None else batch_from_row(row)
 
+    @_on_fresh_sessions
     async def list_batches(
         self, *, after: str | None = None, limit: int = 20, caller: str | None = None
     ) -> tuple[list[BatchRecord], bool]:
@@ -215,6 +265,7 @@ class PgJobStore:
         rows = await self._connections().fetch(sql, after, limit + 1, caller)
         return [batch_from_row(row) for row in rows[:limit]], len(rows) > limit
 
+    @_on_fresh_sessions
     async def update_batch(self, batch_id: str, **fields: Any) -> BatchRecord | None:
         """Set the named fields (``store.UPDATABLE``); the batch as it is now, or None."""
         values = encode_fields(fields)
@@ -225,6 +276,7 @@ class PgJobStore:
         row = await self._connections().fetchrow(sql, batch_id, *values.values())
         return None if row is None else batch_from_row(row)
 
+    @_on_fresh_sessions
     async def transition(
         self, batch_id: str, from_statuses: Sequence[BatchStatus], to_status: BatchStatus, **fields: Any
     ) -> bool:
@@ -235,6 +287,7 @@ class PgJobStore:
         status = await self._connections().execute(sql, batch_id, [str(s) for s in from_statuses], *values.values())
         return _changed(status) > 0
 
+    @_on_fresh_sessions
     async def lease(
         self, owner: str, *, limit: int, lease_seconds: float, batch_id: str | None = None
     ) -> list[LineRecord]:
@@ -249,12 +302,14 @@ class PgJobStore:
         self.lease_takeovers += sum(row["was_status"] == "leased" and row["was_owner"] != owner for row in rows)
         return [line_from_row(row[: len(LINE_COLUMNS)]) for row in rows]
 
+    @_on_fresh_sessions
     async def renew(self, owner: str, keys: Sequence[LineKey], lease_seconds: float) -> int:
         """Extend ``owner``'s leases on ``keys``; how many it still held."""
         batch_ids, lines = _unzip(keys)
         sql = f"UPDATE lines SET lease_expires = {_NOW} + $4 {_KEYS} AND status = 'leased' AND lease_owner = $3"  # noqa: S608
         return _changed(await self._connections().execute(sql, batch_ids, lines, owner, lease_seconds))
 
+    @_on_fresh_sessions
     async def finish(  # noqa: PLR0917 - the line's key, its outcome and usage: the order callers expect
         self, owner: str, batch_id: str, line: int, status: LineStatus, result: str, usage: Usage
     ) -> bool:
@@ -267,6 +322,7 @@ class PgJobStore:
             await conn.execute(_ADD_USAGE, *Usage(*usage), batch_id)
         return True
 
+    @_on_fresh_sessions
     async def finish_many(self, owner: str, outcomes: Sequence[Outcome]) -> list[bool]:
         """``finish`` for several lines in one transaction; for each, whether ``owner`` still leased it."""
         written: list[bool] = []
@@ -280,6 +336,7 @@ class PgJobStore:
             await conn.executemany(_ADD_USAGE, [(*Usage(*used), batch_id) for batch_id, used in usage.items()])
         return written
 
+    @_on_fresh_sessions
     async def release(self, owner: str, keys: Sequence[LineKey]) -> int:
         """Give ``owner``'s leases on ``keys`` back (pending again); how many."""
         batch_ids, lines = _unzip(keys)
@@ -289,6 +346,7 @@ class PgJobStore:
         )
         return _changed(await self._connections().execute(sql, batch_ids, lines, owner))
 
+    @_on_fresh_sessions
     async def cancel_pending(self, batch_id: str) -> int:
         """Mark the batch's pending lines, and those with expired leases, cancelled; how many."""
         sql = (
@@ -297,6 +355,7 @@ class PgJobStore:
         )
         return _changed(await self._connections().execute(sql, batch_id))
 
+    @_on_fresh_sessions
     async def counts(self, batch_id: str) -> RequestCounts:
         """The batch's lines by outcome."""
         row = await self._connections().fetchrow(_COUNTS, batch_id)
@@ -311,6 +370,7 @@ class PgJobStore:
                 yield line_from_row(row)
             last = rows[-1]["line"]
 
+    @_on_fresh_sessions
     async def unfinished_batches(self) -> list[BatchRecord]:
         """Batches in an open status (``store.OPEN_BATCH_STATUSES``), oldest first."""
         sql = _BATCHES + "WHERE status = ANY($1::text[]) ORDER BY created_at, id"
