@@ -25,6 +25,7 @@ from iop_wire.dialer import Links
 from iop_wire.errors import ConnectionClosed, IopError
 from iop_wire.logs import library_logger
 from iop_wire.messages import error_message
+from iop_wire.metrics import FAILOVERS
 from iop_wire.runs import TERMINAL_EVENTS, RunStream
 
 __all__ = ["REOPEN_CODES", "FailoverStream", "open_run_anywhere"]
@@ -137,6 +138,7 @@ class FailoverStream(RunStream):
             if not self.outputs and (lost or (event.error.retryable and event.error.code in REOPEN_CODES)):
                 return None
             if lost:
+                FAILOVERS.labels("lost_after_output").inc()
                 return self._deliver(self._lost_after_output())
         return self._deliver(item)
 
@@ -160,6 +162,7 @@ class FailoverStream(RunStream):
             try:
                 link = self._links.pick(exclude=self._tried)
             except IopError:
+                FAILOVERS.labels("none_left").inc()
                 return False
             self._tried.add(link.target.address)
             connection = link.connection
@@ -174,6 +177,7 @@ class FailoverStream(RunStream):
             _log.info("run opened again", run_id=self.run_id, address=link.target.address, tried=sorted(self._tried))
             self._attempt, self._connection, self.address = stream, connection, link.target.address
             self.reopened += 1
+            FAILOVERS.labels("reopened").inc()
             return True
         return False
 

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["CONNECTIONS", "HANDSHAKES", "LIMIT_HITS", "PEERS_LOST", "REGISTRY", "expose"]
+__all__ = ["CONNECTIONS", "FAILOVERS", "HANDSHAKES", "LIMIT_HITS", "PEERS_LOST", "REGISTRY", "expose"]
 
 REGISTRY = CollectorRegistry()
 """The wire's own registry: module-level, because connections and listeners are many per process."""
@@ -38,6 +38,15 @@ PROTOCOL_VIOLATIONS = Counter(
     "Envelopes dropped because the peer broke the protocol, by kind (run_event_for_unknown_run: a run "
     "it was not given, or one already ended).",
     ["kind"],
+    registry=REGISTRY,
+)
+
+FAILOVERS = Counter(
+    "iop_wire_run_failovers_total",
+    "Runs whose control-plane connection or placement failed, by outcome: reopened (opened again through "
+    "another control-plane before output), none_left (no other to try), lost_after_output (ended NODE_LOST, "
+    "retryable).",
+    ["outcome"],
     registry=REGISTRY,
 )
 

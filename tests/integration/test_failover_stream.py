@@ -17,6 +17,7 @@ from iop_wire.connection import ConnectionConfig, Handler
 from iop_wire.dialer import KeepConnected, Links, Target
 from iop_wire.endpoint import Listener, ListenerConfig
 from iop_wire.failover import open_run_anywhere
+from iop_wire.metrics import REGISTRY
 from iop_wire.runs import EventSink
 from iop_wire.tls import Role
 
@@ -102,6 +103,10 @@ async def _links(pki: Pki, *peers: Peer) -> AsyncIterator[Links]:
             await peer.listener.close()
 
 
+def _failovers(outcome: str) -> float:
+    return REGISTRY.get_sample_value("iop_wire_run_failovers_total", {"outcome": outcome}) or 0.0
+
+
 async def _read(links: Links, request: pb.RunRequest) -> tuple[list[pb.RunEvent], int]:
     stream = await open_run_anywhere(links, request)
     async with asyncio.timeout(10), stream:
@@ -114,7 +119,9 @@ async def test_a_run_left_before_output_is_opened_again_and_read_as_one_stream(p
     doomed, healthy = await Peer(pki, dying).start(), await Peer(pki, _answer).start()
     async with _links(pki, doomed, healthy) as links:
         for _ in range(2):  # whichever peer the turn starts with
+            before = _failovers("reopened")
             events, reopened = await _read(links, chat())
+            assert _failovers("reopened") - before == reopened
             assert kinds(events) == ["start", "delta", "delta", "delta", "complete"], "one start, nothing lost"
             assert text(events) == "one two three "
             if doomed.runs and reopened:
@@ -124,9 +131,11 @@ async def test_a_run_left_before_output_is_opened_again_and_read_as_one_stream(p
 
 async def test_a_run_lost_after_output_ends_node_lost_retryable(pki: Pki) -> None:
     doomed = await Peer(pki, _die_after_output).start()
+    before = _failovers("lost_after_output")
     async with _links(pki, doomed) as links:
         events, reopened = await _read(links, chat())
     assert kinds(events) == ["start", "delta", "error"] and reopened == 0
+    assert _failovers("lost_after_output") == before + 1
     error = events[-1].error
     assert error.code == pb.ERROR_CODE_NODE_LOST and error.retryable
     assert doomed.address in error.message and "after 1 output" in error.message
@@ -134,9 +143,11 @@ async def test_a_run_lost_after_output_ends_node_lost_retryable(pki: Pki) -> Non
 
 async def test_a_run_with_no_peer_left_ends_with_the_retryable_loss(pki: Pki) -> None:
     doomed = await Peer(pki, _die_before_output).start()
+    before = _failovers("none_left")
     async with _links(pki, doomed) as links:
         events, reopened = await _read(links, chat())
     assert kinds(events) == ["start", "error"] and reopened == 0
+    assert _failovers("none_left") == before + 1
     assert events[-1].error.retryable and events[-1].error.code != pb.ERROR_CODE_NODE_LOST
 
 
