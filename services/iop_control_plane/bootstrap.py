@@ -241,6 +241,7 @@ def build_control_plane(settings: Settings, *, policy: PolicyInForce | None = No
     metrics = ControlPlaneMetrics(registry)
     state = _state_store(settings)
     store = AuditStore(state, max_runs=settings.ledger_max_runs, dropped=metrics.ledger_dropped)
+    metrics.watch_store(store)
     sessions = NodeSessions(registry, store, heartbeat_interval=settings.heartbeat_interval)
     expose(metrics.registry)  # the wire's limits and connections, served with the control-plane's
     runs = RunRelay(

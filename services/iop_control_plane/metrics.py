@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from collections import Counter as Tally
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from iop_control_plane.admission import AdmissionQueue
 from iop_control_plane.registry import NodeState, Registry
+
+if TYPE_CHECKING:
+    from iop_control_plane.store import AuditStore
 
 __all__ = ["ControlPlaneMetrics"]
 
@@ -106,6 +109,10 @@ class ControlPlaneMetrics:
         """Serve ``iop_control_plane_queue_depth{model}``, read from ``queue`` when scraped."""
         self.registry.register(_QueueDepth(queue))
 
+    def watch_store(self, store: AuditStore) -> None:
+        """Serve the audit store's backlog, its state and its dropped node writes, read when scraped."""
+        self.registry.register(_StoreState(store))
+
 
 class _NodesByState(Collector):
     """``iop_control_plane_nodes{state}``, read from the registry when scraped."""
@@ -137,3 +144,28 @@ class _QueueDepth(Collector):
         for model in sorted(self._seen):
             family.add_metric([model], depths.get(model, 0))
         yield family
+
+
+class _StoreState(Collector):
+    """The audit store's write backlog: what waits, whether writes succeed, node writes dropped past the bound."""
+
+    def __init__(self, store: AuditStore) -> None:
+        self._store = store
+
+    def collect(self) -> Iterator[Metric]:
+        store = self._store
+        yield GaugeMetricFamily(
+            "iop_control_plane_store_backlog",
+            "Ledger and node-audit writes waiting to be written (bounded by the store's backlog).",
+            value=store.waiting,
+        )
+        yield GaugeMetricFamily(
+            "iop_control_plane_store_up",
+            "1 while the state store takes writes; 0 while they fail (the database is away) and wait.",
+            value=0 if store.failing else 1,
+        )
+        yield CounterMetricFamily(
+            "iop_control_plane_audit_dropped",
+            "Node-audit writes (registrations, state changes) dropped because the write backlog was full.",
+            value=store.dropped_writes,
+        )

@@ -93,6 +93,11 @@ class AuditStore:
         self.failing = False
         """Whether the last write failed (the database is away): what is queued waits."""
 
+    @property
+    def waiting(self) -> int:
+        """Writes queued and not yet committed."""
+        return len(self._pending)
+
     async def open(self) -> None:
         """Open the store, record runs left open as interrupted, read first-seen times, start the writer."""
         await self.state.open(self.owner)

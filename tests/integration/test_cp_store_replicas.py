@@ -110,6 +110,10 @@ async def test_a_control_plane_starts_with_the_newest_stored_policy_and_drains(
         assert [p.version for p in await again.sessions.store.state.policies()] == [2, 1]
 
 
+def _sample(cp: ControlPlaneApp, name: str) -> float | None:
+    return cp.metrics.registry.get_sample_value(name)
+
+
 async def test_runs_are_served_while_postgresql_is_away_and_recorded_when_it_is_back(pki: Pki, tmp_path: Path) -> None:
     binaries = required_binaries()
     with pg_server(binaries) as server:
@@ -123,7 +127,8 @@ async def test_runs_are_served_while_postgresql_is_away_and_recorded_when_it_is_
                     before = [chat(run_id=f"before-{n}") for n in range(3)]
                     for request in before:
                         assert kinds(await collect(await edge.open_run(request)))[-1] == "complete"
-                    await assert_eventually(lambda: not cp.sessions.store._pending, timeout=_WAIT)
+                    await assert_eventually(lambda: not cp.sessions.store.waiting, timeout=_WAIT)
+                    assert _sample(cp, "iop_control_plane_store_up") == 1
                     stop_server(server, binaries)
                     away = [chat(run_id=f"away-{n}") for n in range(20)]
                     for request in away:  # none waits for the database's timeout (1 s) in turn
@@ -131,8 +136,12 @@ async def test_runs_are_served_while_postgresql_is_away_and_recorded_when_it_is_
                         assert kinds(events)[-1] == "complete"
                     await assert_eventually(lambda: cp.sessions.store.failing, timeout=_WAIT)
                     await asyncio.sleep(2)  # the writer retries meanwhile
+                    assert _sample(cp, "iop_control_plane_store_up") == 0
+                    assert _sample(cp, "iop_control_plane_store_backlog") >= len(away)  # each run's row waits
+                    assert _sample(cp, "iop_control_plane_audit_dropped_total") == 0
                     start_server(server, binaries)
                     await assert_eventually(lambda: not cp.sessions.store.failing, timeout=30)
+                    await assert_eventually(lambda: _sample(cp, "iop_control_plane_store_backlog") == 0, timeout=_WAIT)
         connection = await asyncpg.connect(url)
         try:
             rows = await connection.fetch("SELECT run_id, count(*) FROM runs GROUP BY run_id")

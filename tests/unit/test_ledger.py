@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, Counter
 
 from iop_control_plane import ledger
 from iop_control_plane.ledger import Attempt, LedgerEntry
+from iop_control_plane.metrics import ControlPlaneMetrics
+from iop_control_plane.registry import Registry
 from iop_control_plane.store import AuditStore
 from iop_control_plane.text import NAME_CHARS, TEXT_CHARS
 from iop_gen.pb.iop import runtime_pb2 as pb
@@ -128,6 +130,21 @@ async def test_a_run_the_backlog_had_no_room_for_at_its_start_is_not_recorded_at
     await store.aclose()
     assert dropped._value.get() == 1 and _open_runs(tmp_path / "cp.db") == 0
     assert [run.run_id for run in ledger.query(tmp_path / "cp.db", pb.RunsList()).runs] == ["taken"]
+
+
+async def test_node_writes_past_the_backlog_are_dropped_and_counted_in_the_metrics(tmp_path: Path) -> None:
+    metrics = ControlPlaneMetrics(Registry())
+    store = AuditStore(tmp_path / "cp.db", backlog=3)
+    metrics.watch_store(store)
+    await store.open()
+    for n in range(5):  # nothing is written before the loop runs again: the backlog holds 3
+        store.state_changed(f"node-{n}", "ready", "registered")
+    assert metrics.registry.get_sample_value("iop_control_plane_store_backlog") == 3
+    assert metrics.registry.get_sample_value("iop_control_plane_audit_dropped_total") == 2
+    assert metrics.registry.get_sample_value("iop_control_plane_store_up") == 1
+    await store.aclose()
+    assert metrics.registry.get_sample_value("iop_control_plane_store_backlog") == 0
+    assert store.events("node-2") == [("ready", "registered")] and store.events("node-3") == []
 
 
 async def test_every_stored_string_is_clipped(tmp_path: Path) -> None:
