@@ -57,6 +57,11 @@ DELETE FROM open_runs WHERE owner != $1 AND owner NOT IN (SELECT owner FROM repl
 RETURNING {ledger.OPEN_COLUMNS}
 """  # noqa: S608 - fixed columns
 
+# A run left open by a control-plane that died may have been opened again through another (the edge's
+# failover before output: the same run id, requester and caller) and ended there: that row is the
+# run's record, and no interrupted one is added.
+_ENDED_ELSEWHERE = "SELECT EXISTS (SELECT FROM runs WHERE run_id = $1 AND requester = $2 AND caller = $3)"
+
 
 def shown_url(url: str) -> str:
     """``url`` without its password, for messages and logs."""
@@ -146,17 +151,21 @@ class PgStore:
                         pass
 
     async def recover(self, stale_after: float) -> int:
-        """Move open runs of control-planes silent for ``stale_after`` s to the ledger (row locks: once)."""
+        """Move open runs of control-planes silent for ``stale_after`` s to the ledger (row locks: once);
+        how many were recorded interrupted (not those another control-plane ran to their end)."""
+        recorded = 0
         async with self._db().acquire() as conn, conn.transaction():
-            rows = await conn.fetch(_RECOVER, self._owner, stale_after)
-            for row in rows:
+            for row in await conn.fetch(_RECOVER, self._owner, stale_after):
+                if await conn.fetchval(_ENDED_ELSEWHERE, row["run_id"], row["requester"], row["caller"]):
+                    continue
                 run, tried = ledger.interrupted(tuple(row))
                 number = await conn.fetchval(_RUN, *run)
                 if tried is not None:
                     await conn.execute(_ATTEMPT, number, *tried)
+                recorded += 1
             forget = f"DELETE FROM replicas WHERE owner != $1 AND seen_at < {_NOW} - $2"  # noqa: S608 - fixed clock
             await conn.execute(forget, self._owner, stale_after)
-        return len(rows)
+        return recorded
 
     async def heartbeat(self) -> None:
         """Note this control-plane alive, by the server's clock."""

@@ -301,18 +301,25 @@ def _migrate(db: sqlite3.Connection) -> None:
         raise
 
 
+_ENDED_ELSEWHERE = "SELECT EXISTS (SELECT 1 FROM runs WHERE run_id = ? AND requester = ? AND caller = ?)"
+
+
 def _recover(db: sqlite3.Connection, owner: str, silent_since: float) -> int:
-    """Move the open runs of owners other than ``owner`` not seen since ``silent_since`` to the ledger."""
+    """Move the open runs of owners other than ``owner`` not seen since ``silent_since`` to the ledger;
+    how many were recorded interrupted (not those another control-plane ran to their end)."""
     with db:
         alive = "SELECT owner FROM replicas WHERE seen_at >= ?"
         where = f"owner != ? AND owner NOT IN ({alive})"
         select = f"SELECT {ledger.OPEN_COLUMNS} FROM open_runs WHERE {where} ORDER BY id"  # noqa: S608 - fixed clauses
-        rows = db.execute(select, (owner, silent_since)).fetchall()
-        for row in rows:
+        recorded = 0
+        for row in db.execute(select, (owner, silent_since)).fetchall():
+            if db.execute(_ENDED_ELSEWHERE, row[:2] + row[3:4]).fetchone()[0]:
+                continue  # opened again through another control-plane and ended there: that row is its record
             run, tried = ledger.interrupted(row)
             cursor = db.execute(_RUN, run)
             if tried is not None:
                 db.execute(_ATTEMPT, (cursor.lastrowid, *tried))
+            recorded += 1
         db.execute(f"DELETE FROM open_runs WHERE {where}", (owner, silent_since))  # noqa: S608
         db.execute("DELETE FROM replicas WHERE owner != ? AND seen_at < ?", (owner, silent_since))
-    return len(rows)
+    return recorded

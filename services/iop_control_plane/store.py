@@ -263,17 +263,33 @@ class AuditStore:
             await self.state.prune(self.max_runs, self.max_events)
 
     async def _keep_alive(self) -> None:
-        """In a shared store: note this control-plane alive, and record silent replicas' open runs interrupted."""
+        """In a shared store: note this control-plane alive, and record silent replicas' open runs interrupted.
+
+        A replica is judged silent only once this one has reached the store for ``STALE_AFTER`` s without
+        a break: while the database was away no replica could note itself alive, and when it is back each
+        must have the time to before another takes its runs for lost (the HA test saw runs recorded
+        interrupted by one replica and completed by the other after PostgreSQL was away for 11.8 s)."""
+        reachable_since: float | None = time.monotonic()  # open() has just reached it
         while True:
             await asyncio.sleep(RECOVER_EVERY)
             try:
                 await self.state.heartbeat()
+            except Exception as exc:  # noqa: BLE001 - a background loop logs and continues
+                _log.warning("audit heartbeat failed", reason=str(exc) or type(exc).__name__)
+                reachable_since = None
+                continue
+            now = time.monotonic()
+            if reachable_since is None or self.failing:
+                reachable_since = now
+            if now - reachable_since < STALE_AFTER:
+                continue
+            try:
                 if interrupted := await self.state.recover(STALE_AFTER):
                     _log.warning(
                         "runs left in progress by a silent control-plane recorded as interrupted", runs=interrupted
                     )
             except Exception as exc:  # noqa: BLE001 - a background loop logs and continues
-                _log.warning("audit heartbeat failed", reason=str(exc) or type(exc).__name__)
+                _log.warning("recovering silent control-planes' runs failed", reason=str(exc) or type(exc).__name__)
 
 
 def _runs_taken(batch: list[Write]) -> int:

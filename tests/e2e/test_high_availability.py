@@ -32,6 +32,8 @@ import httpx2 as httpx
 import pytest
 from worker.pg_server import PgServer, pg_server, required_binaries, start_server, stop_server
 
+from iop_control_plane.store import RECOVER_EVERY, STALE_AFTER
+
 from .conftest import wait_for
 from .ha_helpers import (
     RETRYABLE,
@@ -106,8 +108,9 @@ control-plane's unwritten batch (it commits every 20 ms, plus the commit's own t
 def _ledger_after_the_kill(ha: Platform, outcomes: list[Outcome], killed: float) -> None:
     """Every completed stream's run is in the ledger once as ``completed``, but for runs that ended
     just before the kill through the killed control-plane: its last batch died with it, so a
-    survivor records them ``interrupted`` (once). Runs opened again through cp-b have two rows:
-    completed by cp-b, interrupted for cp-a. No run is left open."""
+    survivor records them ``interrupted`` (once). A run opened again through cp-b that ended before
+    the survivor's recovery of cp-a's open runs (``STALE_AFTER`` after cp-a's last heartbeat) has
+    one row, cp-b's; one ending later has also cp-a's interrupted row. No run is left open."""
     done = {outcome.run_id: outcome.ended for outcome in outcomes if outcome.end == "done"}
     assert all(done)  # every completed stream named its run (x-request-id)
 
@@ -124,6 +127,8 @@ def _ledger_after_the_kill(ha: Platform, outcomes: list[Outcome], killed: float)
     print(f"completed streams recorded interrupted (ended this many s before the kill): {lost_tail}")
     print(f"runs with a completed and an interrupted row: {sum(bool(interrupted[r]) for r in completed)}")
     assert max(completed.values()) == 1  # no run completed twice
+    before_recovery = killed + STALE_AFTER - RECOVER_EVERY  # cp-a's last heartbeat: at most this before the kill
+    assert not [run for run in completed if interrupted[run] and done.get(run, before_recovery) < before_recovery]
     assert all(interrupted[run] == 1 and age <= _LOST_TAIL for run, age in lost_tail.items()), lost_tail
 
 

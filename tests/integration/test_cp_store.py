@@ -97,6 +97,16 @@ async def test_runs_in_progress_of_a_silent_control_plane_are_recorded_interrupt
     assert "not yet placed" in runs["w"].error_message
 
 
+async def test_a_run_opened_again_through_another_control_plane_is_recorded_once(open_store: Open) -> None:
+    first, second = await open_store("cp-a"), await open_store("cp-b")
+    left = LedgerEntry("moved", "edge-1", "c", "alice", "m")
+    await first.commit([Opened(left)], {})  # cp-a dies before the run's first output ...
+    await second.commit([_ended("moved", "node-b")], {})  # ... the edge opens it again through cp-b
+    assert await second.recover(0.0) == 0
+    runs = (await second.runs(pb.RunsList())).runs
+    assert [(run.run_id, run.status) for run in runs] == [("moved", "completed")]
+
+
 async def test_the_node_audit_keeps_nodes_and_state_changes(open_store: Open) -> None:
     store = await open_store("cp-a")
     await store.commit([NodeSeen("node-a", '{"zone": "a"}', "127.0.0.1", '["m"]', 10.0)], {})

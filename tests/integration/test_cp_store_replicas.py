@@ -7,6 +7,7 @@ waits on it, and the ledger holds every run once it is back.
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import asyncpg
@@ -17,8 +18,13 @@ from cp_store_helpers import fresh_database, postgres, start_server, stop_server
 from node_helpers import chat, collect, kinds
 from worker.pg_server import PgServer, pg_server, required_binaries
 
+from iop_control_plane import store as store_module
 from iop_control_plane.bootstrap import ControlPlaneApp, build_control_plane
+from iop_control_plane.ledger import LedgerEntry
+from iop_control_plane.pg_store import PgStore
 from iop_control_plane.registry import NodeState
+from iop_control_plane.state import Opened
+from iop_control_plane.store import AuditStore
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.connection import Connection, ConnectionConfig, Handler
 from iop_wire.endpoint import dial
@@ -151,3 +157,61 @@ async def test_runs_are_served_while_postgresql_is_away_and_recorded_when_it_is_
     counted = {row[0]: row[1] for row in rows}
     assert counted == {request.run_id: 1 for request in before + away}  # each once
     assert open_left == 0
+
+
+async def test_a_replica_is_not_taken_for_dead_because_the_database_was_away(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After PostgreSQL was away longer than STALE_AFTER, no replica had noted itself alive: the one
+    back first must not record the other's runs interrupted before that one had the time to."""
+    monkeypatch.setattr(store_module, "STALE_AFTER", 3.0)
+    monkeypatch.setattr(store_module, "RECOVER_EVERY", 0.1)
+    binaries = required_binaries()
+    with pg_server(binaries) as server:
+        url = await fresh_database(server)
+        slow = PgStore(url, timeout=1.0)  # cp-a: notices the database is back 1 s after cp-b does
+        await slow.open("cp-a")
+        await slow.heartbeat()
+        running = LedgerEntry("run-on-cp-a", "edge-1", "c", "alice", "mock-small")
+        await slow.commit([Opened(running)], {})
+        quick = AuditStore(PgStore(url, timeout=1.0), owner="cp-b")
+        await quick.open()
+        try:
+            stop_server(server, binaries)
+            await asyncio.sleep(4.0)  # longer than STALE_AFTER: cp-a's last heartbeat is older than that
+            start_server(server, binaries)
+            deadline = time.monotonic() + _WAIT
+            while not await _alive_again(url, "cp-b"):  # cp-b is back first
+                assert time.monotonic() < deadline, "cp-b never noted itself alive again"
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.0)
+
+            async def beating() -> None:  # cp-a is alive: back 1 s after cp-b, then as often as cp-b
+                while True:
+                    await slow.heartbeat()
+                    await asyncio.sleep(0.1)
+
+            heart = asyncio.create_task(beating())
+            await asyncio.sleep(4.0)  # cp-b's recoveries meanwhile (from 3 s after it was back) find cp-a alive
+            assert not (await quick.state.runs(pb.RunsList())).runs
+            running.ending(pb.RunEvent(complete=pb.RunComplete()))
+            await slow.commit([running], {})
+            heart.cancel()
+            listed = (await quick.state.runs(pb.RunsList())).runs
+            assert [(run.run_id, run.status) for run in listed] == [("run-on-cp-a", "completed")]
+        finally:
+            await quick.aclose()
+            await slow.aclose()
+
+
+async def _alive_again(url: str, owner: str) -> bool:
+    """Whether ``owner`` has noted itself alive in the database in the last second."""
+    try:
+        connection = await asyncpg.connect(url, timeout=1.0)
+    except (OSError, asyncpg.PostgresError):
+        return False
+    try:
+        sql = "SELECT seen_at > extract(epoch from statement_timestamp()) - 1 FROM replicas WHERE owner = $1"
+        return bool(await connection.fetchval(sql, owner))
+    finally:
+        await connection.close()

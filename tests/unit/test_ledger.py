@@ -155,7 +155,7 @@ async def test_every_stored_string_is_clipped(tmp_path: Path) -> None:
     store.run_started(open_entry)
     open_entry.attempts.append(Attempt(huge, huge, open_entry.received))
     store.run_placed(open_entry)
-    ended = LedgerEntry(huge, huge, huge, huge, huge)
+    ended = LedgerEntry(huge + "m", huge, huge, huge, huge)  # another run: its id clips to another
     ended.attempts.append(Attempt(huge, huge, ended.received, reason=huge, ended=ended.received))
     ended.ending(pb.RunEvent(error=pb.Error(code=pb.ERROR_CODE_INTERNAL, message=huge)))
     store.run_ended(ended)
