@@ -43,8 +43,9 @@ def cp_settings(pki: Pki, tmp_path: Path, **extra: Any) -> Settings:
     return Settings.model_validate(data)
 
 
-def node_config(pki: Pki, tmp_path: Path, node_id: str, port: int) -> Path:
-    """An `iop node` config registering with the control-plane at ``port`` (no listener of its own)."""
+def node_config(pki: Pki, tmp_path: Path, node_id: str, port: int, routes: list[dict[str, Any]] | None = None) -> Path:
+    """An `iop node` config registering with the control-plane at ``port`` (no listener of its own), serving
+    ``routes`` (default: ROUTES)."""
     tls = pki.config(node_id, Role.NODE)
     data = {
         "node_id": node_id,
@@ -54,11 +55,25 @@ def node_config(pki: Pki, tmp_path: Path, node_id: str, port: int) -> Path:
         "heartbeat_interval": 0.5,
         "event_loop": "asyncio",
         "control_plane": {"address": f"127.0.0.1:{port}", "server_name": "localhost", "reconnect_initial": 0.05},
-        "routes": ROUTES,
+        "routes": ROUTES if routes is None else routes,
     }
     path = tmp_path / f"{node_id}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+@contextmanager
+def node_process(pki: Pki, tmp_path: Path, port: int, node_id: str, routes: list[dict[str, Any]]) -> Iterator[None]:
+    """One `iop node` process serving ``routes``; killed on the way out."""
+    config = node_config(pki, tmp_path, node_id, port, routes)
+    process = subprocess.Popen(
+        [*IOP, "node", "--config", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        yield
+    finally:
+        process.kill()
+        process.wait(timeout=10)
 
 
 @contextmanager
