@@ -8,10 +8,12 @@ waiter of the caller with the least weighted service so far (:mod:`iop_control_p
 picks waiters in that order and asks a ``place`` callback for each; the first that finds every
 candidate still full (``None``) stops that model's picks, so no waiter overtakes the one due the slot.
 
-A full queue refuses a new run, except under ``tokens``: a newcomer whose caller has no more
-service than another caller holding more places (two or more than the newcomer's) takes the place
-of that caller's newest waiter of no higher priority (``on_displaced`` is told); of several such
-callers, the most served. So a flooding caller cannot fill the queue against one under its share.
+A full queue refuses a new run, except under ``tokens``: a newcomer whose caller holds less than
+an equal share of the queue's places takes the place of the newest waiter, of no higher priority,
+of the caller holding the most (two or more than the newcomer's; of equals, the most served), and
+``on_displaced`` is told. Places, not service, decide: a caller that was just served may be ahead
+on service by one run, yet still be under its share. So a flooding caller cannot fill the queue
+against the others.
 
 Per-caller limits: a caller with ``limit(caller)`` runs in progress (:meth:`started` /
 :meth:`ended`) waits in the queue; its waiters are skipped, not blocking others, until one of
@@ -154,13 +156,16 @@ class AdmissionQueue(Generic[T]):
         return True
 
     def _victim(self, queue: _ModelQueue[T], newcomer: Waiter[T]) -> Waiter[T] | None:
-        """The waiter ``newcomer`` displaces from its full queue, if its caller is under its share."""
+        """The waiter ``newcomer`` displaces from its full queue: if its caller holds less than an equal share
+        of the places, the newest of no higher priority of the caller holding the most (then the most served)."""
         model, caller = newcomer.model, newcomer.caller
-        mine, held = self.counters.of(model, caller), queue.places[caller]
+        held, callers = queue.places[caller], len(queue.places.keys() | {caller})
+        if held + 1 > self.size / callers:
+            return None
         over = [
-            (self.counters.of(model, other), places, other)
+            (places, self.counters.of(model, other), other)
             for other, places in queue.places.items()
-            if other != caller and places > held + 1 and self.counters.of(model, other) >= mine
+            if other != caller and places > held + 1
         ]
         for *_, other in sorted(over, reverse=True):
             if (victim := queue.newest(other, newcomer.priority)) is not None:

@@ -148,12 +148,16 @@ def test_a_full_queue_still_refuses_when_nobody_holds_more_than_a_share() -> Non
     assert not queue.offer(Waiter("m", "a"))
 
 
-def test_a_caller_served_more_does_not_displace_one_served_less() -> None:
+def test_places_not_service_decide_who_gives_way() -> None:
     queue = _queue(size=4)
-    _backlog(queue, "b", 4)
-    queue.counters.charge("m", "a", prompt=10_000)  # a was served far more: it is over its share
-    assert not queue.offer(Waiter("m", "a"))
-    assert queue.depth("m") == 4
+    displaced: list[Waiter[str]] = []
+    queue.on_displaced = displaced.append
+    queue.counters.charge("m", "a", prompt=10_000)  # a was just served far more, yet it holds no place
+    flood = _backlog(queue, "b", 4)
+    assert queue.offer(Waiter("m", "a"))
+    assert displaced == [flood[-1]]
+    assert queue.offer(Waiter("m", "a"))  # 2 of 4 places: an equal share
+    assert not queue.offer(Waiter("m", "a"))  # a third would be more than its share
 
 
 def test_fifo_refuses_when_full_as_before() -> None:
