@@ -163,7 +163,7 @@ async def _phase(port: int, tls: TlsConfig, rates: dict[str, float], seconds: fl
     connections = [await dial("127.0.0.1", port, tls=tls, server_hostname="localhost") for _ in rates]
     try:
         callers = zip(connections, rates.items(), strict=True)
-        await asyncio.gather(*(arrivals(c, caller, rate, random.Random(caller)) for c, (caller, rate) in callers))
+        await asyncio.gather(*(arrivals(c, caller, rate, _rng(caller)) for c, (caller, rate) in callers))
         for task in list(tasks):
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -172,6 +172,11 @@ async def _phase(port: int, tls: TlsConfig, rates: dict[str, float], seconds: fl
             await connection.close()
     await asyncio.sleep(1.0)  # the cancelled runs leave the nodes
     return runs, began
+
+
+def _rng(caller: str) -> random.Random:
+    """The same arrivals and runs for a role (``a``, ``b``) in every phase: FIFO and fair see one workload."""
+    return random.Random(caller.split("-")[0])
 
 
 def _percentile(values: list[float], fraction: float) -> float:
