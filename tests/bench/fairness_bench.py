@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from control_plane_bench import _spawn, _wait_ready, stop
+from control_plane_bench import _spawn, _until_registered, _wait_ready, stop
 from table import print_table
 
 from iop_gen.pb.iop import runtime_pb2 as pb
@@ -176,7 +176,7 @@ async def _phase(port: int, tls: TlsConfig, rates: dict[str, float], seconds: fl
 
 def _rng(caller: str) -> random.Random:
     """The same arrivals and runs for a role (``a``, ``b``) in every phase: FIFO and fair see one workload."""
-    return random.Random(caller.split("-")[0])
+    return random.Random(caller.split("-", maxsplit=1)[0])
 
 
 def _percentile(values: list[float], fraction: float) -> float:
@@ -231,15 +231,6 @@ def _service_gaps(runs: list[Run], began: float, callers: tuple[str, str]) -> li
             service[run.caller] += 2 * sum(start <= at < start + WINDOW for at in run.deltas)
         gaps.append(abs(service[callers[0]] - service[callers[1]]))
     return gaps
-
-
-async def _until_registered(admin: Connection) -> None:
-    for _ in range(600):
-        listed = (await admin.request(pb.Envelope(nodes_list=pb.NodesList()))).nodes_listed
-        if sum(node.state == pb.NODE_STATE_READY for node in listed.nodes) == len(NODES):
-            return
-        await asyncio.sleep(0.05)
-    raise RuntimeError("the nodes did not register")
 
 
 async def _fairness(admin: Connection, fairness: str) -> None:
@@ -310,7 +301,7 @@ async def _bench(port: int, certs: Path) -> list[tuple[str, str]]:
         return TlsConfig(enabled=True, cert=certs / f"{name}.crt", key=certs / f"{name}.key", ca=certs / "ca.crt")
 
     async with dial("127.0.0.1", port, tls=tls("admin"), server_hostname="localhost") as admin:
-        await asyncio.wait_for(_until_registered(admin), 60)
+        await asyncio.wait_for(_until_registered(admin, len(NODES)), 60)
         rows = [
             (
                 f"capacity: {len(NODES)} nodes x {SLOTS} slots, runs of {MEAN_RUN:.2f} s on average",

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
 import yaml
 from conftest import Pki, assert_eventually
 
-from iop_control_plane.bootstrap import ControlPlaneApp
+from iop_control_plane.bootstrap import ControlPlaneApp, build_control_plane
 from iop_control_plane.registry import NodeState
 from iop_control_plane.settings import Settings
 from iop_gen.pb.iop import runtime_pb2 as pb
@@ -74,6 +74,18 @@ def node_process(pki: Pki, tmp_path: Path, port: int, node_id: str, routes: list
     finally:
         process.kill()
         process.wait(timeout=10)
+
+
+@asynccontextmanager
+async def with_node(
+    pki: Pki, tmp_path: Path, routes: list[dict[str, Any]], **settings: Any
+) -> AsyncIterator[ControlPlaneApp]:
+    """A control-plane (``settings`` over :func:`cp_settings`) with one ready `iop node`, node-a, serving ``routes``."""
+    async with build_control_plane(cp_settings(pki, tmp_path, **settings)) as app:
+        assert app.listener is not None
+        with node_process(pki, tmp_path, app.listener.port, "node-a", routes):
+            await all_ready(app, "node-a")
+            yield app
 
 
 @contextmanager

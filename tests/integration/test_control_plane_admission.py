@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 from conftest import Pki, assert_eventually
-from cp_helpers import all_ready, client, cp_settings, node_process
+from cp_helpers import client, with_node
 from google.protobuf.timestamp_pb2 import Timestamp
 from node_helpers import chat, collect, kinds
 
-from iop_control_plane.bootstrap import ControlPlaneApp, build_control_plane
+from iop_control_plane.bootstrap import ControlPlaneApp
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.runs import RunStream
 
@@ -25,11 +25,8 @@ ROUTE = {"model": MODEL, "adapter": "mock", "max_concurrency": 1, "options": {"t
 
 @pytest.fixture
 async def cp(pki: Pki, tmp_path: Path) -> AsyncIterator[ControlPlaneApp]:
-    async with build_control_plane(cp_settings(pki, tmp_path, queue_size=2, queue_timeout=5)) as app:
-        assert app.listener is not None
-        with node_process(pki, tmp_path, app.listener.port, "node-a", [ROUTE]):
-            await all_ready(app, "node-a")
-            yield app
+    async with with_node(pki, tmp_path, [ROUTE], queue_size=2, queue_timeout=5) as app:
+        yield app
 
 
 async def _queued(app: ControlPlaneApp, depth: int) -> None:

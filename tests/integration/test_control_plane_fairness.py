@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 from conftest import Pki, assert_eventually
-from cp_helpers import all_ready, client, cp_settings, node_process
+from cp_helpers import client, with_node
 from node_helpers import chat, kinds
 
-from iop_control_plane.bootstrap import ControlPlaneApp, build_control_plane
+from iop_control_plane.bootstrap import ControlPlaneApp
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.connection import Connection
 
@@ -29,11 +29,8 @@ FLOOD, FAIR = 12, 2
 
 @pytest.fixture
 async def cp(pki: Pki, tmp_path: Path) -> AsyncIterator[ControlPlaneApp]:
-    async with build_control_plane(cp_settings(pki, tmp_path, queue_size=64, queue_timeout=30)) as app:
-        assert app.listener is not None
-        with node_process(pki, tmp_path, app.listener.port, "node-a", [ROUTE]):
-            await all_ready(app, "node-a")
-            yield app
+    async with with_node(pki, tmp_path, [ROUTE], queue_size=64, queue_timeout=30) as app:
+        yield app
 
 
 async def _first_output(edge: Connection, caller: str, index: int) -> tuple[str, float]:
