@@ -125,7 +125,7 @@ class AdmissionQueue(Generic[T]):
         """Runs a caller may have in progress; None: no limit."""
         self.fairness = fairness
         """A model's order within a priority (read at each pick: the policy may be reloaded)."""
-        self.counters = counters if counters is not None else ServiceCounters()  # an empty one is falsy
+        self.counters = counters if counters is not None else ServiceCounters()
         """Each caller's weighted service per model."""
         self.counters.backlogged = self._backlogged
         self.on_displaced: Callable[[Waiter[T]], None] = lambda _: None

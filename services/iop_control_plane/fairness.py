@@ -74,7 +74,9 @@ class ServiceCounters:
         self._served: OrderedDict[tuple[str, str], float] = OrderedDict()
         self._peak: dict[str, float] = {}
 
-    def __len__(self) -> int:
+    @property
+    def remembered(self) -> int:
+        """(model, caller) counters held (at most ``max_callers``)."""
         return len(self._served)
 
     def of(self, model: str, caller: str) -> float:

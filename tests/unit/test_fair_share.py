@@ -173,7 +173,7 @@ def test_counters_are_bounded_forgetting_the_caller_idle_longest_but_never_a_bac
     assert queue.offer(Waiter("m", "waiting"))  # touched first, but backlogged
     for caller in ("x", "y", "z"):
         counters.charge("m", caller, prompt=10)
-    assert forgotten == [("m", "x")] and len(counters) == 3
+    assert forgotten == [("m", "x")] and counters.remembered == 3
     assert counters.of("m", "x") == 0 and counters.of("m", "z") == 10
 
 
