@@ -1,10 +1,19 @@
-"""The admission queue: runs waiting for a free slot, per model, by priority then arrival (no I/O).
+"""The admission queue: runs waiting for a free slot, per model, by priority then fair share (no I/O).
 
 A run whose candidates are all full (``all_busy``) waits here, in a bounded queue per model
-(the name the request gave: a model, an alias or a route), higher priority first, then the
-earlier arrival. :meth:`AdmissionQueue.admit` walks each model's waiters in that order and asks
-a ``place`` callback for each; the first that finds every candidate still full (``None``) stops
-that model's walk, so a later waiter never overtakes an earlier one for the same slot.
+(the name the request gave: a model, an alias or a route), higher priority first. Within a
+priority, the policy's ``fairness`` of the model picks: ``tokens`` (the default), the earliest
+waiter of the caller with the least weighted service so far (:mod:`iop_control_plane.fairness`);
+``fifo``, the earliest waiter. Within one caller, arrival order always. :meth:`AdmissionQueue.admit`
+picks waiters in that order and asks a ``place`` callback for each; the first that finds every
+candidate still full (``None``) stops that model's picks, so no waiter overtakes the one due the slot.
+
+A full queue refuses a new run, except under ``tokens``: a newcomer whose caller holds less than
+an equal share of the queue's places takes the place of the newest waiter, of no higher priority,
+of the caller holding the most (two or more than the newcomer's; of equals, the most served), and
+``on_displaced`` is told. Places, not service, decide: a caller that was just served may be ahead
+on service by one run, yet still be under its share. So a flooding caller cannot fill the queue
+against the others.
 
 Per-caller limits: a caller with ``limit(caller)`` runs in progress (:meth:`started` /
 :meth:`ended`) waits in the queue; its waiters are skipped, not blocking others, until one of
@@ -21,6 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from iop_control_plane.fairness import ServiceCounters
+from iop_control_plane.policy import Fairness
+
 __all__ = ["AdmissionQueue", "Waiter"]
 
 T = TypeVar("T")
@@ -35,51 +47,137 @@ class Waiter(Generic[T]):
     model: str
     """The name the request gave (its queue)."""
     caller: str
-    """Who the run is for (per-caller limits)."""
+    """Who the run is for (per-caller limits, fair share)."""
     priority: int = 0
     """Higher first."""
     since: float = 0.0
     """When it was queued (monotonic seconds)."""
     counted: bool = False
-    """Already counted as in progress for its caller (a failover waiting for another node): no limit check."""
+    """Already counted as in progress for its caller (a failover waiting for another node): no limit check,
+    and its prompt is not charged again."""
+    prompt_tokens: int = 0
+    """Its prompt's estimated tokens, charged to its caller when it is admitted."""
     key: tuple[int, int] = field(default=(0, 0), init=False)
     """Its place in the queue: (-priority, arrival)."""
     outcome: T | None = field(default=None, init=False)
     """What ``place`` gave it when admitted; None while it waits."""
+    displaced: bool = field(default=False, init=False)
+    """Taken out of a full queue to make room for a caller under its share."""
+
+
+class _ModelQueue(Generic[T]):
+    """One model's waiters: per priority, per caller, in arrival order."""
+
+    __slots__ = ("count", "levels", "places")
+
+    def __init__(self) -> None:
+        self.levels: dict[int, dict[str, list[Waiter[T]]]] = {}
+        self.places: Counter[str] = Counter()
+        """Waiters per caller (the backlogged callers)."""
+        self.count = 0
+
+    def add(self, waiter: Waiter[T]) -> None:
+        waiters = self.levels.setdefault(waiter.priority, {}).setdefault(waiter.caller, [])
+        bisect.insort(waiters, waiter, key=lambda queued: queued.key)
+        self.places[waiter.caller] += 1
+        self.count += 1
+
+    def remove(self, waiter: Waiter[T]) -> bool:
+        level = self.levels.get(waiter.priority, {})
+        waiters = level.get(waiter.caller)
+        if not waiters or waiter not in waiters:
+            return False
+        waiters.remove(waiter)
+        if not waiters:
+            del level[waiter.caller]
+            if not level:
+                del self.levels[waiter.priority]
+        self.places[waiter.caller] -= 1
+        if not self.places[waiter.caller]:
+            del self.places[waiter.caller]
+        self.count -= 1
+        return True
+
+    def newest(self, caller: str, priority: int) -> Waiter[T] | None:
+        """``caller``'s newest waiter of the lowest priority it has at ``priority`` or below."""
+        for level in sorted(self.levels):
+            if level > priority:
+                break
+            if waiters := self.levels[level].get(caller):
+                return waiters[-1]
+        return None
 
 
 class AdmissionQueue(Generic[T]):
     """Waiting runs per model, and runs in progress per caller."""
 
-    def __init__(self, size: int, limit: Callable[[str], int | None] = lambda _: None) -> None:
+    def __init__(
+        self,
+        size: int,
+        limit: Callable[[str], int | None] = lambda _: None,
+        *,
+        fairness: Callable[[str], Fairness] = lambda _: "tokens",
+        counters: ServiceCounters | None = None,
+    ) -> None:
         self.size = size
-        """Waiters a model's queue holds; one more is refused."""
+        """Waiters a model's queue holds; one more is refused (or displaces one, under ``tokens``)."""
         self.limit = limit
         """Runs a caller may have in progress; None: no limit."""
+        self.fairness = fairness
+        """A model's order within a priority (read at each pick: the policy may be reloaded)."""
+        self.counters = counters if counters is not None else ServiceCounters()
+        """Each caller's weighted service per model."""
+        self.counters.backlogged = self._backlogged
+        self.on_displaced: Callable[[Waiter[T]], None] = lambda _: None
+        """Told of a waiter taken out of a full queue for a caller under its share."""
         self.running: Counter[str] = Counter()
         """Runs in progress per caller (admitted and not ended)."""
-        self._queues: dict[str, list[Waiter[T]]] = {}
+        self._queues: dict[str, _ModelQueue[T]] = {}
         self._arrivals = itertools.count()
         self._admitted: dict[str, deque[float]] = {}
 
     def offer(self, waiter: Waiter[T]) -> bool:
-        """Queue ``waiter`` behind those of its priority; False when its model's queue is full."""
-        queue = self._queues.setdefault(waiter.model, [])
-        if len(queue) >= self.size:
-            if not queue:
-                del self._queues[waiter.model]
-            return False
+        """Queue ``waiter`` behind those of its priority; False when its model's queue is full (and it
+        displaces nobody)."""
+        model = waiter.model
+        queue = self._queues.get(model) or _ModelQueue[T]()
+        if waiter.caller not in queue.places:
+            self.counters.lift(model, waiter.caller, queue.places.keys())
+        if queue.count >= self.size:
+            victim = self._victim(queue, waiter) if self.fairness(model) == "tokens" else None
+            if victim is None:
+                return False
+            queue.remove(victim)
+            victim.displaced = True
+            self.on_displaced(victim)
         waiter.key = (-waiter.priority, next(self._arrivals))
-        bisect.insort(queue, waiter, key=lambda queued: queued.key)
+        queue.add(waiter)
+        self._queues[model] = queue
         return True
+
+    def _victim(self, queue: _ModelQueue[T], newcomer: Waiter[T]) -> Waiter[T] | None:
+        """The waiter ``newcomer`` displaces from its full queue: if its caller holds less than an equal share
+        of the places, the newest of no higher priority of the caller holding the most (then the most served)."""
+        model, caller = newcomer.model, newcomer.caller
+        held, callers = queue.places[caller], len(queue.places.keys() | {caller})
+        if held + 1 > self.size / callers:
+            return None
+        over = [
+            (places, self.counters.of(model, other), other)
+            for other, places in queue.places.items()
+            if other != caller and places > held + 1
+        ]
+        for *_, other in sorted(over, reverse=True):
+            if (victim := queue.newest(other, newcomer.priority)) is not None:
+                return victim
+        return None
 
     def withdraw(self, waiter: Waiter[T]) -> bool:
         """Take ``waiter`` out (cancelled, deadline passed); False if it was not queued."""
         queue = self._queues.get(waiter.model)
-        if not queue or waiter not in queue:
+        if queue is None or not queue.remove(waiter):
             return False
-        queue.remove(waiter)
-        if not queue:
+        if not queue.count:
             del self._queues[waiter.model]
         return True
 
@@ -99,7 +197,8 @@ class AdmissionQueue(Generic[T]):
             del self.running[caller]
 
     def admit(self, place: Callable[[Waiter[T]], T | None], now: float) -> list[Waiter[T]]:
-        """Give waiters what ``place`` finds for them, in order; those served leave the queue.
+        """Give waiters what ``place`` finds for them, in order; those served leave the queue, and their
+        prompts are charged to their callers before the next pick.
 
         ``place`` returns None when every candidate of the waiter's model is full: the rest of that
         model's queue waits. Waiters whose caller is at its limit are skipped.
@@ -107,32 +206,55 @@ class AdmissionQueue(Generic[T]):
         served: list[Waiter[T]] = []
         for model in list(self._queues):
             queue = self._queues[model]
-            for waiter in list(queue):
-                if not (waiter.counted or self.may_start(waiter.caller)):
-                    continue
+            fair = self.fairness(model) == "tokens"
+            while (waiter := self._next(queue, fair)) is not None:
                 outcome = place(waiter)
                 if outcome is None:
                     break
                 waiter.outcome = outcome
                 queue.remove(waiter)
+                if not waiter.counted:
+                    self.counters.charge(model, waiter.caller, prompt=waiter.prompt_tokens)
                 served.append(waiter)
                 self._admitted.setdefault(model, deque(maxlen=64)).append(now)
-            if not queue:
+            if not queue.count:
                 del self._queues[model]
         return served
+
+    def _next(self, queue: _ModelQueue[T], fair: bool) -> Waiter[T] | None:
+        """The waiter due the next slot: of the highest priority with one that may start, the caller's
+        earliest; of several callers, the least served (``fair``) else the earliest."""
+        for priority in sorted(queue.levels, reverse=True):
+            due: Waiter[T] | None = None
+            due_key = (0.0, 0)
+            for caller, waiters in queue.levels[priority].items():
+                first = waiters[0] if self.may_start(caller) else next((w for w in waiters if w.counted), None)
+                if first is None:
+                    continue
+                key = (self.counters.of(first.model, caller) if fair else 0.0, first.key[1])
+                if due is None or key < due_key:
+                    due, due_key = first, key
+            if due is not None:
+                return due
+        return None
 
     def ahead(self, model: str, priority: int) -> bool:
         """Whether a waiter of ``model`` with ``priority`` or higher is queued (a new run goes behind it)."""
         queue = self._queues.get(model)
-        return queue is not None and queue[0].priority >= priority  # an empty queue is deleted
+        return queue is not None and max(queue.levels) >= priority  # an empty queue is deleted
 
     def depth(self, model: str) -> int:
         """Waiters in ``model``'s queue."""
-        return len(self._queues.get(model, ()))
+        queue = self._queues.get(model)
+        return queue.count if queue else 0
 
     def depths(self) -> dict[str, int]:
         """Waiters per model, for models with any."""
-        return {model: len(queue) for model, queue in self._queues.items()}
+        return {model: queue.count for model, queue in self._queues.items()}
+
+    def _backlogged(self, model: str, caller: str) -> bool:
+        queue = self._queues.get(model)
+        return queue is not None and caller in queue.places
 
     def waiting(self) -> bool:
         """Whether any run waits."""

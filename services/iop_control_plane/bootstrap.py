@@ -253,6 +253,7 @@ def build_control_plane(settings: Settings, *, policy: PolicyInForce | None = No
         queue_timeout=settings.queue_timeout,
         background_yield=settings.background_yield,
         registration_grace=settings.registration_grace,
+        fairness=settings.fairness,
     )
     registry.on_more_room(runs.wake)  # a node registered, reported or was made ready: admit waiters
     identity = IdentityStore(state)

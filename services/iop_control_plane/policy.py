@@ -1,12 +1,12 @@
 """The policy file: how runs are placed, limited and retried (YAML, validated in one go).
 
-    defaults: {policy: least-loaded, priority: 0, attempts: 2, caller_concurrency: null}
+    defaults: {policy: least-loaded, priority: 0, attempts: 2, caller_concurrency: null, fairness: tokens}
     aliases: {gpt-4o: llama-70b}                   # a name clients use -> a model nodes serve
     routes: {chat: {llama-8b: 90, qwen-7b: 10}}    # a name -> models by weight
     models:
-      llama-70b: {policy: session-affinity, labels: {gpu: h100}, attempts: 3}
+      llama-70b: {policy: session-affinity, labels: {gpu: h100}, attempts: 3, fairness: fifo}
     callers:
-      batch-worker: {max_concurrency: 64, priority: -10}
+      batch-worker: {max_concurrency: 64, priority: -10, weight: 0.5}
 
 Aliases and routes name models that nodes serve, never each other. :func:`load_policy` raises
 :class:`~iop_wire.settings.ConfigError`, one line naming every bad key.
@@ -21,10 +21,14 @@ from pydantic import Field, ValidationError, model_validator
 
 from iop_wire.settings import ConfigError, Section, SettingError, problems
 
-__all__ = ["CallerPolicy", "Defaults", "ModelPolicy", "Policy", "PolicyName", "load_policy"]
+__all__ = ["CallerPolicy", "Defaults", "Fairness", "ModelPolicy", "Policy", "PolicyName", "load_policy"]
 
 PolicyName = Literal["least-loaded", "round-robin", "session-affinity"]
 """How a node is picked among a model's candidates."""
+
+Fairness = Literal["fifo", "tokens"]
+"""Which waiting run of a priority gets a freed slot: the earliest (fifo), or the earliest of the caller
+served the fewest weighted tokens so far (tokens: :mod:`iop_control_plane.fairness`)."""
 
 Priority = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 Weight = Annotated[int, Field(ge=0)]
@@ -42,6 +46,8 @@ class Defaults(Section):
     """Nodes a run may be tried on before it fails (the first included)."""
     caller_concurrency: int | None = Field(None, ge=1)
     """Runs one caller may have in progress; None: no limit."""
+    fairness: Fairness = "tokens"
+    """Order of waiting runs within a priority."""
 
 
 class ModelPolicy(Section):
@@ -55,6 +61,8 @@ class ModelPolicy(Section):
     """Priority of its runs that set none; None: the caller's, else the default."""
     attempts: int | None = Field(None, ge=1, le=10)
     """Nodes a run may be tried on; None: the default."""
+    fairness: Fairness | None = None
+    """Order of its waiting runs within a priority; None: the default."""
 
 
 class CallerPolicy(Section):
@@ -64,6 +72,8 @@ class CallerPolicy(Section):
     """Runs it may have in progress; None: the default."""
     priority: Priority | None = None
     """Priority of its runs that set none; None: the model's, else the default."""
+    weight: float = Field(1.0, gt=0, le=1e6)
+    """Its share of a contended model against other callers' (fairness tokens): 2 is served twice the tokens of 1."""
 
 
 class Policy(Section):
@@ -110,6 +120,16 @@ class Policy(Section):
         settings = self.callers.get(caller)
         limit = settings.max_concurrency if settings else None
         return limit or self.defaults.caller_concurrency
+
+    def fairness_for(self, name: str) -> Fairness:
+        """Order of waiting runs for ``name`` (a model, or an alias of one; a route takes the default)."""
+        settings = self.models.get(self.aliases.get(name, name))
+        return settings.fairness if settings and settings.fairness else self.defaults.fairness
+
+    def caller_weight(self, caller: str) -> float:
+        """``caller``'s share of a contended model, against 1 for a caller the policy does not name."""
+        settings = self.callers.get(caller)
+        return settings.weight if settings else 1.0
 
 
 def _unresolvable(policy: Policy) -> list[tuple[str, str]]:

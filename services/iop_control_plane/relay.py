@@ -8,11 +8,13 @@ and within its deadline, waiting in the queue when the others are full; the requ
 start and gapless numbers. A node lost after output ends the run with ``ERROR_CODE_NODE_LOST``.
 
 Admission (:mod:`iop_control_plane.admission`): a run whose candidates are all full waits in its
-model's queue, by priority (the request's, else the policy's default) then arrival, until a slot
+model's queue, by priority (the request's, else the policy's default) then the caller's fair share
+(the policy's ``fairness``: :mod:`iop_control_plane.fairness`) then arrival, until a slot
 frees (:meth:`RunRelay.wake`: a run ended, a node reported or registered) or its deadline (the
 request's, else ``queue_timeout``) passes. A full queue or a passed deadline ends the run with
 RESOURCE_EXHAUSTED and a retry-after hint from the queue's drain rate. A caller at its policy
-limit waits in the queue too. A run cancelled while queued leaves the queue at once.
+limit waits in the queue too. A run cancelled while queued leaves the queue at once. Each run's
+prompt is charged to its caller's service as it is admitted, its completion as its attempt ends.
 """
 
 from __future__ import annotations
@@ -26,10 +28,13 @@ from dataclasses import dataclass
 import structlog
 
 from iop_control_plane.admission import AdmissionQueue, Waiter
+from iop_control_plane.fairness import FairShare, estimated_prompt_tokens
 from iop_control_plane.ledger import Attempt, LedgerEntry
 from iop_control_plane.metrics import ControlPlaneMetrics
 from iop_control_plane.nodes import NodeSessions
+from iop_control_plane.policy import Policy
 from iop_control_plane.scheduler import Decision, Scheduler
+from iop_control_plane.settings import FairnessSettings
 from iop_control_plane.text import NAME_CHARS, clip
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import EventSink, IopError, acting_caller, code_name, relay
@@ -63,6 +68,8 @@ class _Run:
     entry: LedgerEntry
     """Its ledger row, filled in as it goes."""
     log: _Log
+    prompt_tokens: int = 0
+    """Its prompt's estimated tokens (charged to its caller when admitted, corrected to the node's count)."""
 
 
 class _Queued(Waiter[Decision]):
@@ -79,8 +86,9 @@ class _Queued(Waiter[Decision]):
         session: str | None,
         *,
         exclude: frozenset[str] = frozenset(),
+        prompt_tokens: int = 0,
     ) -> None:
-        super().__init__(model, caller, priority, since, counted=bool(exclude))
+        super().__init__(model, caller, priority, since, counted=bool(exclude), prompt_tokens=prompt_tokens)
         self.session = session
         self.exclude = exclude
         """Nodes a failover already tried."""
@@ -101,14 +109,20 @@ class RunRelay:
         queue_timeout: float = 30.0,
         background_yield: float = 1.0,
         registration_grace: float = 0.0,
+        fairness: FairnessSettings | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.sessions = sessions
         self.metrics = metrics
         self.default_attempts = attempts
         """Attempts where the policy sets none."""
-        self.queue = AdmissionQueue[Decision](queue_size, self._caller_limit)
+        self.fair = FairShare(fairness or FairnessSettings(), self._policy, metrics.registry)
+        """Each caller's service, and its metrics."""
+        self.queue = AdmissionQueue[Decision](
+            queue_size, self._caller_limit, fairness=self.fair.fairness_for, counters=self.fair.counters
+        )
         """Runs waiting for a slot, per model; runs in progress per caller."""
+        self.queue.on_displaced = self._displaced
         self.queue_timeout = queue_timeout
         """Seconds a run without a deadline may wait in the queue."""
         self.background_yield = background_yield
@@ -141,7 +155,8 @@ class RunRelay:
             else:
                 log = _log.bind(run_id=request.run_id, requester=sink.connection_id, caller=caller)
                 session = request.metadata.get("session") or None
-                run = _Run(request, sink, caller, session, self.priority(request, caller), entry, log)
+                priority, prompt_tokens = self.priority(request, caller), estimated_prompt_tokens(request)
+                run = _Run(request, sink, caller, session, priority, entry, log, prompt_tokens)
                 terminal = await self._run(run)
         finally:
             entry.outputs, entry.first_output = sink.outputs, sink.first_output_at
@@ -189,6 +204,16 @@ class RunRelay:
 
     def _caller_limit(self, caller: str) -> int | None:
         return self.scheduler.policy.caller_limit(caller)  # the policy in force now: it may be reloaded
+
+    def _policy(self) -> Policy:
+        return self.scheduler.policy
+
+    def _displaced(self, waiter: Waiter[Decision]) -> None:
+        """A waiter gave its place in a full queue to a caller under its share: its handler refuses it."""
+        assert isinstance(waiter, _Queued)
+        self.fair.displaced(waiter.model, waiter.caller)
+        if not waiter.future.done():
+            waiter.future.set_result(None)
 
     def wake(self) -> None:
         """A slot may have freed (a run ended, a node reported, registered or was undrained): admit waiters."""
@@ -259,13 +284,16 @@ class RunRelay:
             if decision.outcome != "all_busy":
                 if decision.node_id is not None:
                     self.queue.started(caller)
+                    self.queue.counters.charge(model, caller, prompt=run.prompt_tokens)
                 return decision
         return await self._wait(run, model)
 
     async def _wait(self, run: _Run, model: str, exclude: frozenset[str] = frozenset()) -> Decision | IopError:
         """Wait in ``model``'s queue for a slot (a failover: on a node not in ``exclude``)."""
         caller, log = run.caller, run.log
-        waiter = _Queued(model, caller, run.priority, time.monotonic(), run.session, exclude=exclude)
+        waiter = _Queued(
+            model, caller, run.priority, time.monotonic(), run.session, exclude=exclude, prompt_tokens=run.prompt_tokens
+        )
         timeout = self._timeout(run.request)
         if timeout <= 0 or not self.queue.offer(waiter):
             self.metrics.queue_refused.labels("full" if timeout > 0 else "deadline").inc()
@@ -281,6 +309,10 @@ class RunRelay:
         except asyncio.CancelledError:
             self._leave(waiter, log, "cancelled")
             raise
+        if waiter.displaced:  # out of the queue already
+            self._observe(waiter, log, "displaced")
+            full = f"the queue for {model!r} is full; this run's place went to a caller under its fair share"
+            return self._exhausted(model, full, reason=pb.ERROR_REASON_QUEUE_FULL)
         if waiter.outcome is None:
             if not (waiter.counted or self.queue.may_start(caller)):  # its own limit held it, not the nodes
                 self._leave(waiter, log, "caller_limit")
@@ -306,6 +338,7 @@ class RunRelay:
     def _observe(self, waiter: _Queued, log: _Log, outcome: str) -> None:
         waited = time.monotonic() - waiter.since
         self.metrics.queue_wait.labels(outcome).observe(waited)
+        self.fair.observe_wait(waiter.caller, waited)
         log.debug("dequeued", model=waiter.model, outcome=outcome, waited=round(waited, 4))
 
     def _timeout(self, request: pb.RunRequest) -> float:
@@ -373,12 +406,15 @@ class RunRelay:
         upstream.caller.id = run.caller
         connection = self.sessions.connection(node_id)
         first_output = self._awaiting_first_output(node_id) if run.priority >= 0 else None
+        usage: pb.Usage | None = None
         try:
             if connection is None:
                 raise IopError(pb.ERROR_CODE_UNAVAILABLE, f"node {node_id} has no connection")
             stream = await connection.open_run(upstream)
             async with asyncio.timeout(_remaining(request)):  # None: no deadline
                 terminal = await relay(stream, sink, first_output=first_output)  # the deadline cancels the node's run
+            if terminal[0].complete.HasField("usage"):
+                usage = terminal[0].complete.usage
         except TimeoutError:
             exc = IopError(pb.ERROR_CODE_DEADLINE_EXCEEDED, f"the run's deadline passed on node {node_id}")
             exc.run_id = request.run_id
@@ -391,6 +427,8 @@ class RunRelay:
             if first_output is not None:
                 first_output()
             self.scheduler.registry.finished(node_id, decision.model)
+            estimate, outputs = run.prompt_tokens, sink.outputs  # charged before the slot this frees is given
+            self.fair.charge_served(request.model, run.caller, estimate=estimate, usage=usage, outputs=outputs)
             self.wake()
         lost = connection is None or connection.closed
         record.outcome, record.reason = _outcome(terminal[0], lost)

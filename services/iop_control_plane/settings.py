@@ -32,6 +32,7 @@ from iop_wire.settings import load_settings as _load
 
 __all__ = [
     "ConfigError",
+    "FairnessSettings",
     "IdentitySettings",
     "JoinSettings",
     "Problem",
@@ -110,6 +111,20 @@ class StoreSettings(_Section):
         return url
 
 
+class FairnessSettings(_Section):
+    """How service is counted between callers of a contended model (policy ``fairness: tokens``)."""
+
+    prompt_weight: float = Field(1.0, ge=0)
+    """Service one prompt token counts for."""
+    completion_weight: float = Field(2.0, ge=0)
+    """Service one completion token counts for (decoding costs a GPU more per token than prefill)."""
+    max_callers: int = Field(10_000, ge=1)
+    """Callers whose service is remembered, per control-plane; past it the one idle longest is forgotten."""
+    caller_labels: int = Field(32, ge=0, le=1000)
+    """Callers given their own label on the per-caller metrics besides those the policy names; the rest
+    are counted as ``other``."""
+
+
 class IdentitySettings(_Section):
     """How a node's certificate names it."""
 
@@ -154,6 +169,8 @@ class Settings(BaseSettings):
     """Seconds after start during which a run for a model that nodes served before the restart
     (the audit file says so), and none serves yet, is refused UNAVAILABLE (retryable, retry in
     1 s) instead of MODEL_NOT_FOUND: its nodes may not have dialed back yet."""
+    fairness: FairnessSettings = FairnessSettings()
+    """Counting each caller's service for the admission queue's fair order."""
     background_yield: float = Field(1.0, ge=0)
     """Seconds at most a background run (priority < 0: batch lines) is held back from nodes
     where interactive runs await their first output; past it, it is placed with them (0: never held)."""

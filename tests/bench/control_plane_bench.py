@@ -143,10 +143,10 @@ def stop(processes: Sequence[subprocess.Popen[bytes]]) -> None:
             process.wait(timeout=15)
 
 
-async def _until_registered(admin: Connection) -> None:
+async def _until_registered(admin: Connection, nodes: int = len(NODES)) -> None:
     for _ in range(600):
         listed = (await admin.request(pb.Envelope(nodes_list=pb.NodesList()))).nodes_listed
-        if sum(node.state == pb.NODE_STATE_READY for node in listed.nodes) == len(NODES):
+        if sum(node.state == pb.NODE_STATE_READY for node in listed.nodes) == nodes:
             return
         await asyncio.sleep(0.05)
     raise RuntimeError("the nodes did not register")

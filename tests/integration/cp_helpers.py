@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
 import yaml
 from conftest import Pki, assert_eventually
 
-from iop_control_plane.bootstrap import ControlPlaneApp
+from iop_control_plane.bootstrap import ControlPlaneApp, build_control_plane
 from iop_control_plane.registry import NodeState
 from iop_control_plane.settings import Settings
 from iop_gen.pb.iop import runtime_pb2 as pb
@@ -43,8 +43,9 @@ def cp_settings(pki: Pki, tmp_path: Path, **extra: Any) -> Settings:
     return Settings.model_validate(data)
 
 
-def node_config(pki: Pki, tmp_path: Path, node_id: str, port: int) -> Path:
-    """An `iop node` config registering with the control-plane at ``port`` (no listener of its own)."""
+def node_config(pki: Pki, tmp_path: Path, node_id: str, port: int, routes: list[dict[str, Any]] | None = None) -> Path:
+    """An `iop node` config registering with the control-plane at ``port`` (no listener of its own), serving
+    ``routes`` (default: ROUTES)."""
     tls = pki.config(node_id, Role.NODE)
     data = {
         "node_id": node_id,
@@ -54,11 +55,37 @@ def node_config(pki: Pki, tmp_path: Path, node_id: str, port: int) -> Path:
         "heartbeat_interval": 0.5,
         "event_loop": "asyncio",
         "control_plane": {"address": f"127.0.0.1:{port}", "server_name": "localhost", "reconnect_initial": 0.05},
-        "routes": ROUTES,
+        "routes": ROUTES if routes is None else routes,
     }
     path = tmp_path / f"{node_id}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+@contextmanager
+def node_process(pki: Pki, tmp_path: Path, port: int, node_id: str, routes: list[dict[str, Any]]) -> Iterator[None]:
+    """One `iop node` process serving ``routes``; killed on the way out."""
+    config = node_config(pki, tmp_path, node_id, port, routes)
+    process = subprocess.Popen(
+        [*IOP, "node", "--config", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        yield
+    finally:
+        process.kill()
+        process.wait(timeout=10)
+
+
+@asynccontextmanager
+async def with_node(
+    pki: Pki, tmp_path: Path, routes: list[dict[str, Any]], **settings: Any
+) -> AsyncIterator[ControlPlaneApp]:
+    """A control-plane (``settings`` over :func:`cp_settings`) with one ready `iop node`, node-a, serving ``routes``."""
+    async with build_control_plane(cp_settings(pki, tmp_path, **settings)) as app:
+        assert app.listener is not None
+        with node_process(pki, tmp_path, app.listener.port, "node-a", routes):
+            await all_ready(app, "node-a")
+            yield app
 
 
 @contextmanager

@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import yaml
 from conftest import Pki, assert_eventually
-from cp_helpers import IOP, all_ready, client, cp_settings, node_config
+from cp_helpers import client, with_node
 from google.protobuf.timestamp_pb2 import Timestamp
 from node_helpers import chat, collect, kinds
 
-from iop_control_plane.bootstrap import ControlPlaneApp, build_control_plane
+from iop_control_plane.bootstrap import ControlPlaneApp
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.runs import RunStream
 
@@ -26,29 +23,10 @@ ROUTE = {"model": MODEL, "adapter": "mock", "max_concurrency": 1, "options": {"t
 """One run at a time, ~0.4 s each."""
 
 
-@contextmanager
-def one_slot_node(pki: Pki, tmp_path: Path, port: int) -> Iterator[None]:
-    config = node_config(pki, tmp_path, "node-a", port)
-    data = yaml.safe_load(config.read_text())
-    data["routes"] = [ROUTE]
-    config.write_text(yaml.safe_dump(data))
-    process = subprocess.Popen(
-        [*IOP, "node", "--config", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        yield
-    finally:
-        process.kill()
-        process.wait(timeout=10)
-
-
 @pytest.fixture
 async def cp(pki: Pki, tmp_path: Path) -> AsyncIterator[ControlPlaneApp]:
-    async with build_control_plane(cp_settings(pki, tmp_path, queue_size=2, queue_timeout=5)) as app:
-        assert app.listener is not None
-        with one_slot_node(pki, tmp_path, app.listener.port):
-            await all_ready(app, "node-a")
-            yield app
+    async with with_node(pki, tmp_path, [ROUTE], queue_size=2, queue_timeout=5) as app:
+        yield app
 
 
 async def _queued(app: ControlPlaneApp, depth: int) -> None:

@@ -270,3 +270,27 @@ async def test_relay_a_background_run_is_held_back_for_background_yield_at_most(
     never.scheduler.registry.register("n1", [ModelLoad("m", capacity=4)])
     never._awaiting_first_output("n1")
     assert _placed(await asyncio.wait_for(_admit(never, priority=-10), 0.5)).node_id == "n1"
+
+
+async def test_relay_a_full_queue_refuses_the_flooders_newest_for_a_caller_under_its_share() -> None:
+    relay, registry = _relay(size=2)
+    first = _placed(await _admit(relay, "flood"))
+    older, newer = _admit(relay, "flood"), _admit(relay, "flood")
+    await _settle()
+    assert relay.queue.depth("m") == 2  # full
+    fair = _admit(relay, "b")
+    refused = await asyncio.wait_for(newer, 1.0)
+    assert isinstance(refused, IopError) and refused.code == pb.ERROR_CODE_RESOURCE_EXHAUSTED
+    assert refused.reason == pb.ERROR_REASON_QUEUE_FULL and refused.retryable
+    assert relay.metrics.registry.get_sample_value("iop_control_plane_queue_displaced_total") == 1
+    await _end(relay, registry, first, "flood")
+    assert _placed(await older).node_id == "n1"  # equal service, earlier: the flood's older run goes first
+    assert not fair.done()
+    fifo, _ = _relay(size=1, policy="defaults: {fairness: fifo}\n")
+    _placed(await _admit(fifo, "flood"))
+    waiting = _admit(fifo, "flood")
+    await _settle()
+    assert isinstance(await _admit(fifo, "b"), IopError)  # fifo: a full queue refuses, as before
+    waiting.cancel()
+    fair.cancel()
+    await asyncio.gather(waiting, fair, return_exceptions=True)
