@@ -29,6 +29,7 @@ from iop_control_plane.admission import AdmissionQueue, Waiter
 from iop_control_plane.ledger import Attempt, LedgerEntry
 from iop_control_plane.metrics import ControlPlaneMetrics
 from iop_control_plane.nodes import NodeSessions
+from iop_control_plane.prefix import Prefix, prompt_prefixes
 from iop_control_plane.scheduler import Decision, Scheduler
 from iop_control_plane.text import NAME_CHARS, clip
 from iop_gen.pb.iop import runtime_pb2 as pb
@@ -63,12 +64,14 @@ class _Run:
     entry: LedgerEntry
     """Its ledger row, filled in as it goes."""
     log: _Log
+    prompt: tuple[Prefix, ...] = ()
+    """Its prompt's prefix hashes, when a model is placed by prefix (hashed once, on arrival)."""
 
 
 class _Queued(Waiter[Decision]):
     """A queued run, and the future its handler waits on."""
 
-    __slots__ = ("exclude", "future", "session")
+    __slots__ = ("exclude", "future", "prompt", "session")
 
     def __init__(
         self,
@@ -79,9 +82,11 @@ class _Queued(Waiter[Decision]):
         session: str | None,
         *,
         exclude: frozenset[str] = frozenset(),
+        prompt: tuple[Prefix, ...] = (),
     ) -> None:
         super().__init__(model, caller, priority, since, counted=bool(exclude))
         self.session = session
+        self.prompt = prompt
         self.exclude = exclude
         """Nodes a failover already tried."""
         self.future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -141,7 +146,8 @@ class RunRelay:
             else:
                 log = _log.bind(run_id=request.run_id, requester=sink.connection_id, caller=caller)
                 session = request.metadata.get("session") or None
-                run = _Run(request, sink, caller, session, self.priority(request, caller), entry, log)
+                prompt = prompt_prefixes(request) if self.scheduler.policy.uses_prefix() else ()
+                run = _Run(request, sink, caller, session, self.priority(request, caller), entry, log, prompt)
                 terminal = await self._run(run)
         finally:
             entry.outputs, entry.first_output = sink.outputs, sink.first_output_at
@@ -203,11 +209,12 @@ class RunRelay:
         background = run.priority < 0 and self.background_yield > 0
         began = time.perf_counter()
         decision = self.scheduler.choose(
-            model, session=run.session, caller=run.caller, exclude=exclude, background=background
+            model, session=run.session, caller=run.caller, exclude=exclude, background=background, prompt=run.prompt
         )
         self.metrics.decision_time.observe(time.perf_counter() - began)
         run.log.debug("decision", outcome=decision.outcome, policy=decision.policy, reason=decision.reason)
         self.metrics.decisions.labels(decision.policy, decision.outcome).inc()
+        self.metrics.placed_by_prefix(decision, self.scheduler.policy.models)
         if decision.yielded:
             self.metrics.background_yields.inc()
         return decision
@@ -218,7 +225,12 @@ class RunRelay:
         background = waiter.priority < 0 and held < self.background_yield
         began = time.perf_counter()
         decision = self.scheduler.choose(
-            waiter.model, session=waiter.session, caller=waiter.caller, exclude=waiter.exclude, background=background
+            waiter.model,
+            session=waiter.session,
+            caller=waiter.caller,
+            exclude=waiter.exclude,
+            background=background,
+            prompt=waiter.prompt,
         )
         self.metrics.decision_time.observe(time.perf_counter() - began)
         if decision.yielded and self._held is None:  # placed anyway once held for background_yield
@@ -226,6 +238,7 @@ class RunRelay:
         if decision.outcome == "all_busy":
             return None
         self.metrics.decisions.labels(decision.policy, decision.outcome).inc()
+        self.metrics.placed_by_prefix(decision, self.scheduler.policy.models)
         if decision.node_id is not None and not waiter.counted:
             self.queue.started(waiter.caller)
         return decision
@@ -265,7 +278,7 @@ class RunRelay:
     async def _wait(self, run: _Run, model: str, exclude: frozenset[str] = frozenset()) -> Decision | IopError:
         """Wait in ``model``'s queue for a slot (a failover: on a node not in ``exclude``)."""
         caller, log = run.caller, run.log
-        waiter = _Queued(model, caller, run.priority, time.monotonic(), run.session, exclude=exclude)
+        waiter = _Queued(model, caller, run.priority, time.monotonic(), run.session, exclude=exclude, prompt=run.prompt)
         timeout = self._timeout(run.request)
         if timeout <= 0 or not self.queue.offer(waiter):
             self.metrics.queue_refused.labels("full" if timeout > 0 else "deadline").inc()
