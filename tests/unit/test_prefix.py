@@ -120,7 +120,7 @@ def test_the_bounds_hold_and_the_three_views_agree_whatever_is_recorded(records:
         for held in index._by_node.values():
             assert 0 < len(held) <= 5
         entries = {(node_id, key) for node_id, keys in index._by_node.items() for key in keys}
-        assert entries == set(index._order)
+        assert entries == {(node_id, entry ^ hash(node_id)) for entry, node_id in index._order.items()}
         assert entries == {(node_id, key) for key, nodes in index._holders.items() for node_id in nodes}
 
 
@@ -218,3 +218,14 @@ def test_only_the_prefix_policy_records_prefixes() -> None:
     assert len(scheduler.prefixes) == 0
     assert scheduler.policy.uses_prefix()
     assert not load_policy("models: {m: {policy: round-robin}}").uses_prefix()
+
+
+def test_a_run_records_its_landmarks_and_a_branch_matches_the_one_before_it() -> None:
+    index = PrefixIndex()
+    prompt = _prefixes(*range(100, 121))  # 21 prefixes: a system prompt and 10 turns
+    index.record("a", "m", prompt)
+    assert len(index) == 6  # 1, 2, 4, 8, 16 and 21 long
+    next_turn = (*prompt, *_prefixes(*range(200, 202)))
+    assert index.held("a", "m", next_turn) == prompt[-1].size  # the whole of the last prompt
+    branch = (*prompt[:12], *_prefixes(300))  # the conversation edited at message 13
+    assert index.held("a", "m", branch) == prompt[7].size  # 8 messages: the landmark before the edit
