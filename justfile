@@ -97,3 +97,4 @@ bench:
     python tests/bench/batch_bench.py
     python tests/bench/ledger_bench.py
     python tests/bench/fleet_bench.py
+    python tests/bench/prefix_bench.py
