@@ -13,9 +13,10 @@ prompt), but ``IOP_PREFIX_BENCH_MODEL=path.gguf`` runs any model.
 Workload: ``CONVERSATIONS`` chats, each with its own long system prompt, all at once; each sends
 ``TURNS`` turns one after the other (the whole conversation each time), so turns of different
 conversations interleave on the servers. The no-shared rows: as many clients sending as many
-requests, each a chat of one turn with a system prompt of its own: nothing to reuse. Rows: TTFT p50 / p95 (first streamed content,
-at the client), output tokens/s over the row, and the hit rate: requests whose server reused at
-least ``REUSED`` prompt tokens from its cache (its log's "prefix-match hit" lines).
+requests, each a chat of one turn with a system prompt of its own: nothing to reuse. Rows: TTFT
+p50 / p95 (first streamed content, at the client), output tokens/s over the row, and the hit
+rate: requests whose server reused at least ``REUSED`` prompt tokens from its cache (its log's
+"prefix-match hit" lines).
 
 Not part of CI (minutes, 2 cores): prints one line and exits 0 when the backend or the model is
 missing. Prints the load (``uptime``) beside the figures: the 2 cores are shared.
