@@ -87,6 +87,7 @@ class _Queued(Waiter[Decision]):
         super().__init__(model, caller, priority, since, counted=bool(exclude))
         self.session = session
         self.prompt = prompt
+        """Its run's prompt prefixes (the ``prefix`` policy places by them)."""
         self.exclude = exclude
         """Nodes a failover already tried."""
         self.future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
