@@ -57,15 +57,21 @@ def _cluster(rng: random.Random, models_per_node: int = 3, model_names: list[str
     return Scheduler(registry, load_policy(POLICY))
 
 
-def _timed(scheduler: Scheduler, decide: Callable[[int], Decision], *, reports: bool = True) -> tuple[float, ...]:
-    """(p50, p99) of ``decide`` in us, and how many were placed; runs finish and nodes report meanwhile."""
+def _timed(
+    scheduler: Scheduler,
+    decide: Callable[[int], Decision],
+    *,
+    reports: bool = True,
+    clock: Callable[[], int] = time.perf_counter_ns,
+) -> tuple[float, ...]:
+    """(p50, p99) of ``decide`` in us by ``clock``, and how many were placed; runs finish and nodes report meanwhile."""
     rng, registry = random.Random(1), scheduler.registry
     node_ids, running = list(registry.nodes), deque[tuple[str, str]]()
     samples, placed = [], 0
     for index in range(DECISIONS):
-        start = time.perf_counter_ns()
+        start = clock()
         decision = decide(index)
-        samples.append(time.perf_counter_ns() - start)
+        samples.append(clock() - start)
         if decision.node_id is not None:
             placed += 1
             running.append((decision.node_id, decision.model))
@@ -165,6 +171,9 @@ def _prefix_rows() -> list[tuple[str, str]]:
     hits, imbalance = (reasons[reason] * 100 // max(1, placed) for reason in ("hit", "imbalance"))
     name = f"decision p50 / p99, prefix, {len(scheduler.prefixes):,} remembered prefixes"
     rows = [(name, f"{p50:.1f} / {p99:.1f} us ({hits}% hits, {imbalance}% imbalance)")]
+    prompts[:] = [conversations.next_turn() for _ in range(DECISIONS)]
+    cpu50, cpu99, _ = _timed(scheduler, decide, clock=time.thread_time_ns)  # not the time spent waiting for a core
+    rows.append((f"{name}: CPU time of the decision", f"{cpu50:.1f} / {cpu99:.1f} us"))
     rows.append((f"prefix index memory, {len(scheduler.prefixes):,} entries", f"{memory / 2**20:.1f} MiB"))
     return rows + _hashing_rows()
 
