@@ -29,6 +29,7 @@ from iop_control_plane.metrics import ControlPlaneMetrics
 from iop_control_plane.nodes import NodeSessions
 from iop_control_plane.pg_store import PgStore
 from iop_control_plane.policy import load_policy
+from iop_control_plane.prefix import PrefixIndex
 from iop_control_plane.registry import Registry
 from iop_control_plane.relay import RunRelay
 from iop_control_plane.replicas import Replicas
@@ -237,11 +238,13 @@ def build_control_plane(settings: Settings, *, policy: PolicyInForce | None = No
     store's newest policy, when it holds one, is put in force instead)."""
     policy = policy or read_policy(settings.policy_path)
     registry = Registry()
-    scheduler = Scheduler(registry, load_policy(policy.text))
+    prefixes = PrefixIndex(per_node=settings.prefix.entries_per_node, limit=settings.prefix.max_entries)
+    scheduler = Scheduler(registry, load_policy(policy.text), prefixes=prefixes)
     metrics = ControlPlaneMetrics(registry)
     state = _state_store(settings)
     store = AuditStore(state, max_runs=settings.ledger_max_runs, dropped=metrics.ledger_dropped)
     metrics.watch_store(store)
+    metrics.watch_prefixes(prefixes)
     sessions = NodeSessions(registry, store, heartbeat_interval=settings.heartbeat_interval)
     expose(metrics.registry)  # the wire's limits and connections, served with the control-plane's
     runs = RunRelay(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter as Tally
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -14,6 +14,8 @@ from iop_control_plane.admission import AdmissionQueue
 from iop_control_plane.registry import NodeState, Registry
 
 if TYPE_CHECKING:
+    from iop_control_plane.prefix import PrefixIndex
+    from iop_control_plane.scheduler import Decision
     from iop_control_plane.store import AuditStore
 
 __all__ = ["ControlPlaneMetrics"]
@@ -103,7 +105,34 @@ class ControlPlaneMetrics:
             ["how"],
             registry=self.registry,
         )
+        self.prefix_decisions = Counter(
+            "iop_control_plane_prefix_decisions_total",
+            "Runs placed by the prefix policy, by model (those the policy file names; others: other) and reason (hit:"
+            " the node held part of the prompt; imbalance: only a node loaded past the bound did; miss: none did).",
+            ["model", "reason"],
+            registry=self.registry,
+        )
+        self.prefix_matched = Histogram(
+            "iop_control_plane_prefix_matched_bytes",
+            "Bytes of the prompt the chosen node held (its longest known prefix), per prefix hit, by model.",
+            ["model"],
+            buckets=(256, 1024, 4096, 16384, 65536, 262144),
+            registry=self.registry,
+        )
         self.registry.register(_NodesByState(nodes))
+
+    def placed_by_prefix(self, decision: Decision, configured: Container[str]) -> None:
+        """Count a decision of the prefix policy (nothing for others); a model not in ``configured`` is "other"."""
+        if decision.prefix is None:
+            return
+        model = decision.model if decision.model in configured else "other"
+        self.prefix_decisions.labels(model, decision.prefix).inc()
+        if decision.matched:
+            self.prefix_matched.labels(model).observe(decision.matched)
+
+    def watch_prefixes(self, index: PrefixIndex) -> None:
+        """Serve the prefix index's size and evictions, read when scraped."""
+        self.registry.register(_PrefixIndexState(index))
 
     def watch_queue(self, queue: AdmissionQueue[Any]) -> None:
         """Serve ``iop_control_plane_queue_depth{model}``, read from ``queue`` when scraped."""
@@ -169,3 +198,26 @@ class _StoreState(Collector):
             "Node-audit writes (registrations, state changes) dropped because the write backlog was full.",
             value=store.dropped_writes,
         )
+
+
+class _PrefixIndexState(Collector):
+    """The prefix policy's memory: entries held, and entries dropped by each bound."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self._index = index
+
+    def collect(self) -> Iterator[Metric]:
+        index = self._index
+        yield GaugeMetricFamily(
+            "iop_control_plane_prefix_entries",
+            "Prompt prefixes remembered for the nodes (bounded by prefix.max_entries).",
+            value=len(index),
+        )
+        evicted = CounterMetricFamily(
+            "iop_control_plane_prefix_evictions",
+            "Prefixes forgotten to stay within a bound (node: prefix.entries_per_node; global: prefix.max_entries).",
+            labels=["bound"],
+        )
+        for bound, count in index.evicted.items():
+            evicted.add_metric([bound], count)
+        yield evicted

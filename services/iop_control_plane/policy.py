@@ -1,10 +1,12 @@
 """The policy file: how runs are placed, limited and retried (YAML, validated in one go).
 
-    defaults: {policy: least-loaded, priority: 0, attempts: 2, caller_concurrency: null, fairness: tokens}
+    defaults: {policy: least-loaded, priority: 0, attempts: 2, caller_concurrency: null, fairness: tokens,
+               prefix_imbalance: 0.5}
     aliases: {gpt-4o: llama-70b}                   # a name clients use -> a model nodes serve
     routes: {chat: {llama-8b: 90, qwen-7b: 10}}    # a name -> models by weight
     models:
       llama-70b: {policy: session-affinity, labels: {gpu: h100}, attempts: 3, fairness: fifo}
+      qwen-7b: {policy: prefix}                    # to the node that saw the prompt's start
     callers:
       batch-worker: {max_concurrency: 64, priority: -10, weight: 0.5}
 
@@ -23,7 +25,7 @@ from iop_wire.settings import ConfigError, Section, SettingError, problems
 
 __all__ = ["CallerPolicy", "Defaults", "Fairness", "ModelPolicy", "Policy", "PolicyName", "load_policy"]
 
-PolicyName = Literal["least-loaded", "round-robin", "session-affinity"]
+PolicyName = Literal["least-loaded", "round-robin", "session-affinity", "prefix"]
 """How a node is picked among a model's candidates."""
 
 Fairness = Literal["fifo", "tokens"]
@@ -32,6 +34,7 @@ served the fewest weighted tokens so far (tokens: :mod:`iop_control_plane.fairne
 
 Priority = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 Weight = Annotated[int, Field(ge=0)]
+Imbalance = Annotated[float, Field(ge=0)]
 Name = Annotated[str, Field(min_length=1)]
 
 
@@ -48,6 +51,9 @@ class Defaults(Section):
     """Runs one caller may have in progress; None: no limit."""
     fairness: Fairness = "tokens"
     """Order of waiting runs within a priority."""
+    prefix_imbalance: Imbalance = 0.5
+    """``prefix`` policy: how far the load / capacity of the node holding a run's prompt prefix may
+    exceed the least loaded candidate's before the least loaded takes the run instead."""
 
 
 class ModelPolicy(Section):
@@ -63,6 +69,8 @@ class ModelPolicy(Section):
     """Nodes a run may be tried on; None: the default."""
     fairness: Fairness | None = None
     """Order of its waiting runs within a priority; None: the default."""
+    prefix_imbalance: Imbalance | None = None
+    """``prefix`` policy: the imbalance its prefix holders may have over the least loaded; None: the default."""
 
 
 class CallerPolicy(Section):
@@ -100,6 +108,19 @@ class Policy(Section):
         """The scheduling policy of ``model``."""
         settings = self.models.get(model)
         return settings.policy if settings and settings.policy else self.defaults.policy
+
+    def imbalance_for(self, model: str) -> float:
+        """How far past the least loaded candidate's load / capacity a prefix holder of ``model`` may be."""
+        settings = self.models.get(model)
+        if settings and settings.prefix_imbalance is not None:
+            return settings.prefix_imbalance
+        return self.defaults.prefix_imbalance
+
+    def uses_prefix(self) -> bool:
+        """Whether some model is placed by prompt prefix (then runs' prompts are hashed)."""
+        if self.defaults.policy == "prefix":
+            return True
+        return any(settings.policy == "prefix" for settings in self.models.values())
 
     def priority_for(self, model: str, caller: str | None) -> int:
         """Priority of a run that sets none: the caller's, else the model's, else the default."""

@@ -66,10 +66,19 @@ class Registry:
         self._pools: dict[str, dict[Labels, ModelPool]] = {}
         self._vnodes, self._label_pools = vnodes, label_pools
         self._listeners: list[Callable[[], None]] = []
+        self._leave_listeners: list[Callable[[str], None]] = []
 
     def on_more_room(self, listener: Callable[[], None]) -> None:
         """Call ``listener`` whenever a node may have room for more runs (registered, reported, made ready)."""
         self._listeners.append(listener)
+
+    def on_leave(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener`` with a node's id when it leaves: removed, or marked unavailable (its connection closed)."""
+        self._leave_listeners.append(listener)
+
+    def _left(self, node_id: str) -> None:
+        for listener in self._leave_listeners:
+            listener(node_id)
 
     def _more_room(self) -> None:
         for listener in self._listeners:
@@ -90,6 +99,8 @@ class Registry:
         node = self.nodes.pop(node_id, None)
         for model in node.models if node else ():
             self._drop(node_id, model)
+        if node is not None:
+            self._left(node_id)
 
     def report(self, status: Status) -> None:
         """Take a node's status report: its loads replace the last ones; ``sent_since_report`` restarts."""
@@ -107,6 +118,8 @@ class Registry:
             self._refresh(view)
         if state is NodeState.READY:
             self._more_room()
+        elif state is NodeState.UNAVAILABLE:
+            self._left(node_id)
 
     def sent(self, node_id: str, model: str) -> None:
         """A run of ``model`` was sent to the node."""

@@ -33,6 +33,7 @@ from iop_control_plane.ledger import Attempt, LedgerEntry
 from iop_control_plane.metrics import ControlPlaneMetrics
 from iop_control_plane.nodes import NodeSessions
 from iop_control_plane.policy import Policy
+from iop_control_plane.prefix import Prefix, prompt_prefixes
 from iop_control_plane.scheduler import Decision, Scheduler
 from iop_control_plane.settings import FairnessSettings
 from iop_control_plane.text import NAME_CHARS, clip
@@ -70,12 +71,14 @@ class _Run:
     log: _Log
     prompt_tokens: int = 0
     """Its prompt's estimated tokens (charged to its caller when admitted, corrected to the node's count)."""
+    prompt: tuple[Prefix, ...] = ()
+    """Its prompt's prefix hashes, when a model is placed by prefix (hashed once, on arrival)."""
 
 
 class _Queued(Waiter[Decision]):
     """A queued run, and the future its handler waits on."""
 
-    __slots__ = ("exclude", "future", "session")
+    __slots__ = ("exclude", "future", "prompt", "session")
 
     def __init__(
         self,
@@ -87,9 +90,12 @@ class _Queued(Waiter[Decision]):
         *,
         exclude: frozenset[str] = frozenset(),
         prompt_tokens: int = 0,
+        prompt: tuple[Prefix, ...] = (),
     ) -> None:
         super().__init__(model, caller, priority, since, counted=bool(exclude), prompt_tokens=prompt_tokens)
         self.session = session
+        self.prompt = prompt
+        """Its run's prompt prefixes (the ``prefix`` policy places by them)."""
         self.exclude = exclude
         """Nodes a failover already tried."""
         self.future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -156,7 +162,8 @@ class RunRelay:
                 log = _log.bind(run_id=request.run_id, requester=sink.connection_id, caller=caller)
                 session = request.metadata.get("session") or None
                 priority, prompt_tokens = self.priority(request, caller), estimated_prompt_tokens(request)
-                run = _Run(request, sink, caller, session, priority, entry, log, prompt_tokens)
+                prompt = prompt_prefixes(request) if self.scheduler.policy.uses_prefix() else ()
+                run = _Run(request, sink, caller, session, priority, entry, log, prompt_tokens, prompt)
                 terminal = await self._run(run)
         finally:
             entry.outputs, entry.first_output = sink.outputs, sink.first_output_at
@@ -228,11 +235,12 @@ class RunRelay:
         background = run.priority < 0 and self.background_yield > 0
         began = time.perf_counter()
         decision = self.scheduler.choose(
-            model, session=run.session, caller=run.caller, exclude=exclude, background=background
+            model, session=run.session, caller=run.caller, exclude=exclude, background=background, prompt=run.prompt
         )
         self.metrics.decision_time.observe(time.perf_counter() - began)
         run.log.debug("decision", outcome=decision.outcome, policy=decision.policy, reason=decision.reason)
         self.metrics.decisions.labels(decision.policy, decision.outcome).inc()
+        self.metrics.placed_by_prefix(decision, self.scheduler.policy.models)
         if decision.yielded:
             self.metrics.background_yields.inc()
         return decision
@@ -243,7 +251,12 @@ class RunRelay:
         background = waiter.priority < 0 and held < self.background_yield
         began = time.perf_counter()
         decision = self.scheduler.choose(
-            waiter.model, session=waiter.session, caller=waiter.caller, exclude=waiter.exclude, background=background
+            waiter.model,
+            session=waiter.session,
+            caller=waiter.caller,
+            exclude=waiter.exclude,
+            background=background,
+            prompt=waiter.prompt,
         )
         self.metrics.decision_time.observe(time.perf_counter() - began)
         if decision.yielded and self._held is None:  # placed anyway once held for background_yield
@@ -251,6 +264,7 @@ class RunRelay:
         if decision.outcome == "all_busy":
             return None
         self.metrics.decisions.labels(decision.policy, decision.outcome).inc()
+        self.metrics.placed_by_prefix(decision, self.scheduler.policy.models)
         if decision.node_id is not None and not waiter.counted:
             self.queue.started(waiter.caller)
         return decision
@@ -292,7 +306,14 @@ class RunRelay:
         """Wait in ``model``'s queue for a slot (a failover: on a node not in ``exclude``)."""
         caller, log = run.caller, run.log
         waiter = _Queued(
-            model, caller, run.priority, time.monotonic(), run.session, exclude=exclude, prompt_tokens=run.prompt_tokens
+            model,
+            caller,
+            run.priority,
+            time.monotonic(),
+            run.session,
+            exclude=exclude,
+            prompt_tokens=run.prompt_tokens,
+            prompt=run.prompt,
         )
         timeout = self._timeout(run.request)
         if timeout <= 0 or not self.queue.offer(waiter):

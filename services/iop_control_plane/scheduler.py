@@ -9,7 +9,11 @@ labels the policy and the request ask for, not already tried) by the model's pol
 - ``least-loaded`` (default): lowest (in flight + queued + sent since the last report) / capacity;
 - ``round-robin``: the next candidate with a free slot, in turn;
 - ``session-affinity``: the session's node on a consistent-hash ring (key: the session, else
-  the caller) while it has a free slot, else the least loaded.
+  the caller) while it has a free slot, else the least loaded;
+- ``prefix``: the candidate holding the longest known prefix of the run's prompt (``prompt``,
+  from :func:`~iop_control_plane.prefix.prompt_prefixes`) unless its load / capacity exceeds the
+  least loaded's by more than the policy's ``prefix_imbalance`` (then the holder of a shorter
+  one, else the least loaded); a placed run's prefixes are recorded for its node.
 
 A placed decision counts as sent (``Registry.sent``); the service calls ``Registry.finished``
 when that run ends on the node, whatever the outcome. Decisions read indexes kept by the
@@ -24,6 +28,7 @@ from typing import Literal
 
 from iop_control_plane.policy import Policy, PolicyName
 from iop_control_plane.pool import Accept, ModelPool
+from iop_control_plane.prefix import Prefix, PrefixIndex, PrefixReason
 from iop_control_plane.registry import Labels, ModelView, Registry
 from iop_control_plane.ring import point
 
@@ -53,14 +58,24 @@ class Decision:
     yielded: bool = False
     """all_busy because a background run yields: the candidates with a free slot each have
     interactive runs awaiting their first output."""
+    prefix: PrefixReason | None = None
+    """Placed by ``prefix``: the node held part of the prompt (hit), only another candidate did
+    (imbalance), or none did (miss)."""
+    matched: int = 0
+    """Placed by ``prefix``: bytes of the prompt the node held (its longest known prefix)."""
 
 
 class Scheduler:
     """Picks nodes from a :class:`Registry` under a :class:`Policy`."""
 
-    def __init__(self, registry: Registry, policy: Policy | None = None) -> None:
+    def __init__(
+        self, registry: Registry, policy: Policy | None = None, *, prefixes: PrefixIndex | None = None
+    ) -> None:
         self.registry = registry
         self.policy = policy or Policy()
+        self.prefixes = prefixes or PrefixIndex()
+        """The prompt prefixes recently sent to each node (the ``prefix`` policy); a node that leaves loses its own."""
+        registry.on_leave(self.prefixes.forget)
         self._credit: dict[str, dict[str, int]] = {}
         self._labels: dict[str, Labels] = {}
 
@@ -77,6 +92,7 @@ class Scheduler:
         caller: str | None = None,
         exclude: Set[str] = frozenset(),
         background: bool = False,
+        prompt: tuple[Prefix, ...] = (),
     ) -> Decision:
         """A node for a run of ``model`` (a model, an alias or a route).
 
@@ -85,18 +101,19 @@ class Scheduler:
         names the nodes a failover already tried (a retry passes ``Decision.model`` back as ``model``).
         A ``background`` run yields: it is not placed on a node with interactive runs awaiting
         their first output (``NodeView.awaiting_first_output``), and is all_busy (``yielded``)
-        when every candidate with room has some.
+        when every candidate with room has some. ``prompt`` holds the run's prompt prefixes, which
+        the ``prefix`` policy places by.
         """
         key = session or caller
         targets = self._targets(model, session)
         if targets is None:
-            return self._place(model, labels, key, exclude, background=background)
-        first = self._place(targets[0], labels, key, exclude, route=model, background=background)
+            return self._place(model, labels, key, exclude, background=background, prompt=prompt)
+        first = self._place(targets[0], labels, key, exclude, route=model, background=background, prompt=prompt)
         if first.outcome == "placed":
             return first
         busy = first if first.outcome == "all_busy" else None
         for target in targets[1:]:  # the weighted pick is full or has no candidate: the others, heaviest first
-            decision = self._place(target, labels, key, exclude, route=model, background=background)
+            decision = self._place(target, labels, key, exclude, route=model, background=background, prompt=prompt)
             if decision.outcome == "placed":
                 return decision
             busy = busy or (decision if decision.outcome == "all_busy" else None)
@@ -140,6 +157,7 @@ class Scheduler:
         route: str | None = None,
         *,
         background: bool = False,
+        prompt: tuple[Prefix, ...] = (),
     ) -> Decision:
         policy, wanted = self.policy.policy_for(model), self._constraints(model)
         if labels:
@@ -149,27 +167,28 @@ class Scheduler:
             return Decision(None, model, policy, "unknown_model", f"no registered node serves {model!r}", route)
         accept = (lambda view: view.node.node_id not in exclude) if exclude else None
         if background:
-            view, policy, how = self._pick(pool, policy, _unprompted(accept), key)
+            view, policy, how = self._pick(pool, policy, _unprompted(accept), key, prompt)
             if view is None or not view.free:
-                held, _, _ = self._pick(pool, policy, _free(accept), key)
+                held, _, _ = self._pick(pool, policy, _free(accept), key, prompt)
                 if held is not None:  # room there, but interactive runs come first
                     waiting = held.node.awaiting_first_output
                     why = f"{held.node.node_id} has room, and {waiting} interactive run(s) awaiting a first output"
                     return Decision(None, model, policy, "all_busy", why, route, yielded=True)
                 if view is None:  # every candidate has interactive runs waiting, and none has room
-                    view, policy, how = self._pick(pool, policy, accept, key)
+                    view, policy, how = self._pick(pool, policy, accept, key, prompt)
         else:
-            view, policy, how = self._pick(pool, policy, accept, key)
+            view, policy, how = self._pick(pool, policy, accept, key, prompt)
         if view is None:
             return Decision(None, model, policy, "no_candidate", self._why_none(model, pool, wanted), route)
         where = f"{view.node.node_id} at {view.load}/{view.capacity}"
         if not view.free:
             return Decision(None, model, policy, "all_busy", f"every candidate is full ({where})", route)
         self.registry.sent(view.node.node_id, model)
-        return Decision(view.node.node_id, model, policy, "placed", f"{how}: {where}", route)
+        placed = Decision(view.node.node_id, model, policy, "placed", f"{how}: {where}", route)
+        return self._remembered(placed, pool, prompt) if policy == "prefix" else placed
 
     def _pick(
-        self, pool: ModelPool, policy: PolicyName, accept: Accept, key: str | None
+        self, pool: ModelPool, policy: PolicyName, accept: Accept, key: str | None, prompt: tuple[Prefix, ...] = ()
     ) -> tuple[ModelView | None, PolicyName, str]:
         """(the candidate, the policy that chose it, how) for a decision."""
         if policy == "round-robin":
@@ -177,12 +196,45 @@ class Scheduler:
         least = pool.least_loaded(accept)
         if policy == "least-loaded" or least is None:
             return least, policy, "least loaded"
+        if policy == "prefix":
+            return self._by_prefix(pool, accept, least, prompt), policy, "by prompt prefix"
         if key is None:
             return least, "least-loaded", "no session or caller; least loaded"
         home = pool.home(key, accept)
         if home is not None and home.free:
             return home, policy, "session's node"
         return least, policy, "session's node full; least loaded"
+
+    def _by_prefix(self, pool: ModelPool, accept: Accept, least: ModelView, prompt: tuple[Prefix, ...]) -> ModelView:
+        """The least loaded free holder of the longest prefix of ``prompt`` whose load / capacity is within
+        the imbalance over ``least``'s (the least loaded candidate); ``least`` when there is none."""
+        if not least.free:
+            return least  # every candidate is full: the run waits
+        bound = least.load / least.capacity + self.policy.imbalance_for(least.model)
+        views = pool.views
+        for holders in self.prefixes.holders(least.model, prompt):
+            best, lowest = None, bound
+            for node_id in holders:
+                view = views.get(node_id)
+                if view is None or not view.free or (accept is not None and not accept(view)):
+                    continue
+                if (share := view.load / view.capacity) <= lowest:
+                    best, lowest = view, share
+            if best is not None:
+                return best
+        return least
+
+    def _remembered(self, placed: Decision, pool: ModelPool, prompt: tuple[Prefix, ...]) -> Decision:
+        """``placed`` with what its node held of the prompt, whose prefixes it holds from now on."""
+        assert placed.node_id is not None
+        node_id, model, index = placed.node_id, placed.model, self.prefixes
+        matched = index.held(node_id, model, prompt)
+        reason: PrefixReason = "hit" if matched else "miss"
+        if not matched and any(held in pool.views for holders in index.holders(model, prompt) for held in holders):
+            reason = "imbalance"
+        index.record(node_id, model, prompt)
+        why = f"{placed.reason} ({reason}, {matched} bytes held)"
+        return replace(placed, prefix=reason, matched=matched, reason=why)
 
     def _constraints(self, model: str) -> Labels:
         """The labels the policy asks of ``model``'s nodes (the registry keeps a pool for them)."""

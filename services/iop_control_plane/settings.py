@@ -35,6 +35,7 @@ __all__ = [
     "FairnessSettings",
     "IdentitySettings",
     "JoinSettings",
+    "PrefixSettings",
     "Problem",
     "Settings",
     "StartError",
@@ -125,6 +126,15 @@ class FairnessSettings(_Section):
     are counted as ``other``."""
 
 
+class PrefixSettings(_Section):
+    """What the ``prefix`` policy remembers: prompt prefix hashes per node, least recently used out."""
+
+    entries_per_node: int = Field(4096, ge=1)
+    """Prefixes remembered per node (a chat message boundary or 256 characters of a completion prompt each)."""
+    max_entries: int = Field(100_000, ge=1)
+    """Prefixes remembered for all nodes together (about 200 bytes each)."""
+
+
 class IdentitySettings(_Section):
     """How a node's certificate names it."""
 
@@ -146,6 +156,7 @@ class Settings(BaseSettings):
     join: JoinSettings = JoinSettings()
     identity: IdentitySettings = IdentitySettings()
     store: StoreSettings = StoreSettings()
+    prefix: PrefixSettings = PrefixSettings()
     heartbeat_interval: float = Field(5.0, gt=0)
     """Seconds between heartbeats on every connection: peers judge the control-plane by it (3
     missed: dead). It judges each peer by the interval that peer announces (node: 1 s)."""

@@ -2,7 +2,9 @@
 
 Pure Python, one process, no sockets: 1,000 nodes serving 20 models (3 each, capacities 4-32,
 half full, zones and GPU labels), status reports arriving meanwhile, and every placed run
-finished some decisions later, so loads stay steady. Prints p50 and p99 in microseconds;
+finished some decisions later, so loads stay steady. The prefix policy's section: 1,000 nodes
+serving one model, 20,000 conversations coming back turn after turn (a tenth new), the index
+at its bound of 100,000 prefixes. Prints p50 and p99 in microseconds;
 asserts nothing (target in README: p99 <= 100 us).
 """
 
@@ -10,15 +12,18 @@ from __future__ import annotations
 
 import random
 import time
-from collections import deque
+import tracemalloc
+from collections import Counter, deque
 from collections.abc import Callable
 from functools import partial
 
 from table import print_table
 
 from iop_control_plane.policy import load_policy
+from iop_control_plane.prefix import MAX_PREFIXES, Prefix, prompt_prefixes
 from iop_control_plane.registry import ModelLoad, Registry, Status
 from iop_control_plane.scheduler import Decision, Scheduler
+from iop_gen.pb.iop import runtime_pb2 as pb
 
 NODES = 1000
 MODELS = [f"model-{index:02}" for index in range(20)]
@@ -52,15 +57,21 @@ def _cluster(rng: random.Random, models_per_node: int = 3, model_names: list[str
     return Scheduler(registry, load_policy(POLICY))
 
 
-def _timed(scheduler: Scheduler, decide: Callable[[int], Decision], *, reports: bool = True) -> tuple[float, ...]:
-    """(p50, p99) of ``decide`` in us, and how many were placed; runs finish and nodes report meanwhile."""
+def _timed(
+    scheduler: Scheduler,
+    decide: Callable[[int], Decision],
+    *,
+    reports: bool = True,
+    clock: Callable[[], int] = time.perf_counter_ns,
+) -> tuple[float, ...]:
+    """(p50, p99) of ``decide`` in us by ``clock``, and how many were placed; runs finish and nodes report meanwhile."""
     rng, registry = random.Random(1), scheduler.registry
     node_ids, running = list(registry.nodes), deque[tuple[str, str]]()
     samples, placed = [], 0
     for index in range(DECISIONS):
-        start = time.perf_counter_ns()
+        start = clock()
         decision = decide(index)
-        samples.append(time.perf_counter_ns() - start)
+        samples.append(clock() - start)
         if decision.node_id is not None:
             placed += 1
             running.append((decision.node_id, decision.model))
@@ -96,6 +107,7 @@ def main() -> None:
     p50, p99, _ = _timed(everywhere, lambda i: everywhere.choose("one"))
     rows.append((f"decision p50 / p99, least-loaded, one model on all {NODES:,} nodes", f"{p50:.1f} / {p99:.1f} us"))
     rows += _overloaded()
+    rows += _prefix_rows()
     print_table(rows, unit=f"{NODES:,} nodes")
 
 
@@ -123,6 +135,83 @@ def _failover(scheduler: Scheduler, model: str) -> Decision:
     assert pool is not None
     tried = frozenset(list(pool.views)[:2])
     return scheduler.choose(model, exclude=tried)
+
+
+# The prefix policy: 1,000 nodes, 100,000 remembered prefixes, conversations that come back
+
+CONVERSATIONS = 20_000
+NEW_SHARE = 0.1  # decisions that start a conversation never seen
+PREFIX_MEMORY = 100_000
+
+
+def _prefix_rows() -> list[tuple[str, str]]:
+    """Decision time and hits with the index at its bound; what hashing a prompt and the index's memory cost."""
+    rng = random.Random(9)
+    scheduler = _cluster(rng, models_per_node=1, model_names=["chat"])
+    scheduler.apply(load_policy("defaults: {policy: prefix}"))
+    assert scheduler.prefixes.limit == PREFIX_MEMORY  # the default bound
+    conversations = _Conversations(rng)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    while len(scheduler.prefixes) < PREFIX_MEMORY:  # fill: conversations placed as they would be
+        decision = scheduler.choose("chat", prompt=conversations.next_turn())
+        assert decision.node_id is not None
+        scheduler.registry.finished(decision.node_id, decision.model)
+    memory = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    prompts = [conversations.next_turn() for _ in range(DECISIONS)]  # hashed before a decision, as the relay does
+    reasons: Counter[str] = Counter()
+
+    def decide(index: int) -> Decision:
+        decision = scheduler.choose("chat", prompt=prompts[index])
+        reasons[decision.prefix or decision.outcome] += 1
+        return decision
+
+    p50, p99, placed = _timed(scheduler, decide)
+    hits, imbalance = (reasons[reason] * 100 // max(1, placed) for reason in ("hit", "imbalance"))
+    name = f"decision p50 / p99, prefix, {len(scheduler.prefixes):,} remembered prefixes"
+    rows = [(name, f"{p50:.1f} / {p99:.1f} us ({hits}% hits, {imbalance}% imbalance)")]
+    prompts[:] = [conversations.next_turn() for _ in range(DECISIONS)]
+    cpu50, cpu99, _ = _timed(scheduler, decide, clock=time.thread_time_ns)  # not the time spent waiting for a core
+    rows.append((f"{name}: CPU time of the decision", f"{cpu50:.1f} / {cpu99:.1f} us"))
+    rows.append((f"prefix index memory, {len(scheduler.prefixes):,} entries", f"{memory / 2**20:.1f} MiB"))
+    return rows + _hashing_rows()
+
+
+class _Conversations:
+    """20,000 chats, each a system prompt (~2,000 bytes) and turns of two ~300-byte messages."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+        self._turns = [rng.randint(0, 10) for _ in range(CONVERSATIONS)]
+        self._starts = [rng.getrandbits(60) for _ in range(CONVERSATIONS)]
+
+    def next_turn(self) -> tuple[Prefix, ...]:
+        """The prompt of the next turn of a random conversation (a tenth of the time: a new one in its place)."""
+        rng, which = self._rng, self._rng.randrange(CONVERSATIONS)
+        if rng.random() < NEW_SHARE:
+            self._starts[which], self._turns[which] = rng.getrandbits(60), 0
+        self._turns[which] += 1
+        messages = min(1 + 2 * self._turns[which], MAX_PREFIXES)
+        return tuple(Prefix(self._starts[which] + index, 2000 + 300 * index) for index in range(messages))
+
+
+def _hashing_rows() -> list[tuple[str, str]]:
+    """What the relay spends once per run hashing a prompt (not part of a decision)."""
+    system = pb.ChatMessage(role=pb.ROLE_SYSTEM, content=[pb.ContentPart(text="s" * 2000)])
+    turn = [
+        pb.ChatMessage(role=role, content=[pb.ContentPart(text="t" * 300)])
+        for role in (pb.ROLE_USER, pb.ROLE_ASSISTANT)
+    ]
+    chat = pb.RunRequest(kind=pb.RUN_KIND_CHAT, messages=[system, *turn * 10])
+    completion = pb.RunRequest(kind=pb.RUN_KIND_COMPLETION, prompt=["c" * 16_384])
+    rows = []
+    for name, request in (("chat of 21 messages, 8 kB", chat), ("completion prompt of 16,384 characters", completion)):
+        start = time.perf_counter_ns()
+        for _ in range(1000):
+            prompt_prefixes(request)
+        rows.append((f"hashing a run's prompt prefixes, {name}", f"{(time.perf_counter_ns() - start) / 1e6:.1f} us"))
+    return rows
 
 
 if __name__ == "__main__":

@@ -1,0 +1,179 @@
+"""Prompt prefixes: which node recently saw the leading part of a run's prompt (``prefix`` policy).
+
+A run's prompt becomes prefix hashes once per run (:func:`prompt_prefixes`), never kept as text:
+
+- chat: one per message boundary, a cumulative hash of messages[0..i] (each message as its
+  protobuf serialization: role, content, name, tool calls);
+- completion: one per leading block of ``BLOCK_CHARS`` characters of the prompt.
+
+Both stop at ``MAX_PREFIXES``: beyond, a prompt is told apart from others by its first ones only.
+The hashes are Python's (SipHash, seeded per process): the index lives in one process only.
+
+:class:`PrefixIndex` remembers, per node and model, prefixes of the runs placed there: a node's
+backend keeps the computed prompt prefixes (KV cache) of its recent runs, so a run that starts
+like one of them is prefilled faster there. A run records its landmarks only: the prefixes 1, 2,
+4, ... 64 messages (blocks) long, and its whole prompt (at most 8): a conversation's next turn
+matches the whole of its last, and one that branches matches a landmark before the branch,
+while a long conversation costs no more memory than a short one. Memory is bounded twice, LRU
+each time: entries per node (its own least recently used go first) and entries in all (the
+least recently used of any node); a prefix keeps its ``HOLDERS`` most recent nodes. A node that
+leaves loses its entries.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from itertools import islice
+from typing import Literal, NamedTuple
+
+import structlog
+
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire.logs import RateLimitedLog
+
+__all__ = ["BLOCK_CHARS", "HOLDERS", "MAX_PREFIXES", "Prefix", "PrefixIndex", "PrefixReason", "prompt_prefixes"]
+
+BLOCK_CHARS = 256
+"""Characters per block of a completion prompt."""
+MAX_PREFIXES = 64
+"""Prefixes of one prompt, at most (64 messages, or 16,384 characters of a completion prompt)."""
+HOLDERS = 8
+"""Nodes remembered per prefix, the most recent: placement looks at no more than these."""
+
+PrefixReason = Literal["hit", "imbalance", "miss"]
+"""hit: the chosen node held a prefix of the prompt; imbalance: another candidate held one, but
+was loaded past the bound, full or already tried; miss: no candidate held any."""
+
+_log = structlog.get_logger("iop.control_plane")
+_LANDMARKS = [
+    tuple(at for at in range(count) if not (at + 1) & at or at == count - 1) for count in range(MAX_PREFIXES + 1)
+]
+"""The positions a prompt of ``count`` prefixes records: lengths that are powers of two, and the whole."""
+
+
+class Prefix(NamedTuple):
+    """One leading part of a prompt (a tuple: a frozen dataclass costs 4x as much to make)."""
+
+    hash: int
+    """64-bit hash of the part (cumulative: it covers everything before it too)."""
+    size: int
+    """Its length in bytes (of a completion prompt in UTF-8; of a chat's messages serialized)."""
+
+
+def prompt_prefixes(request: pb.RunRequest) -> tuple[Prefix, ...]:
+    """The prefixes of ``request``'s prompt, shortest first; none for an embedding or an empty prompt."""
+    if request.kind == pb.RUN_KIND_EMBEDDING:
+        return ()
+    if request.kind == pb.RUN_KIND_COMPLETION:
+        text = "\x00".join(request.prompt)[: BLOCK_CHARS * MAX_PREFIXES]
+        parts = [text[at : at + BLOCK_CHARS].encode() for at in range(0, len(text), BLOCK_CHARS)]
+    else:
+        parts = [message.SerializeToString() for message in request.messages[:MAX_PREFIXES]]
+    found, cumulative, size = [], 0, 0
+    for part in parts:
+        cumulative = hash((cumulative, part))  # the boundary is part of it: (ab, c) is not (a, bc)
+        size += len(part)
+        found.append(Prefix(cumulative, size))
+    return tuple(found)
+
+
+class PrefixIndex:
+    """Per node, the prompt prefixes of runs recently placed there; bounded, least recently used out.
+
+    An entry's key is the prefix's hash mixed with its model's: a node's cache is per model.
+    """
+
+    def __init__(self, *, per_node: int = 4096, limit: int = 100_000) -> None:
+        self.per_node, self.limit = per_node, limit
+        self._holders: dict[int, tuple[str, ...]] = {}
+        """Nodes holding each prefix, the one it was most recently placed on last."""
+        self._by_node: dict[str, OrderedDict[int, None]] = {}
+        """Each node's prefixes, the least recently used first."""
+        self._order: OrderedDict[int, str] = OrderedDict()
+        """Every entry (its key mixed with its node's: no tuple to make) -> its node, the least recently
+        used first: the global bound's order."""
+        self.evicted = {"node": 0, "global": 0}
+        """Entries dropped by each bound since start."""
+        self._bound_log = RateLimitedLog(every=60.0)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def nodes(self) -> int:
+        """Nodes holding at least one entry."""
+        return len(self._by_node)
+
+    def holders(self, model: str, prefixes: tuple[Prefix, ...]) -> Iterator[tuple[str, ...]]:
+        """The nodes holding each of ``prefixes`` that some node holds, the longest prefix first."""
+        holders, salt = self._holders, hash(model)
+        for prefix in reversed(prefixes):
+            found = holders.get(prefix.hash ^ salt)
+            if found:
+                yield found
+
+    def held(self, node_id: str, model: str, prefixes: tuple[Prefix, ...]) -> int:
+        """Bytes of the longest of ``prefixes`` that ``node_id`` holds; 0 for none."""
+        entries, salt = self._by_node.get(node_id), hash(model)
+        if entries:
+            for prefix in reversed(prefixes):
+                if prefix.hash ^ salt in entries:
+                    return prefix.size
+        return 0
+
+    def record(self, node_id: str, model: str, prefixes: tuple[Prefix, ...]) -> None:
+        """``node_id`` was sent a run with ``prefixes``: it holds their landmarks, as its most recent."""
+        if not prefixes:
+            return
+        entries = self._by_node.get(node_id)
+        if entries is None:
+            entries = self._by_node[node_id] = OrderedDict()
+        salt, mine, order, all_holders = hash(model), hash(node_id), self._order, self._holders
+        for at in _LANDMARKS[len(prefixes)]:
+            key = prefixes[at].hash ^ salt
+            holders = all_holders.get(key, ())
+            if key in entries:
+                entries.move_to_end(key)
+                order.move_to_end(key ^ mine)
+                if holders[-1] != node_id:
+                    all_holders[key] = (*(held for held in holders if held != node_id), node_id)
+                continue
+            entries[key] = None
+            order[key ^ mine] = node_id
+            all_holders[key] = (*holders, node_id)
+            if len(holders) == HOLDERS:
+                self._drop(holders[0], key)
+        if (over := len(entries) - self.per_node) > 0:
+            self._evict("node", self.per_node, [(node_id, key) for key in islice(entries, over)])
+        if (over := len(order) - self.limit) > 0:
+            oldest = [(held, entry ^ hash(held)) for entry, held in islice(order.items(), over)]
+            self._evict("global", self.limit, oldest)
+
+    def forget(self, node_id: str) -> None:
+        """``node_id`` left: drop every entry it holds."""
+        mine = hash(node_id)
+        for key in self._by_node.pop(node_id, ()):
+            del self._order[key ^ mine]
+            self._unhold(node_id, key)
+
+    def _evict(self, bound: Literal["node", "global"], limit: int, entries: list[tuple[str, int]]) -> None:
+        self.evicted[bound] += len(entries)
+        self._bound_log.warning(
+            bound, _log, "prefix index full; forgetting the least recently used", bound=bound, limit=limit
+        )
+        for node_id, key in entries:
+            self._drop(node_id, key)
+
+    def _drop(self, node_id: str, key: int) -> None:
+        entries = self._by_node[node_id]
+        del entries[key], self._order[key ^ hash(node_id)]
+        if not entries:
+            del self._by_node[node_id]
+        self._unhold(node_id, key)
+
+    def _unhold(self, node_id: str, key: int) -> None:
+        holders = tuple(held for held in self._holders[key] if held != node_id)
+        if holders:
+            self._holders[key] = holders
+        else:
+            del self._holders[key]

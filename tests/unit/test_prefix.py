@@ -1,0 +1,231 @@
+"""The prefix policy on its own: prompt hashes, the index's bounds, a node leaving, longest match, imbalance."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from iop_control_plane.policy import load_policy
+from iop_control_plane.prefix import BLOCK_CHARS, HOLDERS, MAX_PREFIXES, Prefix, PrefixIndex, prompt_prefixes
+from iop_control_plane.registry import ModelLoad, NodeState, Registry, Status
+from iop_control_plane.scheduler import Decision, Scheduler
+from iop_gen.pb.iop import runtime_pb2 as pb
+
+
+def _chat(*texts: str) -> pb.RunRequest:
+    """A chat run: a system message, then user and assistant in turn."""
+    roles = [pb.ROLE_SYSTEM] + [pb.ROLE_USER, pb.ROLE_ASSISTANT] * len(texts)
+    messages = [
+        pb.ChatMessage(role=role, content=[pb.ContentPart(text=text)]) for role, text in zip(roles, texts, strict=False)
+    ]
+    return pb.RunRequest(model="m", kind=pb.RUN_KIND_CHAT, messages=messages)
+
+
+def _scheduler(
+    policy: str = "defaults: {policy: prefix}", index: PrefixIndex | None = None, **capacities: int
+) -> Scheduler:
+    registry = Registry()
+    for node_id, capacity in capacities.items():
+        registry.register(node_id, [ModelLoad("m", capacity=capacity)])
+    return Scheduler(registry, load_policy(policy))
+
+
+def _load(scheduler: Scheduler, node_id: str, in_flight: int, capacity: int) -> None:
+    scheduler.registry.report(Status(node_id, (ModelLoad("m", in_flight=in_flight, capacity=capacity),)))
+
+
+def _run(scheduler: Scheduler, request: pb.RunRequest) -> Decision:
+    """Place a run of ``request`` and end it at once (loads stay as reported)."""
+    decision = scheduler.choose("m", prompt=prompt_prefixes(request))
+    assert decision.node_id is not None, decision
+    scheduler.registry.finished(decision.node_id, "m")
+    return decision
+
+
+def _prefixes(*hashes: int) -> tuple[Prefix, ...]:
+    return tuple(Prefix(value, 100 * (index + 1)) for index, value in enumerate(hashes))
+
+
+# Prompt hashes
+
+
+def test_a_chat_has_one_cumulative_hash_per_message_boundary() -> None:
+    first, second = prompt_prefixes(_chat("system A", "hi", "hello")), prompt_prefixes(_chat("system A", "hi", "bye"))
+    assert len(first) == 3
+    assert first[:2] == second[:2]  # the same system prompt and first question
+    assert first[2] != second[2]
+    assert [prefix.size for prefix in first] == sorted({prefix.size for prefix in first})
+    other = prompt_prefixes(_chat("system B", "hi", "hello"))
+    assert not {prefix.hash for prefix in other} & {prefix.hash for prefix in first}  # a different start: none shared
+
+
+def test_a_completion_prompt_is_hashed_in_blocks_and_embeddings_not_at_all() -> None:
+    text = "x" * BLOCK_CHARS + "y" * BLOCK_CHARS + "z" * 10
+    blocks = prompt_prefixes(pb.RunRequest(kind=pb.RUN_KIND_COMPLETION, prompt=[text]))
+    longer = prompt_prefixes(pb.RunRequest(kind=pb.RUN_KIND_COMPLETION, prompt=[text[: 2 * BLOCK_CHARS] + "w" * 300]))
+    assert len(blocks) == 3
+    assert blocks[:2] == longer[:2]
+    assert blocks[2].hash != longer[2].hash
+    assert prompt_prefixes(pb.RunRequest(kind=pb.RUN_KIND_EMBEDDING, prompt=[text])) == ()
+    endless = prompt_prefixes(pb.RunRequest(kind=pb.RUN_KIND_COMPLETION, prompt=["q" * BLOCK_CHARS * 100]))
+    assert len(endless) == MAX_PREFIXES
+
+
+# The index's bounds
+
+
+def test_a_node_keeps_its_most_recently_used_prefixes_up_to_its_bound() -> None:
+    index = PrefixIndex(per_node=3, limit=100)
+    index.record("a", "m", _prefixes(1, 2, 3))
+    index.record("a", "m", _prefixes(1))  # used again: the most recent now
+    index.record("a", "m", _prefixes(4))
+    assert [index.held("a", "m", _prefixes(value)) for value in (1, 2, 3, 4)] == [100, 0, 100, 100]
+    assert (len(index), index.evicted) == (3, {"node": 1, "global": 0})
+
+
+def test_the_global_bound_drops_the_least_recently_used_entries_of_any_node() -> None:
+    index = PrefixIndex(per_node=10, limit=4)
+    index.record("a", "m", _prefixes(1, 2))
+    index.record("b", "m", _prefixes(3, 4))
+    index.record("a", "m", _prefixes(1))  # a's 1 is now newer than b's
+    index.record("c", "m", _prefixes(5, 6))
+    held = {(node, value) for node in "abc" for value in range(1, 7) if index.held(node, "m", _prefixes(value))}
+    assert held == {("a", 1), ("b", 4), ("c", 5), ("c", 6)}
+    assert (len(index), index.evicted["global"]) == (4, 2)
+
+
+def test_a_prefix_keeps_only_its_most_recent_holders() -> None:
+    index = PrefixIndex()
+    for node in range(HOLDERS + 3):
+        index.record(f"n{node}", "m", _prefixes(7))
+    (holders,) = index.holders("m", _prefixes(7))
+    assert list(holders) == [f"n{node}" for node in range(3, HOLDERS + 3)]
+    assert len(index) == HOLDERS  # the older holders' entries are gone with them
+    assert index.nodes() == HOLDERS
+
+
+def test_prefixes_are_per_model() -> None:
+    index = PrefixIndex()
+    index.record("a", "m", _prefixes(1))
+    assert index.held("a", "m", _prefixes(1)) == 100
+    assert index.held("a", "other", _prefixes(1)) == 0
+
+
+@given(st.lists(st.tuples(st.sampled_from("abcd"), st.lists(st.integers(0, 30), max_size=6)), max_size=60))
+def test_the_bounds_hold_and_the_three_views_agree_whatever_is_recorded(records: list[tuple[str, list[int]]]) -> None:
+    index = PrefixIndex(per_node=5, limit=12)
+    for node, hashes in records:
+        index.record(node, "m", _prefixes(*hashes))
+        assert len(index) <= 12
+        for held in index._by_node.values():
+            assert 0 < len(held) <= 5
+        entries = {(node_id, key) for node_id, keys in index._by_node.items() for key in keys}
+        assert entries == {(node_id, entry ^ hash(node_id)) for entry, node_id in index._order.items()}
+        assert entries == {(node_id, key) for key, nodes in index._holders.items() for node_id in nodes}
+
+
+def test_a_node_that_leaves_loses_its_entries() -> None:
+    scheduler = _scheduler(a=4, b=4, c=4)
+    for node in "abc":
+        scheduler.prefixes.record(node, "m", _prefixes(1, 2))
+    scheduler.registry.remove("a")
+    scheduler.registry.mark("b", NodeState.UNAVAILABLE, "connection closed")
+    scheduler.registry.mark("c", NodeState.DRAINING, "drained by an admin")  # may be undrained: keeps them
+    assert [scheduler.prefixes.held(node, "m", _prefixes(1, 2)) for node in "abc"] == [0, 0, 200]
+    assert (len(scheduler.prefixes), scheduler.prefixes.nodes()) == (2, 1)
+    (holders, _) = scheduler.prefixes.holders("m", _prefixes(1, 2))
+    assert list(holders) == ["c"]
+
+
+# Placement
+
+
+def test_a_conversation_sticks_to_the_node_that_saw_its_start() -> None:
+    scheduler = _scheduler(a=4, b=4, c=4)
+    homes = {}
+    for conversation in range(6):
+        system = f"you are assistant number {conversation}"
+        first = _run(scheduler, _chat(system, "question 1"))
+        assert (first.prefix, first.matched) == ("miss", 0)
+        homes[conversation] = first.node_id
+    assert set(homes.values()) == {"a", "b", "c"}  # new conversations go to the least loaded
+    for conversation, home in homes.items():
+        system = f"you are assistant number {conversation}"
+        later = _run(scheduler, _chat(system, "question 1", "answer 1", "question 2"))
+        assert (later.node_id, later.prefix) == (home, "hit")
+        assert later.matched == prompt_prefixes(_chat(system, "question 1"))[-1].size
+
+
+def test_the_longest_known_prefix_wins() -> None:
+    scheduler = _scheduler(a=4, b=4)
+    scheduler.prefixes.record("a", "m", prompt_prefixes(_chat("shared system prompt")))
+    scheduler.prefixes.record("b", "m", prompt_prefixes(_chat("shared system prompt", "q1", "a1")))
+    decision = _run(scheduler, _chat("shared system prompt", "q1", "a1", "q2"))
+    assert decision.node_id == "b"
+    assert decision.matched == prompt_prefixes(_chat("shared system prompt", "q1", "a1"))[-1].size
+
+
+def test_a_holder_loaded_past_the_imbalance_gives_the_run_to_the_least_loaded() -> None:
+    scheduler = _scheduler("defaults: {policy: prefix, prefix_imbalance: 0.25}", a=8, b=8)
+    prompt = _chat("system", "question")
+    scheduler.prefixes.record("a", "m", prompt_prefixes(prompt))
+    _load(scheduler, "a", 2, 8)  # 0.25 over b: within the bound
+    decision = _run(scheduler, prompt)
+    assert (decision.node_id, decision.prefix) == ("a", "hit")
+    _load(scheduler, "a", 3, 8)  # 0.375 over b: past it
+    decision = _run(scheduler, prompt)
+    assert (decision.node_id, decision.prefix, decision.matched) == ("b", "imbalance", 0)
+    decision = _run(scheduler, prompt)
+    assert (decision.node_id, decision.prefix) == ("b", "hit")  # b holds it now too
+
+
+def test_past_the_imbalance_the_holder_of_a_shorter_prefix_is_next() -> None:
+    scheduler = _scheduler(a=4, b=4, c=4)
+    scheduler.prefixes.record("a", "m", prompt_prefixes(_chat("system")))
+    scheduler.prefixes.record("b", "m", prompt_prefixes(_chat("system", "q1", "a1")))
+    _load(scheduler, "b", 3, 4)  # 0.75 over c, the least loaded
+    _load(scheduler, "a", 1, 4)
+    decision = _run(scheduler, _chat("system", "q1", "a1", "q2"))
+    assert (decision.node_id, decision.prefix) == ("a", "hit")
+    assert decision.matched == prompt_prefixes(_chat("system"))[-1].size
+
+
+def test_a_full_holder_is_passed_over_and_a_failover_skips_the_node_tried() -> None:
+    scheduler = _scheduler("defaults: {policy: prefix, prefix_imbalance: 5}", a=2, b=2)
+    prompt = prompt_prefixes(_chat("system", "question"))
+    scheduler.prefixes.record("a", "m", prompt)
+    _load(scheduler, "a", 2, 2)
+    assert scheduler.choose("m", prompt=prompt).node_id == "b"
+    _load(scheduler, "a", 0, 2)
+    _load(scheduler, "b", 0, 2)
+    scheduler.prefixes.forget("b")
+    retry = scheduler.choose("m", prompt=prompt, exclude={"a"})
+    assert (retry.node_id, retry.prefix) == ("b", "imbalance")
+
+
+def test_every_candidate_full_is_all_busy_and_records_nothing() -> None:
+    scheduler = _scheduler(a=1)
+    _load(scheduler, "a", 1, 1)
+    decision = scheduler.choose("m", prompt=prompt_prefixes(_chat("system")))
+    assert (decision.outcome, decision.prefix) == ("all_busy", None)
+    assert len(scheduler.prefixes) == 0
+
+
+def test_only_the_prefix_policy_records_prefixes() -> None:
+    scheduler = _scheduler("models: {m: {policy: least-loaded}, p: {policy: prefix}}", a=4)
+    decision = scheduler.choose("m", prompt=prompt_prefixes(_chat("system")))
+    assert (decision.node_id, decision.prefix) == ("a", None)
+    assert len(scheduler.prefixes) == 0
+    assert scheduler.policy.uses_prefix()
+    assert not load_policy("models: {m: {policy: round-robin}}").uses_prefix()
+
+
+def test_a_run_records_its_landmarks_and_a_branch_matches_the_one_before_it() -> None:
+    index = PrefixIndex()
+    prompt = _prefixes(*range(100, 121))  # 21 prefixes: a system prompt and 10 turns
+    index.record("a", "m", prompt)
+    assert len(index) == 6  # 1, 2, 4, 8, 16 and 21 long
+    next_turn = (*prompt, *_prefixes(*range(200, 202)))
+    assert index.held("a", "m", next_turn) == prompt[-1].size  # the whole of the last prompt
+    branch = (*prompt[:12], *_prefixes(300))  # the conversation edited at message 13
+    assert index.held("a", "m", branch) == prompt[7].size  # 8 messages: the landmark before the edit
