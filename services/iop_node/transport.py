@@ -119,9 +119,9 @@ class Registration:
                         await connection.send(pb.Envelope(node_status=status))
                     sent, sent_at = status, loop.time()
                 changed = asyncio.ensure_future(self._changed.wait())
-                await asyncio.wait(
-                    {closed, changed}, timeout=self._config.heartbeat_interval, return_when=asyncio.FIRST_COMPLETED
-                )
+                refresh = sent_at + self._settings.status_refresh - loop.time()
+                look = min(self._config.heartbeat_interval, refresh)
+                await asyncio.wait({closed, changed}, timeout=look, return_when=asyncio.FIRST_COMPLETED)
                 changed.cancel()
                 self._changed.clear()
         finally:
