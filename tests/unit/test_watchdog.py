@@ -48,7 +48,7 @@ async def test_a_look_delayed_by_this_loop_is_excused_and_not_judged() -> None:
     peer = _Peer(0.05)
     watch(peer, loop.time())
     await assert_eventually(lambda: len(peer.looks) >= 2)
-    time.sleep(0.4)  # this end's loop stands still: the peer could not be read meanwhile
+    time.sleep(0.4)  # noqa: ASYNC251 - this end's loop stands still on purpose: its peers cannot be read meanwhile
     count = len(peer.looks)
     await assert_eventually(lambda: len(peer.looks) > count)
     assert peer.looks[count][1] is False  # the look right after the stall does not judge
