@@ -643,8 +643,10 @@ class Connection:
         the peer's liveness in; the loop time to look again, None once the connection is done."""
         if self.closed:
             return None
+        # A peer beating faster than we do is looked at as often as its window needs.
+        nap = min(self.config.watch_tick, self._liveness.window / 6)
         try:
-            if now >= self._next_beat:
+            if now + nap / 2 >= self._next_beat:  # the look nearest the beat's time sends it
                 self._heartbeat(now)
             if judge and (verdict := self._judge(now)) is not None:
                 self._tasks.append(self._loop.create_task(self._peer_dead(verdict), name="iop-peer-dead"))
@@ -656,8 +658,7 @@ class Connection:
             failure = IopError(pb.ERROR_CODE_INTERNAL, f"internal error: {type(exc).__name__}")
             self._tasks.append(self._loop.create_task(self._shutdown(failure, notify_peer=True)))
             return None
-        # A peer beating faster than we do is looked at as often as its window needs.
-        return now + min(self.config.watch_tick, self._liveness.window / 6, self._next_beat - now)
+        return now + nap
 
     def excuse(self, seconds: float) -> None:
         """This end's event loop stood still for ``seconds``: what the peer sent meanwhile is not read yet."""

@@ -41,23 +41,24 @@ class Watched(Protocol):
 class _Watchdog:
     """The heap of (due, order, connection, nap) of one event loop, and its timer.
 
-    Holds connections by weak reference and its timer by token only: it lives as long as its
-    loop, and must keep neither a closed connection nor the loop itself alive.
+    Only its armed timer keeps it alive, and the connections in it (an open connection may have
+    no other owner than its tasks, which its socket alone does not keep): a loop that closes with
+    connections still open drops them all, and no registry keeps the loop.
     """
 
     def __init__(self) -> None:
-        self._due: list[tuple[float, int, weakref.ref[Watched], float]] = []
+        self._due: list[tuple[float, int, Watched, float]] = []
         self._order = itertools.count()
         self._armed_for = math.inf
         self._token = 0
 
     def add(self, watched: Watched, due: float, now: float) -> None:
-        self._push(weakref.ref(watched), due, now)
+        self._push(watched, due, now)
         if due < self._armed_for:
             self._arm()
 
-    def _push(self, ref: weakref.ref[Watched], due: float, now: float) -> None:
-        heapq.heappush(self._due, (due, next(self._order), ref, due - now))
+    def _push(self, watched: Watched, due: float, now: float) -> None:
+        heapq.heappush(self._due, (due, next(self._order), watched, due - now))
 
     def _arm(self) -> None:
         """Fire at the earliest due; a timer armed before for later fires as a no-op (cheaper than keeping it)."""
@@ -71,16 +72,14 @@ class _Watchdog:
         self._armed_for = math.inf
         now = asyncio.get_running_loop().time()
         while self._due and self._due[0][0] <= now + _EARLY:
-            due, _, ref, nap = heapq.heappop(self._due)
-            if (watched := ref()) is None:
-                continue
+            due, _, watched, nap = heapq.heappop(self._due)
             # Woken later than it meant to sleep: this loop stood still (as a connection's own
             # timer would have found), and what the peer sent meanwhile is not read yet.
             stood_still = (late := now - due) > max(nap, _EARLY)
             if stood_still:
                 watched.excuse(late)
             if (again := watched.look(now, judge=not stood_still)) is not None:
-                self._push(ref, _on_grid(now, again), now)
+                self._push(watched, _on_grid(now, again), now)
         if self._due:
             self._arm()
 
@@ -91,13 +90,16 @@ def _on_grid(now: float, due: float) -> float:
     return math.ceil(due / grain) * grain if grain > 0 else due
 
 
-_watchdogs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Watchdog] = weakref.WeakKeyDictionary()
+_watchdogs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, weakref.ref[_Watchdog]] = weakref.WeakKeyDictionary()
+"""Each loop's watchdog while it has something to watch (its timer, held by the loop, keeps it)."""
 
 
 def watch(watched: Watched, due: float) -> None:
-    """Look at ``watched`` at loop time ``due`` (and whenever its look asks to again)."""
+    """Look at ``watched`` at loop time ``due`` (and whenever its look asks to again, until it says done)."""
     loop = asyncio.get_running_loop()
-    watchdog = _watchdogs.get(loop)
+    known = _watchdogs.get(loop)
+    watchdog = known() if known is not None else None
     if watchdog is None:
-        watchdog = _watchdogs[loop] = _Watchdog()
+        watchdog = _Watchdog()
+        _watchdogs[loop] = weakref.ref(watchdog)
     watchdog.add(watched, due, loop.time())

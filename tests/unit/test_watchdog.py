@@ -57,10 +57,18 @@ async def test_a_look_delayed_by_this_loop_is_excused_and_not_judged() -> None:
     peer.done = True
 
 
-async def test_a_connection_dropped_by_everyone_else_is_not_kept_alive_by_the_watchdog() -> None:
+async def test_a_connection_is_held_until_its_look_says_done_then_let_go() -> None:
     peer = _Peer(0.05)
-    watch(peer, asyncio.get_running_loop().time() + 10)
-    gone = weakref.ref(peer)
+    watch(peer, asyncio.get_running_loop().time())
+    held = weakref.ref(peer)
     del peer
     gc.collect()
-    assert gone() is None
+    watched = held()
+    assert watched is not None  # its socket alone would not keep an open connection's tasks
+    looks = watched.looks
+    await assert_eventually(lambda: len(looks) >= 2)
+    watched.done = True
+    del watched
+    await asyncio.sleep(0.2)  # a few naps: its next look says done
+    gc.collect()
+    assert held() is None
