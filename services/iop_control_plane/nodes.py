@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import time
-from collections.abc import Callable, Mapping, Set
+from collections.abc import Callable, Iterator, Mapping, Set
 
 import structlog
 
@@ -55,8 +54,9 @@ class NodeSessions:
         """Node id -> its live connection."""
         self.capabilities: dict[str, pb.CapabilityResponse] = {}
         """Node id -> what it registered with."""
-        self.last_seen: dict[str, float] = {}
-        """Node id -> when it was last heard from (registration or status)."""
+        self.last_seen: Mapping[str, float] = _LastHeard(self.connections)
+        """Node id -> when its connection last brought a whole frame (a heartbeat, at least every
+        heartbeat interval; a status only comes on a change), as ``time.time()``."""
         self.addresses: dict[str, str] = {}
         """Node id -> the address its connection came from."""
         self.drained: set[str] = set()
@@ -107,7 +107,6 @@ class NodeSessions:
         self.registry.register(node_id, loads(message.status, capabilities), labels=labels)
         self.connections[node_id], self.capabilities[node_id] = connection, capabilities
         self._by_connection[connection.id] = node_id
-        self.last_seen[node_id] = time.time()
         self.addresses[node_id] = connection.address
         self.store.node_seen(
             node_id, labels=labels, address=self.addresses[node_id], models=self.registry.nodes[node_id].models
@@ -138,7 +137,6 @@ class NodeSessions:
         """``node.status``: the node's load replaces what it last reported."""
         node_id = self._registered_as(inbound.connection)
         self.registry.report(status(node_id, inbound.envelope.node_status))
-        self.last_seen[node_id] = time.time()
         self.store.touched(node_id)
 
     def ready_capabilities(self) -> pb.CapabilityResponse:
@@ -191,7 +189,7 @@ class NodeSessions:
         False when it was not registered."""
         known = node_id in self.registry.nodes
         connection = self.connections.pop(node_id, None)  # first: its watcher then sees it replaced
-        for kept in (self.capabilities, self.last_seen, self.addresses):
+        for kept in (self.capabilities, self.addresses):
             kept.pop(node_id, None)
         self.drained.discard(node_id)
         self.shared.discard(node_id)
@@ -229,6 +227,22 @@ class NodeSessions:
         for task in list(self._watchers):
             task.cancel()
         await asyncio.gather(*self._watchers, return_exceptions=True)
+
+
+class _LastHeard(Mapping[str, float]):
+    """When each node's connection (open or the last one closed) last brought a whole frame."""
+
+    def __init__(self, connections: Mapping[str, Connection]) -> None:
+        self._connections = connections
+
+    def __getitem__(self, node_id: str) -> float:
+        return self._connections[node_id].last_heard
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._connections)
+
+    def __len__(self) -> int:
+        return len(self._connections)
 
 
 def _merge(merged: dict[tuple[str, str], pb.ModelInfo], adapter: str, model: pb.ModelInfo) -> None:

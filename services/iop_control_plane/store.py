@@ -39,6 +39,9 @@ __all__ = ["RECOVER_EVERY", "STALE_AFTER", "AuditStore"]
 _log = structlog.get_logger("iop.control_plane")
 _COMMIT_WINDOW = 0.02
 """Seconds the writer gathers writes before one commit: one transaction for many runs."""
+_TOUCH_WINDOW = 5.0
+"""Seconds a node's last-seen time may wait for its commit: 1,000 nodes reporting now and then
+make one transaction every few seconds, not one every commit window."""
 _PRUNE_EVERY = 1000
 """Runs (node state changes) recorded between two prunes of the ledger (of the state changes)."""
 _RETRY = 1.0
@@ -139,7 +142,7 @@ class AuditStore:
     def touched(self, node_id: str) -> None:
         """A node reported its status."""
         self._touched[node_id] = time.time()
-        self._soon()
+        self._soon(_TOUCH_WINDOW)
 
     def state_changed(self, node_id: str, state: str, reason: str) -> None:
         """A node changed state."""
@@ -202,10 +205,16 @@ class AuditStore:
         self._pending.append(write)
         self._soon()
 
-    def _soon(self) -> None:
-        """Wake the writer once the commit window has gathered what the next milliseconds bring."""
-        if self._window is None and not self._closing:
-            self._window = asyncio.get_running_loop().call_later(_COMMIT_WINDOW, self._window_ended)
+    def _soon(self, window: float = _COMMIT_WINDOW) -> None:
+        """Wake the writer once ``window`` has gathered what comes meanwhile (the sooner of two windows wins)."""
+        if self._closing:
+            return
+        loop = asyncio.get_running_loop()
+        if self._window is not None:
+            if self._window.when() <= loop.time() + window:
+                return
+            self._window.cancel()
+        self._window = loop.call_later(window, self._window_ended)
 
     def _window_ended(self) -> None:
         self._window = None

@@ -87,7 +87,12 @@ class ControlPlaneSettings(ControlPlaneAddress):
     (``addresses``): the node registers with each and reports its load to each."""
 
     status_step: int = Field(1, ge=1)
-    """Send node.status between heartbeats once in-flight + queued changed by this much."""
+    """Send node.status at once when in-flight + queued changed by this much (a smaller change, or a
+    model's availability, is sent at the next heartbeat interval)."""
+    status_refresh: float = Field(10.0, gt=0)
+    """Seconds between two node.status reports while nothing changed. The heartbeats prove the node
+    alive meanwhile: 1,000 idle nodes send the control-plane 1,000 heartbeats and 100 reports a second,
+    not 2,000 frames."""
 
 
 class MetricsSettings(_Section):
@@ -115,9 +120,9 @@ class Settings(BaseSettings):
     store_path: Path = Path(".iop/node-runs.db")
     """SQLite file of the run history."""
     heartbeat_interval: float = Field(1.0, gt=0)
-    """Seconds between heartbeats (and node.status at the least) on every connection: the
-    control-plane judges the node by it, so a frozen node is out after 3 (3 s), with no new runs
-    and its streams ended NODE_LOST. 1,000 nodes send the control-plane 2,000 frames a second."""
+    """Seconds between heartbeats on every connection (and between two looks at whether the load
+    changed, for node.status): the control-plane judges the node by it, so a frozen node is out
+    after 3 (3 s), with no new runs and its streams ended NODE_LOST."""
     max_frame_size: int = Field(DEFAULT_MAX_FRAME_SIZE, ge=1024)
     """Largest frame accepted, bytes."""
     max_prompt_chars: int = Field(1_000_000, ge=1)

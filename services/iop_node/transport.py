@@ -5,6 +5,10 @@ Only a connection this node dialed to a control-plane takes ``node.drain``. With
 control-planes (``control_plane.addresses``) the node keeps one :class:`Registration` per
 control-plane, each on its own connection with its own redial backoff, and reports its load to
 each; the node's own admission decides what runs, whichever control-plane sent them.
+
+``node.status`` goes out when the load changed (at once past ``status_step``, else at the next
+heartbeat interval) and every ``status_refresh`` seconds regardless; the wire's heartbeats prove
+the node alive in between, so an idle fleet costs its control-plane one frame per node a second.
 """
 
 from __future__ import annotations
@@ -104,15 +108,20 @@ class Registration:
 
     async def _report_until_closed(self, connection: Connection) -> None:
         closed = asyncio.ensure_future(connection.wait_closed())
+        loop = asyncio.get_running_loop()
+        sent, sent_at = None, 0.0
         try:
             while not closed.done():
                 self._reported = self._node.busy
-                if not connection.closed:
-                    await connection.send(pb.Envelope(node_status=self._node.status()))
+                status = self._node.status()
+                if status != sent or loop.time() - sent_at >= self._settings.status_refresh:
+                    if not connection.closed:
+                        await connection.send(pb.Envelope(node_status=status))
+                    sent, sent_at = status, loop.time()
                 changed = asyncio.ensure_future(self._changed.wait())
-                await asyncio.wait(
-                    {closed, changed}, timeout=self._config.heartbeat_interval, return_when=asyncio.FIRST_COMPLETED
-                )
+                refresh = sent_at + self._settings.status_refresh - loop.time()
+                look = min(self._config.heartbeat_interval, refresh)
+                await asyncio.wait({closed, changed}, timeout=look, return_when=asyncio.FIRST_COMPLETED)
                 changed.cancel()
                 self._changed.clear()
         finally:

@@ -11,8 +11,9 @@ live runs it asks for, message handlers running for it, bytes waiting to be sent
 (reading pauses above ``read_pause_bytes``), the time a frame's body may take, and its
 silence. The reader never waits for one run's reader: each run this end opened keeps up to
 ``run_buffer_bytes`` of unread events, past which that run alone is cancelled (SLOW_CONSUMER).
-A watchdog timer, never behind a send, declares the peer dead when it has been silent, or has
-not read what we sent, for ``missed_heartbeats`` of its heartbeat intervals.
+A watchdog timer (:mod:`iop_wire.watchdog`: one per event loop for all connections), never behind
+a send, sends our heartbeats and declares the peer dead when it has been silent, or has not read
+what we sent, for ``missed_heartbeats`` of its heartbeat intervals.
 
 Closing fails every run still open on it with a retryable error: runs this end reads get a
 synthetic error event; runs this end serves are cancelled, and on a graceful close the peer
@@ -44,6 +45,7 @@ from iop_wire.messages import error_envelope, error_message
 from iop_wire.metrics import CONNECTIONS, LIMIT_HITS, PEERS_LOST, PROTOCOL_VIOLATIONS
 from iop_wire.runs import TERMINAL_EVENTS, EventSink, RunStream
 from iop_wire.tls import ANONYMOUS, PeerIdentity, acting_caller
+from iop_wire.watchdog import watch
 
 __all__ = ["Connection", "ConnectionConfig", "Handler", "Inbound", "MessageHandler", "RunHandler"]
 
@@ -121,6 +123,10 @@ class Connection:
         self._tasks: list[asyncio.Task[None]] = []
         self._loop = asyncio.get_running_loop()
         self._liveness = Liveness(config, self._loop.time())
+        self._beat = pb.Heartbeat()
+        self._beat.interval.FromNanoseconds(int(config.heartbeat_interval * 1e9))
+        self._beats = itertools.count()
+        self._next_beat = 0.0
         self._limit_logs = RateLimitedLog(_LOG_EVERY)
         self._done = asyncio.Event()
         self._closing = asyncio.Event()
@@ -131,10 +137,9 @@ class Connection:
     def start(self) -> Connection:
         """Start reading, heartbeating and watching the peer; returns self."""
         CONNECTIONS.labels(self._side).inc()
-        self._tasks = [
-            asyncio.create_task(self._read_loop(), name="iop-read"),
-            asyncio.create_task(self._watch_loop(), name="iop-watch"),
-        ]
+        self._tasks = [asyncio.create_task(self._read_loop(), name="iop-read")]
+        self._next_beat = self._loop.time()
+        watch(self, self._next_beat)
         return self
 
     async def __aenter__(self) -> Connection:
@@ -152,6 +157,11 @@ class Connection:
     async def wait_closing(self) -> None:
         """Wait until the connection begins to close: its runs are failing now, the socket may linger."""
         await self._closing.wait()
+
+    @property
+    def last_heard(self) -> float:
+        """When the peer's last whole frame arrived (any frame: heartbeats too), as ``time.time()``."""
+        return time.time() - (self._loop.time() - self._liveness.last_frame)
 
     @property
     def address(self) -> str:
@@ -628,32 +638,42 @@ class Connection:
 
     # -- liveness ----------------------------------------------------------------------------
 
-    async def _watch_loop(self) -> None:
-        """Heartbeats out, and the peer's liveness in: on a timer of its own, never behind a send."""
-        interval = self.config.heartbeat_interval
-        beat = pb.Heartbeat()
-        beat.interval.FromNanoseconds(int(interval * 1e9))
-        next_beat = self._loop.time()
-        for sequence in itertools.count():
-            beat.sequence = sequence
-            try:
-                self.send_nowait(pb.Envelope(heartbeat=beat), urgent=True)
-            except ConnectionClosed:
-                return
-            next_beat += interval
-            while (now := self._loop.time()) < next_beat:
-                # A peer beating faster than we do is looked at as often as its window needs.
-                nap = min(self.config.watch_tick, self._liveness.window / 6, next_beat - now)
-                await asyncio.sleep(nap)
-                late = self._loop.time() - now - nap
-                if late > nap:  # our own loop was blocked: what the peer sent meanwhile is not read yet
-                    self._liveness.excuse(late)
-                    continue
-                unsent = self._writer.transport.get_write_buffer_size()
-                verdict = self._liveness.check(self._loop.time(), written=self._written, unsent=unsent)
-                if verdict is not None:
-                    await self._peer_dead(verdict)
-                    return
+    def look(self, now: float, *, judge: bool) -> float | None:
+        """The watchdog's look (loop time ``now``): our heartbeat out when due, and, when ``judge``,
+        the peer's liveness in; the loop time to look again, None once the connection is done."""
+        if self.closed:
+            return None
+        # A peer beating faster than we do is looked at as often as its window needs.
+        nap = min(self.config.watch_tick, self._liveness.window / 6)
+        try:
+            if now + nap / 2 >= self._next_beat:  # the look nearest the beat's time sends it
+                self._heartbeat(now)
+            if judge and (verdict := self._judge(now)) is not None:
+                self._tasks.append(self._loop.create_task(self._peer_dead(verdict), name="iop-peer-dead"))
+                return None
+        except ConnectionClosed:
+            return None
+        except Exception as exc:  # noqa: BLE001 - a bug must close this connection, not stop the watchdog
+            self._log.exception("connection failed", reason=type(exc).__name__)
+            failure = IopError(pb.ERROR_CODE_INTERNAL, f"internal error: {type(exc).__name__}")
+            self._tasks.append(self._loop.create_task(self._shutdown(failure, notify_peer=True)))
+            return None
+        return now + nap
+
+    def excuse(self, seconds: float) -> None:
+        """This end's event loop stood still for ``seconds``: what the peer sent meanwhile is not read yet."""
+        self._liveness.excuse(seconds)
+
+    def _heartbeat(self, now: float) -> None:
+        self._beat.sequence = next(self._beats)
+        self.send_nowait(pb.Envelope(heartbeat=self._beat), urgent=True)
+        self._next_beat += self.config.heartbeat_interval
+        if self._next_beat <= now:  # our loop stood still for more than an interval: no burst to catch up
+            self._next_beat = now + self.config.heartbeat_interval
+
+    def _judge(self, now: float) -> Verdict | None:
+        unsent = self._writer.transport.get_write_buffer_size()
+        return self._liveness.check(now, written=self._written, unsent=unsent)
 
     async def _peer_dead(self, verdict: Verdict) -> None:
         PEERS_LOST.labels(verdict.reason).inc()

@@ -45,6 +45,8 @@ class Liveness:
         self.held = False
         """True while this end holds reading back."""
         self._heard = now
+        self.last_frame = now
+        """When the last whole frame arrived (never excused: the time a peer was last heard from)."""
         self._frame_since: float | None = None
         self._stall_since: float | None = None
         self._drained = 0
@@ -72,7 +74,7 @@ class Liveness:
     def received(self, now: float, *, frames: int, partial: bool) -> None:
         """Bytes arrived: ``frames`` whole frames completed, ``partial`` when one is still arriving."""
         if frames:
-            self._heard = now
+            self._heard = self.last_frame = now
             self._frame_since = now if partial else None
         elif self._frame_since is None:
             self._frame_since = now

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -90,9 +91,12 @@ async def test_register_report_serve_and_reconnect(pki: Pki, tmp_path: Path) -> 
         small = await collect(await connection.open_run(chat(model="mock-small", run_id="small")))
         assert kinds(small)[-1] == "complete"
 
-        # heartbeats carry status even when nothing changes
-        count = len(peer.statuses)
-        await assert_eventually(lambda: len(peer.statuses) >= count + 2, timeout=5)
+        # nothing changes: no node.status for several heartbeat intervals, the heartbeats go on
+        await assert_eventually(lambda: peer.statuses[-1].in_flight == 0)
+        count, heard = len(peer.statuses), connection.last_heard
+        await asyncio.sleep(4 * 0.5)  # an absence takes waiting: 4 of the node's heartbeat intervals
+        assert len(peer.statuses) == count
+        assert connection.last_heard > heard
 
         # the control-plane restarts on the same port: the node registers again
         await control_plane.close("restart")
@@ -101,6 +105,21 @@ async def test_register_report_serve_and_reconnect(pki: Pki, tmp_path: Path) -> 
         registration = app.registration
         assert registration is not None
         await assert_eventually(lambda: registration.registrations == 2)  # its node.registered came back
+    await control_plane.close()
+
+
+async def test_an_idle_node_reports_its_status_every_status_refresh(pki: Pki, tmp_path: Path) -> None:
+    peer = ControlPlanePeer()
+    control_plane = await _control_plane(pki, peer)
+    control = {"address": f"127.0.0.1:{control_plane.port}", "server_name": "localhost", "status_refresh": 0.2}
+    routes = [{"model": "mock-small", "adapter": "mock"}]
+    # Heartbeats (and looks for a changed load) only every 5 s: the reports seen sooner are the refresh.
+    settings = node_settings(pki, tmp_path, routes, control_plane=control, heartbeat_interval=5.0)
+    async with running_node(settings):
+        await assert_eventually(lambda: len(peer.statuses) >= 1)
+        count = len(peer.statuses)
+        await assert_eventually(lambda: len(peer.statuses) >= count + 2, timeout=4)
+        assert all(status.in_flight == 0 for status in peer.statuses)
     await control_plane.close()
 
 
