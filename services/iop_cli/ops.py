@@ -28,10 +28,8 @@ from typing import Any
 from google.protobuf.duration_pb2 import Duration
 
 from iop_cli.output import CliError, emit, table, warn
-from iop_cli.platform import read_ready
-from iop_control_plane.ledger import MAX_LIST, STATUSES
+from iop_cli.readyfile import read_ready
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_node.history import parse_since
 from iop_wire import code_name
 from iop_wire.endpoint import dial
 from iop_wire.errors import IopError
@@ -156,6 +154,9 @@ async def _policy_apply(args: argparse.Namespace) -> int:
 
 
 async def _runs_ls(args: argparse.Namespace) -> int:
+    from iop_control_plane.ledger import MAX_LIST, STATUSES  # here: the other commands start without the services'
+    from iop_node.history import parse_since
+
     if args.status and args.status not in STATUSES:
         raise CliError(f"unknown status {args.status!r}; valid: {', '.join(STATUSES)}", 2)
     if not 1 <= args.limit <= MAX_LIST:
