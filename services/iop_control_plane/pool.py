@@ -92,18 +92,29 @@ class ModelPool:
 
     def least_loaded(self, accept: Accept) -> ModelView | None:
         """The accepted candidate with the lowest load / capacity; None when none is accepted."""
+        heap, live = self._heap, self._live
+        while heap:
+            entry = heap[0]
+            if live.get(entry[2]) is entry:
+                view = self.views[entry[2]]
+                return view if accept is None or accept(view) else self._least_accepted(accept)
+            heappop(heap)  # stale: the node's load changed or it left
+        return None
+
+    def _least_accepted(self, accept: Callable[[ModelView], bool]) -> ModelView | None:
+        """``least_loaded`` when the least loaded is not accepted: the heap's top entries are taken
+        off until one is, and put back."""
         heap, live, skipped = self._heap, self._live, []
         found = None
         while heap:
-            entry = heap[0]
+            entry = heappop(heap)
             if live.get(entry[2]) is not entry:
-                heappop(heap)  # stale: the node's load changed or it left
-                continue
+                continue  # stale
+            skipped.append(entry)
             view = self.views[entry[2]]
-            if accept is None or accept(view):
+            if accept(view):
                 found = view
                 break
-            skipped.append(heappop(heap))
         for entry in skipped:
             heappush(heap, entry)
         return found
