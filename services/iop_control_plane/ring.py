@@ -25,7 +25,7 @@ class HashRing:
     def __init__(self, vnodes: int = 100) -> None:
         self.vnodes = vnodes
         self._points = array("Q")
-        """Sorted positions, as machine words: a merge copies them without touching 100 objects a member."""
+        """Sorted positions as machine words: a merge copies memory, not a reference to an int object per point."""
         self._owners: list[str] = []
         self._members: set[str] = set()
 
