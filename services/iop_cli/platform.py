@@ -13,7 +13,6 @@ and ``iop status``.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -28,6 +27,7 @@ from typing import IO, Any
 
 from iop_cli.configs import HTTP_TIMEOUT, set_value
 from iop_cli.output import CliError
+from iop_cli.readyfile import read_ready
 
 SERVICES = ("control-plane", "node", "worker", "edge")
 JOINED = "joined.json"
@@ -236,15 +236,6 @@ def http_status(url: str) -> int | None:
         return exc.code
     except OSError:
         return None
-
-
-def read_ready(ready: Path) -> dict[str, Any] | None:
-    """What a service wrote to its ready file; None while there is none (or half of one)."""
-    try:
-        started = json.loads(ready.read_text())
-    except (OSError, ValueError):
-        return None
-    return started if isinstance(started, dict) else None
 
 
 def read_pid(pidfile: Path) -> int | None:

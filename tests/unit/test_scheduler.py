@@ -273,6 +273,18 @@ def test_the_ring_moves_only_the_keys_of_a_member_that_leaves(members: set[str],
     assert len(walked) == len(set(walked)) == len(members) - 1  # every member, each once
 
 
+@given(st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=12), st.data())
+def test_members_added_together_or_one_by_one_make_the_same_ring(members: list[str], data: st.DataObject) -> None:
+    together, one_by_one = HashRing(vnodes=16), HashRing(vnodes=16)
+    together.add(*members)
+    for member in data.draw(st.permutations(members)):
+        one_by_one.add(member)
+    one_by_one.add(members[0])  # already there: nothing changes
+    keys = [f"key-{index}" for index in range(100)]
+    assert [list(together.walk(key)) for key in keys] == [list(one_by_one.walk(key)) for key in keys]
+    assert len(together) == len(set(members))
+
+
 # Candidates
 
 
