@@ -233,7 +233,7 @@ class Scheduler:
             reason = "imbalance"
         index.record(node_id, model, prompt)
         why = f"{placed.reason} ({reason}, {matched} bytes held)"
-        return replace(placed, prefix=reason, matched=matched, reason=why)
+        return placed._replace(prefix=reason, matched=matched, reason=why)
 
     def _constraints(self, model: str) -> Labels:
         """The labels the policy asks of ``model``'s nodes (the registry keeps a pool for them)."""
