@@ -43,7 +43,9 @@ from .ha_helpers import (
     sending,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+# serial: alone, after the parallel tests (`just test`): 32 streaming clients against 11 processes,
+# with bounds on how soon requests succeed after a kill.
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(240)]
 
 CLIENTS = 32
 _databases = itertools.count()
