@@ -91,7 +91,9 @@ test *args: ts-install
     set -euo pipefail
     if [ "$#" -gt 0 ]; then exec pytest "$@"; fi
     failed=0
-    pytest -n {{test_workers}} --dist loadfile -m "not serial" || failed=1
+    # --timeout: on workers sharing two cores a test takes up to about twice its time alone; the
+    # timeout is there to stop a hung test, not to time one.
+    pytest -n {{test_workers}} --dist loadfile --timeout 120 -m "not serial" || failed=1
     pytest -m serial || failed=1
     exit "$failed"
 

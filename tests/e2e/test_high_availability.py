@@ -43,7 +43,7 @@ from .ha_helpers import (
     sending,
 )
 
-# serial: alone, after the parallel tests (`just test`): 32 streaming clients against 11 processes,
+# serial: alone, after the parallel tests (`just test`): 32 streaming clients through nginx to 7 `iop` processes,
 # with bounds on how soon requests succeed after a kill.
 pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(240)]
 
