@@ -83,8 +83,8 @@ breaking:
 # Every static check: lint, types, import contracts, generated code, breaking changes.
 check: lint typecheck contracts gen-check breaking
 
-# The test suite: the tests not marked `serial` on `test_workers` pytest-xdist workers, then the `serial` ones
-# alone (they time things or start heavy stacks). With args, plain pytest: `just test tests/unit`, `just test -k codec`.
+# The `serial` tests time things or start the heaviest stacks (tests/README.md "How the suite runs").
+# The suite: the tests not marked `serial` on pytest-xdist workers, then those alone; with args, plain pytest (`just test -k codec`).
 [positional-arguments]
 test *args: ts-install
     #!/usr/bin/env bash
