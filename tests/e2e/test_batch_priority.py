@@ -70,6 +70,7 @@ def _batch_file() -> bytes:
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # alone, after the parallel tests: two TTFTs compared, with no one else's load between
 def test_interactive_ttft_during_a_batch_stays_near_idle(priority_stack: Stack) -> None:
     sdk, http = priority_stack.client(), priority_stack.http()
     for _ in range(10):  # warm up the connections and the route

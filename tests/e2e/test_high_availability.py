@@ -45,7 +45,9 @@ from .ha_helpers import (
     sending,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+# serial: alone, after the parallel tests (`just test`): 32 streaming clients through nginx to 7 `iop` processes,
+# with bounds on how soon requests succeed after a kill.
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(240)]
 
 CLIENTS = 32
 _databases = itertools.count()

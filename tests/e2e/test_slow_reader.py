@@ -21,6 +21,10 @@ import pytest
 
 from .conftest import Stack, running_stack
 
+# Alone, after the parallel tests (`just test`): TTFT with attackers holding must stay within
+# twice the quiet TTFT, both measured here, with no one else's load between them.
+pytestmark = pytest.mark.serial
+
 _ROUTES = [
     {"model": "mock-normal", "adapter": "mock", "options": {"tokens": 20, "tokens_per_second": 200}},
     # A long answer, not a CPU bomb: 2,000 tokens a second for an hour.

@@ -35,6 +35,9 @@ from iop_wire.tls import Role, TlsConfig, client_context
 Logs = list[MutableMapping[str, Any]]
 StartListener = Callable[..., Awaitable[Listener]]
 Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+# Alone, after the parallel tests (`just test`): drops and cut-offs are timed against their windows
+# with fractions of a second of margin, and CPU time against wall time.
+pytestmark = pytest.mark.serial
 
 PROTO = get_codec("proto")
 FAST = ConnectionConfig(heartbeat_interval=0.2, max_frame_size=64 * 1024)
