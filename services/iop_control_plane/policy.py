@@ -16,6 +16,7 @@ Aliases and routes name models that nodes serve, never each other. :func:`load_p
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
 import yaml
@@ -116,8 +117,10 @@ class Policy(Section):
             return settings.prefix_imbalance
         return self.defaults.prefix_imbalance
 
+    @cached_property
     def uses_prefix(self) -> bool:
-        """Whether some model is placed by prompt prefix (then runs' prompts are hashed)."""
+        """Whether some model is placed by prompt prefix (then runs' prompts are hashed): read for every
+        run, found once per policy (it is frozen)."""
         if self.defaults.policy == "prefix":
             return True
         return any(settings.policy == "prefix" for settings in self.models.values())

@@ -216,8 +216,8 @@ def test_only_the_prefix_policy_records_prefixes() -> None:
     decision = scheduler.choose("m", prompt=prompt_prefixes(_chat("system")))
     assert (decision.node_id, decision.prefix) == ("a", None)
     assert len(scheduler.prefixes) == 0
-    assert scheduler.policy.uses_prefix()
-    assert not load_policy("models: {m: {policy: round-robin}}").uses_prefix()
+    assert scheduler.policy.uses_prefix
+    assert not load_policy("models: {m: {policy: round-robin}}").uses_prefix
 
 
 def test_a_run_records_its_landmarks_and_a_branch_matches_the_one_before_it() -> None:
