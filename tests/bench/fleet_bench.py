@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -333,8 +333,11 @@ def _nodes_ls_ms(port: int, certs: Path) -> float:
     return (time.perf_counter() - began) * 1000
 
 
-async def _at_rate(url: str, key: str, pids: dict[str, int]) -> tuple[float, dict[str, float], int]:
-    """Non-streaming requests sent at RATE/s for RATE_SECONDS: (answered/s, CPU % of a core by part, errors)."""
+async def _at_rate(
+    url: str, key: str, pids: dict[str, int], reports: Callable[[], int]
+) -> tuple[float, dict[str, float], int, float]:
+    """Non-streaming requests sent at RATE/s for RATE_SECONDS: (answered/s, CPU % of a core by part, errors,
+    node.status the fleet sent per answered request above its idle rate)."""
     body = b'{"model": "fast", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
     headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
     answered, errors = 0, 0
@@ -376,10 +379,16 @@ async def _at_rate(url: str, key: str, pids: dict[str, int]) -> tuple[float, dic
 
         await paced(1.0)  # warm up: connections open, code paths hot
         answered = errors = 0
+        sent = reports()
         idle = await _shares(pids, asyncio.sleep(IDLE_SECONDS))
+        idle_reports, sent = reports() - sent, reports()
         busy = await _shares(pids, paced(RATE_SECONDS))
+        busy_reports = reports() - sent
     above = {name: busy[name] - idle[name] for name in busy}  # the fleet's heartbeats and reports excluded
-    return answered / busy["elapsed"], above, errors
+    # A node reports its load when it changes: each run sends up to two node.status (start, end),
+    # which the CPU above idle includes (the idle fleet sends one per node every STATUS_REFRESH).
+    status_per_request = (busy_reports - idle_reports * busy["elapsed"] / idle["elapsed"]) / max(answered, 1)
+    return answered / busy["elapsed"], above, errors, status_per_request
 
 
 async def _shares(pids: dict[str, int], work: Awaitable[None]) -> dict[str, float]:
@@ -493,7 +502,7 @@ async def _fleet_rows(state: Path) -> list[tuple[str, str]]:  # noqa: PLR0915 - 
             )
         )
         _progress("edge at rate")
-        rows += await _edge_rows(state, port, cp.pid, processes)
+        rows += await _edge_rows(state, port, cp.pid, processes, lambda: sum(node.reports for node in fleet))
     finally:
         await asyncio.gather(*(node.stop() for node in fleet), return_exceptions=True)
         stop(processes)
@@ -501,7 +510,7 @@ async def _fleet_rows(state: Path) -> list[tuple[str, str]]:  # noqa: PLR0915 - 
 
 
 async def _edge_rows(
-    state: Path, cp_port: int, cp_pid: int, processes: list[subprocess.Popen[bytes]]
+    state: Path, cp_port: int, cp_pid: int, processes: list[subprocess.Popen[bytes]], reports: Callable[[], int]
 ) -> list[tuple[str, str]]:
     certs = state / "certs"
     edge = {
@@ -521,7 +530,9 @@ async def _edge_rows(
     port = int(_wait_ready(ready, process)["port"])
     await asyncio.to_thread(_until_ready, port)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    rate, cpu, errors = await _at_rate(url, key, {"edge": process.pid, "control-plane": cp_pid})
+    rate, cpu, errors, status_per_request = await _at_rate(
+        url, key, {"edge": process.pid, "control-plane": cp_pid}, reports
+    )
     per = {name: share / 100 / rate * 1e6 for name, share in cpu.items() if name != "elapsed"}  # us per request
     at_rate = {name: us * RATE / 1e4 for name, us in per.items()}
     return [
@@ -532,7 +543,8 @@ async def _edge_rows(
         ),
         (
             "  CPU per request above idle: edge, control-plane (of which its ledger writer), this process"
-            " (client + nodes)",
+            f" (client + nodes); the control-plane's includes the {status_per_request:.2f} node.status a"
+            " request made the nodes send (a load change is reported at once)",
             f"{per['edge']:.0f}, {per['control-plane']:.0f} ({per['ledger']:.0f}), {per['bench']:.0f} us",
         ),
         (
