@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import asyncpg
 import pytest
 from key_store_helpers import StorageFactory, factory, new_database
-from worker.pg_server import PgServer, pg_server, required_binaries
+from worker.pg_server import PgServer, end_sessions, pg_server, required_binaries
 
 from iop_edge.key_storage import SCHEMA_VERSION, KeyStorage, SchemaTooNew, UsageRow, UsageTotal
 from iop_edge.keys import create_key, digest, list_keys
+from iop_edge.pg_keys import PgKeyStorage
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +65,37 @@ async def test_keys_are_created_listed_revoked_and_their_names_reused(make: Stor
     infos = {info.name: info for info in await store.list_keys()}
     assert infos["alice"].rpm == 3 and infos["alice"].revoked_at is None and infos["bob"].rpm is None
     assert infos["alice"].key_id == "key_" + digest("sk-iop-d")[:12]
+
+
+async def test_operations_right_after_the_server_ends_the_sessions_are_applied_once(postgres: PgServer) -> None:
+    """The pool still holds sessions the server ended (a restart): a key lookup, ``iop keys create``
+    or a usage write met one and failed. Each now runs on fresh sessions, and is applied once."""
+    url = await new_database(postgres)
+    database = url.rsplit("/", 1)[1]
+    store = PgKeyStorage(url, max_connections=2)
+    await store.open()
+    rounds = 20
+    operations: list[Callable[[int], Awaitable[object]]] = [
+        lambda n: store.create(f"k{n}", digest(f"sk-iop-{n}"), rpm=None, tpm=None, max_concurrent=None),
+        lambda n: store.active(),
+        lambda n: store.add_usage([UsageRow("alice", 100, 1, 10)], "edge-1"),
+        lambda n: store.take("alice", "rpm", "edge-1", want=1, debt=0, limit=rounds, window=60.0),
+        lambda n: store.revoke(f"k{n}"),
+    ]
+    try:
+        for n in range(rounds):
+            for operation in operations:
+                await asyncio.gather(store.changes(), store.changes())  # both sessions open, idle
+                assert await end_sessions(postgres, database) >= 1
+                assert await operation(n) is not False
+        assert dict(await store.usage()) == {"alice": UsageTotal(rounds, 10 * rounds)}
+        assert (await store.take("alice", "rpm", "edge-1", want=1, debt=0, limit=rounds, window=60.0)).granted == 0
+        assert [info.name for info in await store.list_keys() if info.revoked_at is not None] == [
+            f"k{n}" for n in range(rounds)
+        ]
+        assert store.sessions_lost >= 1
+    finally:
+        await store.aclose()
 
 
 async def test_every_create_and_revoke_is_a_change_another_store_sees(make: StorageFactory) -> None:
