@@ -17,6 +17,7 @@ import asyncpg
 from iop_edge.key_storage import (
     MIGRATIONS,
     SCHEMA_VERSION,
+    USAGE_WRITES_KEPT,
     ApiKey,
     Grant,
     KeyInfo,
@@ -39,6 +40,11 @@ _ADD_USAGE = """
 INSERT INTO key_usage VALUES ($1, $2, $3, $4, $5) ON CONFLICT (name, edge, minute) DO UPDATE
 SET requests = key_usage.requests + excluded.requests, tokens = key_usage.tokens + excluded.tokens
 """
+# Notes a usage batch as the edge's last; changes nothing (INSERT 0 0) when it already was.
+_NOTE_BATCH = f"""
+INSERT INTO key_usage_writes VALUES ($1, $2, {_NOW}) ON CONFLICT (edge) DO UPDATE
+SET batch = excluded.batch, at = excluded.at WHERE key_usage_writes.batch != excluded.batch
+"""  # noqa: S608 - no input in the SQL
 _HOLD = f"""
 INSERT INTO key_slots VALUES ($1, $2, $3, {_NOW}) ON CONFLICT (name, edge)
 DO UPDATE SET slots = excluded.slots, at = excluded.at
@@ -137,10 +143,14 @@ class PgKeyStorage:
         """The active keys by digest."""
         return {row[0]: ApiKey(*row[1:]) for row in await self.pool.fetch(_ACTIVE)}
 
-    async def add_usage(self, rows: Sequence[UsageRow], edge: str) -> None:
-        """Add the rows, in one transaction (once: the rows are added to)."""
-        values = [(row.name, edge, row.minute, row.requests, row.tokens) for row in rows]
-        await commit_once(self, "add_usage", lambda conn: conn.executemany(_ADD_USAGE, values))
+    @on_fresh_sessions  # a batch sent again is found written, not added twice
+    async def add_usage(self, rows: Sequence[UsageRow], edge: str, batch: str) -> None:
+        """Add the rows, in one transaction, unless ``batch`` was the last written."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            if await conn.execute(_NOTE_BATCH, edge, batch) == "INSERT 0 0":
+                return
+            await conn.execute(f"DELETE FROM key_usage_writes WHERE at < {_NOW} - $1", USAGE_WRITES_KEPT)  # noqa: S608
+            await conn.executemany(_ADD_USAGE, [(row.name, edge, row.minute, row.requests, row.tokens) for row in rows])
 
     @on_fresh_sessions  # a read
     async def usage(self) -> Mapping[str, UsageTotal]:

@@ -5,18 +5,22 @@ versions."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import asyncpg
 import pytest
+from fault_proxy import FaultProxy
 from key_store_helpers import StorageFactory, factory, new_database
 from worker.pg_server import PgServer, end_sessions, pg_server, required_binaries
+from worker.test_store import eventually
 
 from iop_edge.key_storage import SCHEMA_VERSION, KeyStorage, SchemaTooNew, UsageRow, UsageTotal
 from iop_edge.keys import create_key, digest, list_keys
 from iop_edge.pg_keys import PgKeyStorage
+from iop_edge.usage import UsageRecorder
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +82,7 @@ async def test_operations_right_after_the_server_ends_the_sessions_are_applied_o
     operations: list[Callable[[int], Awaitable[object]]] = [
         lambda n: store.create(f"k{n}", digest(f"sk-iop-{n}"), rpm=None, tpm=None, max_concurrent=None),
         lambda n: store.active(),
-        lambda n: store.add_usage([UsageRow("alice", 100, 1, 10)], "edge-1"),
+        lambda n: store.add_usage([UsageRow("alice", 100, 1, 10)], "edge-1", f"b{n}"),
         lambda n: store.take("alice", "rpm", "edge-1", want=1, debt=0, limit=rounds, window=60.0),
         lambda n: store.revoke(f"k{n}"),
     ]
@@ -98,6 +102,64 @@ async def test_operations_right_after_the_server_ends_the_sessions_are_applied_o
         await store.aclose()
 
 
+Cut = Callable[[str], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def _replies_cut(postgres: PgServer) -> AsyncIterator[tuple[PgKeyStorage, FaultProxy, Cut]]:
+    """A store reaching ``postgres`` through a proxy that delays every message, and ``cut(table)``:
+    once a row shows in ``table`` (committed), the proxy resets the connection before the reply to
+    COMMIT reaches the store, and every connection after (the database unreachable) until
+    ``proxy.pass_()``."""
+    url = await new_database(postgres)
+    admin = await asyncpg.connect(url)
+    async with FaultProxy("127.0.0.1", postgres.port) as proxy:
+        store = PgKeyStorage(PgServer(proxy.port).url(url.rsplit("/", 1)[1]), max_connections=1, timeout=10.0)
+        await store.open()
+
+        async def cut(table: str) -> None:
+            await eventually(lambda: admin.fetchval(f"SELECT count(*) FROM {table}"), bool, timeout=20.0)  # noqa: S608
+            proxy.reset()
+
+        proxy.delay(0.2)
+        try:
+            yield store, proxy, cut
+        finally:
+            proxy.pass_()
+            await store.aclose()
+            await admin.close()
+
+
+async def test_a_budget_take_whose_commit_reply_is_lost_is_not_taken_again(postgres: PgServer) -> None:
+    """The server committed the grant, and the reply was lost: taken again, the grant would count
+    twice against the limit (and this one report nothing granted). The store asks the server
+    whether the first committed, and reports that grant."""
+    async with _replies_cut(postgres) as (store, proxy, cut):
+        cutting = asyncio.create_task(cut("key_grants"))
+        cutting.add_done_callback(lambda _: proxy.pass_())  # reachable again at once
+        grant = await store.take("alice", "rpm", "edge-1", want=1, debt=0, limit=2, window=60.0)
+        await cutting
+        assert grant.granted == 1 and grant.grant_id is not None
+        assert (await store.take("alice", "rpm", "edge-1", want=1, debt=0, limit=2, window=60.0)).granted == 1
+        assert store.sessions_lost == 1
+
+
+async def test_a_usage_batch_committed_unseen_as_the_database_went_away_is_counted_once(postgres: PgServer) -> None:
+    """The 251 against 250 once seen with PostgreSQL stopped: the server committed a usage batch,
+    the reply was lost, and the database was away, so the edge could not ask. Its batch is sent
+    again under its id, and found written."""
+    async with _replies_cut(postgres) as (store, proxy, cut):
+        usage = UsageRecorder(store, "edge-1")
+        usage.record("alice", 10)
+        cutting = asyncio.create_task(cut("key_usage"))
+        assert not await usage.flush()  # its outcome unknown: kept
+        await cutting
+        usage.record("alice", 5)
+        proxy.pass_()
+        assert await usage.flush() and not len(usage)
+        assert dict(await store.usage()) == {"alice": UsageTotal(2, 15)}
+
+
 async def test_every_create_and_revoke_is_a_change_another_store_sees(make: StorageFactory) -> None:
     one, two = await _open(make), await _open(make)
     before = await two.changes()
@@ -109,11 +171,12 @@ async def test_every_create_and_revoke_is_a_change_another_store_sees(make: Stor
     assert await two.changes() != after_create and not await two.active()
 
 
-async def test_usage_adds_up_across_edges_and_batches(make: StorageFactory) -> None:
+async def test_usage_adds_up_across_edges_and_batches_each_batch_once(make: StorageFactory) -> None:
     one, two = await _open(make), await _open(make)
-    await one.add_usage([UsageRow("alice", 100, 2, 30), UsageRow("bob", 100, 1, 5)], "edge-1")
-    await one.add_usage([UsageRow("alice", 100, 1, 10)], "edge-1")
-    await two.add_usage([UsageRow("alice", 101, 4, 0)], "edge-2")
+    await one.add_usage([UsageRow("alice", 100, 2, 30), UsageRow("bob", 100, 1, 5)], "edge-1", "b1")
+    await one.add_usage([UsageRow("alice", 100, 1, 10)], "edge-1", "b2")
+    await one.add_usage([UsageRow("alice", 100, 1, 10)], "edge-1", "b2")  # sent again: found written
+    await two.add_usage([UsageRow("alice", 101, 4, 0)], "edge-2", "b2")  # each edge's batches are its own
     assert dict(await one.usage()) == {"alice": UsageTotal(7, 40), "bob": UsageTotal(1, 5)}
 
 
