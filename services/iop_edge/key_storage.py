@@ -143,6 +143,8 @@ class KeyStorage(Protocol):
 
     name: str
     """The store as shown in messages: the file's path or the URL without its password."""
+    sessions_lost: int
+    """Operations that met sessions the database server had ended, and ran again."""
 
     async def open(self) -> None:
         """Connect; create or migrate the tables. SchemaTooNew for a newer store."""

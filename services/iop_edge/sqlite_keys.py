@@ -95,6 +95,8 @@ class SqliteKeyStorage:
     follows a file replaced under it, and keeps its connection to a deleted one.
     """
 
+    sessions_lost = 0  # a file has no sessions for a server to end
+
     def __init__(self, path: Path, *, create: bool = True) -> None:
         self.path = path
         self.name = str(path)

@@ -19,10 +19,13 @@ from worker.pg_server import PgServer, end_sessions
 
 from iop_control_plane.bootstrap import build_control_plane
 from iop_control_plane.ledger import Attempt, LedgerEntry
+from iop_control_plane.metrics import ControlPlaneMetrics
 from iop_control_plane.pg_store import PgStore
+from iop_control_plane.registry import Registry
 from iop_control_plane.settings import ConfigError, Settings, StartError, load_settings
 from iop_control_plane.sqlite_store import SqliteStore
 from iop_control_plane.state import SCHEMA_VERSION, NodeSeen, Opened, Placed, StateChanged, StateStore, StoreTooNew
+from iop_control_plane.store import AuditStore
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.pg import shown_url
 
@@ -228,6 +231,8 @@ async def test_commands_right_after_the_server_ends_the_sessions_are_applied_onc
     database = url.rsplit("/", 1)[1]
     store = PgStore(url, max_connections=2)
     await store.open("cp-a")
+    metrics = ControlPlaneMetrics(Registry())
+    metrics.watch_store(AuditStore(store))
     now = time.time()
     rounds = 20
     commands: list[Callable[[int], Awaitable[object]]] = [
@@ -249,6 +254,7 @@ async def test_commands_right_after_the_server_ends_the_sessions_are_applied_onc
         assert len((await store.runs(pb.RunsList(limit=100))).runs) == rounds
         assert len(await store.revoked()) == rounds
         assert store.sessions_lost >= 1
+        assert metrics.registry.get_sample_value("iop_control_plane_store_sessions_lost_total") == store.sessions_lost
     finally:
         await store.aclose()
 

@@ -17,6 +17,7 @@ class _Store:
     """A key store's budget half, in memory, with one window that never moves; ``away`` fails every call."""
 
     name = "memory"
+    sessions_lost = 0
 
     def __init__(self) -> None:
         self.grants: dict[int, tuple[str, str, int]] = {}
