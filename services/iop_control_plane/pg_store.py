@@ -44,6 +44,19 @@ _SCHEMA_LOCK = 0x10B_C951  # the advisory lock key held while migrating
 _NOW = "extract(epoch from statement_timestamp())::float8"
 _POLICY = "SELECT version, text, source, applied_by, applied_at FROM policies"
 _RUN = f"INSERT INTO runs ({ledger.RUN_COLUMNS}) VALUES ({', '.join(f'${n}' for n in range(1, 18))}) RETURNING id"  # noqa: S608
+# A batch the writer sends again after its commit's outcome was unknown (the reply lost while the
+# database went away) may hold runs and state changes already written. The same run, requester,
+# connection, caller and receipt time is the same ledger entry (another control-plane's record of
+# the run has its own connection and time); the same node, time and state is the same change.
+_ENDED_RUN = (
+    f"INSERT INTO runs ({ledger.RUN_COLUMNS}) SELECT {', '.join(f'${n}' for n in range(1, 18))} "  # noqa: S608
+    "WHERE NOT EXISTS (SELECT FROM runs WHERE run_id = $1 AND requester = $2 AND connection = $3 AND caller = $4 "
+    "AND received_at = $10) RETURNING id"
+)
+_STATE_CHANGED = (
+    "INSERT INTO node_events (node_id, at, state, reason) SELECT $1, $2, $3, $4 "
+    "WHERE NOT EXISTS (SELECT FROM node_events WHERE node_id = $1 AND at = $2 AND state = $3)"
+)
 _ATTEMPT = f"INSERT INTO run_attempts ({ledger.ATTEMPT_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)"  # noqa: S608
 _OPEN = (
     "INSERT INTO open_runs (run_id, requester, connection, caller, model, received_at, owner) "
@@ -121,7 +134,7 @@ class PgStore:
         """Write the batch in one transaction. Rows of ``nodes`` are written first, in node id order:
         control-planes sharing the database write the same nodes' rows, and two transactions taking
         them in different orders deadlock (PostgreSQL aborts one: seen with two replicas). Committed
-        once: its ledger rows and state changes are inserts."""
+        once; a batch sent again by the writer adds no run or state change twice."""
         ending = {id(write) for write in batch if isinstance(write, LedgerEntry)}
         seen = sorted((w for w in batch if isinstance(w, NodeSeen)), key=lambda w: w.node_id)
 
@@ -134,8 +147,9 @@ class PgStore:
             for write in batch:
                 match write:
                     case LedgerEntry():
-                        run = await conn.fetchval(_RUN, *ledger.run_row(write))
-                        await conn.executemany(_ATTEMPT, [(run, *row) for row in ledger.attempt_rows(write)])
+                        run = await conn.fetchval(_ENDED_RUN, *ledger.run_row(write))
+                        if run is not None:  # else written before
+                            await conn.executemany(_ATTEMPT, [(run, *row) for row in ledger.attempt_rows(write)])
                         if write.open_row is not None:
                             await conn.execute("DELETE FROM open_runs WHERE id = $1", write.open_row)
                     case Opened(entry) if id(entry) not in ending:
@@ -143,8 +157,7 @@ class PgStore:
                     case Placed(entry, number, attempt) if id(entry) not in ending and entry.open_row is not None:
                         await conn.execute(_PLACED, *ledger.placed_row(entry, number, attempt), entry.open_row)
                     case StateChanged(node_id, at, state, reason):
-                        sql = "INSERT INTO node_events (node_id, at, state, reason) VALUES ($1, $2, $3, $4)"
-                        await conn.execute(sql, node_id, at, state, reason)
+                        await conn.execute(_STATE_CHANGED, node_id, at, state, reason)
                     case _:  # NodeSeen: written above
                         pass
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 from cp_store_helpers import fresh_database, postgres  # noqa: F401 - the session's server fixture
+from pg_faults import lost_reply
 from worker.pg_server import PgServer, end_sessions
 
 from iop_control_plane.bootstrap import build_control_plane
@@ -257,6 +258,30 @@ async def test_commands_right_after_the_server_ends_the_sessions_are_applied_onc
         assert metrics.registry.get_sample_value("iop_control_plane_store_sessions_lost_total") == store.sessions_lost
     finally:
         await store.aclose()
+
+
+async def test_a_ledger_batch_committed_unseen_as_the_database_went_away_is_written_once(
+    postgres: PgServer,  # noqa: F811
+) -> None:
+    """The server committed a batch of ended runs and state changes, the reply was lost, and the
+    database was away, so the control-plane could not ask: its writer sends the batch again, and
+    no run or state change is recorded twice."""
+    async with lost_reply(postgres, await fresh_database(postgres)) as lost:
+        store = PgStore(lost.url, timeout=10.0)
+        await store.open("cp-a")
+        batch = [_ended("r1", "node-a"), StateChanged("node-a", time.time(), "ready", "registered")]
+        try:
+            cutting = lost.cut_when_committed("runs")
+            with pytest.raises(ConnectionResetError):  # asking whether it committed: its outcome unknown
+                await store.commit(batch, {})
+            await cutting
+            lost.proxy.pass_()
+            await store.commit(batch, {})
+            assert [run.run_id for run in (await store.runs(pb.RunsList())).runs] == ["r1"]
+            assert len((await store.runs(pb.RunsList())).runs[0].attempts) == 1
+            assert await store.events("node-a") == [("ready", "registered")]
+        finally:
+            await store.aclose()
 
 
 def test_a_password_is_never_shown() -> None:

@@ -5,17 +5,15 @@ versions."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import asyncpg
 import pytest
-from fault_proxy import FaultProxy
 from key_store_helpers import StorageFactory, factory, new_database
+from pg_faults import lost_reply
 from worker.pg_server import PgServer, end_sessions, pg_server, required_binaries
-from worker.test_store import eventually
 
 from iop_edge.key_storage import SCHEMA_VERSION, KeyStorage, SchemaTooNew, UsageRow, UsageTotal
 from iop_edge.keys import create_key, digest, list_keys
@@ -102,62 +100,44 @@ async def test_operations_right_after_the_server_ends_the_sessions_are_applied_o
         await store.aclose()
 
 
-Cut = Callable[[str], Awaitable[None]]
-
-
-@contextlib.asynccontextmanager
-async def _replies_cut(postgres: PgServer) -> AsyncIterator[tuple[PgKeyStorage, FaultProxy, Cut]]:
-    """A store reaching ``postgres`` through a proxy that delays every message, and ``cut(table)``:
-    once a row shows in ``table`` (committed), the proxy resets the connection before the reply to
-    COMMIT reaches the store, and every connection after (the database unreachable) until
-    ``proxy.pass_()``."""
-    url = await new_database(postgres)
-    admin = await asyncpg.connect(url)
-    async with FaultProxy("127.0.0.1", postgres.port) as proxy:
-        store = PgKeyStorage(PgServer(proxy.port).url(url.rsplit("/", 1)[1]), max_connections=1, timeout=10.0)
-        await store.open()
-
-        async def cut(table: str) -> None:
-            await eventually(lambda: admin.fetchval(f"SELECT count(*) FROM {table}"), bool, timeout=20.0)  # noqa: S608
-            proxy.reset()
-
-        proxy.delay(0.2)
-        try:
-            yield store, proxy, cut
-        finally:
-            proxy.pass_()
-            await store.aclose()
-            await admin.close()
-
-
 async def test_a_budget_take_whose_commit_reply_is_lost_is_not_taken_again(postgres: PgServer) -> None:
     """The server committed the grant, and the reply was lost: taken again, the grant would count
     twice against the limit (and this one report nothing granted). The store asks the server
     whether the first committed, and reports that grant."""
-    async with _replies_cut(postgres) as (store, proxy, cut):
-        cutting = asyncio.create_task(cut("key_grants"))
-        cutting.add_done_callback(lambda _: proxy.pass_())  # reachable again at once
-        grant = await store.take("alice", "rpm", "edge-1", want=1, debt=0, limit=2, window=60.0)
-        await cutting
-        assert grant.granted == 1 and grant.grant_id is not None
-        assert (await store.take("alice", "rpm", "edge-1", want=1, debt=0, limit=2, window=60.0)).granted == 1
-        assert store.sessions_lost == 1
+    async with lost_reply(postgres, await new_database(postgres)) as lost:
+        store = PgKeyStorage(lost.url, max_connections=1, timeout=10.0)
+        await store.open()
+        try:
+            cutting = lost.cut_when_committed("key_grants")
+            cutting.add_done_callback(lambda _: lost.proxy.pass_())  # reachable again at once
+            grant = await store.take("alice", "rpm", "edge-1", want=1, debt=0, limit=2, window=60.0)
+            await cutting
+            assert grant.granted == 1 and grant.grant_id is not None
+            assert (await store.take("alice", "rpm", "edge-1", want=1, debt=0, limit=2, window=60.0)).granted == 1
+            assert store.sessions_lost == 1
+        finally:
+            await store.aclose()
 
 
 async def test_a_usage_batch_committed_unseen_as_the_database_went_away_is_counted_once(postgres: PgServer) -> None:
     """The 251 against 250 once seen with PostgreSQL stopped: the server committed a usage batch,
     the reply was lost, and the database was away, so the edge could not ask. Its batch is sent
     again under its id, and found written."""
-    async with _replies_cut(postgres) as (store, proxy, cut):
-        usage = UsageRecorder(store, "edge-1")
-        usage.record("alice", 10)
-        cutting = asyncio.create_task(cut("key_usage"))
-        assert not await usage.flush()  # its outcome unknown: kept
-        await cutting
-        usage.record("alice", 5)
-        proxy.pass_()
-        assert await usage.flush() and not len(usage)
-        assert dict(await store.usage()) == {"alice": UsageTotal(2, 15)}
+    async with lost_reply(postgres, await new_database(postgres)) as lost:
+        store = PgKeyStorage(lost.url, max_connections=1, timeout=10.0)
+        await store.open()
+        try:
+            usage = UsageRecorder(store, "edge-1")
+            usage.record("alice", 10)
+            cutting = lost.cut_when_committed("key_usage")
+            assert not await usage.flush()  # its outcome unknown: kept
+            await cutting
+            usage.record("alice", 5)
+            lost.proxy.pass_()
+            assert await usage.flush() and not len(usage)
+            assert dict(await store.usage()) == {"alice": UsageTotal(2, 15)}
+        finally:
+            await store.aclose()
 
 
 async def test_every_create_and_revoke_is_a_change_another_store_sees(make: StorageFactory) -> None:
