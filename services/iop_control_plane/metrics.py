@@ -198,6 +198,11 @@ class _StoreState(Collector):
             "Node-audit writes (registrations, state changes) dropped because the write backlog was full.",
             value=store.dropped_writes,
         )
+        yield CounterMetricFamily(
+            "iop_control_plane_store_sessions_lost",
+            "Store operations that met sessions PostgreSQL had ended (a restart) and ran again on new ones.",
+            value=store.state.sessions_lost,
+        )
 
 
 class _PrefixIndexState(Collector):

@@ -53,6 +53,7 @@ class SqliteStore:
     """The state in the SQLite file ``path``."""
 
     shared = False
+    sessions_lost = 0  # a file has no sessions for a server to end
 
     def __init__(self, path: Path) -> None:
         self.path = path

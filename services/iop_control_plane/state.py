@@ -184,6 +184,8 @@ class StateStore(Protocol):
     """Whether other control-planes may use it at once (PostgreSQL)."""
     name: str
     """The file or URL (without password), for messages."""
+    sessions_lost: int
+    """Operations that met sessions the database server had ended, and ran again."""
 
     async def open(self, owner: str) -> None:
         """Connect and migrate; ``owner`` names this control-plane's runs in progress."""

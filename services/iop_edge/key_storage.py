@@ -11,6 +11,8 @@ this edge refuses to open (:class:`SchemaTooNew`, one line naming the store).
 - ``key_changes``: one counter, bumped by every create and revoke; edges poll it (every 0.5 s)
   and re-read the active keys when it moves.
 - ``key_usage``: requests and tokens per key, edge and minute, added to in batches.
+- ``key_usage_writes``: each edge's last usage batch written: a batch whose write may have
+  committed unseen (its reply lost) is sent again under its id and not added twice.
 - ``key_grants``: the rpm and tpm budget each edge took (``take``): a key's grants of the last
   window never sum past its limit, unused ones are given back (``give_back``).
 - ``key_slots``: the concurrency slots each edge holds per key, renewed while in use, lapsing
@@ -31,6 +33,7 @@ __all__ = [
     "MIGRATIONS",
     "SCHEMA_VERSION",
     "STORE_ERRORS",
+    "USAGE_WRITES_KEPT",
     "ApiKey",
     "Grant",
     "KeyInfo",
@@ -140,6 +143,8 @@ class KeyStorage(Protocol):
 
     name: str
     """The store as shown in messages: the file's path or the URL without its password."""
+    sessions_lost: int
+    """Operations that met sessions the database server had ended, and ran again."""
 
     async def open(self) -> None:
         """Connect; create or migrate the tables. SchemaTooNew for a newer store."""
@@ -164,8 +169,9 @@ class KeyStorage(Protocol):
     async def active(self) -> dict[str, ApiKey]:
         """The active keys by the SHA-256 hex of their secrets."""
 
-    async def add_usage(self, rows: Sequence[UsageRow], edge: str) -> None:
-        """Add the rows to the recorded usage, in one transaction."""
+    async def add_usage(self, rows: Sequence[UsageRow], edge: str, batch: str) -> None:
+        """Add the rows to the recorded usage, in one transaction, unless ``batch`` (an id new for
+        each batch, kept when a failed write is sent again) was ``edge``'s last batch written."""
 
     async def usage(self) -> Mapping[str, UsageTotal]:
         """Recorded usage per key name."""
@@ -184,7 +190,7 @@ class KeyStorage(Protocol):
         """Note ``edge`` alive; how many edges were seen within ``ttl`` seconds (itself included)."""
 
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # Each step takes the tables from the version before it to its own; {real} and {id} are the
 # backend's float type and auto-numbered key. Step 1 is the key file as it was before versions.
@@ -220,8 +226,13 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         )""",
         "CREATE TABLE key_edges (edge TEXT PRIMARY KEY, at {real} NOT NULL)",
     ),
+    ("CREATE TABLE key_usage_writes (edge TEXT PRIMARY KEY, batch TEXT NOT NULL, at {real} NOT NULL)",),
 )
 assert len(MIGRATIONS) == SCHEMA_VERSION
+
+
+USAGE_WRITES_KEPT = 86_400.0
+"""Seconds an edge's last usage batch is remembered (an edge gone a day sends none again)."""
 
 
 def check_version(found: int, store: str) -> None:

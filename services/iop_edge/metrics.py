@@ -72,6 +72,11 @@ class KeyCollector(Collector):
         if keys is not None:
             up = not keys.failing and (limits is None or not limits.failing)
             yield GaugeMetricFamily("iop_edge_key_store_up", "1 while the key store answers, else 0.", value=int(up))
+            yield CounterMetricFamily(
+                "iop_edge_key_store_sessions_lost",
+                "Key store operations that met sessions PostgreSQL had ended (a restart) and ran again on new ones.",
+                value=keys.storage.sessions_lost,
+            )
         if usage is not None:
             yield CounterMetricFamily(
                 "iop_edge_usage_dropped", "Requests whose usage was not recorded: backlog full.", value=usage.dropped

@@ -4,11 +4,12 @@ Times are the server's (``statement_timestamp()``), so edges whose clocks disagr
 on a budget's window and a slot's lapse. A budget take or a slot hold locks its key's row
 (``pg_advisory_xact_lock`` on the key's name), so concurrent edges never grant one unit twice.
 The schema is created and migrated under an advisory lock, in one transaction, as the worker's.
+Sessions the server ended (a database restart) are replaced and the operation runs again
+(``iop_wire.pg``): each operation says why running it again applies nothing twice, or commits once.
 """
 
 from __future__ import annotations
 
-import urllib.parse
 from collections.abc import Mapping, Sequence
 
 import asyncpg
@@ -16,6 +17,7 @@ import asyncpg
 from iop_edge.key_storage import (
     MIGRATIONS,
     SCHEMA_VERSION,
+    USAGE_WRITES_KEPT,
     ApiKey,
     Grant,
     KeyInfo,
@@ -24,8 +26,9 @@ from iop_edge.key_storage import (
     check_version,
     retry_after,
 )
+from iop_wire.pg import Connection, commit_once, on_fresh_sessions, shown_url
 
-__all__ = ["PgKeyStorage", "shown_url"]
+__all__ = ["PgKeyStorage"]
 
 _SCHEMA_LOCK = 0x1ED6_E4E7  # the advisory lock key held while migrating
 _NOW = "extract(epoch from statement_timestamp())::float8"
@@ -37,19 +40,15 @@ _ADD_USAGE = """
 INSERT INTO key_usage VALUES ($1, $2, $3, $4, $5) ON CONFLICT (name, edge, minute) DO UPDATE
 SET requests = key_usage.requests + excluded.requests, tokens = key_usage.tokens + excluded.tokens
 """
+# Notes a usage batch as the edge's last; changes nothing (INSERT 0 0) when it already was.
+_NOTE_BATCH = f"""
+INSERT INTO key_usage_writes VALUES ($1, $2, {_NOW}) ON CONFLICT (edge) DO UPDATE
+SET batch = excluded.batch, at = excluded.at WHERE key_usage_writes.batch != excluded.batch
+"""  # noqa: S608 - no input in the SQL
 _HOLD = f"""
 INSERT INTO key_slots VALUES ($1, $2, $3, {_NOW}) ON CONFLICT (name, edge)
 DO UPDATE SET slots = excluded.slots, at = excluded.at
 """  # noqa: S608 - no input in the SQL
-
-
-def shown_url(url: str) -> str:
-    """``url`` without its password, for messages and logs."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
 class PgKeyStorage:
@@ -61,6 +60,7 @@ class PgKeyStorage:
         self.name = shown_url(url)
         self._max = max_connections
         self._timeout = timeout
+        self.sessions_lost = 0  # operations that met sessions the server had ended, and ran again
         self._pool: asyncpg.Pool[asyncpg.Record] | None = None
 
     async def open(self) -> None:
@@ -92,8 +92,10 @@ class PgKeyStorage:
     async def create(
         self, name: str, digest: str, *, rpm: int | None, tpm: int | None, max_concurrent: int | None
     ) -> None:
-        """Add a key; ValueError if ``name`` has an active one."""
-        async with self.pool.acquire() as conn, conn.transaction():
+        """Add a key; ValueError if ``name`` has an active one (once: run again after it committed,
+        it would find the key it added)."""
+
+        async def add(conn: Connection) -> None:
             await conn.execute(_LOCK_KEY, name)
             revoked = await conn.fetchrow("SELECT revoked_at FROM keys WHERE name = $1", name)
             if revoked is not None and revoked[0] is None:
@@ -110,33 +112,47 @@ class PgKeyStorage:
             )
             await conn.execute(_BUMP)
 
+        await commit_once(self, "create", add)
+
     async def revoke(self, name: str) -> bool:
-        """Revoke the active key ``name``; whether there was one."""
-        async with self.pool.acquire() as conn, conn.transaction():
-            status = await conn.execute(
+        """Revoke the active key ``name``; whether there was one (once: run again after it committed,
+        it would find none)."""
+
+        async def revoke(conn: Connection) -> str:
+            status: str = await conn.execute(
                 f"UPDATE keys SET revoked_at = {_NOW} WHERE name = $1 AND revoked_at IS NULL",  # noqa: S608
                 name,
             )
             await conn.execute(_BUMP)
-        return status != "UPDATE 0"
+            return status
 
+        return await commit_once(self, "revoke", revoke) != "UPDATE 0"
+
+    @on_fresh_sessions  # a read
     async def list_keys(self) -> list[KeyInfo]:
         """Every key, oldest first."""
         return [KeyInfo(*row) for row in await self.pool.fetch(_LIST)]
 
+    @on_fresh_sessions  # a read
     async def changes(self) -> object:
         """The change counter."""
         return await self.pool.fetchval("SELECT version FROM key_changes")
 
+    @on_fresh_sessions  # a read
     async def active(self) -> dict[str, ApiKey]:
         """The active keys by digest."""
         return {row[0]: ApiKey(*row[1:]) for row in await self.pool.fetch(_ACTIVE)}
 
-    async def add_usage(self, rows: Sequence[UsageRow], edge: str) -> None:
-        """Add the rows, in one transaction."""
+    @on_fresh_sessions  # a batch sent again is found written, not added twice
+    async def add_usage(self, rows: Sequence[UsageRow], edge: str, batch: str) -> None:
+        """Add the rows, in one transaction, unless ``batch`` was the last written."""
         async with self.pool.acquire() as conn, conn.transaction():
+            if await conn.execute(_NOTE_BATCH, edge, batch) == "INSERT 0 0":
+                return
+            await conn.execute(f"DELETE FROM key_usage_writes WHERE at < {_NOW} - $1", USAGE_WRITES_KEPT)  # noqa: S608
             await conn.executemany(_ADD_USAGE, [(row.name, edge, row.minute, row.requests, row.tokens) for row in rows])
 
+    @on_fresh_sessions  # a read
     async def usage(self) -> Mapping[str, UsageTotal]:
         """Recorded usage per key."""
         rows = await self.pool.fetch(
@@ -145,8 +161,10 @@ class PgKeyStorage:
         return {row[0]: UsageTotal(row[1], row[2]) for row in rows}
 
     async def take(self, name: str, kind: str, edge: str, *, want: int, debt: int, limit: int, window: float) -> Grant:
-        """Grant up to ``want`` units within ``limit`` per ``window``, and record ``debt``."""
-        async with self.pool.acquire() as conn, conn.transaction():
+        """Grant up to ``want`` units within ``limit`` per ``window``, and record ``debt`` (once: a
+        grant is a new row)."""
+
+        async def grant(conn: Connection) -> Grant:
             await conn.execute(_LOCK_KEY, name)
             now: float = await conn.fetchval(f"SELECT {_NOW}")
             await conn.execute(
@@ -168,17 +186,18 @@ class PgKeyStorage:
                     granted + debt,
                 )
                 grants.append((now, granted + debt))
-        wait = retry_after(grants, limit, now, window) if granted < want else 0.0
-        return Grant(grant_id, granted, wait)
+            wait = retry_after(grants, limit, now, window) if granted < want else 0.0
+            return Grant(grant_id, granted, wait)
+
+        return await commit_once(self, "take", grant)
 
     async def give_back(self, returns: Sequence[tuple[int, int]]) -> None:
-        """Take unused units off their grants."""
-        async with self.pool.acquire() as conn, conn.transaction():
-            await conn.executemany(
-                "UPDATE key_grants SET units = greatest(units - $1, 0) WHERE id = $2",
-                [(units, grant_id) for grant_id, units in returns],
-            )
+        """Take unused units off their grants (once: they are subtracted)."""
+        sql = "UPDATE key_grants SET units = greatest(units - $1, 0) WHERE id = $2"
+        values = [(units, grant_id) for grant_id, units in returns]
+        await commit_once(self, "give_back", lambda conn: conn.executemany(sql, values))
 
+    @on_fresh_sessions  # the edge's row is set to what it holds, not added to
     async def hold_slots(self, name: str, edge: str, *, want: int, limit: int, ttl: float) -> int:
         """Hold up to ``want`` of the ``limit`` slots not held by other edges."""
         async with self.pool.acquire() as conn, conn.transaction():
@@ -191,6 +210,7 @@ class PgKeyStorage:
             await conn.execute(_HOLD, name, edge, held)
         return held
 
+    @on_fresh_sessions  # a time set, not added to
     async def heartbeat(self, edge: str, *, ttl: float) -> int:
         """Note ``edge`` alive; the edges seen within ``ttl`` seconds."""
         async with self.pool.acquire() as conn, conn.transaction():

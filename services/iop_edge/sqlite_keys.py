@@ -18,6 +18,7 @@ from pathlib import Path
 from iop_edge.key_storage import (
     MIGRATIONS,
     SCHEMA_VERSION,
+    USAGE_WRITES_KEPT,
     ApiKey,
     Grant,
     KeyInfo,
@@ -30,6 +31,11 @@ from iop_edge.key_storage import (
 __all__ = ["SqliteKeyStorage", "connect"]
 
 _ACTIVE = "SELECT hash, name, key_id, rpm, tpm, max_concurrent FROM keys WHERE revoked_at IS NULL"
+# Notes a usage batch as the edge's last; changes nothing (no row counted) when it already was.
+_NOTE_BATCH = (
+    "INSERT INTO key_usage_writes VALUES (?, ?, ?) ON CONFLICT (edge) DO UPDATE "
+    "SET batch = excluded.batch, at = excluded.at WHERE key_usage_writes.batch != excluded.batch"
+)
 _LIST = "SELECT name, key_id, created_at, revoked_at, rpm, tpm, max_concurrent FROM keys ORDER BY created_at, name"
 
 
@@ -88,6 +94,8 @@ class SqliteKeyStorage:
     With ``create`` false, a missing file is FileNotFoundError (``iop keys ls``); an open store
     follows a file replaced under it, and keeps its connection to a deleted one.
     """
+
+    sessions_lost = 0  # a file has no sessions for a server to end
 
     def __init__(self, path: Path, *, create: bool = True) -> None:
         self.path = path
@@ -177,9 +185,13 @@ class SqliteKeyStorage:
         """The active keys by digest."""
         return {digest: ApiKey(*rest) for digest, *rest in self.db.execute(_ACTIVE)}
 
-    async def add_usage(self, rows: Sequence[UsageRow], edge: str) -> None:
-        """Add the rows, in one transaction."""
+    async def add_usage(self, rows: Sequence[UsageRow], edge: str, batch: str) -> None:
+        """Add the rows, in one transaction, unless ``batch`` was the last written."""
+        now = time.time()
         with _immediate(self.db):
+            if not self.db.execute(_NOTE_BATCH, (edge, batch, now)).rowcount:
+                return
+            self.db.execute("DELETE FROM key_usage_writes WHERE at < ?", (now - USAGE_WRITES_KEPT,))
             self.db.executemany(
                 "INSERT INTO key_usage VALUES (?, ?, ?, ?, ?) ON CONFLICT (name, edge, minute) DO UPDATE SET "
                 "requests = requests + excluded.requests, tokens = tokens + excluded.tokens",

@@ -6,11 +6,16 @@ and are written once it is back; past ``backlog`` rows, a request of a new (key,
 recorded: counted in ``dropped`` (``iop_edge_usage_dropped_total``) and logged at most once a
 second. Rows merge per minute, so the backlog holds minutes of keys, not requests: 10,000 rows
 are an hour's outage for 150 busy keys.
+
+Each batch has an id. A batch whose write failed is sent again alone, under its id, never merged
+with rows recorded since: its write may have committed unseen (the reply lost as the database
+stopped), and the store then finds it written (``key_usage_writes``) instead of adding it twice.
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 
 import structlog
@@ -35,19 +40,21 @@ class UsageRecorder:
         self.written = 0
         """Rows written."""
         self._rows: dict[tuple[str, int], list[int]] = {}
+        self._unsent: tuple[str, dict[tuple[str, int], list[int]]] | None = None
+        """A batch whose write failed, with its id: sent again as it was."""
         self._logged = 0.0
         self._failing = False
 
     def __len__(self) -> int:
         """Rows waiting to be written."""
-        return len(self._rows)
+        return len(self._rows) + (0 if self._unsent is None else len(self._unsent[1]))
 
     def record(self, name: str, tokens: int, now: float | None = None) -> None:
         """One finished request of the key ``name`` and its prompt + completion tokens."""
         slot = (name, int((time.time() if now is None else now) // 60))
         row = self._rows.get(slot)
         if row is None:
-            if len(self._rows) >= self.backlog:
+            if len(self) >= self.backlog:
                 self._drop(name)
                 return
             row = self._rows[slot] = [0, 0]
@@ -64,21 +71,24 @@ class UsageRecorder:
             )
 
     async def flush(self) -> bool:
-        """Write the rows waiting; whether it worked (else they stay for the next try)."""
+        """Write the batch that failed, if any, then the rows waiting; whether all were written
+        (what was not stays for the next try)."""
+        if self._unsent is not None and not await self._send(*self._unsent):
+            return False
         if not self._rows:
             return True
-        rows, self._rows = self._rows, {}
+        self._unsent, self._rows = (secrets.token_hex(8), self._rows), {}
+        return await self._send(*self._unsent)
+
+    async def _send(self, batch: str, rows: dict[tuple[str, int], list[int]]) -> bool:
         try:
-            await self.storage.add_usage([UsageRow(n, m, r, t) for (n, m), (r, t) in rows.items()], self.edge)
+            await self.storage.add_usage([UsageRow(n, m, r, t) for (n, m), (r, t) in rows.items()], self.edge, batch)
         except STORE_ERRORS as exc:
-            for slot, (requests, tokens) in rows.items():  # merged with what came meanwhile, bound kept loosely
-                row = self._rows.setdefault(slot, [0, 0])
-                row[0] += requests
-                row[1] += tokens
             if not self._failing:
                 _log.error("usage not written: the key store is away; kept to retry", error=str(exc), rows=len(rows))
             self._failing = True
             return False
+        self._unsent = None
         if self._failing:
             _log.info("usage written again", rows=len(rows))
         self._failing = False

@@ -12,13 +12,12 @@ upload holds neither a long transaction nor a large buffer.
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, TypeVar, cast
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from typing import Any
 
 import asyncpg
-import structlog
 
+from iop_wire.pg import on_fresh_sessions, shown_url
 from iop_worker.store import (
     BATCH_COLUMNS,
     FILE_COLUMNS,
@@ -47,9 +46,6 @@ from iop_worker.store import (
 )
 
 __all__ = ["SCHEMA_VERSION", "PgJobStore"]
-
-_log = structlog.get_logger("iop.worker")
-_Operation = TypeVar("_Operation", bound=Callable[..., Awaitable[Any]])
 
 _RESULTS_PAGE = 500  # finished lines read per query by results()
 _SCHEMA_LOCK = 0x10B_3070  # the advisory lock key held while creating the schema
@@ -102,40 +98,10 @@ _RESULTS = (
 )
 
 
-# A session the server ended (a restart, a failover, pg_terminate_backend) stays in asyncpg's pool
-# until used, and then fails, at times with InternalClientError ("cannot switch to state 15; another
-# operation (2) is in progress", asyncpg issues 784 and 1069) rather than a lost connection. All the
-# pool's sessions went together, so all are replaced and the operation is tried once more.
-_SESSION_LOST = (
-    asyncpg.exceptions.InternalClientError,
-    asyncpg.exceptions.ConnectionDoesNotExistError,
-    asyncpg.exceptions.InterfaceError,
-    ConnectionResetError,
-)
-
-
-def _on_fresh_sessions(operation: _Operation) -> _Operation:
-    """Run ``operation`` again once on new sessions if the server had ended the pool's.
-
-    Each operation is one transaction or one statement, so a session lost in it left nothing done,
-    unless only COMMIT's reply was lost. Run again then: create_batch fails on its id (the primary
-    key), finish and release find the lease gone and say so, and lines leased twice wait out the
-    first lease as any worker's lost lease does. None is applied twice.
-    """
-
-    @functools.wraps(operation)
-    async def again(store: PgJobStore, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return await operation(store, *args, **kwargs)
-        except _SESSION_LOST as lost:
-            store.sessions_lost += 1
-            _log.warning(
-                "job store sessions lost; retrying on new ones", operation=operation.__name__, error=repr(lost)
-            )
-            await store._connections().expire_connections()
-            return await operation(store, *args, **kwargs)
-
-    return cast("_Operation", again)
+# Each operation below marked on_fresh_sessions is one transaction or one statement, so a session
+# lost in it left nothing done, unless only COMMIT's reply was lost. Run again then: create_batch
+# fails on its id (the primary key), finish and release find the lease gone and say so, and lines
+# leased twice wait out the first lease as any worker's lost lease does. None is applied twice.
 
 
 class PgJobStore:
@@ -144,6 +110,7 @@ class PgJobStore:
     def __init__(self, url: str, *, min_connections: int = 1, max_connections: int = 8) -> None:
         """``url``: ``postgresql://user@host:port/database``; the pool keeps between the two numbers of connections."""
         self.url = url
+        self.name = shown_url(url)
         self.lease_takeovers = 0
         self.sessions_lost = 0  # operations that met sessions the server had ended, and ran again
         self._sizes = (min_connections, max_connections)
@@ -165,14 +132,16 @@ class PgJobStore:
         if pool is not None:
             await pool.close()
 
-    def _connections(self) -> asyncpg.Pool[asyncpg.Record]:
+    @property
+    def pool(self) -> asyncpg.Pool[asyncpg.Record]:
+        """The open pool."""
         if self._pool is None:
             raise RuntimeError("the job store is not open")
         return self._pool
 
     async def put_file(self, record: FileRecord, chunks: AsyncIterable[bytes]) -> FileRecord:
         """Store a file's content as it arrives, one chunk per statement; the record with its size."""
-        pool = self._connections()
+        pool = self.pool
         marks = ", ".join(f"${index}" for index in range(1, len(FILE_COLUMNS) + 1))
         row = dataclasses.astuple(dataclasses.replace(record, bytes=0, status=UPLOADING))
         await pool.execute(f"INSERT INTO files ({', '.join(FILE_COLUMNS)}) VALUES ({marks})", *row)  # noqa: S608
@@ -189,83 +158,83 @@ class PgJobStore:
         await pool.execute("UPDATE files SET bytes = $1, status = $2 WHERE id = $3", size, record.status, record.id)
         return dataclasses.replace(record, bytes=size)
 
-    @_on_fresh_sessions
+    @on_fresh_sessions
     async def get_file(self, file_id: str) -> FileRecord | None:
         """A stored file, or None (also while it is being written)."""
-        row = await self._connections().fetchrow(_FILES + "WHERE id = $1 AND status != $2", file_id, UPLOADING)
+        row = await self.pool.fetchrow(_FILES + "WHERE id = $1 AND status != $2", file_id, UPLOADING)
         return None if row is None else file_from_row(row)
 
-    @_on_fresh_sessions
+    @on_fresh_sessions
     async def list_files(
         self, *, after: str | None = None, limit: int = 20, purpose: str | None = None, caller: str | None = None
     ) -> tuple[list[FileRecord], bool]:
         """Files (of ``caller``; None: everyone's) newest first, after the file ``after``; and whether more follow."""
         where = "WHERE status != $3 AND ($4::text IS NULL OR purpose = $4) AND ($5::text IS NULL OR caller = $5) "
         sql = _FILES + where + _PAGE.format(table="files")
-        rows = await self._connections().fetch(sql, after, limit + 1, UPLOADING, purpose, caller)
+        rows = await self.pool.fetch(sql, after, limit + 1, UPLOADING, purpose, caller)
         return [file_from_row(row) for row in rows[:limit]], len(rows) > limit
 
     async def read_file(self, file_id: str) -> AsyncIterator[bytes]:
         """A file's content, chunk by chunk (nothing for an unknown file)."""
         if await self.get_file(file_id) is None:
             return
-        pool, seq = self._connections(), 0
+        pool, seq = self.pool, 0
         sql = "SELECT data FROM file_chunks WHERE file_id = $1 AND seq = $2"
         while (data := await pool.fetchval(sql, file_id, seq)) is not None:
             yield bytes(data)
             seq += 1
 
-    @_on_fresh_sessions
+    @on_fresh_sessions
     async def drop_uploads(self, started_before: int) -> int:
         """Delete files still being written that were started before ``started_before``, with their content."""
         stale = "SELECT id FROM files WHERE status = $1 AND created_at < $2"
-        async with self._connections().acquire() as conn, conn.transaction():
+        async with self.pool.acquire() as conn, conn.transaction():
             await conn.execute(f"DELETE FROM file_chunks WHERE file_id IN ({stale})", UPLOADING, started_before)  # noqa: S608
             status = await conn.execute(
                 "DELETE FROM files WHERE status = $1 AND created_at < $2", UPLOADING, started_before
             )
             return _changed(status)
 
-    @_on_fresh_sessions
+    @on_fresh_sessions
     async def delete_file(self, file_id: str) -> bool:
         """Delete a file and its content; whether it existed."""
-        async with self._connections().acquire() as conn, conn.transaction():
+        async with self.pool.acquire() as conn, conn.transaction():
             await conn.execute("DELETE FROM file_chunks WHERE file_id = $1", file_id)
             return _changed(await conn.execute("DELETE FROM files WHERE id = $1", file_id)) > 0
 
-    @_on_fresh_sessions
+    @on_fresh_sessions
     async def create_batch(self, batch: BatchRecord, lines: Sequence[LineRecord]) -> None:
         """Store a batch and its lines, in one transaction (the lines by COPY)."""
         marks = ", ".join(f"${index}" for index in range(1, len(BATCH_COLUMNS) + 1))
         rows = [line_row(line) for line in lines]
-        async with self._connections().acquire() as conn, conn.transaction():
+        async with self.pool.acquire() as conn, conn.transaction():
             await conn.execute(f"INSERT INTO batches ({', '.join(BATCH_COLUMNS)}) VALUES ({marks})", *batch_row(batch))  # noqa: S608
             await conn.copy_records_to_table("lines", records=rows, columns=LINE_COLUMNS)
 
-    @_on_fresh_sessions
+    @on_fresh_sessions
     async def add_lines(self, lines: Sequence[LineRecord]) -> None:
         """Store more lines of a batch being validated, in one transaction; a line already stored is kept."""
         marks = ", ".join(f"${index}" for index in range(1, len(LINE_COLUMNS) + 1))
         sql = f"INSERT INTO lines ({', '.join(LINE_COLUMNS)}) VALUES ({marks}) ON CONFLICT DO NOTHING"  # noqa: S608
-        async with self._connections().acquire() as conn, conn.transaction():
+        async with self.pool.acquire() as conn, conn.transaction():
             await conn.executemany(sql, [line_row(line) for line in lines])
 
-    @_on_fresh_sessions
+    @on_fresh_sessions
     async def get_batch(self, batch_id: str) -> BatchRecord | None:
         """A batch, or None."""
-        row = await self._connections().fetchrow(_BATCHES + "WHERE id = $1", batch_id)
+        row = await self.pool.fetchrow(_BATCHES + "WHERE id = $1", batch_id)
         return None if row is None else batch_from_row(row)
 
-    @_on_fresh_sessions
+    @on_fresh_sessions
     async def list_batches(
         self, *, after: str | None = None, limit: int = 20, caller: str | None = None
     ) -> tuple[list[BatchRecord], bool]:
         """Batches (of ``caller``; None: everyone's) newest first, after ``after``; and whether more follow."""
         sql = _BATCHES + "WHERE ($3::text IS NULL OR caller = $3) " + _PAGE.format(table="batches")
-        rows = await self._connections().fetch(sql, after, limit + 1, caller)
+        rows = await self.pool.fetch(sql, after, limit + 1, caller)
         return [batch_from_row(row) for row in rows[:limit]], len(rows) > limit
 
-    @_on_fresh_sessions
+    @on_fresh_sessions
     async def update_batch(self, batch_id: str, **fields: Any) -> BatchRecord | None:
         """Set the named fields (``store.UPDATABLE``); the batch as it is now, or None."""
         values = encode_fields(fields)
@@ -273,10 +242,10 @@ class PgJobStore:
             return await self.get_batch(batch_id)
         assignments = ", ".join(f"{name} = ${index}" for index, name in enumerate(values, start=2))
         sql = f"UPDATE batches SET {assignments} WHERE id = $1 RETURNING {', '.join(BATCH_COLUMNS)}"  # noqa: S608
-        row = await self._connections().fetchrow(sql, batch_id, *values.values())
+        row = await self.pool.fetchrow(sql, batch_id, *values.values())
         return None if row is None else batch_from_row(row)
 
-    @_on_fresh_sessions
+    @on_fresh_sessions
     async def transition(
         self, batch_id: str, from_statuses: Sequence[BatchStatus], to_status: BatchStatus, **fields: Any
     ) -> bool:
@@ -284,16 +253,16 @@ class PgJobStore:
         values = encode_fields({**fields, "status": to_status})
         assignments = ", ".join(f"{name} = ${index}" for index, name in enumerate(values, start=3))
         sql = f"UPDATE batches SET {assignments} WHERE id = $1 AND status = ANY($2::text[])"  # noqa: S608
-        status = await self._connections().execute(sql, batch_id, [str(s) for s in from_statuses], *values.values())
+        status = await self.pool.execute(sql, batch_id, [str(s) for s in from_statuses], *values.values())
         return _changed(status) > 0
 
-    @_on_fresh_sessions
+    @on_fresh_sessions
     async def lease(
         self, owner: str, *, limit: int, lease_seconds: float, batch_id: str | None = None
     ) -> list[LineRecord]:
         """Take up to ``limit`` pending or expired lines of batches in progress, oldest first."""
         rows: list[asyncpg.Record] = []
-        async with self._connections().acquire() as conn, conn.transaction():
+        async with self.pool.acquire() as conn, conn.transaction():
             for (batch,) in await conn.fetch(_IN_PROGRESS, batch_id):
                 taken = await conn.fetch(_LEASE, owner, batch, limit - len(rows), lease_seconds)
                 rows += sorted(taken, key=lambda row: row["line"])  # RETURNING has no order
@@ -302,32 +271,32 @@ class PgJobStore:
         self.lease_takeovers += sum(row["was_status"] == "leased" and row["was_owner"] != owner for row in rows)
         return [line_from_row(row[: len(LINE_COLUMNS)]) for row in rows]
 
-    @_on_fresh_sessions
+    @on_fresh_sessions
     async def renew(self, owner: str, keys: Sequence[LineKey], lease_seconds: float) -> int:
         """Extend ``owner``'s leases on ``keys``; how many it still held."""
         batch_ids, lines = _unzip(keys)
         sql = f"UPDATE lines SET lease_expires = {_NOW} + $4 {_KEYS} AND status = 'leased' AND lease_owner = $3"  # noqa: S608
-        return _changed(await self._connections().execute(sql, batch_ids, lines, owner, lease_seconds))
+        return _changed(await self.pool.execute(sql, batch_ids, lines, owner, lease_seconds))
 
-    @_on_fresh_sessions
+    @on_fresh_sessions
     async def finish(  # noqa: PLR0917 - the line's key, its outcome and usage: the order callers expect
         self, owner: str, batch_id: str, line: int, status: LineStatus, result: str, usage: Usage
     ) -> bool:
         """Record a line's outcome and add its usage to the batch, only if ``owner`` still leases it."""
         if status not in (LineStatus.COMPLETED, LineStatus.FAILED):
             raise ValueError(f"a line finishes completed or failed, not {status}")
-        async with self._connections().acquire() as conn, conn.transaction():
+        async with self.pool.acquire() as conn, conn.transaction():
             if not _changed(await conn.execute(_FINISH, str(status), result, batch_id, line, owner)):
                 return False
             await conn.execute(_ADD_USAGE, *Usage(*usage), batch_id)
         return True
 
-    @_on_fresh_sessions
+    @on_fresh_sessions
     async def finish_many(self, owner: str, outcomes: Sequence[Outcome]) -> list[bool]:
         """``finish`` for several lines in one transaction; for each, whether ``owner`` still leased it."""
         written: list[bool] = []
         usage: dict[str, Usage] = {}
-        async with self._connections().acquire() as conn, conn.transaction():
+        async with self.pool.acquire() as conn, conn.transaction():
             for batch_id, line, status, result, used in outcomes:
                 written.append(_changed(await conn.execute(_FINISH, str(status), result, batch_id, line, owner)) > 0)
                 if written[-1]:
@@ -336,7 +305,7 @@ class PgJobStore:
             await conn.executemany(_ADD_USAGE, [(*Usage(*used), batch_id) for batch_id, used in usage.items()])
         return written
 
-    @_on_fresh_sessions
+    @on_fresh_sessions
     async def release(self, owner: str, keys: Sequence[LineKey]) -> int:
         """Give ``owner``'s leases on ``keys`` back (pending again); how many."""
         batch_ids, lines = _unzip(keys)
@@ -344,37 +313,37 @@ class PgJobStore:
             f"UPDATE lines SET status = 'pending', lease_owner = NULL, lease_expires = NULL {_KEYS} "  # noqa: S608
             "AND status = 'leased' AND lease_owner = $3"
         )
-        return _changed(await self._connections().execute(sql, batch_ids, lines, owner))
+        return _changed(await self.pool.execute(sql, batch_ids, lines, owner))
 
-    @_on_fresh_sessions
+    @on_fresh_sessions
     async def cancel_pending(self, batch_id: str) -> int:
         """Mark the batch's pending lines, and those with expired leases, cancelled; how many."""
         sql = (
             "UPDATE lines SET status = 'cancelled', lease_expires = NULL WHERE batch_id = $1 "  # noqa: S608
             f"AND (status = 'pending' OR (status = 'leased' AND lease_expires < {_NOW}))"
         )
-        return _changed(await self._connections().execute(sql, batch_id))
+        return _changed(await self.pool.execute(sql, batch_id))
 
-    @_on_fresh_sessions
+    @on_fresh_sessions
     async def counts(self, batch_id: str) -> RequestCounts:
         """The batch's lines by outcome."""
-        row = await self._connections().fetchrow(_COUNTS, batch_id)
+        row = await self.pool.fetchrow(_COUNTS, batch_id)
         assert row is not None  # an aggregate always returns its one row
         return RequestCounts(*row)
 
     async def results(self, batch_id: str) -> AsyncIterator[LineRecord]:
         """The batch's completed and failed lines, in input order, read a page at a time."""
-        pool, last = self._connections(), -1
+        pool, last = self.pool, -1
         while rows := await pool.fetch(_RESULTS, batch_id, last, _RESULTS_PAGE):
             for row in rows:
                 yield line_from_row(row)
             last = rows[-1]["line"]
 
-    @_on_fresh_sessions
+    @on_fresh_sessions
     async def unfinished_batches(self) -> list[BatchRecord]:
         """Batches in an open status (``store.OPEN_BATCH_STATUSES``), oldest first."""
         sql = _BATCHES + "WHERE status = ANY($1::text[]) ORDER BY created_at, id"
-        rows = await self._connections().fetch(sql, [str(status) for status in OPEN_BATCH_STATUSES])
+        rows = await self.pool.fetch(sql, [str(status) for status in OPEN_BATCH_STATUSES])
         return [batch_from_row(row) for row in rows]
 
 

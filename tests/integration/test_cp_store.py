@@ -15,15 +15,20 @@ from pathlib import Path
 import asyncpg
 import pytest
 from cp_store_helpers import fresh_database, postgres  # noqa: F401 - the session's server fixture
-from worker.pg_server import PgServer
+from pg_faults import lost_reply
+from worker.pg_server import PgServer, end_sessions
 
 from iop_control_plane.bootstrap import build_control_plane
 from iop_control_plane.ledger import Attempt, LedgerEntry
-from iop_control_plane.pg_store import PgStore, shown_url
+from iop_control_plane.metrics import ControlPlaneMetrics
+from iop_control_plane.pg_store import PgStore
+from iop_control_plane.registry import Registry
 from iop_control_plane.settings import ConfigError, Settings, StartError, load_settings
 from iop_control_plane.sqlite_store import SqliteStore
 from iop_control_plane.state import SCHEMA_VERSION, NodeSeen, Opened, Placed, StateChanged, StateStore, StoreTooNew
+from iop_control_plane.store import AuditStore
 from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire.pg import shown_url
 
 Open = Callable[[str], Awaitable[StateStore]]
 
@@ -217,6 +222,65 @@ async def test_control_planes_opening_one_database_together_migrate_it_once(post
         assert await stores[0].changes() == {"policy": 0, "drains": 0, "revocations": 0}
     finally:
         for store in stores:
+            await store.aclose()
+
+
+async def test_commands_right_after_the_server_ends_the_sessions_are_applied_once(postgres: PgServer) -> None:  # noqa: F811
+    """The pool still holds sessions the server ended (a restart): an admin command, a join or a
+    ledger write met one and failed. Each now runs on fresh sessions, and is applied once."""
+    url = await fresh_database(postgres)
+    database = url.rsplit("/", 1)[1]
+    store = PgStore(url, max_connections=2)
+    await store.open("cp-a")
+    metrics = ControlPlaneMetrics(Registry())
+    metrics.watch_store(AuditStore(store))
+    now = time.time()
+    rounds = 20
+    commands: list[Callable[[int], Awaitable[object]]] = [
+        lambda n: store.add_policy(f"# policy {n}", "0" * 64, "cli", "ops"),
+        lambda n: store.use_token("abc123"),
+        lambda n: store.commit([_ended(f"r{n}", "node-a")], {}),
+        lambda n: store.revoke_node(f"gpu-{n}", "removed", now, (f"{n:02x}", now + 60)),
+        lambda n: store.drains(),
+    ]
+    try:
+        await store.add_token(("abc123", "f" * 64, now, now + 60, rounds, 0, "gpu-", "ops", None))
+        for n in range(rounds):
+            for command in commands:
+                await asyncio.gather(store.changes(), store.changes())  # both sessions open, idle
+                assert await end_sessions(postgres, database) >= 1
+                assert await command(n) not in (False, [])
+        assert [policy.version for policy in await store.policies()] == list(range(rounds, 0, -1))
+        assert (await store.tokens("abc123"))[0][5] == rounds
+        assert len((await store.runs(pb.RunsList(limit=100))).runs) == rounds
+        assert len(await store.revoked()) == rounds
+        assert store.sessions_lost >= 1
+        assert metrics.registry.get_sample_value("iop_control_plane_store_sessions_lost_total") == store.sessions_lost
+    finally:
+        await store.aclose()
+
+
+async def test_a_ledger_batch_committed_unseen_as_the_database_went_away_is_written_once(
+    postgres: PgServer,  # noqa: F811
+) -> None:
+    """The server committed a batch of ended runs and state changes, the reply was lost, and the
+    database was away, so the control-plane could not ask: its writer sends the batch again, and
+    no run or state change is recorded twice."""
+    async with lost_reply(postgres, await fresh_database(postgres)) as lost:
+        store = PgStore(lost.url, timeout=10.0)
+        await store.open("cp-a")
+        batch = [_ended("r1", "node-a"), StateChanged("node-a", time.time(), "ready", "registered")]
+        try:
+            cutting = lost.cut_when_committed("runs")
+            with pytest.raises(ConnectionResetError):  # asking whether it committed: its outcome unknown
+                await store.commit(batch, {})
+            await cutting
+            lost.proxy.pass_()
+            await store.commit(batch, {})
+            assert [run.run_id for run in (await store.runs(pb.RunsList())).runs] == ["r1"]
+            assert len((await store.runs(pb.RunsList())).runs[0].attempts) == 1
+            assert await store.events("node-a") == [("ready", "registered")]
+        finally:
             await store.aclose()
 
 

@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import asyncpg
 import pytest
 from key_store_helpers import StorageFactory, factory, new_database
-from worker.pg_server import PgServer, pg_server, required_binaries
+from pg_faults import lost_reply
+from worker.pg_server import PgServer, end_sessions, pg_server, required_binaries
 
 from iop_edge.key_storage import SCHEMA_VERSION, KeyStorage, SchemaTooNew, UsageRow, UsageTotal
 from iop_edge.keys import create_key, digest, list_keys
+from iop_edge.pg_keys import PgKeyStorage
+from iop_edge.usage import UsageRecorder
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +69,77 @@ async def test_keys_are_created_listed_revoked_and_their_names_reused(make: Stor
     assert infos["alice"].key_id == "key_" + digest("sk-iop-d")[:12]
 
 
+async def test_operations_right_after_the_server_ends_the_sessions_are_applied_once(postgres: PgServer) -> None:
+    """The pool still holds sessions the server ended (a restart): a key lookup, ``iop keys create``
+    or a usage write met one and failed. Each now runs on fresh sessions, and is applied once."""
+    url = await new_database(postgres)
+    database = url.rsplit("/", 1)[1]
+    store = PgKeyStorage(url, max_connections=2)
+    await store.open()
+    rounds = 20
+    operations: list[Callable[[int], Awaitable[object]]] = [
+        lambda n: store.create(f"k{n}", digest(f"sk-iop-{n}"), rpm=None, tpm=None, max_concurrent=None),
+        lambda n: store.active(),
+        lambda n: store.add_usage([UsageRow("alice", 100, 1, 10)], "edge-1", f"b{n}"),
+        lambda n: store.take("alice", "rpm", "edge-1", want=1, debt=0, limit=rounds, window=60.0),
+        lambda n: store.revoke(f"k{n}"),
+    ]
+    try:
+        for n in range(rounds):
+            for operation in operations:
+                await asyncio.gather(store.changes(), store.changes())  # both sessions open, idle
+                assert await end_sessions(postgres, database) >= 1
+                assert await operation(n) is not False
+        assert dict(await store.usage()) == {"alice": UsageTotal(rounds, 10 * rounds)}
+        assert (await store.take("alice", "rpm", "edge-1", want=1, debt=0, limit=rounds, window=60.0)).granted == 0
+        assert [info.name for info in await store.list_keys() if info.revoked_at is not None] == [
+            f"k{n}" for n in range(rounds)
+        ]
+        assert store.sessions_lost >= 1
+    finally:
+        await store.aclose()
+
+
+async def test_a_budget_take_whose_commit_reply_is_lost_is_not_taken_again(postgres: PgServer) -> None:
+    """The server committed the grant, and the reply was lost: taken again, the grant would count
+    twice against the limit (and this one report nothing granted). The store asks the server
+    whether the first committed, and reports that grant."""
+    async with lost_reply(postgres, await new_database(postgres)) as lost:
+        store = PgKeyStorage(lost.url, max_connections=1, timeout=10.0)
+        await store.open()
+        try:
+            cutting = lost.cut_when_committed("key_grants")
+            cutting.add_done_callback(lambda _: lost.proxy.pass_())  # reachable again at once
+            grant = await store.take("alice", "rpm", "edge-1", want=1, debt=0, limit=2, window=60.0)
+            await cutting
+            assert grant.granted == 1 and grant.grant_id is not None
+            assert (await store.take("alice", "rpm", "edge-1", want=1, debt=0, limit=2, window=60.0)).granted == 1
+            assert store.sessions_lost == 1
+        finally:
+            await store.aclose()
+
+
+async def test_a_usage_batch_committed_unseen_as_the_database_went_away_is_counted_once(postgres: PgServer) -> None:
+    """The 251 against 250 once seen with PostgreSQL stopped: the server committed a usage batch,
+    the reply was lost, and the database was away, so the edge could not ask. Its batch is sent
+    again under its id, and found written."""
+    async with lost_reply(postgres, await new_database(postgres)) as lost:
+        store = PgKeyStorage(lost.url, max_connections=1, timeout=10.0)
+        await store.open()
+        try:
+            usage = UsageRecorder(store, "edge-1")
+            usage.record("alice", 10)
+            cutting = lost.cut_when_committed("key_usage")
+            assert not await usage.flush()  # its outcome unknown: kept
+            await cutting
+            usage.record("alice", 5)
+            lost.proxy.pass_()
+            assert await usage.flush() and not len(usage)
+            assert dict(await store.usage()) == {"alice": UsageTotal(2, 15)}
+        finally:
+            await store.aclose()
+
+
 async def test_every_create_and_revoke_is_a_change_another_store_sees(make: StorageFactory) -> None:
     one, two = await _open(make), await _open(make)
     before = await two.changes()
@@ -77,11 +151,12 @@ async def test_every_create_and_revoke_is_a_change_another_store_sees(make: Stor
     assert await two.changes() != after_create and not await two.active()
 
 
-async def test_usage_adds_up_across_edges_and_batches(make: StorageFactory) -> None:
+async def test_usage_adds_up_across_edges_and_batches_each_batch_once(make: StorageFactory) -> None:
     one, two = await _open(make), await _open(make)
-    await one.add_usage([UsageRow("alice", 100, 2, 30), UsageRow("bob", 100, 1, 5)], "edge-1")
-    await one.add_usage([UsageRow("alice", 100, 1, 10)], "edge-1")
-    await two.add_usage([UsageRow("alice", 101, 4, 0)], "edge-2")
+    await one.add_usage([UsageRow("alice", 100, 2, 30), UsageRow("bob", 100, 1, 5)], "edge-1", "b1")
+    await one.add_usage([UsageRow("alice", 100, 1, 10)], "edge-1", "b2")
+    await one.add_usage([UsageRow("alice", 100, 1, 10)], "edge-1", "b2")  # sent again: found written
+    await two.add_usage([UsageRow("alice", 101, 4, 0)], "edge-2", "b2")  # each edge's batches are its own
     assert dict(await one.usage()) == {"alice": UsageTotal(7, 40), "bob": UsageTotal(1, 5)}
 
 

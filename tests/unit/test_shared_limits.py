@@ -17,6 +17,7 @@ class _Store:
     """A key store's budget half, in memory, with one window that never moves; ``away`` fails every call."""
 
     name = "memory"
+    sessions_lost = 0
 
     def __init__(self) -> None:
         self.grants: dict[int, tuple[str, str, int]] = {}
@@ -65,7 +66,7 @@ class _Store:
     async def list_keys(self) -> list[KeyInfo]: ...  # type: ignore[empty-body]
     async def changes(self) -> object: ...
     async def active(self) -> dict[str, ApiKey]: ...  # type: ignore[empty-body]
-    async def add_usage(self, rows: Sequence[UsageRow], edge: str) -> None: ...
+    async def add_usage(self, rows: Sequence[UsageRow], edge: str, batch: str) -> None: ...
     async def usage(self) -> Mapping[str, UsageTotal]: ...  # type: ignore[empty-body]
 
 

@@ -6,6 +6,7 @@ package creates it), else as ``nobody``, in a folder that user owns.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import pwd
@@ -69,6 +70,21 @@ async def create_database(server: PgServer, name: str) -> str:
     finally:
         await connection.close()
     return name
+
+
+async def end_sessions(server: PgServer, database: str) -> int:
+    """End every session on ``database`` as a restart would (``pg_terminate_backend``); how many.
+
+    The clients' pools still hold them, their end not yet read: a store's next operation meets one.
+    """
+    connection = await asyncpg.connect(server.url())
+    sql = "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()"
+    try:
+        ended: int = await connection.fetchval(sql, database)
+    finally:
+        await connection.close()
+    await asyncio.sleep(0.005)  # the end reaches the pool's sockets; the pool has not read it yet
+    return ended
 
 
 @contextlib.contextmanager
