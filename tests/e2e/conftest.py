@@ -30,7 +30,9 @@ from iop_edge.keys import create_key
 from iop_wire.certs import init_dir, tls_section
 
 IOP = [sys.executable, "-m", "iop_cli.main"]
-START_TIMEOUT = 30.0
+START_TIMEOUT = 60.0
+"""How long a service may take to start: a bound on waiting, not a figure (importing the edge took 9 s
+on a 2-core host at load 9)."""
 MOCK_ROUTES: list[dict[str, Any]] = [
     {"model": "mock-small", "adapter": "mock", "options": {"tokens": 8, "tokens_per_second": 200}},
     {"model": "mock-slow", "adapter": "mock", "options": {"tokens": 1000, "tokens_per_second": 20}},
