@@ -156,7 +156,7 @@ class _HeadWithBody(asyncio.Transport):
 
     uvicorn writes a head and a body apart: two segments, and the client is woken by the first;
     on a busy host it then runs (it was waiting) and the edge waits for a core to write the rest.
-    Stamped in the edge back to back at load 7-8 on 2 cores (``edge_bench.py``'s workload), the
+    Stamped in the edge back to back at load 4-9 on 2 cores (``edge_bench.py``'s workload), the
     time from x-iop-overhead-ms's stamp to the body's write fell from 0.535 to 0.168 ms (median)
     with one write: time the client waited that the header could not see.
     """
@@ -170,7 +170,9 @@ class _HeadWithBody(asyncio.Transport):
         self._first = True
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        if self._first:  # the head: its body follows in this turn (a stream's first chunk may not)
+        # The first write is the head (or a 100 Continue): its body follows in this turn, a
+        # stream's first chunk may not (then the head leaves alone as the turn ends).
+        if self._first:
             self._first = False
             self._head = bytes(data)
             self._flush_later = self._loop.call_soon(self._flush)
