@@ -231,6 +231,22 @@ def test_a_machine_joins_serves_and_stops(platform: Path, machine: Path) -> None
     _assert_eventually(lambda: _nodes(platform).get("gpu-b", {}).get("state") != "ready", "gpu-b gone from ready")
 
 
+@pytest.mark.timeout(120)
+def test_up_in_a_joined_folder_starts_its_node_again_without_a_token(platform: Path, machine: Path) -> None:
+    join_args, _ = _token(platform)
+    assert _join(join_args, machine, "gpu-up").returncode == 0
+    assert _iop("down", "--dir", str(machine)).returncode == 0  # as a reboot leaves it
+    _assert_eventually(lambda: _nodes(platform).get("gpu-up", {}).get("state") != "ready", "gpu-up gone from ready")
+
+    joins = _join_attempts(platform)["accepted"]
+
+    restarted = _iop("up", "--dir", str(machine), timeout=90)
+    assert restarted.returncode == 0, restarted.stdout + restarted.stderr
+    assert _nodes(platform)["gpu-up"]["state"] == "ready"
+    assert _join_attempts(platform)["accepted"] == joins  # the certificate it holds: no join again
+    assert "--listen" in _failed_in_one_line(_iop("up", "--dir", str(machine), "--listen", LISTEN), "up")
+
+
 def test_a_machine_joined_in_the_foreground_stops_on_ctrl_c(platform: Path, machine: Path) -> None:
     join_args, _ = _token(platform)
     command = [*IOP, "join", *join_args, "--name", "gpu-fg", "--dir", str(machine), "--foreground"]
