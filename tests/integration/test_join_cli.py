@@ -312,6 +312,7 @@ def test_bad_arguments_are_one_line_before_anything_is_sent(platform: Path, mach
     )
 
 
+@pytest.mark.timeout(150)
 def test_a_removed_node_is_closed_and_cannot_come_back(platform: Path, machine: Path) -> None:
     join_args, _ = _token(platform)
     assert _join(join_args, machine, "gpu-c").returncode == 0
@@ -320,6 +321,10 @@ def test_a_removed_node_is_closed_and_cannot_come_back(platform: Path, machine: 
     _assert_eventually(lambda: "gpu-c" not in _nodes(platform), "gpu-c no longer listed")
     _assert_eventually(lambda: "revoked" in (machine / "node.log").read_text(), "the refusal in the node's log")
     assert "gpu-c" not in _nodes(platform)
+    assert _iop("down", "--dir", str(machine)).returncode == 0
+    again = _iop("up", "--dir", str(machine), timeout=90)  # the revoked certificate, named in the one line
+    assert again.returncode != 0 and "revoked: join again" in again.stderr, again.stdout + again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1, again.stderr
     unknown = _iop("nodes", "remove", "no-such-node", "--dir", str(platform))
     assert unknown.returncode == 1 and unknown.stderr.strip()
 
