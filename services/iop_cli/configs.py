@@ -341,10 +341,20 @@ def set_value(config: Path, keys: tuple[str, str], value: int | str | list[str])
     before = _written(node)
     if before != (value if isinstance(value, list) else str(value)):
         text = config.read_text()
-        written = str(value) if isinstance(value, int) else json.dumps(value)  # JSON is YAML (flow style)
-        end = node.end_mark.index
-        config.write_text(text[: node.start_mark.index] + written + text[end:])
+        start, end = node.start_mark.index, node.end_mark.index
+        end = start + len(text[start:end].rstrip())  # a block sequence ends at the next key: keep its line break
+        config.write_text(text[:start] + _as_yaml(value, node) + text[end:])
         print(f"{config}: {name} {_shown(before)} -> {_shown(value)}")
+
+
+def _as_yaml(value: int | str | list[str], replaced: yaml.Node) -> str:
+    """``value`` written where ``replaced`` was: a block sequence (``iop up --listen``'s first write)
+    stays one, its items at its column (a flow value there would sit at its key's indentation);
+    anything else as JSON, which is YAML in flow style."""
+    if isinstance(replaced, yaml.SequenceNode) and not replaced.flow_style and not isinstance(value, int):
+        items = value if isinstance(value, list) else [value]
+        return ("\n" + " " * replaced.start_mark.column).join(f"- {json.dumps(item)}" for item in items)
+    return str(value) if isinstance(value, int) else json.dumps(value)
 
 
 def _shown(value: int | str | list[str]) -> str:

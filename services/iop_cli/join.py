@@ -17,8 +17,8 @@ Then ``DIR/node.yaml`` (the node named as its certificate, registered with ADDRE
 hash, time) are written and the node starts as ``iop up`` starts the platform: under ``iop
 supervise`` in the background (``--foreground``: attached), the node alone. ``join`` returns once
 the node registered, printing its name, the control-plane and the models it serves. ``iop down``
-and ``iop status`` in DIR handle it. Every failure is one line, exit 2; a folder that joined
-already says so.
+and ``iop status`` in DIR handle it; ``iop up`` there starts the node again (after a reboot: no
+new token). Every failure is one line, exit 2; a folder that joined already says so.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from iop_wire.endpoint import dial
 from iop_wire.errors import IopError
 from iop_wire.tls import Role, certless_context
 
-__all__ = ["join"]
+__all__ = ["join", "start_joined"]
 
 _TIMEOUT = 10.0
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
@@ -75,10 +75,16 @@ def join(args: argparse.Namespace) -> int:
         asyncio.run(_join(state, (host, port), name, args.token, args.ca))
         _write_node(state, name, args.address, host, routes)
         (state / JOINED).write_text(json.dumps(_joined(args.address, name, args.ca), indent=2) + "\n")
-    if args.foreground:
-        return _foreground(Platform(state, args.log_level, foreground=True))
+    return start_joined(state, args.log_level, foreground=args.foreground)
+
+
+def start_joined(state: Path, log_level: str | None, *, foreground: bool) -> int:
+    """Start the node of a folder that joined (by ``iop join``, or ``iop up`` there after ``iop down``
+    or a reboot: the certificate it holds, renewed or not, is still its own); the exit code."""
+    if foreground:
+        return _foreground(Platform(state, log_level, foreground=True))
     try:
-        started = start_supervised(state, args.log_level)
+        started = start_supervised(state, log_level)
     except CliError as exc:
         raise CliError(str(exc), 2) from None
     _print_joined(state, started["node"])

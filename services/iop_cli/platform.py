@@ -13,6 +13,7 @@ and ``iop status``.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -150,7 +151,9 @@ class Platform:
             time.sleep(0.05)
         code = self.processes[node.name].poll()
         what = f"exited (code {code})" if code is not None else "did not register"
-        raise CliError(f"the node {what} within {_START_TIMEOUT:.0f} s; see {node.file('.log')}", 1)
+        said = _last_refusal(node.file(".log"))
+        why = f" (its last dial: {said})" if said else ""
+        raise CliError(f"the node {what} within {_START_TIMEOUT:.0f} s{why}; see {node.file('.log')}", 1)
 
     def _wait_served(self, edge: Service, port: int) -> None:
         deadline = time.monotonic() + _START_TIMEOUT
@@ -265,3 +268,15 @@ def is_ours(pid: int, name: str) -> bool:
     except (OSError, IndexError):
         return True  # no /proc here: the signal check is all there is
     return state not in ("Z", "X") and b"iop_cli.main" in command and f"\0{name}\0".encode() in command
+
+
+def _last_refusal(log: Path) -> str:
+    """The reason of the last dial the node's log says was refused ("" if none): a joined node whose
+    certificate was revoked or expired is told so at once, then only dials again."""
+    with contextlib.suppress(OSError):
+        for line in reversed(log.read_text(errors="replace")[-_LOG_TAIL * 4 :].splitlines()):
+            with contextlib.suppress(ValueError):
+                entry = json.loads(line)
+                if isinstance(entry, dict) and entry.get("event") == "peer unreachable":
+                    return str(entry.get("reason", ""))
+    return ""

@@ -120,11 +120,8 @@ def up(
 
     ``listen``: addresses of this machine other machines reach it at (``--listen``)."""
     if is_joined(state):
-        raise CliError(
-            f"{state} holds a node 'iop join' made: 'iop down --dir {state}' stops it; start a platform elsewhere "
-            "(--dir)",
-            2,
-        )
+        options = {"--port": port is not None, "--backend": backend is not None, "--listen": bool(listen)}
+        return _up_joined(state, [option for option, given in options.items() if given], log_level, foreground)
     listen = check_listen(listen)
     with contextlib.ExitStack() as lock:
         lock.enter_context(only_up(state, "up"))
@@ -365,6 +362,25 @@ def _read_key(state: Path) -> str:
     except (OSError, UnicodeDecodeError):
         key = ""
     return key or f"(none in {state / 'api-key'}: 'iop keys create NAME --dir {state}' makes one)"
+
+
+def _up_joined(state: Path, given: list[str], log_level: str | None, foreground: bool) -> int:
+    """``up`` in a folder ``iop join`` made: its node started again, with the certificate it holds."""
+    from iop_cli.join import start_joined  # here: iop_cli.join imports this module
+
+    if given:
+        raise CliError(
+            f"{state} holds a node 'iop join' made: {', '.join(given)} apply to a platform 'iop up' made; "
+            "'iop up' there starts the node as it joined",
+            2,
+        )
+    with only_up(state, "up"):
+        if (pid := running_pid(Service("node", state))) is not None:
+            stop = iop_command("down", *_dir_args(state))
+            print(f"the node 'iop join' made runs in {state} (pid {pid}); stop it with '{stop}'")
+            return 0
+        check_files(state)
+    return start_joined(state, log_level, foreground=foreground)
 
 
 def _already_running(state: Path, running: dict[str, int], port: int | None) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import ipaddress
 import re
 import time
 from collections import defaultdict, deque
@@ -31,8 +32,9 @@ from iop_wire.certs import Authority, RequestError, ca_hash, requested_name
 from iop_wire.errors import Reason
 from iop_wire.logs import RateLimitedLog
 from iop_wire.messages import error_envelope
+from iop_wire.metrics import LIMIT_HITS
 
-__all__ = ["SHARED_NODE_NAME", "Joining", "valid_node_name"]
+__all__ = ["SHARED_NODE_NAME", "Joining", "failure_source", "valid_node_name"]
 
 _log = structlog.get_logger("iop.control_plane")
 SHARED_NODE_NAME = "node"
@@ -62,11 +64,25 @@ class _Refusal(Exception):
         self.outcome, self.error = outcome, error
 
 
-class _FailureBound:
-    """Failed join attempts per source address within a sliding window."""
+def failure_source(address: str) -> str:
+    """What failed join attempts are counted by: an IPv4 address, or an IPv6 address's /64 (one
+    host's share: counted by address, one machine would have 2**64 to guess from)."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is None:
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else ip)
 
-    def __init__(self, limit: int, window: float) -> None:
-        self.limit, self.window = limit, window
+
+class _FailureBound:
+    """Failed join attempts per source within a sliding window, for at most ``sources`` sources: a
+    new one beyond them forgets the source that failed first (counted and logged), so peers with
+    many addresses cannot grow the table."""
+
+    def __init__(self, limit: int, window: float, sources: int, logs: RateLimitedLog) -> None:
+        self.limit, self.window, self.sources, self._logs = limit, window, sources, logs
         self._failures: defaultdict[str, deque[float]] = defaultdict(deque)
 
     def retry_after(self, address: str) -> float | None:
@@ -83,6 +99,13 @@ class _FailureBound:
         return failures[0] + self.window - now if len(failures) >= self.limit else None
 
     def failed(self, address: str) -> None:
+        if address not in self._failures and len(self._failures) >= self.sources:
+            forgotten = next(iter(self._failures))  # the one that first failed: dicts keep insertion order
+            del self._failures[forgotten]
+            LIMIT_HITS.labels("join_failure_sources").inc()
+            self._logs.warning(
+                "join failure sources", _log, "join failures forgotten", reason="too many sources", limit=self.sources
+            )
         self._failures[address].append(time.monotonic())
 
 
@@ -123,8 +146,8 @@ class Joining:
         self.sessions, self.metrics, self.authority = sessions, metrics, authority
         self.connections: Callable[[], Iterable[Connection]] = tuple
         """The listener's open connections (set once it listens): a certless run.request closes its own."""
-        self._failures = _FailureBound(join.max_failures, join.failure_window)
         self._logs = RateLimitedLog()
+        self._failures = _FailureBound(join.max_failures, join.failure_window, join.max_failure_sources, self._logs)
         self._joining = asyncio.Lock()  # one join at a time: a token's uses and a name's holder stay exact
         self._lifetime = datetime.timedelta(seconds=join.certificate_lifetime)
         self._closing: set[asyncio.Task[None]] = set()
@@ -210,14 +233,15 @@ class Joining:
         authority = self._authority()
         message = inbound.envelope.join_request
         address = inbound.connection.address.rpartition(":")[0] or "?"
+        source = failure_source(address)
         parsed = parse_token(message.token)
         token_id = parsed[0] if parsed else ""
         name = ""
         try:
-            if (wait := self._failures.retry_after(address)) is not None:
+            if (wait := self._failures.retry_after(source)) is not None:
                 error = IopError(
                     pb.ERROR_CODE_RESOURCE_EXHAUSTED,
-                    f"too many failed join attempts from {address}: try again in {wait:.0f} s",
+                    f"too many failed join attempts from {source}: try again in {wait:.0f} s",
                     reason=pb.ERROR_REASON_TOO_MANY_ATTEMPTS,
                     retry_after=datetime.timedelta(seconds=wait),
                     retryable=True,
@@ -229,7 +253,7 @@ class Joining:
                 accepted = await self._accept(authority, token, name, message.csr_pem)
         except _Refusal as refusal:
             if refusal.outcome != "too_many_attempts":
-                self._failures.failed(address)
+                self._failures.failed(source)
             await self._attempt(token_id, address, name, refusal.outcome)
             raise refusal.error from None
         await self._attempt(token_id, address, name, "accepted")

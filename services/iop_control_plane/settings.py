@@ -72,6 +72,9 @@ class JoinSettings(_Section):
     RESOURCE_EXHAUSTED (TOO_MANY_ATTEMPTS) without looking at the token."""
     failure_window: float = Field(60.0, gt=0)
     """Seconds over which ``max_failures`` is counted."""
+    max_failure_sources: int = Field(4096, ge=1)
+    """Source addresses (IPv6: /64s) whose failed join attempts are remembered; a new one beyond
+    them forgets the one that failed first (``iop_wire_limit_hits_total{limit="join_failure_sources"}``)."""
     anonymous_timeout: float = Field(30.0, gt=0)
     """Seconds a connection without a certificate (a machine joining) stays open."""
     max_anonymous: int = Field(32, ge=1)

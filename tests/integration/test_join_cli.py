@@ -231,6 +231,22 @@ def test_a_machine_joins_serves_and_stops(platform: Path, machine: Path) -> None
     _assert_eventually(lambda: _nodes(platform).get("gpu-b", {}).get("state") != "ready", "gpu-b gone from ready")
 
 
+@pytest.mark.timeout(120)
+def test_up_in_a_joined_folder_starts_its_node_again_without_a_token(platform: Path, machine: Path) -> None:
+    join_args, _ = _token(platform)
+    assert _join(join_args, machine, "gpu-up").returncode == 0
+    assert _iop("down", "--dir", str(machine)).returncode == 0  # as a reboot leaves it
+    _assert_eventually(lambda: _nodes(platform).get("gpu-up", {}).get("state") != "ready", "gpu-up gone from ready")
+
+    joins = _join_attempts(platform)["accepted"]
+
+    restarted = _iop("up", "--dir", str(machine), timeout=90)
+    assert restarted.returncode == 0, restarted.stdout + restarted.stderr
+    assert _nodes(platform)["gpu-up"]["state"] == "ready"
+    assert _join_attempts(platform)["accepted"] == joins  # the certificate it holds: no join again
+    assert "--listen" in _failed_in_one_line(_iop("up", "--dir", str(machine), "--listen", LISTEN), "up")
+
+
 def test_a_machine_joined_in_the_foreground_stops_on_ctrl_c(platform: Path, machine: Path) -> None:
     join_args, _ = _token(platform)
     command = [*IOP, "join", *join_args, "--name", "gpu-fg", "--dir", str(machine), "--foreground"]
@@ -296,6 +312,7 @@ def test_bad_arguments_are_one_line_before_anything_is_sent(platform: Path, mach
     )
 
 
+@pytest.mark.timeout(150)
 def test_a_removed_node_is_closed_and_cannot_come_back(platform: Path, machine: Path) -> None:
     join_args, _ = _token(platform)
     assert _join(join_args, machine, "gpu-c").returncode == 0
@@ -304,6 +321,10 @@ def test_a_removed_node_is_closed_and_cannot_come_back(platform: Path, machine: 
     _assert_eventually(lambda: "gpu-c" not in _nodes(platform), "gpu-c no longer listed")
     _assert_eventually(lambda: "revoked" in (machine / "node.log").read_text(), "the refusal in the node's log")
     assert "gpu-c" not in _nodes(platform)
+    assert _iop("down", "--dir", str(machine)).returncode == 0
+    again = _iop("up", "--dir", str(machine), timeout=90)  # the revoked certificate, named in the one line
+    assert again.returncode != 0 and "revoked: join again" in again.stderr, again.stdout + again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1, again.stderr
     unknown = _iop("nodes", "remove", "no-such-node", "--dir", str(platform))
     assert unknown.returncode == 1 and unknown.stderr.strip()
 

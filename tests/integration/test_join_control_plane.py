@@ -24,7 +24,7 @@ from iop_wire.certs import ca_hash, certificate_facts
 from iop_wire.endpoint import dial
 from iop_wire.errors import HandshakeError, IopError
 from iop_wire.metrics import REGISTRY
-from iop_wire.tls import Role
+from iop_wire.tls import Role, TlsConfig
 
 _NOT_A_CSR = "-----BEGIN CERTIFICATE REQUEST-----\nbm90IGEgcmVxdWVzdA==\n-----END CERTIFICATE REQUEST-----\n"
 
@@ -403,3 +403,19 @@ async def test_certless_connections_in_all_are_bounded_and_never_crowd_out_certi
         replacement = await certless(cp)  # room again once one closed
         for connection in (held[1], replacement, edge):
             await connection.close()
+
+
+async def test_a_node_whose_certificate_expired_must_join_again(cp: ControlPlaneApp, pki: Pki, tmp_path: Path) -> None:
+    key, request = csr("gpu-old")
+    pem, _ = pki.authority.sign_request(request.encode(), role=Role.NODE, lifetime=datetime.timedelta(seconds=-30))
+    (tmp_path / "old.crt").write_bytes(pem)
+    (tmp_path / "old.key").write_bytes(key)
+    (tmp_path / "ca.crt").write_bytes(pki.authority.cert_pem)
+    expired = TlsConfig(enabled=True, cert=tmp_path / "old.crt", key=tmp_path / "old.key", ca=tmp_path / "ca.crt")
+    with pytest.raises((OSError, IopError)):  # refused at the handshake: an expired certificate is no identity
+        await register(cp, expired, "gpu-old")
+    assert "gpu-old" not in cp.registry.nodes
+    token = await create_token(cp, pki)
+    joined = await register(cp, await join(cp, pki, token.token, "gpu-old", tmp_path / "again"), "gpu-old")
+    assert not joined.closed
+    await joined.close()

@@ -6,6 +6,7 @@ import datetime
 from pathlib import Path
 
 import pytest
+import yaml
 
 from iop_cli.addresses import listen_hosts, others_use
 from iop_cli.configs import set_value, yaml_value
@@ -68,3 +69,16 @@ def test_a_host_list_is_set_in_place_and_back(tmp_path: Path) -> None:
 def test_renewal_is_due_two_thirds_into_the_lifetime() -> None:
     facts = CertificateFacts("n", "node", "1", _T0, _T0 + datetime.timedelta(days=3))
     assert renew_at(facts) == _T0 + datetime.timedelta(days=2)
+
+
+def test_a_host_list_written_as_a_block_is_set_in_place(tmp_path: Path) -> None:
+    """``iop up --listen A`` writes ``host`` as a block sequence; a later ``--listen A --listen B`` once
+    replaced it with flow text that swallowed the line break (``["A", "B"]port: 7400``)."""
+    config = tmp_path / "c.yaml"
+    rest = "  port: 7400\ntls:\n  enabled: true\n"
+    config.write_text("listen:\n  host:\n  - 127.0.0.1\n" + rest)
+    set_value(config, ("listen", "host"), ["127.0.0.1", "10.0.0.5"])
+    assert config.read_text() == 'listen:\n  host:\n  - "127.0.0.1"\n  - "10.0.0.5"\n' + rest
+    set_value(config, ("listen", "host"), "127.0.0.1")
+    expected = {"listen": {"host": ["127.0.0.1"], "port": 7400}, "tls": {"enabled": True}}
+    assert yaml.safe_load(config.read_text()) == expected
