@@ -22,9 +22,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 from iop_cli.configs import HTTP_TIMEOUT, set_value
 from iop_cli.output import CliError
@@ -273,10 +275,44 @@ def is_ours(pid: int, name: str) -> bool:
 def _last_refusal(log: Path) -> str:
     """The reason of the last dial the node's log says was refused ("" if none): a joined node whose
     certificate was revoked or expired is told so at once, then only dials again."""
-    with contextlib.suppress(OSError):
-        for line in reversed(log.read_text(errors="replace")[-_LOG_TAIL * 4 :].splitlines()):
-            with contextlib.suppress(ValueError):
-                entry = json.loads(line)
-                if isinstance(entry, dict) and entry.get("event") == "peer unreachable":
-                    return str(entry.get("reason", ""))
+    return next((dial.reason for dial in _dials(log) if dial.event == _REFUSED), "")
+
+
+def last_dial_refused(log: Path) -> str:
+    """Why the node's dials are being refused now, "" if its latest word was that it registered: a
+    node removed from the control-plane (its certificate revoked) keeps running and dialing, and
+    its ready file still says it registered once. Only a refusal of the last 90 s counts (a refused
+    node dials at least every 30 s): at log level warning the node's "registered" is not written."""
+    latest = next(_dials(log), None)
+    if latest is None or latest.event != _REFUSED:
+        return ""
+    with contextlib.suppress(ValueError):
+        if (datetime.now(UTC) - datetime.fromisoformat(latest.at)).total_seconds() < _REFUSED_FOR:
+            return latest.reason or "refused"
     return ""
+
+
+_REFUSED, _REGISTERED = "peer unreachable", "registered"
+_REFUSED_FOR = 90.0
+
+
+class _Dial(NamedTuple):
+    event: str
+    reason: str
+    at: str
+    """When, as the log line says (ISO 8601, UTC)."""
+
+
+def _dials(log: Path) -> Iterator[_Dial]:
+    """The node's dial outcomes in its log's last part, newest first."""
+    try:
+        with log.open("rb") as file:
+            file.seek(max(0, file.seek(0, os.SEEK_END) - _LOG_TAIL * 4))
+            tail = file.read().decode(errors="replace")
+    except OSError:
+        return
+    for line in reversed(tail.splitlines()):
+        with contextlib.suppress(ValueError):
+            entry = json.loads(line)
+            if isinstance(entry, dict) and entry.get("event") in (_REFUSED, _REGISTERED):
+                yield _Dial(str(entry["event"]), str(entry.get("reason", "")), str(entry.get("timestamp", "")))

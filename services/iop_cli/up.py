@@ -85,6 +85,7 @@ from iop_cli.platform import (
     http_status,
     is_joined,
     is_ours,
+    last_dial_refused,
     read_joined,
     read_pid,
     running_pid,
@@ -461,8 +462,11 @@ def _joined_node(state: Path, ready: dict[str, Any]) -> dict[str, Any]:
     """A joined node's row: registered with the control-plane ``iop join`` named, once it said so."""
     joined = read_joined(state)
     address = f"registered as {ready.get('node_id')} with {joined.get('address', '?')}"
-    registered = bool(ready.get("registered"))
-    return {"address": address, "health": "ready" if registered else "not registered", "up": registered}
+    if not ready.get("registered"):
+        return {"address": address, "health": "not registered", "up": False}
+    if refused := last_dial_refused(state / "node.log"):  # removed since, or the control-plane is away
+        return {"address": address, "health": f"not registered: {refused}", "up": False}
+    return {"address": address, "health": "ready", "up": True}
 
 
 def _node_state(state: Path, node_id: str) -> str:
