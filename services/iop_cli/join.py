@@ -30,6 +30,7 @@ import datetime
 import json
 import os
 import re
+import shutil
 import socket
 import ssl
 from pathlib import Path
@@ -69,12 +70,18 @@ def join(args: argparse.Namespace) -> int:
             f"--ca must be sha256: and 64 hex digits (as 'iop join-token create' prints it), not {args.ca!r}"
         )
     routes = backend_routes(args.backend) if args.backend else None  # before anything is sent: nothing wasted
+    created = not state.exists()
     state.mkdir(parents=True, exist_ok=True)
-    with only_up(state, "join"):
-        _refuse_taken(state)
-        asyncio.run(_join(state, (host, port), name, args.token, args.ca))
-        _write_node(state, name, args.address, host, routes)
-        (state / JOINED).write_text(json.dumps(_joined(args.address, name, args.ca), indent=2) + "\n")
+    try:
+        with only_up(state, "join"):
+            _refuse_taken(state)
+            asyncio.run(_join(state, (host, port), name, args.token, args.ca))
+            _write_node(state, name, args.address, host, routes)
+            (state / JOINED).write_text(json.dumps(_joined(args.address, name, args.ca), indent=2) + "\n")
+    except BaseException:
+        if created:  # a refused join leaves no folder behind (its key was for a certificate never issued)
+            shutil.rmtree(state, ignore_errors=True)
+        raise
     return start_joined(state, args.log_level, foreground=args.foreground)
 
 
