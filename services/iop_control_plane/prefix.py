@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator
-from itertools import islice
 from typing import Literal, NamedTuple
 
 import structlog
@@ -104,13 +103,13 @@ class PrefixIndex:
         """Nodes holding at least one entry."""
         return len(self._by_node)
 
-    def holders(self, model: str, prefixes: tuple[Prefix, ...]) -> Iterator[tuple[str, ...]]:
-        """The nodes holding each of ``prefixes`` that some node holds, the longest prefix first."""
+    def holders(self, model: str, prefixes: tuple[Prefix, ...]) -> Iterator[tuple[int, tuple[str, ...]]]:
+        """(its position in ``prefixes``, the nodes holding it) for each prefix some node holds, the longest first."""
         holders, salt = self._holders, hash(model)
-        for prefix in reversed(prefixes):
-            found = holders.get(prefix.hash ^ salt)
+        for at in range(len(prefixes) - 1, -1, -1):
+            found = holders.get(prefixes[at].hash ^ salt)
             if found:
-                yield found
+                yield at, found
 
     def held(self, node_id: str, model: str, prefixes: tuple[Prefix, ...]) -> int:
         """Bytes of the longest of ``prefixes`` that ``node_id`` holds; 0 for none."""
@@ -121,33 +120,44 @@ class PrefixIndex:
                     return prefix.size
         return 0
 
-    def record(self, node_id: str, model: str, prefixes: tuple[Prefix, ...]) -> None:
-        """``node_id`` was sent a run with ``prefixes``: it holds their landmarks, as its most recent."""
+    def record(self, node_id: str, model: str, prefixes: tuple[Prefix, ...], *, held: int = 0) -> None:
+        """``node_id`` was sent a run with ``prefixes``: it holds their landmarks, as its most recent.
+
+        ``held``: the node is known to hold the first ``held`` of ``prefixes`` (placement just found
+        it): of the landmarks among them only the longest, the part its backend reuses, is used
+        again; the shorter ones keep their place in the orders (each index lookup of a table this
+        size is a cache miss: a conversation's next turn touches 2-3 entries instead of 6-8).
+        """
         if not prefixes:
             return
         entries = self._by_node.get(node_id)
         if entries is None:
             entries = self._by_node[node_id] = OrderedDict()
         salt, mine, order, all_holders = hash(model), hash(node_id), self._order, self._holders
-        for at in _LANDMARKS[len(prefixes)]:
+        landmarks = _LANDMARKS[len(prefixes)]
+        if held:
+            landmarks = (held - 1, *(at for at in landmarks if at >= held))
+        for at in landmarks:
             key = prefixes[at].hash ^ salt
-            holders = all_holders.get(key, ())
-            if key in entries:
+            holders = all_holders.get(key)
+            if holders is None:
+                all_holders[key] = (node_id,)
+            elif node_id in holders:  # held: used again
                 entries.move_to_end(key)
                 order.move_to_end(key ^ mine)
                 if holders[-1] != node_id:
-                    all_holders[key] = (*(held for held in holders if held != node_id), node_id)
+                    all_holders[key] = (*[held for held in holders if held != node_id], node_id)
                 continue
+            else:
+                all_holders[key] = (*holders, node_id)
+                if len(holders) == HOLDERS:
+                    self._drop(holders[0], key)
             entries[key] = None
             order[key ^ mine] = node_id
-            all_holders[key] = (*holders, node_id)
-            if len(holders) == HOLDERS:
-                self._drop(holders[0], key)
-        if (over := len(entries) - self.per_node) > 0:
-            self._evict("node", self.per_node, [(node_id, key) for key in islice(entries, over)])
-        if (over := len(order) - self.limit) > 0:
-            oldest = [(held, entry ^ hash(held)) for entry, held in islice(order.items(), over)]
-            self._evict("global", self.limit, oldest)
+        if len(entries) > self.per_node:
+            self._evict_own(node_id, entries)
+        if len(order) > self.limit:
+            self._evict_oldest()
 
     def forget(self, node_id: str) -> None:
         """``node_id`` left: drop every entry it holds."""
@@ -156,13 +166,34 @@ class PrefixIndex:
             del self._order[key ^ mine]
             self._unhold(node_id, key)
 
-    def _evict(self, bound: Literal["node", "global"], limit: int, entries: list[tuple[str, int]]) -> None:
-        self.evicted[bound] += len(entries)
+    def _evict_own(self, node_id: str, entries: OrderedDict[int, None]) -> None:
+        """``node_id`` is past its bound: its least recently used entries go."""
+        over = len(entries) - self.per_node
+        self._bounded("node", self.per_node, over)
+        mine, order = hash(node_id), self._order
+        for _ in range(over):
+            key, _ = entries.popitem(last=False)
+            del order[key ^ mine]
+            self._unhold(node_id, key)
+
+    def _evict_oldest(self) -> None:
+        """Past the global bound: the least recently used entries of any node go."""
+        order, by_node = self._order, self._by_node
+        over = len(order) - self.limit
+        self._bounded("global", self.limit, over)
+        for _ in range(over):
+            entry, node_id = order.popitem(last=False)
+            key, entries = entry ^ hash(node_id), by_node[node_id]
+            del entries[key]
+            if not entries:
+                del by_node[node_id]
+            self._unhold(node_id, key)
+
+    def _bounded(self, bound: Literal["node", "global"], limit: int, dropped: int) -> None:
+        self.evicted[bound] += dropped
         self._bound_log.warning(
             bound, _log, "prefix index full; forgetting the least recently used", bound=bound, limit=limit
         )
-        for node_id, key in entries:
-            self._drop(node_id, key)
 
     def _drop(self, node_id: str, key: int) -> None:
         entries = self._by_node[node_id]
@@ -172,8 +203,8 @@ class PrefixIndex:
         self._unhold(node_id, key)
 
     def _unhold(self, node_id: str, key: int) -> None:
-        holders = tuple(held for held in self._holders[key] if held != node_id)
-        if holders:
-            self._holders[key] = holders
-        else:
+        holders = self._holders[key]
+        if len(holders) == 1:  # most prefixes have one holder (a conversation stays on its node)
             del self._holders[key]
+        else:
+            self._holders[key] = tuple([held for held in holders if held != node_id])

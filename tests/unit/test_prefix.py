@@ -27,7 +27,7 @@ def _scheduler(
     registry = Registry()
     for node_id, capacity in capacities.items():
         registry.register(node_id, [ModelLoad("m", capacity=capacity)])
-    return Scheduler(registry, load_policy(policy))
+    return Scheduler(registry, load_policy(policy), prefixes=index)
 
 
 def _load(scheduler: Scheduler, node_id: str, in_flight: int, capacity: int) -> None:
@@ -98,10 +98,16 @@ def test_a_prefix_keeps_only_its_most_recent_holders() -> None:
     index = PrefixIndex()
     for node in range(HOLDERS + 3):
         index.record(f"n{node}", "m", _prefixes(7))
-    (holders,) = index.holders("m", _prefixes(7))
-    assert list(holders) == [f"n{node}" for node in range(3, HOLDERS + 3)]
+    ((at, holders),) = index.holders("m", _prefixes(7))
+    assert (at, list(holders)) == (0, [f"n{node}" for node in range(3, HOLDERS + 3)])
     assert len(index) == HOLDERS  # the older holders' entries are gone with them
     assert index.nodes() == HOLDERS
+
+
+def test_the_scheduler_keeps_the_index_it_is_given_with_its_bounds() -> None:
+    index = PrefixIndex(per_node=2, limit=3)  # as the control-plane's settings make it: empty, so falsy
+    scheduler = Scheduler(Registry(), prefixes=index)
+    assert scheduler.prefixes is index  # the one whose bounds are configured and whose metrics are exported
 
 
 def test_prefixes_are_per_model() -> None:
@@ -133,7 +139,7 @@ def test_a_node_that_leaves_loses_its_entries() -> None:
     scheduler.registry.mark("c", NodeState.DRAINING, "drained by an admin")  # may be undrained: keeps them
     assert [scheduler.prefixes.held(node, "m", _prefixes(1, 2)) for node in "abc"] == [0, 0, 200]
     assert (len(scheduler.prefixes), scheduler.prefixes.nodes()) == (2, 1)
-    (holders, _) = scheduler.prefixes.holders("m", _prefixes(1, 2))
+    ((_, holders), _) = scheduler.prefixes.holders("m", _prefixes(1, 2))
     assert list(holders) == ["c"]
 
 
@@ -229,3 +235,17 @@ def test_a_run_records_its_landmarks_and_a_branch_matches_the_one_before_it() ->
     assert index.held("a", "m", next_turn) == prompt[-1].size  # the whole of the last prompt
     branch = (*prompt[:12], *_prefixes(300))  # the conversation edited at message 13
     assert index.held("a", "m", branch) == prompt[7].size  # 8 messages: the landmark before the edit
+
+
+def test_a_hit_uses_again_the_longest_prefix_held_not_the_landmarks_before_it() -> None:
+    scheduler = _scheduler(index=PrefixIndex(limit=5), a=4, b=4)
+    index = scheduler.prefixes
+    index.record("a", "m", _prefixes(1, 2, 3))  # landmarks 1, 2 and the whole: 3
+    index.record("b", "m", _prefixes(10))
+    decision = scheduler.choose("m", prompt=_prefixes(1, 2, 3, 4, 5))  # the next turn
+    assert (decision.node_id, decision.prefix, decision.matched) == ("a", "hit", 300)
+    # 3, what a's backend reused, is its most recent with the new landmarks 4 and 5; 1 and 2 were
+    # not used again, so past the bound of 5 the oldest, 1, goes (recording every landmark again
+    # would have dropped 3, the part just reused, and kept 1 and 2)
+    held = {(node, value) for node in "ab" for value in (1, 2, 3, 4, 5, 10) if index.held(node, "m", _prefixes(value))}
+    assert held == {("a", 2), ("a", 3), ("a", 4), ("a", 5), ("b", 10)}
