@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator
+from itertools import islice
 from typing import Literal, NamedTuple
 
 import structlog
@@ -87,8 +88,10 @@ class PrefixIndex:
         self.per_node, self.limit = per_node, limit
         self._holders: dict[int, tuple[str, ...]] = {}
         """Nodes holding each prefix, the one it was most recently placed on last."""
-        self._by_node: dict[str, OrderedDict[int, None]] = {}
-        """Each node's prefixes, the least recently used first."""
+        self._by_node: dict[str, dict[int, None]] = {}
+        """Each node's prefixes, the least recently used first (a plain dict, used again by taking the key
+        out and putting it back: no linked node per entry to miss in the cache, nothing for the
+        garbage collector to walk, as a dict of ints only is not tracked)."""
         self._order: OrderedDict[int, str] = OrderedDict()
         """Every entry (its key mixed with its node's: no tuple to make) -> its node, the least recently
         used first: the global bound's order."""
@@ -132,7 +135,7 @@ class PrefixIndex:
             return
         entries = self._by_node.get(node_id)
         if entries is None:
-            entries = self._by_node[node_id] = OrderedDict()
+            entries = self._by_node[node_id] = {}
         salt, mine, order, all_holders = hash(model), hash(node_id), self._order, self._holders
         landmarks = _LANDMARKS[len(prefixes)]
         if held:
@@ -143,7 +146,8 @@ class PrefixIndex:
             if holders is None:
                 all_holders[key] = (node_id,)
             elif node_id in holders:  # held: used again
-                entries.move_to_end(key)
+                del entries[key]
+                entries[key] = None
                 order.move_to_end(key ^ mine)
                 if holders[-1] != node_id:
                     all_holders[key] = (*[held for held in holders if held != node_id], node_id)
@@ -166,14 +170,13 @@ class PrefixIndex:
             del self._order[key ^ mine]
             self._unhold(node_id, key)
 
-    def _evict_own(self, node_id: str, entries: OrderedDict[int, None]) -> None:
+    def _evict_own(self, node_id: str, entries: dict[int, None]) -> None:
         """``node_id`` is past its bound: its least recently used entries go."""
         over = len(entries) - self.per_node
         self._bounded("node", self.per_node, over)
         mine, order = hash(node_id), self._order
-        for _ in range(over):
-            key, _ = entries.popitem(last=False)
-            del order[key ^ mine]
+        for key in list(islice(entries, over)):
+            del entries[key], order[key ^ mine]
             self._unhold(node_id, key)
 
     def _evict_oldest(self) -> None:
