@@ -14,7 +14,10 @@ backend keeps the computed prompt prefixes (KV cache) of its recent runs, so a r
 like one of them is prefilled faster there. A run records its landmarks only: the prefixes 1, 2,
 4, ... 64 messages (blocks) long, and its whole prompt (at most 8): a conversation's next turn
 matches the whole of its last, and one that branches matches a landmark before the branch,
-while a long conversation costs no more memory than a short one. Memory is bounded twice, LRU
+while a long conversation costs no more memory than a short one. A run placed on a node that
+held part of its prompt uses again only the longest landmark held (the part its backend reused)
+and adds the landmarks past it: the shorter ones age from their last use as the longest, and a
+conversation's next turn touches 2-3 entries, not all 8. Memory is bounded twice, LRU
 each time: entries per node (its own least recently used go first) and entries in all (the
 least recently used of any node); a prefix keeps its ``HOLDERS`` most recent nodes. A node that
 leaves loses its entries.
