@@ -204,7 +204,7 @@ class Scheduler:
         self.registry.sent(node_id, model)
         if pick.prefix is None:
             return Decision(node_id, model, policy, "placed", f"{how}: {where}", route)
-        self.prefixes.record(node_id, model, prompt, held=pick.held)  # the node holds all the prompt's from now on
+        self.prefixes.record(node_id, model, prompt, held=pick.held)  # the node holds the prompt from now on
         matched = prompt[pick.held - 1].size if pick.held else 0
         why = f"{how}: {where} ({pick.prefix}, {matched} bytes held)"
         return Decision(node_id, model, policy, "placed", why, route, prefix=pick.prefix, matched=matched)

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client import generate_latest
 
+from iop_control_plane.bootstrap import build_control_plane
 from iop_control_plane.policy import load_policy
 from iop_control_plane.prefix import BLOCK_CHARS, HOLDERS, MAX_PREFIXES, Prefix, PrefixIndex, prompt_prefixes
 from iop_control_plane.registry import ModelLoad, NodeState, Registry, Status
 from iop_control_plane.scheduler import Decision, Scheduler
+from iop_control_plane.settings import Settings
 from iop_gen.pb.iop import runtime_pb2 as pb
 
 
@@ -108,6 +113,18 @@ def test_the_scheduler_keeps_the_index_it_is_given_with_its_bounds() -> None:
     index = PrefixIndex(per_node=2, limit=3)  # as the control-plane's settings make it: empty, so falsy
     scheduler = Scheduler(Registry(), prefixes=index)
     assert scheduler.prefixes is index  # the one whose bounds are configured and whose metrics are exported
+
+
+def test_the_control_plane_places_with_the_index_its_settings_bound(tmp_path: Path) -> None:
+    settings = Settings.model_validate(
+        {"store_path": tmp_path / "cp.db", "prefix": {"entries_per_node": 5, "max_entries": 7}}
+    )
+    app = build_control_plane(settings)
+    index = app.scheduler.prefixes
+    assert (index.per_node, index.limit) == (5, 7)
+    index.record("a", "m", _prefixes(*range(20)))  # 6 landmarks, past 5
+    exported = generate_latest(app.metrics.registry).decode()  # the index its metrics watch is this one
+    assert 'iop_control_plane_prefix_evictions_total{bound="node"} 1.0' in exported
 
 
 def test_prefixes_are_per_model() -> None:
