@@ -4,13 +4,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 from iop_control_plane.bootstrap import build_control_plane
 from iop_control_plane.policy import load_policy
-from iop_control_plane.prefix import BLOCK_CHARS, HOLDERS, MAX_PREFIXES, Prefix, PrefixIndex, prompt_prefixes
+from iop_control_plane.prefix import (
+    _LANDMARKS,
+    BLOCK_CHARS,
+    HOLDERS,
+    MAX_PREFIXES,
+    Prefix,
+    PrefixIndex,
+    prompt_prefixes,
+)
 from iop_control_plane.registry import ModelLoad, NodeState, Registry, Status
 from iop_control_plane.scheduler import Decision, Scheduler
 from iop_control_plane.settings import Settings
@@ -135,16 +143,50 @@ def test_prefixes_are_per_model() -> None:
 
 
 @given(st.lists(st.tuples(st.sampled_from("abcd"), st.lists(st.integers(0, 30), max_size=6)), max_size=60))
-def test_the_bounds_hold_and_the_three_views_agree_whatever_is_recorded(records: list[tuple[str, list[int]]]) -> None:
+def test_the_bounds_hold_and_the_views_agree_whatever_is_recorded(records: list[tuple[str, list[int]]]) -> None:
     index = PrefixIndex(per_node=5, limit=12)
     for node, hashes in records:
-        index.record(node, "m", _prefixes(*hashes))
+        if hashes:
+            index.record(node, "m", _prefixes(*hashes))
+        else:  # an empty prompt records nothing: the node leaves instead
+            index.forget(node)
         assert len(index) <= 12
         for held in index._by_node.values():
             assert 0 < len(held) <= 5
         entries = {(node_id, key) for node_id, keys in index._by_node.items() for key in keys}
-        assert entries == {(node_id, entry ^ hash(node_id)) for entry, node_id in index._order.items()}
         assert entries == {(node_id, key) for key, nodes in index._holders.items() for node_id in nodes}
+        assert len(entries) == len(index)
+        for node_id, ticks in index._by_node.items():  # used in order, and queued no later than its oldest
+            assert list(ticks.values()) == sorted(ticks.values())
+            assert (index._queued[node_id], node_id) in index._fronts
+            assert index._queued[node_id] <= next(iter(ticks.values()))
+        assert index._queued.keys() == index._by_node.keys()
+
+
+def test_a_node_whose_oldest_was_used_again_is_not_taken_for_the_oldest_of_all() -> None:
+    index = PrefixIndex(limit=2)
+    index.record("a", "m", _prefixes(1))
+    index.record("b", "m", _prefixes(3))
+    index.record("a", "m", _prefixes(1))  # a's oldest is now newer than b's
+    index.record("c", "m", _prefixes(5))
+    assert [index.held(node, "m", _prefixes(value)) for node, value in (("a", 1), ("b", 3), ("c", 5))] == [100, 0, 100]
+
+
+@settings(max_examples=300)
+@given(st.lists(st.tuples(st.sampled_from("abcd"), st.lists(st.integers(0, 30), max_size=6)), max_size=60))
+def test_the_global_bound_keeps_exactly_the_most_recently_used(records: list[tuple[str, list[int]]]) -> None:
+    index, used = PrefixIndex(limit=12), list[tuple[str, int]]()  # (node, prefix), the least recently used first
+    for node, hashes in records:
+        if hashes:
+            index.record(node, "m", _prefixes(*hashes))
+            for value in (hashes[at] for at in _LANDMARKS[len(hashes)]):
+                used = [*(entry for entry in used if entry != (node, value)), (node, value)]
+            used = used[-12:]
+        else:
+            index.forget(node)
+            used = [entry for entry in used if entry[0] != node]
+        held = {(node, value) for node in "abcd" for value in range(31) if index.held(node, "m", _prefixes(value))}
+        assert held == set(used)
 
 
 def test_a_node_that_leaves_loses_its_entries() -> None:
