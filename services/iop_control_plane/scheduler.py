@@ -63,6 +63,23 @@ class Decision(NamedTuple):
     """Placed by ``prefix``: bytes of the prompt the node held (its longest known prefix)."""
 
 
+class _Pick(NamedTuple):
+    """A policy's candidate for a decision (a named tuple: one is made at every decision)."""
+
+    view: ModelView | None
+    policy: PolicyName
+    """The policy that chose it."""
+    how: str
+    """How, for the debug log."""
+    prefix: PrefixReason | None = None
+    """Chosen by ``prefix``: as :attr:`Decision.prefix`."""
+    held: int = 0
+    """Chosen by ``prefix``: how many of the prompt's prefixes the node holds (the longest known)."""
+
+
+_BY_PREFIX = "by prompt prefix"
+
+
 class Scheduler:
     """Picks nodes from a :class:`Registry` under a :class:`Policy`."""
 
@@ -71,7 +88,7 @@ class Scheduler:
     ) -> None:
         self.registry = registry
         self.policy = policy or Policy()
-        self.prefixes = prefixes or PrefixIndex()
+        self.prefixes = prefixes if prefixes is not None else PrefixIndex()  # empty, it is falsy: not ``or``
         """The prompt prefixes recently sent to each node (the ``prefix`` policy); a node that leaves loses its own."""
         registry.on_leave(self.prefixes.forget)
         self._credit: dict[str, dict[str, int]] = {}
@@ -165,75 +182,77 @@ class Scheduler:
             return Decision(None, model, policy, "unknown_model", f"no registered node serves {model!r}", route)
         accept = (lambda view: view.node.node_id not in exclude) if exclude else None
         if background:
-            view, policy, how = self._pick(pool, policy, _unprompted(accept), key, prompt)
-            if view is None or not view.free:
-                held, _, _ = self._pick(pool, policy, _free(accept), key, prompt)
+            pick = self._pick(pool, policy, _unprompted(accept), key, prompt)
+            if pick.view is None or not pick.view.free:
+                held = self._pick(pool, policy, _free(accept), key, prompt).view
                 if held is not None:  # room there, but interactive runs come first
                     waiting = held.node.awaiting_first_output
                     why = f"{held.node.node_id} has room, and {waiting} interactive run(s) awaiting a first output"
                     return Decision(None, model, policy, "all_busy", why, route, yielded=True)
-                if view is None:  # every candidate has interactive runs waiting, and none has room
-                    view, policy, how = self._pick(pool, policy, accept, key, prompt)
+                if pick.view is None:  # every candidate has interactive runs waiting, and none has room
+                    pick = self._pick(pool, policy, accept, key, prompt)
         else:
-            view, policy, how = self._pick(pool, policy, accept, key, prompt)
+            pick = self._pick(pool, policy, accept, key, prompt)
+        view, policy = pick.view, pick.policy
         if view is None:
             return Decision(None, model, policy, "no_candidate", self._why_none(model, pool, wanted), route)
         load = view.load
         where = f"{view.node.node_id} at {load}/{view.capacity}"
         if load >= view.capacity:  # not free
             return Decision(None, model, policy, "all_busy", f"every candidate is full ({where})", route)
-        self.registry.sent(view.node.node_id, model)
-        placed = Decision(view.node.node_id, model, policy, "placed", f"{how}: {where}", route)
-        return self._remembered(placed, pool, prompt) if policy == "prefix" else placed
+        node_id, how = view.node.node_id, pick.how
+        self.registry.sent(node_id, model)
+        if pick.prefix is None:
+            return Decision(node_id, model, policy, "placed", f"{how}: {where}", route)
+        self.prefixes.record(node_id, model, prompt, held=pick.held)  # the node holds the prompt from now on
+        matched = prompt[pick.held - 1].size if pick.held else 0
+        why = f"{how}: {where} ({pick.prefix}, {matched} bytes held)"
+        return Decision(node_id, model, policy, "placed", why, route, prefix=pick.prefix, matched=matched)
 
     def _pick(
         self, pool: ModelPool, policy: PolicyName, accept: Accept, key: str | None, prompt: tuple[Prefix, ...] = ()
-    ) -> tuple[ModelView | None, PolicyName, str]:
-        """(the candidate, the policy that chose it, how) for a decision."""
+    ) -> _Pick:
+        """The candidate for a decision, the policy that chose it and how."""
         if policy == "round-robin":
-            return pool.next_in_turn(accept), policy, "next in turn"
+            return _Pick(pool.next_in_turn(accept), policy, "next in turn")
         least = pool.least_loaded(accept)
         if policy == "least-loaded" or least is None:
-            return least, policy, "least loaded"
+            return _Pick(least, policy, "least loaded")
         if policy == "prefix":
-            return self._by_prefix(pool, accept, least, prompt), policy, "by prompt prefix"
+            return self._by_prefix(pool, accept, least, prompt)
         if key is None:
-            return least, "least-loaded", "no session or caller; least loaded"
+            return _Pick(least, "least-loaded", "no session or caller; least loaded")
         home = pool.home(key, accept)
         if home is not None and home.free:
-            return home, policy, "session's node"
-        return least, policy, "session's node full; least loaded"
+            return _Pick(home, policy, "session's node")
+        return _Pick(least, policy, "session's node full; least loaded")
 
-    def _by_prefix(self, pool: ModelPool, accept: Accept, least: ModelView, prompt: tuple[Prefix, ...]) -> ModelView:
+    def _by_prefix(self, pool: ModelPool, accept: Accept, least: ModelView, prompt: tuple[Prefix, ...]) -> _Pick:
         """The least loaded free holder of the longest prefix of ``prompt`` whose load / capacity is within
-        the imbalance over ``least``'s (the least loaded candidate); ``least`` when there is none."""
+        the imbalance over ``least``'s (the least loaded candidate); ``least`` when there is none.
+
+        One pass over the index finds what the chosen node holds too: a holder of a longer prefix
+        would have been chosen at that prefix, and ``least`` never fails the bound, so when it is
+        chosen it holds none of the prompt.
+        """
         if not least.free:
-            return least  # every candidate is full: the run waits
+            return _Pick(least, "prefix", _BY_PREFIX)  # every candidate is full: the run waits
         bound = least.load / least.capacity + self.policy.imbalance_for(least.model)
-        views = pool.views
-        for holders in self.prefixes.holders(least.model, prompt):
+        views, candidate_held = pool.views, False
+        for at, holders in self.prefixes.holders(least.model, prompt):
             best, lowest = None, bound
             for node_id in holders:
                 view = views.get(node_id)
-                if view is None or not view.free or (accept is not None and not accept(view)):
+                if view is None:
+                    continue
+                candidate_held = True
+                if not view.free or (accept is not None and not accept(view)):
                     continue
                 if (share := view.load / view.capacity) <= lowest:
                     best, lowest = view, share
             if best is not None:
-                return best
-        return least
-
-    def _remembered(self, placed: Decision, pool: ModelPool, prompt: tuple[Prefix, ...]) -> Decision:
-        """``placed`` with what its node held of the prompt, whose prefixes it holds from now on."""
-        assert placed.node_id is not None
-        node_id, model, index = placed.node_id, placed.model, self.prefixes
-        matched = index.held(node_id, model, prompt)
-        reason: PrefixReason = "hit" if matched else "miss"
-        if not matched and any(held in pool.views for holders in index.holders(model, prompt) for held in holders):
-            reason = "imbalance"
-        index.record(node_id, model, prompt)
-        why = f"{placed.reason} ({reason}, {matched} bytes held)"
-        return placed._replace(prefix=reason, matched=matched, reason=why)
+                return _Pick(best, "prefix", _BY_PREFIX, "hit", at + 1)
+        return _Pick(least, "prefix", _BY_PREFIX, "imbalance" if candidate_held else "miss")
 
     def _constraints(self, model: str) -> Labels:
         """The labels the policy asks of ``model``'s nodes (the registry keeps a pool for them)."""

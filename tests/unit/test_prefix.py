@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
-from hypothesis import given
-from hypothesis import strategies as st
+from pathlib import Path
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import generate_latest
+
+from iop_control_plane.bootstrap import build_control_plane
 from iop_control_plane.policy import load_policy
-from iop_control_plane.prefix import BLOCK_CHARS, HOLDERS, MAX_PREFIXES, Prefix, PrefixIndex, prompt_prefixes
+from iop_control_plane.prefix import (
+    _LANDMARKS,
+    BLOCK_CHARS,
+    HOLDERS,
+    MAX_PREFIXES,
+    Prefix,
+    PrefixIndex,
+    prompt_prefixes,
+)
 from iop_control_plane.registry import ModelLoad, NodeState, Registry, Status
 from iop_control_plane.scheduler import Decision, Scheduler
+from iop_control_plane.settings import Settings
 from iop_gen.pb.iop import runtime_pb2 as pb
 
 
@@ -27,7 +40,7 @@ def _scheduler(
     registry = Registry()
     for node_id, capacity in capacities.items():
         registry.register(node_id, [ModelLoad("m", capacity=capacity)])
-    return Scheduler(registry, load_policy(policy))
+    return Scheduler(registry, load_policy(policy), prefixes=index)
 
 
 def _load(scheduler: Scheduler, node_id: str, in_flight: int, capacity: int) -> None:
@@ -98,10 +111,28 @@ def test_a_prefix_keeps_only_its_most_recent_holders() -> None:
     index = PrefixIndex()
     for node in range(HOLDERS + 3):
         index.record(f"n{node}", "m", _prefixes(7))
-    (holders,) = index.holders("m", _prefixes(7))
-    assert list(holders) == [f"n{node}" for node in range(3, HOLDERS + 3)]
+    ((at, holders),) = index.holders("m", _prefixes(7))
+    assert (at, list(holders)) == (0, [f"n{node}" for node in range(3, HOLDERS + 3)])
     assert len(index) == HOLDERS  # the older holders' entries are gone with them
     assert index.nodes() == HOLDERS
+
+
+def test_the_scheduler_keeps_the_index_it_is_given_with_its_bounds() -> None:
+    index = PrefixIndex(per_node=2, limit=3)  # as the control-plane's settings make it: empty, so falsy
+    scheduler = Scheduler(Registry(), prefixes=index)
+    assert scheduler.prefixes is index  # the one whose bounds are configured and whose metrics are exported
+
+
+def test_the_control_plane_places_with_the_index_its_settings_bound(tmp_path: Path) -> None:
+    settings = Settings.model_validate(
+        {"store_path": tmp_path / "cp.db", "prefix": {"entries_per_node": 5, "max_entries": 7}}
+    )
+    app = build_control_plane(settings)
+    index = app.scheduler.prefixes
+    assert (index.per_node, index.limit) == (5, 7)
+    index.record("a", "m", _prefixes(*range(20)))  # 6 landmarks, past 5
+    exported = generate_latest(app.metrics.registry).decode()  # the index its metrics watch is this one
+    assert 'iop_control_plane_prefix_evictions_total{bound="node"} 1.0' in exported
 
 
 def test_prefixes_are_per_model() -> None:
@@ -112,16 +143,50 @@ def test_prefixes_are_per_model() -> None:
 
 
 @given(st.lists(st.tuples(st.sampled_from("abcd"), st.lists(st.integers(0, 30), max_size=6)), max_size=60))
-def test_the_bounds_hold_and_the_three_views_agree_whatever_is_recorded(records: list[tuple[str, list[int]]]) -> None:
+def test_the_bounds_hold_and_the_views_agree_whatever_is_recorded(records: list[tuple[str, list[int]]]) -> None:
     index = PrefixIndex(per_node=5, limit=12)
     for node, hashes in records:
-        index.record(node, "m", _prefixes(*hashes))
+        if hashes:
+            index.record(node, "m", _prefixes(*hashes))
+        else:  # an empty prompt records nothing: the node leaves instead
+            index.forget(node)
         assert len(index) <= 12
         for held in index._by_node.values():
             assert 0 < len(held) <= 5
         entries = {(node_id, key) for node_id, keys in index._by_node.items() for key in keys}
-        assert entries == {(node_id, entry ^ hash(node_id)) for entry, node_id in index._order.items()}
         assert entries == {(node_id, key) for key, nodes in index._holders.items() for node_id in nodes}
+        assert len(entries) == len(index)
+        for node_id, ticks in index._by_node.items():  # used in order, and queued no later than its oldest
+            assert list(ticks.values()) == sorted(ticks.values())
+            assert (index._queued[node_id], node_id) in index._fronts
+            assert index._queued[node_id] <= next(iter(ticks.values()))
+        assert index._queued.keys() == index._by_node.keys()
+
+
+def test_a_node_whose_oldest_was_used_again_is_not_taken_for_the_oldest_of_all() -> None:
+    index = PrefixIndex(limit=2)
+    index.record("a", "m", _prefixes(1))
+    index.record("b", "m", _prefixes(3))
+    index.record("a", "m", _prefixes(1))  # a's oldest is now newer than b's
+    index.record("c", "m", _prefixes(5))
+    assert [index.held(node, "m", _prefixes(value)) for node, value in (("a", 1), ("b", 3), ("c", 5))] == [100, 0, 100]
+
+
+@settings(max_examples=300)
+@given(st.lists(st.tuples(st.sampled_from("abcd"), st.lists(st.integers(0, 30), max_size=6)), max_size=60))
+def test_the_global_bound_keeps_exactly_the_most_recently_used(records: list[tuple[str, list[int]]]) -> None:
+    index, used = PrefixIndex(limit=12), list[tuple[str, int]]()  # (node, prefix), the least recently used first
+    for node, hashes in records:
+        if hashes:
+            index.record(node, "m", _prefixes(*hashes))
+            for value in (hashes[at] for at in _LANDMARKS[len(hashes)]):
+                used = [*(entry for entry in used if entry != (node, value)), (node, value)]
+            used = used[-12:]
+        else:
+            index.forget(node)
+            used = [entry for entry in used if entry[0] != node]
+        held = {(node, value) for node in "abcd" for value in range(31) if index.held(node, "m", _prefixes(value))}
+        assert held == set(used)
 
 
 def test_a_node_that_leaves_loses_its_entries() -> None:
@@ -133,7 +198,7 @@ def test_a_node_that_leaves_loses_its_entries() -> None:
     scheduler.registry.mark("c", NodeState.DRAINING, "drained by an admin")  # may be undrained: keeps them
     assert [scheduler.prefixes.held(node, "m", _prefixes(1, 2)) for node in "abc"] == [0, 0, 200]
     assert (len(scheduler.prefixes), scheduler.prefixes.nodes()) == (2, 1)
-    (holders, _) = scheduler.prefixes.holders("m", _prefixes(1, 2))
+    ((_, holders), _) = scheduler.prefixes.holders("m", _prefixes(1, 2))
     assert list(holders) == ["c"]
 
 
@@ -229,3 +294,17 @@ def test_a_run_records_its_landmarks_and_a_branch_matches_the_one_before_it() ->
     assert index.held("a", "m", next_turn) == prompt[-1].size  # the whole of the last prompt
     branch = (*prompt[:12], *_prefixes(300))  # the conversation edited at message 13
     assert index.held("a", "m", branch) == prompt[7].size  # 8 messages: the landmark before the edit
+
+
+def test_a_hit_uses_again_the_longest_prefix_held_not_the_landmarks_before_it() -> None:
+    scheduler = _scheduler(index=PrefixIndex(limit=5), a=4, b=4)
+    index = scheduler.prefixes
+    index.record("a", "m", _prefixes(1, 2, 3))  # landmarks 1, 2 and the whole: 3
+    index.record("b", "m", _prefixes(10))
+    decision = scheduler.choose("m", prompt=_prefixes(1, 2, 3, 4, 5))  # the next turn
+    assert (decision.node_id, decision.prefix, decision.matched) == ("a", "hit", 300)
+    # 3, what a's backend reused, is its most recent with the new landmarks 4 and 5; 1 and 2 were
+    # not used again, so past the bound of 5 the oldest, 1, goes (recording every landmark again
+    # would have dropped 3, the part just reused, and kept 1 and 2)
+    held = {(node, value) for node in "ab" for value in (1, 2, 3, 4, 5, 10) if index.held(node, "m", _prefixes(value))}
+    assert held == {("a", 2), ("a", 3), ("a", 4), ("a", 5), ("b", 10)}
