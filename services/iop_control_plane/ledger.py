@@ -210,12 +210,19 @@ def left_open(row_id: int, row: Sequence[Any]) -> LeftOpen:
 
 def settle_run_sql(mark: Callable[[int], str]) -> str:
     """The UPDATE that puts a node's record (:func:`settled_rows`) in place of an interrupted ``runs`` row:
-    only while it is interrupted, and only for the node of its last attempt (run again, it changes nothing)."""
+    only while it is interrupted, only for the node of its last attempt (run again, it changes nothing),
+    and not when the run has another row."""
     columns = ("status", "error_code", "error_message", "duration", "prompt_tokens", "completion_tokens",
                "usage_estimated", "finish_reason")  # fmt: skip
     sets = ", ".join(f"{column} = {mark(n)}" for n, column in enumerate(columns, 1))
     where = f"id = {mark(9)} AND node_id = {mark(10)} AND status = 'interrupted'"
-    return f"UPDATE runs SET {sets} WHERE {where}"  # noqa: S608 - fixed columns; values bound
+    # Not a run opened again through another control-plane (the edge's failover before output) that has
+    # a row of its own: that row is the run's record, as recovery decides (the client saw that attempt).
+    again = (
+        "NOT EXISTS (SELECT 1 FROM runs AS other WHERE other.run_id = runs.run_id AND other.requester = "
+        "runs.requester AND other.caller = runs.caller AND other.id != runs.id)"
+    )
+    return f"UPDATE runs SET {sets} WHERE {where} AND {again}"  # noqa: S608 - fixed columns; values bound
 
 
 def settle_attempt_sql(mark: Callable[[int], str]) -> str:

@@ -120,6 +120,16 @@ async def test_a_run_left_open_is_settled_once_by_the_node_of_its_last_attempt_o
     assert (run.status, run.usage.prompt_tokens, run.usage.completion_tokens) == ("completed", 5, 7)
     assert run.finish_reason == pb.FINISH_REASON_STOP and [a.outcome for a in run.attempts] == ["completed"]
 
+    moved = LedgerEntry("moved", "edge-1", "conn-7", "alice", "m")  # opened again through cp-b after the kill
+    moved.attempts.append(Attempt("node-a", "m", moved.received))
+    await first.commit([Opened(moved), Placed(moved, 1, moved.attempts[0])], {})
+    [left] = await second.recover(0.0)
+    await second.commit([_ended("moved", "node-b")], {})
+    assert not await second.settle(
+        left, pb.LedgerRun(run_id=left.node_run_id, status="completed")
+    )  # cp-b row: its record
+    assert [run.status for run in (await second.runs(pb.RunsList(run_id="moved"))).runs] == ["completed", "interrupted"]
+
 
 async def test_a_run_opened_again_through_another_control_plane_is_recorded_once(open_store: Open) -> None:
     first, second = await open_store("cp-a"), await open_store("cp-b")
