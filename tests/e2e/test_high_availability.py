@@ -4,7 +4,8 @@ through nginx. Each test starts its own platform on a fresh database of one Post
 
 - ``kill -9`` of a control-plane: requests in flight complete or end with a retryable error, none
   hangs; requests started 2 s after the kill all succeed; the ledger holds every completed run
-  once, and the killed control-plane's open runs are recorded ``interrupted`` by the other.
+  once, as ``completed``: the killed control-plane's open runs are recorded ``interrupted`` by the
+  other, then as their node recorded them.
 - ``kill -9`` of an edge: nginx sends new requests to the other; the killed edge's runs are
   cancelled on the nodes within seconds.
 - PostgreSQL stopped for 10 s: runs are served, a policy and keys stay in force, nothing on a
