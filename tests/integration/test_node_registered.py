@@ -177,19 +177,17 @@ async def test_drain_grace_ends_runs_retryably_and_clients_cannot_drain(pki: Pki
     await control_plane.close()
 
 
+_SMALL = [{"model": "mock-small", "adapter": "mock"}]
+
+
 async def test_the_control_plane_reads_the_nodes_record_of_a_run_and_clients_cannot(pki: Pki, tmp_path: Path) -> None:
     from iop_wire.endpoint import dial
     from iop_wire.errors import IopError
 
     peer = ControlPlanePeer()
     control_plane = await _control_plane(pki, peer)
-    settings = node_settings(
-        pki,
-        tmp_path,
-        [{"model": "mock-small", "adapter": "mock"}],
-        control_plane={"address": f"127.0.0.1:{control_plane.port}", "server_name": "localhost"},
-    )
-    async with running_node(settings) as app:
+    dialing = {"address": f"127.0.0.1:{control_plane.port}", "server_name": "localhost"}
+    async with running_node(node_settings(pki, tmp_path, _SMALL, control_plane=dialing)) as app:
         await assert_eventually(lambda: len(peer.registered) == 1)
         connection = peer.connections[0]
         done = (await collect(await connection.open_run(chat(model="mock-small", run_id="conn-1.r.1"))))[-1]
