@@ -76,9 +76,9 @@ RETURNING {ledger.OPEN_COLUMNS}
 # A run left open by a control-plane that died may have been opened again through another (the edge's
 # failover before output: the same run id, requester and caller) and ended there: that row is the
 # run's record, and no interrupted one is added.
+_ENDED_ELSEWHERE = "SELECT EXISTS (SELECT FROM runs WHERE run_id = $1 AND requester = $2 AND caller = $3)"
 _SETTLE_RUN = ledger.settle_run_sql(lambda n: f"${n}")
 _SETTLE_ATTEMPT = ledger.settle_attempt_sql(lambda n: f"${n}")
-_ENDED_ELSEWHERE = "SELECT EXISTS (SELECT FROM runs WHERE run_id = $1 AND requester = $2 AND caller = $3)"
 
 
 class PgStore:

@@ -61,11 +61,11 @@ class LeftOpenRuns:
     def add(self, runs: Iterable[LeftOpen]) -> None:
         """Keep the runs recovered with a node, and ask the nodes connected now."""
         until = time.monotonic() + KEEP_FOR
-        kept = refused = 0
+        room, kept, refused = MAX_KEPT - self.kept, 0, 0
         for run in runs:
             if not run.node_id:
                 continue  # never placed: no node knows it
-            if self.kept >= MAX_KEPT:
+            if kept >= room:
                 refused += 1
                 continue
             self._waiting.setdefault(run.node_id, []).append((until, run))
