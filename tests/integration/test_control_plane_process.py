@@ -195,6 +195,9 @@ async def test_a_run_completed_just_before_a_kill_is_recorded_as_its_node_record
                     async with dial("127.0.0.1", port, tls=tls, server_hostname="localhost", config=config) as admin:
                         await _until_registered(admin)  # node-a back: it is asked how the runs left open ended
                         listed = await _until_settled(admin, "late")
+                        asked = "run left open stays interrupted: its node has no record of its end"
+                        await assert_eventually(lambda: asked in log.read_text(), timeout=10)  # about "unknown"
+                        listed = (await admin.request(pb.Envelope(runs_list=pb.RunsList()))).runs_listed
                 finally:
                     restarted.send_signal(signal.SIGTERM)
                     assert restarted.wait(timeout=15) == 0
