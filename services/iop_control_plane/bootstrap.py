@@ -35,6 +35,7 @@ from iop_control_plane.relay import RunRelay
 from iop_control_plane.replicas import Replicas
 from iop_control_plane.scheduler import Scheduler
 from iop_control_plane.settings import ConfigError, Problem, Settings, StartError
+from iop_control_plane.settling import LeftOpenRuns
 from iop_control_plane.sqlite_store import SqliteStore
 from iop_control_plane.state import StateStore
 from iop_control_plane.store import AuditStore
@@ -91,6 +92,7 @@ class ControlPlaneApp:
     joining: Joining
     metrics: ControlPlaneMetrics
     replicas: Replicas
+    left_open: LeftOpenRuns
     listener: Listener | None = None
     metrics_port: int | None = None
     _stack: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
@@ -116,6 +118,7 @@ class ControlPlaneApp:
         try:
             await self._open_store()
             self._stack.push_async_callback(self.sessions.aclose)
+            self._stack.push_async_callback(self.left_open.aclose)
             await self._listen()
             if self.settings.metrics.port is not None:
                 self._serve_metrics(self.settings.metrics.host, self.settings.metrics.port)
@@ -246,6 +249,8 @@ def build_control_plane(settings: Settings, *, policy: PolicyInForce | None = No
     metrics.watch_store(store)
     metrics.watch_prefixes(prefixes)
     sessions = NodeSessions(registry, store, heartbeat_interval=settings.heartbeat_interval)
+    left_open = LeftOpenRuns(state, sessions, metrics.left_open_settled)
+    store.on_left_open = left_open.add  # runs recovered interrupted: settled from their node's record
     expose(metrics.registry)  # the wire's limits and connections, served with the control-plane's
     runs = RunRelay(
         scheduler,
@@ -284,6 +289,7 @@ def build_control_plane(settings: Settings, *, policy: PolicyInForce | None = No
         joining=joining,
         metrics=metrics,
         replicas=replicas,
+        left_open=left_open,
     )
 
 

@@ -34,18 +34,24 @@ __all__ = [
     "MAX_LIST",
     "OPEN_COLUMNS",
     "RUN_COLUMNS",
+    "SETTLED",
     "STATUSES",
     "Attempt",
     "LedgerEntry",
+    "LeftOpen",
     "attempt_rows",
     "filters",
     "interrupted",
+    "left_open",
     "names",
     "open_row",
     "placed_row",
     "query",
     "run_message",
     "run_row",
+    "settle_attempt_sql",
+    "settle_run_sql",
+    "settled_rows",
 ]
 
 STATUSES = ("completed", "failed", "cancelled", "interrupted")
@@ -53,6 +59,9 @@ STATUSES = ("completed", "failed", "cancelled", "interrupted")
 MAX_LIST = 1000
 """Most runs one runs.list returns."""
 _DEFAULT_LIST = 50
+
+SETTLED = ("completed", "failed", "cancelled")
+"""The statuses a node's record of a run left open may put in the ledger in place of ``interrupted``."""
 
 _INTERRUPTED = "the control-plane stopped while the run was in progress"
 
@@ -176,6 +185,61 @@ def interrupted(row: tuple[Any, ...]) -> tuple[tuple[object, ...], tuple[object,
            None, 0.0, 0, 0, 0, 0, 0)  # fmt: skip
     tried = (attempt, node_id, node_model, "interrupted", _INTERRUPTED, placed_after, 0.0) if node_id else None
     return run, tried
+
+
+@dataclass(frozen=True, slots=True)
+class LeftOpen:
+    """A run left open by a control-plane that stopped, recorded ``interrupted`` as its ``runs`` row ``row``."""
+
+    row: int
+    """Its row in ``runs``."""
+    node_id: str
+    """The node of its last attempt; empty if it was never placed."""
+    attempt: int
+    """That attempt's number."""
+    node_run_id: str
+    """The id that attempt had on the node (the relay's ``<connection>.<run id>.<attempt>``)."""
+
+
+def left_open(row_id: int, row: Sequence[Any]) -> LeftOpen:
+    """The run an ``open_runs`` row (:data:`OPEN_COLUMNS` order) recorded interrupted as ``runs`` row ``row_id``."""
+    run_id, _, connection, *_, node_id, _, attempt, _ = row
+    node_id = node_id or ""
+    return LeftOpen(row_id, node_id, attempt or 0, f"{connection}.{run_id}.{attempt}" if node_id else "")
+
+
+def settle_run_sql(mark: Callable[[int], str]) -> str:
+    """The UPDATE that puts a node's record (:func:`settled_rows`) in place of an interrupted ``runs`` row:
+    only while it is interrupted, only for the node of its last attempt (run again, it changes nothing),
+    and not when the run has another row."""
+    columns = ("status", "error_code", "error_message", "duration", "prompt_tokens", "completion_tokens",
+               "usage_estimated", "finish_reason")  # fmt: skip
+    sets = ", ".join(f"{column} = {mark(n)}" for n, column in enumerate(columns, 1))
+    where = f"id = {mark(9)} AND node_id = {mark(10)} AND status = 'interrupted'"
+    # Not a run opened again through another control-plane (the edge's failover before output) that has
+    # a row of its own: that row is the run's record, as recovery decides (the client saw that attempt).
+    again = (
+        "NOT EXISTS (SELECT 1 FROM runs AS other WHERE other.run_id = runs.run_id AND other.requester = "
+        "runs.requester AND other.caller = runs.caller AND other.id != runs.id)"
+    )
+    return f"UPDATE runs SET {sets} WHERE {where} AND {again}"  # noqa: S608 - fixed columns; values bound
+
+
+def settle_attempt_sql(mark: Callable[[int], str]) -> str:
+    """The UPDATE of the last attempt's row to its outcome on the node (once :func:`settle_run_sql` changed the run)."""
+    where = f"run = {mark(3)} AND attempt = {mark(4)} AND node_id = {mark(5)} AND outcome = 'interrupted'"
+    return f"UPDATE run_attempts SET outcome = {mark(1)}, reason = {mark(2)} WHERE {where}"  # noqa: S608
+
+
+def settled_rows(left: LeftOpen, found: pb.LedgerRun) -> tuple[tuple[object, ...], tuple[object, ...]]:
+    """The parameters of :func:`settle_run_sql` and :func:`settle_attempt_sql` for the node's record ``found``."""
+    usage = found.usage
+    message = clip(found.error_message, TEXT_CHARS)
+    run = (found.status, found.error_code, message, found.duration.ToTimedelta().total_seconds(),
+           usage.prompt_tokens, usage.completion_tokens, int(usage.estimated), found.finish_reason,
+           left.row, left.node_id)  # fmt: skip
+    attempt = (found.status, message, left.row, left.attempt, left.node_id)
+    return run, attempt
 
 
 def names(entry: LedgerEntry) -> tuple[str, ...]:

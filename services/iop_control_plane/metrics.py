@@ -79,6 +79,15 @@ class ControlPlaneMetrics:
             "Runs not recorded in the ledger because its write backlog was full.",
             registry=self.registry,
         )
+        self.left_open_settled = Counter(
+            "iop_control_plane_left_open_runs_total",
+            "Runs left open by a control-plane that stopped, recorded interrupted, by what their node's record did:"
+            " completed, failed, cancelled (recorded as the node recorded it), unknown (the node has no record of"
+            " its end), no_answer, node_not_back (not registered within 300 s), not_kept (over 10,000 waiting),"
+            " settled_before, store_failed.",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.join_attempts = Counter(
             "iop_control_plane_join_attempts_total",
             "join.request attempts, by outcome (accepted, token_invalid, token_expired, token_revoked, token_used_up,"

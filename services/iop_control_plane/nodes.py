@@ -68,6 +68,11 @@ class NodeSessions:
         """Nodes registered with the shared development certificate."""
         self._by_connection: dict[str, str] = {}
         self._watchers: set[asyncio.Task[None]] = set()
+        self._registered_listeners: list[Callable[[str], None]] = []
+
+    def on_registered(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener`` with a node's id once its registration is answered."""
+        self._registered_listeners.append(listener)
 
     def connection(self, node_id: str) -> Connection | None:
         """The node's connection while it is open."""
@@ -132,6 +137,8 @@ class NodeSessions:
         await inbound.reply(pb.Envelope(node_registered=registered))
         if held is None:  # a second node.register on the same connection is watched already
             self._watch(node_id, connection)
+        for listener in self._registered_listeners:
+            listener(node_id)
 
     async def on_status(self, inbound: Inbound) -> None:
         """``node.status``: the node's load replaces what it last reported."""

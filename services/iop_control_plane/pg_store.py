@@ -21,7 +21,7 @@ from typing import Any
 import asyncpg
 
 from iop_control_plane import ledger
-from iop_control_plane.ledger import LedgerEntry
+from iop_control_plane.ledger import LedgerEntry, LeftOpen
 from iop_control_plane.state import (
     SCHEMA_VERSION,
     Dialect,
@@ -77,6 +77,8 @@ RETURNING {ledger.OPEN_COLUMNS}
 # failover before output: the same run id, requester and caller) and ended there: that row is the
 # run's record, and no interrupted one is added.
 _ENDED_ELSEWHERE = "SELECT EXISTS (SELECT FROM runs WHERE run_id = $1 AND requester = $2 AND caller = $3)"
+_SETTLE_RUN = ledger.settle_run_sql(lambda n: f"${n}")
+_SETTLE_ATTEMPT = ledger.settle_attempt_sql(lambda n: f"${n}")
 
 
 class PgStore:
@@ -164,11 +166,11 @@ class PgStore:
         await commit_once(self, "commit", write_batch)
 
     @on_fresh_sessions
-    async def recover(self, stale_after: float) -> int:
+    async def recover(self, stale_after: float) -> list[LeftOpen]:
         """Move open runs of control-planes silent for ``stale_after`` s to the ledger (row locks: once);
-        how many were recorded interrupted (not those another control-plane ran to their end). Run
-        again, it finds the open runs it moved gone."""
-        recorded = 0
+        those recorded interrupted (not those another control-plane ran to their end). Run again, it
+        finds the open runs it moved gone."""
+        recorded = []
         async with self.pool.acquire() as conn, conn.transaction():
             for row in await conn.fetch(_RECOVER, self._owner, stale_after):
                 if await conn.fetchval(_ENDED_ELSEWHERE, row["run_id"], row["requester"], row["caller"]):
@@ -177,10 +179,21 @@ class PgStore:
                 number = await conn.fetchval(_RUN, *run)
                 if tried is not None:
                     await conn.execute(_ATTEMPT, number, *tried)
-                recorded += 1
+                recorded.append(ledger.left_open(number, tuple(row)))
             forget = f"DELETE FROM replicas WHERE owner != $1 AND seen_at < {_NOW} - $2"  # noqa: S608 - fixed clock
             await conn.execute(forget, self._owner, stale_after)
         return recorded
+
+    @on_fresh_sessions
+    async def settle(self, left: LeftOpen, found: pb.LedgerRun) -> bool:
+        """Put the node's record ``found`` in place of the interrupted run ``left``; False when the row is
+        no longer interrupted (settled before, by this or another replica) or names another node."""
+        run, attempt = ledger.settled_rows(left, found)
+        async with self.pool.acquire() as conn, conn.transaction():
+            if await conn.execute(_SETTLE_RUN, *run) == "UPDATE 0":
+                return False
+            await conn.execute(_SETTLE_ATTEMPT, *attempt)
+        return True
 
     @on_fresh_sessions
     async def heartbeat(self) -> None:

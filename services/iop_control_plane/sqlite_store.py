@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from iop_control_plane import ledger
-from iop_control_plane.ledger import LedgerEntry
+from iop_control_plane.ledger import LedgerEntry, LeftOpen
 from iop_control_plane.state import (
     SCHEMA_VERSION,
     Dialect,
@@ -46,6 +46,8 @@ _OPEN = (
 )
 _PLACED = "UPDATE open_runs SET node_id = ?, node_model = ?, attempt = ?, placed_after = ? WHERE id = ?"
 _RUN = f"INSERT INTO runs ({ledger.RUN_COLUMNS}) VALUES ({', '.join('?' * 17)})"  # noqa: S608 - fixed columns
+_SETTLE_RUN = ledger.settle_run_sql(lambda _: "?")
+_SETTLE_ATTEMPT = ledger.settle_attempt_sql(lambda _: "?")
 _ATTEMPT = f"INSERT INTO run_attempts ({ledger.ATTEMPT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"  # noqa: S608
 
 
@@ -104,9 +106,23 @@ class SqliteStore:
             sql = "UPDATE nodes SET last_seen = ? WHERE node_id = ?"
             db.executemany(sql, [(at, node_id) for node_id, at in touched.items()])
 
-    async def recover(self, stale_after: float) -> int:
+    async def recover(self, stale_after: float) -> list[LeftOpen]:
         """Move open runs of control-planes silent for ``stale_after`` s (0: every other) to the ledger."""
         return await self._call(lambda db: _recover(db, self._owner, time.time() - stale_after))
+
+    async def settle(self, left: LeftOpen, found: pb.LedgerRun) -> bool:
+        """Put the node's record ``found`` in place of the interrupted run ``left``; False when the row is
+        no longer interrupted (settled before) or names another node."""
+        run, attempt = ledger.settled_rows(left, found)
+
+        def settle(db: sqlite3.Connection) -> bool:
+            with db:
+                if db.execute(_SETTLE_RUN, run).rowcount == 0:
+                    return False
+                db.execute(_SETTLE_ATTEMPT, attempt)
+                return True
+
+        return await self._call(settle)
 
     async def heartbeat(self) -> None:
         """Note this control-plane alive."""
@@ -305,22 +321,23 @@ def _migrate(db: sqlite3.Connection) -> None:
 _ENDED_ELSEWHERE = "SELECT EXISTS (SELECT 1 FROM runs WHERE run_id = ? AND requester = ? AND caller = ?)"
 
 
-def _recover(db: sqlite3.Connection, owner: str, silent_since: float) -> int:
+def _recover(db: sqlite3.Connection, owner: str, silent_since: float) -> list[LeftOpen]:
     """Move the open runs of owners other than ``owner`` not seen since ``silent_since`` to the ledger;
-    how many were recorded interrupted (not those another control-plane ran to their end)."""
+    those recorded interrupted (not those another control-plane ran to their end)."""
     with db:
         alive = "SELECT owner FROM replicas WHERE seen_at >= ?"
         where = f"owner != ? AND owner NOT IN ({alive})"
         select = f"SELECT {ledger.OPEN_COLUMNS} FROM open_runs WHERE {where} ORDER BY id"  # noqa: S608 - fixed clauses
-        recorded = 0
+        recorded = []
         for row in db.execute(select, (owner, silent_since)).fetchall():
             if db.execute(_ENDED_ELSEWHERE, row[:2] + row[3:4]).fetchone()[0]:
                 continue  # opened again through another control-plane and ended there: that row is its record
             run, tried = ledger.interrupted(row)
             cursor = db.execute(_RUN, run)
+            assert cursor.lastrowid is not None
             if tried is not None:
                 db.execute(_ATTEMPT, (cursor.lastrowid, *tried))
-            recorded += 1
+            recorded.append(ledger.left_open(cursor.lastrowid, row))
         db.execute(f"DELETE FROM open_runs WHERE {where}", (owner, silent_since))  # noqa: S608
         db.execute("DELETE FROM replicas WHERE owner != ? AND seen_at < ?", (owner, silent_since))
     return recorded

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from iop_control_plane.ledger import Attempt, LedgerEntry
+from iop_control_plane.ledger import Attempt, LedgerEntry, LeftOpen
 from iop_gen.pb.iop import runtime_pb2 as pb
 
 __all__ = [
@@ -196,8 +196,12 @@ class StateStore(Protocol):
     async def commit(self, batch: Sequence[Write], touched: Mapping[str, float]) -> None:
         """Write a batch (and nodes' last-seen times) in one transaction; sets ``open_row`` of opened entries."""
 
-    async def recover(self, stale_after: float) -> int:
+    async def recover(self, stale_after: float) -> list[LeftOpen]:
         """Move to the ledger as interrupted the open runs of control-planes not seen for ``stale_after`` s."""
+
+    async def settle(self, left: LeftOpen, found: pb.LedgerRun) -> bool:
+        """Put a node's record of a run left open in place of its interrupted row; False if it is not
+        (or no longer) interrupted with that node as the last attempt's."""
 
     async def heartbeat(self) -> None:
         """Note this control-plane alive (its open runs are not recovered by others)."""

@@ -22,13 +22,13 @@ import json
 import sqlite3
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import structlog
 from prometheus_client import Counter
 
-from iop_control_plane.ledger import LedgerEntry
+from iop_control_plane.ledger import LedgerEntry, LeftOpen
 from iop_control_plane.sqlite_store import SqliteStore
 from iop_control_plane.state import NodeSeen, Opened, Placed, StateChanged, StateStore, Write
 from iop_control_plane.text import TEXT_CHARS, clip
@@ -95,6 +95,8 @@ class AuditStore:
         self._closing = False
         self.failing = False
         """Whether the last write failed (the database is away): what is queued waits."""
+        self.on_left_open: Callable[[list[LeftOpen]], None] | None = None
+        """Called with the runs recovery recorded interrupted (to ask their nodes how they ended)."""
 
     @property
     def waiting(self) -> int:
@@ -107,17 +109,23 @@ class AuditStore:
         try:
             if self.state.shared:
                 await self.state.heartbeat()
-            if interrupted := await self.state.recover(STALE_AFTER if self.state.shared else 0.0):
-                _log.warning("runs left in progress by the last stop recorded as interrupted", runs=interrupted)
+            interrupted = await self.state.recover(STALE_AFTER if self.state.shared else 0.0)
             rows = await self.state.nodes()
         except BaseException:
             await self.state.aclose()
             raise
+        if interrupted:
+            _log.warning("runs left in progress by the last stop recorded as interrupted", runs=len(interrupted))
+            self._left_open(interrupted)
         self.first_seen = {node_id: first_seen for node_id, first_seen, _ in rows}
         self.served_before = frozenset(model for *_, models in rows for model in json.loads(models))
         self._tasks.append(asyncio.create_task(self._write_loop(), name="iop-audit"))
         if self.state.shared:
             self._tasks.append(asyncio.create_task(self._keep_alive(), name="iop-audit-heartbeat"))
+
+    def _left_open(self, runs: list[LeftOpen]) -> None:
+        if self.on_left_open is not None:
+            self.on_left_open(runs)
 
     async def aclose(self) -> None:
         """Commit what is queued (one attempt when the database is away) and close the store."""
@@ -295,8 +303,10 @@ class AuditStore:
             try:
                 if interrupted := await self.state.recover(STALE_AFTER):
                     _log.warning(
-                        "runs left in progress by a silent control-plane recorded as interrupted", runs=interrupted
+                        "runs left in progress by a silent control-plane recorded as interrupted",
+                        runs=len(interrupted),
                     )
+                    self._left_open(interrupted)
             except Exception as exc:  # noqa: BLE001 - a background loop logs and continues
                 _log.warning("recovering silent control-planes' runs failed", reason=str(exc) or type(exc).__name__)
 

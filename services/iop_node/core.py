@@ -248,6 +248,12 @@ class Node:
         if status is RunStatus.FAILED and record.adapter:
             self._metrics.adapter_errors.labels(record.adapter, code).inc()
 
+    async def recorded(self, run_id: str) -> RunRecord | None:
+        """This node's record of the run ``run_id`` (the id its requester sent), once written; None if it
+        has none (a run store shared by several nodes holds theirs too: only this node's answer)."""
+        record = await self._store.get(run_id)
+        return record if record is not None and record.node_id == self.node_id else None
+
     async def capabilities(self) -> pb.CapabilityResponse:
         """What this node serves now."""
         response = pb.CapabilityResponse(

@@ -19,11 +19,12 @@ import structlog
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.core import Node
+from iop_node.domain import RunRecord
 from iop_node.settings import ControlPlaneSettings
 from iop_wire import ConnectionConfig, Handler, Inbound, IopError, KeepConnected, TlsConfig
 from iop_wire.connection import Connection
 
-__all__ = ["Registration", "node_handler"]
+__all__ = ["Registration", "ledger_run", "node_handler"]
 
 _log = structlog.get_logger("iop.node")
 
@@ -45,7 +46,62 @@ def node_handler(node: Node, *, control_plane: bool = False) -> Handler:
         _log.info("drain requested", node_id=node.node_id, reason=message.reason)
         node.drain(message.grace.ToTimedelta().total_seconds() if message.HasField("grace") else None)
 
-    return Handler(run=node.run, messages={"capability_request": capabilities, "node_drain": drain})
+    async def run_record(inbound: Inbound) -> None:
+        # A control-plane restarted after a kill asks how a run it had placed here ended.
+        run_id = inbound.envelope.runs_list.run_id
+        if not control_plane:
+            raise IopError(pb.ERROR_CODE_PERMISSION_DENIED, "runs.list is taken only from this node's control-plane")
+        if not run_id:
+            raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, "runs.list to a node needs the run_id of one run")
+        record = await node.recorded(run_id)
+        listed = pb.RunsListed(runs=[] if record is None else [ledger_run(record)])
+        await inbound.reply(pb.Envelope(runs_listed=listed))
+
+    messages = {"capability_request": capabilities, "node_drain": drain, "runs_list": run_record}
+    return Handler(run=node.run, messages=messages)
+
+
+def ledger_run(record: RunRecord) -> pb.LedgerRun:
+    """The node's record of a run as ``runs.listed`` carries it: its outcome, usage and timings."""
+    usage = pb.Usage(
+        prompt_tokens=record.prompt_tokens, completion_tokens=record.completion_tokens, estimated=record.usage_estimated
+    )
+    run = pb.LedgerRun(
+        run_id=record.run_id,
+        requester=record.peer,
+        connection=record.connection,
+        caller=record.caller,
+        model=record.model,
+        node_id=record.node_id,
+        status=record.status.value,
+        error_code=_error_code(record.error_code),
+        error_message=record.error_message,
+        usage=usage,
+        finish_reason=_finish_reason(record.finish_reason),
+    )
+    if record.received_at is not None:
+        run.received_at.FromDatetime(record.received_at)
+        if record.first_token_at is not None:
+            run.ttft.FromTimedelta(record.first_token_at - record.received_at)
+        if record.finished_at is not None:
+            run.duration.FromTimedelta(record.finished_at - record.received_at)
+    return run
+
+
+def _error_code(name: str) -> pb.ErrorCode.ValueType:
+    """The code a record names (``UNAVAILABLE``); unspecified for none."""
+    full = f"ERROR_CODE_{name.upper()}"
+    return pb.ErrorCode.Value(full) if full in pb.ErrorCode.DESCRIPTOR.values_by_name else pb.ERROR_CODE_UNSPECIFIED
+
+
+def _finish_reason(name: str) -> pb.FinishReason.ValueType:
+    """The finish reason a record names (``stop``); unspecified for none."""
+    full = f"FINISH_REASON_{name.upper()}"
+    return (
+        pb.FinishReason.Value(full)
+        if full in pb.FinishReason.DESCRIPTOR.values_by_name
+        else pb.FINISH_REASON_UNSPECIFIED
+    )
 
 
 class Registration:

@@ -4,7 +4,8 @@ through nginx. Each test starts its own platform on a fresh database of one Post
 
 - ``kill -9`` of a control-plane: requests in flight complete or end with a retryable error, none
   hangs; requests started 2 s after the kill all succeed; the ledger holds every completed run
-  once, and the killed control-plane's open runs are recorded ``interrupted`` by the other.
+  once, as ``completed``: the killed control-plane's open runs are recorded ``interrupted`` by the
+  other, then as their node recorded them.
 - ``kill -9`` of an edge: nginx sends new requests to the other; the killed edge's runs are
   cancelled on the nodes within seconds.
 - PostgreSQL stopped for 10 s: runs are served, a policy and keys stay in force, nothing on a
@@ -102,36 +103,30 @@ def test_kill_9_of_a_control_plane(ha: Platform) -> None:
     _ledger_after_the_kill(ha, outcomes, killed)
 
 
-_LOST_TAIL = 1.0
-"""Seconds before the kill within which a run's ledger row may have been in the killed
-control-plane's unwritten batch (it commits every 20 ms, plus the commit's own time)."""
-
-
 def _ledger_after_the_kill(ha: Platform, outcomes: list[Outcome], killed: float) -> None:
-    """Every completed stream's run is in the ledger once as ``completed``, but for runs that ended
-    just before the kill through the killed control-plane: its last batch died with it, so a
-    survivor records them ``interrupted`` (once). A run opened again through cp-b that ended before
-    the survivor's recovery of cp-a's open runs (``STALE_AFTER`` after cp-a's last heartbeat) has
-    one row, cp-b's; one ending later has also cp-a's interrupted row. No run is left open."""
+    """Every completed stream's run is in the ledger once as ``completed``, also those that ended just
+    before the kill through the killed control-plane (its last batch died with it): the survivor
+    records them ``interrupted`` at first, then as their node recorded them, ``completed`` with their
+    usage. A run opened again through cp-b that ended before the survivor's recovery of cp-a's open
+    runs (``STALE_AFTER`` after cp-a's last heartbeat) has one row, cp-b's; one ending later has also
+    cp-a's row of the attempt it lost (interrupted, or as its node recorded it). No run is left open."""
     done = {outcome.run_id: outcome.ended for outcome in outcomes if outcome.end == "done"}
     assert all(done)  # every completed stream named its run (x-request-id)
 
     def settled() -> list[tuple[str, str]] | None:
         rows = asyncio.run(ha.ledger())
         open_left = asyncio.run(ha.scalar("SELECT count(*) FROM open_runs"))
-        return rows if set(done) <= {run for run, _ in rows} and not open_left else None
+        return rows if set(done) <= {run for run, status in rows if status == "completed"} and not open_left else None
 
-    rows = wait_for(settled, 60, 0.5, "every completed run in the ledger, no run left open (15 s after the kill)")
+    what = "every completed run completed in the ledger, no run left open (15 s after the kill, then its node's answer)"
+    rows = wait_for(settled, 60, 0.5, what)
     completed = collections.Counter(run for run, status in rows if status == "completed")
     interrupted = collections.Counter(run for run, status in rows if status == "interrupted")
-    lost_tail = {run: round(killed - ended, 3) for run, ended in done.items() if not completed[run]}
     print(f"ledger: {len(rows)} rows, {dict(collections.Counter(s for _, s in rows))}; completed streams {len(done)}")
-    print(f"completed streams recorded interrupted (ended this many s before the kill): {lost_tail}")
     print(f"runs with a completed and an interrupted row: {sum(bool(interrupted[r]) for r in completed)}")
     assert max(completed.values()) == 1  # no run completed twice
     before_recovery = killed + STALE_AFTER - RECOVER_EVERY  # cp-a's last heartbeat: at most this before the kill
     assert not [run for run in completed if interrupted[run] and done.get(run, before_recovery) < before_recovery]
-    assert all(interrupted[run] == 1 and age <= _LOST_TAIL for run, age in lost_tail.items()), lost_tail
 
 
 def test_kill_9_of_an_edge(ha: Platform) -> None:

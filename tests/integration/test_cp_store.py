@@ -6,6 +6,7 @@ certificates and revocations, the change counters replicas poll, and schema vers
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import sqlite3
 import time
@@ -93,13 +94,41 @@ async def test_runs_in_progress_of_a_silent_control_plane_are_recorded_interrupt
     await first.commit([Placed(placed, 1, placed.attempts[0])], {})
     ended.ending(None)
     await first.commit([ended], {})
-    assert await second.recover(60.0) == 0  # cp-a is alive: its runs are its own
-    assert await second.recover(0.0) == 2  # silent (here: for any time at all): recorded once
-    assert await second.recover(0.0) == 0
+    assert len(await second.recover(60.0)) == 0  # cp-a is alive: its runs are its own
+    assert len(await second.recover(0.0)) == 2  # silent (here: for any time at all): recorded once
+    assert len(await second.recover(0.0)) == 0
     runs = {run.run_id: run for run in (await second.runs(pb.RunsList())).runs}
     assert runs["e"].status == "cancelled" and runs["w"].status == runs["p"].status == "interrupted"
     assert "attempt 1 on node node-a" in runs["p"].error_message and runs["p"].attempts[0].outcome == "interrupted"
     assert "not yet placed" in runs["w"].error_message
+
+
+async def test_a_run_left_open_is_settled_once_by_the_node_of_its_last_attempt_only(open_store: Open) -> None:
+    first, second = await open_store("cp-a"), await open_store("cp-b")
+    placed = LedgerEntry("p", "edge-1", "conn-7", "alice", "m")
+    placed.attempts.append(Attempt("node-a", "m", placed.received))
+    await first.commit([Opened(placed), Placed(placed, 1, placed.attempts[0])], {})
+    [left] = await second.recover(0.0)
+    assert (left.node_id, left.attempt, left.node_run_id) == ("node-a", 1, "conn-7.p.1")  # the relay's id on the node
+    found = pb.LedgerRun(run_id=left.node_run_id, status="completed", finish_reason=pb.FINISH_REASON_STOP)
+    found.usage.prompt_tokens, found.usage.completion_tokens = 5, 7
+    liar = dataclasses.replace(left, node_id="node-b")
+    assert not await second.settle(liar, found)  # a node speaks only for runs it had the last attempt of
+    assert await second.settle(left, found)
+    assert not await second.settle(left, pb.LedgerRun(run_id=left.node_run_id, status="failed"))  # settled once
+    [run] = (await second.runs(pb.RunsList())).runs
+    assert (run.status, run.usage.prompt_tokens, run.usage.completion_tokens) == ("completed", 5, 7)
+    assert run.finish_reason == pb.FINISH_REASON_STOP and [a.outcome for a in run.attempts] == ["completed"]
+
+    moved = LedgerEntry("moved", "edge-1", "conn-7", "alice", "m")  # opened again through cp-b after the kill
+    moved.attempts.append(Attempt("node-a", "m", moved.received))
+    await first.commit([Opened(moved), Placed(moved, 1, moved.attempts[0])], {})
+    [left] = await second.recover(0.0)
+    await second.commit([_ended("moved", "node-b")], {})
+    assert not await second.settle(
+        left, pb.LedgerRun(run_id=left.node_run_id, status="completed")
+    )  # cp-b row: its record
+    assert [run.status for run in (await second.runs(pb.RunsList(run_id="moved"))).runs] == ["completed", "interrupted"]
 
 
 async def test_a_run_opened_again_through_another_control_plane_is_recorded_once(open_store: Open) -> None:
@@ -107,7 +136,7 @@ async def test_a_run_opened_again_through_another_control_plane_is_recorded_once
     left = LedgerEntry("moved", "edge-1", "c", "alice", "m")
     await first.commit([Opened(left)], {})  # cp-a dies before the run's first output ...
     await second.commit([_ended("moved", "node-b")], {})  # ... the edge opens it again through cp-b
-    assert await second.recover(0.0) == 0
+    assert len(await second.recover(0.0)) == 0
     runs = (await second.runs(pb.RunsList())).runs
     assert [(run.run_id, run.status) for run in runs] == [("moved", "completed")]
 
@@ -205,7 +234,7 @@ async def test_a_sqlite_file_of_an_earlier_version_migrates_forward(tmp_path: Pa
     await store.open("cp-a")
     try:
         assert await store.nodes() == [("node-a", 5.0, '["m"]')] and await store.revoked() == {"0f"}
-        assert await store.recover(0.0) == 1  # its run left open is recorded interrupted
+        assert len(await store.recover(0.0)) == 1  # its run left open is recorded interrupted
         assert [run.status for run in (await store.runs(pb.RunsList())).runs] == ["interrupted"]
         assert await store.changes() == {"policy": 0, "drains": 0, "revocations": 0}
     finally:

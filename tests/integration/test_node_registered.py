@@ -175,3 +175,37 @@ async def test_drain_grace_ends_runs_retryably_and_clients_cannot_drain(pki: Pki
         assert (await app.store.get("long")).status.value == "cancelled"  # type: ignore[attr-defined]
         await edge.close()
     await control_plane.close()
+
+
+_SMALL = [{"model": "mock-small", "adapter": "mock"}]
+
+
+async def test_the_control_plane_reads_the_nodes_record_of_a_run_and_clients_cannot(pki: Pki, tmp_path: Path) -> None:
+    from iop_wire.endpoint import dial
+    from iop_wire.errors import IopError
+
+    peer = ControlPlanePeer()
+    control_plane = await _control_plane(pki, peer)
+    dialing = {"address": f"127.0.0.1:{control_plane.port}", "server_name": "localhost"}
+    async with running_node(node_settings(pki, tmp_path, _SMALL, control_plane=dialing)) as app:
+        await assert_eventually(lambda: len(peer.registered) == 1)
+        connection = peer.connections[0]
+        done = (await collect(await connection.open_run(chat(model="mock-small", run_id="conn-1.r.1"))))[-1]
+        await app.store.flush()  # type: ignore[attr-defined]
+
+        async def lookup(run_id: str) -> list[pb.LedgerRun]:
+            answer = await connection.request(pb.Envelope(runs_list=pb.RunsList(run_id=run_id, limit=1)))
+            return list(answer.runs_listed.runs)
+
+        [found] = await lookup("conn-1.r.1")
+        assert (found.run_id, found.node_id, found.status) == ("conn-1.r.1", "node-t", "completed")
+        assert found.usage == done.complete.usage and found.finish_reason == done.complete.finish_reason
+        assert found.requester == "cp" and found.duration.ToTimedelta().total_seconds() > 0
+        assert await lookup("conn-1.never.1") == []
+        assert app.listener is not None
+        edge = await dial("127.0.0.1", app.listener.port, tls=pki.config("e", Role.EDGE), server_hostname="localhost")
+        with pytest.raises(IopError) as refused:  # only the node's control-plane asks
+            await edge.request(pb.Envelope(runs_list=pb.RunsList(run_id="conn-1.r.1")))
+        assert refused.value.code == pb.ERROR_CODE_PERMISSION_DENIED
+        await edge.close()
+    await control_plane.close()

@@ -186,3 +186,27 @@ async def test_node_state_changes_are_pruned_and_their_reasons_clipped(tmp_path:
         reasons = [reason for (reason,) in db.execute("SELECT reason FROM node_events ORDER BY rowid")]
     assert reasons[:4] == [f"change {number}" for number in range(2996, 3000)]  # the newest 5 kept
     assert len(reasons) == 5 and reasons[-1].startswith("r" * TEXT_CHARS + "…[") and len(reasons[-1]) < TEXT_CHARS + 20
+
+
+async def test_runs_left_open_wait_for_their_node_in_bounded_number_and_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from iop_control_plane import settling
+    from iop_control_plane.nodes import NodeSessions
+
+    monkeypatch.setattr(settling, "MAX_KEPT", 2)
+    monkeypatch.setattr(settling, "KEEP_FOR", 0.05)
+    metrics = ControlPlaneMetrics(Registry())
+    store = AuditStore(tmp_path / "cp.db")
+    left_open = settling.LeftOpenRuns(store.state, NodeSessions(Registry(), store, heartbeat_interval=1.0),
+                                      metrics.left_open_settled)  # fmt: skip
+    runs = [ledger.LeftOpen(number, "node-a", 1, f"c.r{number}.1") for number in range(3)]
+    left_open.add([*runs, ledger.LeftOpen(9, "", 0, "")])  # node-a is not connected; the unplaced one waits for none
+    assert left_open.kept == 2
+
+    def outcome(name: str) -> float | None:
+        return metrics.registry.get_sample_value("iop_control_plane_left_open_runs_total", {"outcome": name})
+
+    assert outcome("not_kept") == 1
+    await assert_eventually(lambda: left_open.kept == 0, timeout=5)  # node-a never registered
+    assert outcome("node_not_back") == 2

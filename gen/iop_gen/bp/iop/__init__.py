@@ -1373,7 +1373,9 @@ class Envelope(betterproto2.Message):
 
     runs_list: "RunsList | None" = betterproto2.field(30, betterproto2.TYPE_MESSAGE, optional=True, group="body")
     """
-    runs.list: an admin asks the control-plane for runs from its ledger.
+    runs.list: an admin asks the control-plane for runs from its ledger;
+    also a control-plane asks a node for its record of one run it placed
+    there (control-plane -> node, on the node's registration connection).
     """
 
     runs_listed: "RunsListed | None" = betterproto2.field(31, betterproto2.TYPE_MESSAGE, optional=True, group="body")
@@ -3019,6 +3021,17 @@ class RunsList(betterproto2.Message):
     """
     runs.list: runs from the control-plane's ledger, newest first. Answered by
     runs.listed. Filters left empty match every run.
+
+    Sent by a control-plane to a node it is connected to (taken only on the
+    connection the node dialed to its control-plane), it asks for the node's
+    own record of one run: run_id is the id the run had on the node (the
+    control-plane's "<requester connection>.<run id>.<attempt>"), the other
+    filters are ignored. The node answers runs.listed with that run, as its
+    run store recorded it (status "running", "completed", "failed",
+    "cancelled" or "interrupted"; node_id, usage, finish_reason, error, times;
+    requester is the control-plane, no attempts), or with no run if it has no
+    record. A control-plane restarted after a kill asks this for the runs it
+    left open, and records those the node saw end as the node recorded them.
     """
 
     run_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
