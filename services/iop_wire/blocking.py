@@ -4,8 +4,8 @@ For a process that asks one thing and exits (``iop nodes ls``): it pays for ever
 :class:`~iop_wire.connection.Connection` that :func:`~iop_wire.endpoint.dial` opens brings asyncio,
 structlog and prometheus_client, most of such a command's time. This client speaks the same
 preface and envelopes over a plain blocking socket. It serves nothing (a request from the peer goes
-unanswered) and sends no heartbeats, so it suits exchanges shorter than the peer's heartbeat
-timeout, and nothing else: services use ``dial``.
+unanswered); it beats only while it waits for an answer, once for each of the peer's heartbeats (the
+peer drops a silent connection). Services use ``dial``.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class BlockingClient:
         self._decoder = FrameDecoder(max_frame_size)
         self._frames: deque[bytes] = deque()
         self._ids = count(1)
+        self._beats = count()
 
     @classmethod
     def connect(
@@ -88,6 +89,9 @@ class BlockingClient:
                 return answer
             if is_error and not answer.in_reply_to:  # the peer is closing the connection
                 raise ConnectionClosed(answer.error.message, answer.error.code)
+            if answer.WhichOneof("body") == "heartbeat":  # at the peer's interval: it expects as much of us
+                beat = pb.Heartbeat(sequence=next(self._beats), interval=answer.heartbeat.interval)
+                self._send(pb.Envelope(heartbeat=beat))
 
     def close(self, reason: str = "done") -> None:
         """Tell the peer we are going (as a Connection's graceful close does), then close the socket."""
