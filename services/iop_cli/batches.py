@@ -47,7 +47,7 @@ def batches_cancel(args: argparse.Namespace) -> int:
 def _ls(args: argparse.Namespace) -> int:
     if not 1 <= args.limit <= rules.BATCHES_PAGE.maximum:
         raise CliError(f"--limit must be from 1 to {rules.BATCHES_PAGE.maximum}, not {args.limit}", 2)
-    listed = (_ask(args, pb.Envelope(batches_list=pb.BatchesList(limit=args.limit)))).batches_listed
+    listed = _ask(args, pb.Envelope(batches_list=pb.BatchesList(limit=args.limit))).batches_listed
     batches = [batch_dict(batch) for batch in listed.batches]
     emit(batches, as_json=args.json, text=_table(batches))
     if listed.has_more:
@@ -92,7 +92,7 @@ def _ask(args: argparse.Namespace, envelope: pb.Envelope) -> pb.Envelope:
 
 def _batch(args: argparse.Namespace, envelope: pb.Envelope) -> pb.BatchInfo:
     try:
-        return (_ask(args, envelope)).batch_info
+        return _ask(args, envelope).batch_info
     except CliError as exc:
         if exc.error != pb.ERROR_CODE_NOT_FOUND:
             raise

@@ -80,7 +80,7 @@ def nodes_undrain(args: argparse.Namespace) -> int:
 def nodes_remove(args: argparse.Namespace) -> int:
     """Revoke the node's certificates, close its connection, forget it: it comes back only by joining again."""
     remove = pb.NodesRemove(node_id=args.node, reason=args.reason or "")
-    print((ask(args, pb.Envelope(nodes_remove=remove))).operation_done.message)
+    print(ask(args, pb.Envelope(nodes_remove=remove)).operation_done.message)
     return 0
 
 
@@ -105,7 +105,7 @@ def runs_show(args: argparse.Namespace) -> int:
 
 
 def _nodes_ls(args: argparse.Namespace) -> int:
-    listed = (ask(args, pb.Envelope(nodes_list=pb.NodesList()))).nodes_listed
+    listed = ask(args, pb.Envelope(nodes_list=pb.NodesList())).nodes_listed
     now = time.time()
     if args.json:
         emit([_node_dict(node, now) for node in listed.nodes], as_json=True, text="")
@@ -116,18 +116,18 @@ def _nodes_ls(args: argparse.Namespace) -> int:
 
 def _nodes_drain(args: argparse.Namespace) -> int:
     drain = pb.NodesDrain(node_id=args.node, reason=args.reason or "")
-    print((ask(args, pb.Envelope(nodes_drain=drain))).operation_done.message)
+    print(ask(args, pb.Envelope(nodes_drain=drain)).operation_done.message)
     return 0
 
 
 def _nodes_undrain(args: argparse.Namespace) -> int:
     undrain = pb.NodesUndrain(node_id=args.node, reason=args.reason or "")
-    print((ask(args, pb.Envelope(nodes_undrain=undrain))).operation_done.message)
+    print(ask(args, pb.Envelope(nodes_undrain=undrain)).operation_done.message)
     return 0
 
 
 def _policy_show(args: argparse.Namespace) -> int:
-    shown = (ask(args, pb.Envelope(policy_show=pb.PolicyShow()))).policy_shown
+    shown = ask(args, pb.Envelope(policy_show=pb.PolicyShow())).policy_shown
     loaded = iso(shown.loaded_at.ToNanoseconds() / 1e9) if shown.HasField("loaded_at") else "-"
     print(f"# policy version {shown.version}, from {shown.source or '-'}, in force since {loaded}")
     if shown.yaml:
@@ -146,7 +146,7 @@ def _policy_apply(args: argparse.Namespace) -> int:
         raise CliError(f"cannot read {path}: {reason}", 2) from None
     apply = pb.PolicyApply(yaml=text, source=str(path))
     try:
-        applied = (ask(args, pb.Envelope(policy_apply=apply))).policy_applied
+        applied = ask(args, pb.Envelope(policy_apply=apply)).policy_applied
     except CliError as exc:
         if exc.error != pb.ERROR_CODE_INVALID_ARGUMENT:
             raise
@@ -169,7 +169,7 @@ def _runs_ls(args: argparse.Namespace) -> int:
             query.since.FromDatetime(parse_since(args.since))
         except ValueError as exc:
             raise CliError(str(exc), 2) from None
-    listed = (ask(args, pb.Envelope(runs_list=query))).runs_listed
+    listed = ask(args, pb.Envelope(runs_list=query)).runs_listed
     runs = [_run_dict(run) for run in listed.runs]
     emit(runs, as_json=args.json, text=_runs_table(runs))
     if listed.more:
@@ -178,7 +178,7 @@ def _runs_ls(args: argparse.Namespace) -> int:
 
 
 def _runs_show(args: argparse.Namespace) -> int:
-    listed = (ask(args, pb.Envelope(runs_list=pb.RunsList(run_id=args.run_id, limit=1)))).runs_listed
+    listed = ask(args, pb.Envelope(runs_list=pb.RunsList(run_id=args.run_id, limit=1))).runs_listed
     if not listed.runs:
         raise CliError(f"no run {args.run_id!r} in the control-plane's ledger", 1)
     run = _run_dict(listed.runs[0])

@@ -36,7 +36,7 @@ def join_token_create(args: argparse.Namespace) -> int:
     """Create a token; print the ``iop join`` line for it."""
     create = pb.JoinTokenCreate(uses=args.uses, name_prefix=args.name_prefix or "")
     create.ttl.FromTimedelta(datetime.timedelta(seconds=_duration(args.ttl)))
-    created = (ask(args, pb.Envelope(join_token_create=create))).join_token_created
+    created = ask(args, pb.Envelope(join_token_create=create)).join_token_created
     asked_host, _, port = args.control_plane.rpartition(":")
     hosts = others_use(args.dir / "control-plane.yaml")
     host = hosts[0] if hosts else asked_host
@@ -56,7 +56,7 @@ def join_token_create(args: argparse.Namespace) -> int:
 
 def join_token_ls(args: argparse.Namespace) -> int:
     """Every token, newest first: id, expiry, uses, state; never a secret."""
-    listed = (ask(args, pb.Envelope(join_tokens_list=pb.JoinTokensList()))).join_tokens_listed
+    listed = ask(args, pb.Envelope(join_tokens_list=pb.JoinTokensList())).join_tokens_listed
     now = time.time()
     tokens = [_token_dict(token, now) for token in listed.tokens]
     emit(tokens, as_json=args.json, text=_tokens_table(tokens) if tokens else "no join tokens")
@@ -66,7 +66,7 @@ def join_token_ls(args: argparse.Namespace) -> int:
 def join_token_revoke(args: argparse.Namespace) -> int:
     """No machine may join with the token any more."""
     token_id = args.id.removeprefix("iopjt-").partition(".")[0]  # a whole token names its id too
-    print((ask(args, pb.Envelope(join_token_revoke=pb.JoinTokenRevoke(id=token_id)))).operation_done.message)
+    print(ask(args, pb.Envelope(join_token_revoke=pb.JoinTokenRevoke(id=token_id))).operation_done.message)
     return 0
 
 
