@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from typing import Final, Protocol
 
-from google.protobuf import json_format
 from google.protobuf.message import DecodeError as ProtobufDecodeError
 
 from iop_gen.pb.iop.runtime_pb2 import Envelope
@@ -56,10 +55,14 @@ class JsonCodec:
     name = "json"
 
     def encode(self, envelope: Envelope) -> bytes:
+        from google.protobuf import json_format  # noqa: PLC0415 - on first use: a short process (iop nodes ls) speaks proto
+
         document = json_format.MessageToDict(envelope)
         return json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode()
 
     def decode(self, body: bytes) -> Envelope:
+        from google.protobuf import json_format  # noqa: PLC0415 - as in encode
+
         try:
             # Unknown fields are skipped so that a message type added later reads as
             # "no body" (ERROR_CODE_UNKNOWN_MESSAGE_TYPE), as it does in protobuf binary.
