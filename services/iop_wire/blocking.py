@@ -64,6 +64,7 @@ class BlockingClient:
         sock = socket.create_connection((host, port), timeout=timeout)
         try:
             if context is not None:
+                sock.settimeout(max(deadline - time.monotonic(), 0.001))  # the handshake shares the deadline
                 sock = context.wrap_socket(sock, server_hostname=server_hostname or host)
             client = cls(sock, codec=codec, max_frame_size=max_frame_size)
             sock.sendall(preface(codec))
