@@ -18,10 +18,10 @@ from itertools import count
 from types import TracebackType
 
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_wire.codec import get_codec
+from iop_wire.codec import get_codec, preface_refusal
 from iop_wire.errors import ConnectionClosed, IopError
 from iop_wire.framing import DEFAULT_MAX_FRAME_SIZE, FrameDecoder, encode_frame, preface
-from iop_wire.messages import error_envelope, preface_refusal
+from iop_wire.messages import error_envelope
 
 __all__ = ["BlockingClient"]
 

@@ -29,12 +29,12 @@ from types import TracebackType
 import structlog
 
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_wire.codec import CODECS, Codec, get_codec
+from iop_wire.codec import CODECS, Codec, get_codec, preface_refusal
 from iop_wire.connection import Connection, ConnectionConfig, Handler
 from iop_wire.errors import ConnectionClosed, FrameError, HandshakeError, IopError
 from iop_wire.framing import HEADER_SIZE, PREFACE_PREFIX, encode_frame, preface
 from iop_wire.logs import RateLimitedLog, library_logger
-from iop_wire.messages import error_envelope, preface_refusal
+from iop_wire.messages import error_envelope
 from iop_wire.metrics import HANDSHAKES, LIMIT_HITS
 from iop_wire.tls import PeerIdentity, Role, TlsConfig, client_context, peer_identity, server_context
 

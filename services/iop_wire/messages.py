@@ -7,16 +7,12 @@ protocol and are proven equal to these by the contract tests.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_wire.errors import HandshakeError, IopError
-from iop_wire.framing import PREFACE_PREFIX
+from iop_wire.errors import IopError
 
-if TYPE_CHECKING:
-    from iop_wire.codec import Codec
-
-__all__ = ["BATCH_TIMES", "MESSAGE_TYPES", "error_envelope", "error_message", "message_type", "preface_refusal"]
+__all__ = ["BATCH_TIMES", "MESSAGE_TYPES", "error_envelope", "error_message", "message_type"]
 
 #: Seed message-type name for each ``Envelope.body`` field.
 MESSAGE_TYPES: Final[dict[str, str]] = {
@@ -55,14 +51,3 @@ def error_message(error: IopError) -> pb.Error:
 def error_envelope(error: IopError, *, in_reply_to: str = "") -> pb.Envelope:
     """An envelope whose body is ``error``."""
     return pb.Envelope(run_id=error.run_id, in_reply_to=in_reply_to, error=error_message(error))
-
-
-def preface_refusal(answer: bytes, codec: Codec) -> IopError | None:
-    """None when a listener's ``answer`` to our preface accepts ``codec``, else the error it sent instead."""
-    if answer == PREFACE_PREFIX + codec.name.encode():
-        return None
-    envelope = codec.decode(answer)
-    if envelope.WhichOneof("body") != "error":
-        return HandshakeError(pb.ERROR_CODE_PROTOCOL_VIOLATION, "listener answered the preface with a non-error")
-    error = envelope.error
-    return HandshakeError(error.code, error.message, retryable=error.retryable, reason=error.reason)
