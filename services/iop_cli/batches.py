@@ -31,20 +31,6 @@ _BAR = 20
 
 def batches_ls(args: argparse.Namespace) -> int:
     """The newest batches, as a table or JSON."""
-    return _ls(args)
-
-
-def batches_show(args: argparse.Namespace) -> int:
-    """One batch: status, counts and, while it runs, its progress."""
-    return _show(args)
-
-
-def batches_cancel(args: argparse.Namespace) -> int:
-    """Stop a batch: no new lines start, running ones are cancelled."""
-    return _cancel(args)
-
-
-def _ls(args: argparse.Namespace) -> int:
     if not 1 <= args.limit <= rules.BATCHES_PAGE.maximum:
         raise CliError(f"--limit must be from 1 to {rules.BATCHES_PAGE.maximum}, not {args.limit}", 2)
     listed = _ask(args, pb.Envelope(batches_list=pb.BatchesList(limit=args.limit))).batches_listed
@@ -55,7 +41,8 @@ def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def _show(args: argparse.Namespace) -> int:
+def batches_show(args: argparse.Namespace) -> int:
+    """One batch: status, counts and, while it runs, its progress."""
     info = _batch(args, pb.Envelope(batch_get=pb.BatchGet(batch_id=args.batch_id)))
     batch = batch_dict(info)
     if args.json:
@@ -76,7 +63,8 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cancel(args: argparse.Namespace) -> int:
+def batches_cancel(args: argparse.Namespace) -> int:
+    """Stop a batch: no new lines start, running ones are cancelled."""
     batch = batch_dict(_batch(args, pb.Envelope(batch_cancel=pb.BatchCancel(batch_id=args.batch_id))))
     counts = batch["request_counts"]
     done = f"{counts['completed'] + counts['failed']} of {counts['total']} lines done"

@@ -64,17 +64,27 @@ _CANNOT_ASK = frozenset({pb.ERROR_CODE_PERMISSION_DENIED, pb.ERROR_CODE_UNAUTHEN
 
 def nodes_ls(args: argparse.Namespace) -> int:
     """Every node the control-plane knows, as a table or JSON."""
-    return _nodes_ls(args)
+    listed = ask(args, pb.Envelope(nodes_list=pb.NodesList())).nodes_listed
+    now = time.time()
+    if args.json:
+        emit([_node_dict(node, now) for node in listed.nodes], as_json=True, text="")
+    else:
+        print(_nodes_table(listed.nodes, now) if listed.nodes else "no nodes registered")
+    return 0
 
 
 def nodes_drain(args: argparse.Namespace) -> int:
     """No new runs to the node; its runs in flight finish."""
-    return _nodes_drain(args)
+    drain = pb.NodesDrain(node_id=args.node, reason=args.reason or "")
+    print(ask(args, pb.Envelope(nodes_drain=drain)).operation_done.message)
+    return 0
 
 
 def nodes_undrain(args: argparse.Namespace) -> int:
     """Runs go to the node again (once it is connected)."""
-    return _nodes_undrain(args)
+    undrain = pb.NodesUndrain(node_id=args.node, reason=args.reason or "")
+    print(ask(args, pb.Envelope(nodes_undrain=undrain)).operation_done.message)
+    return 0
 
 
 def nodes_remove(args: argparse.Namespace) -> int:
@@ -86,47 +96,6 @@ def nodes_remove(args: argparse.Namespace) -> int:
 
 def policy_show(args: argparse.Namespace) -> int:
     """The policy in force: a comment line (version, source, time), then its YAML."""
-    return _policy_show(args)
-
-
-def policy_apply(args: argparse.Namespace) -> int:
-    """Send a policy file; prints the version now in force."""
-    return _policy_apply(args)
-
-
-def runs_ls(args: argparse.Namespace) -> int:
-    """Runs from the control-plane's ledger, newest first, as a table or JSON."""
-    return _runs_ls(args)
-
-
-def runs_show(args: argparse.Namespace) -> int:
-    """Every field of one run from the control-plane's ledger, with its attempts."""
-    return _runs_show(args)
-
-
-def _nodes_ls(args: argparse.Namespace) -> int:
-    listed = ask(args, pb.Envelope(nodes_list=pb.NodesList())).nodes_listed
-    now = time.time()
-    if args.json:
-        emit([_node_dict(node, now) for node in listed.nodes], as_json=True, text="")
-    else:
-        print(_nodes_table(listed.nodes, now) if listed.nodes else "no nodes registered")
-    return 0
-
-
-def _nodes_drain(args: argparse.Namespace) -> int:
-    drain = pb.NodesDrain(node_id=args.node, reason=args.reason or "")
-    print(ask(args, pb.Envelope(nodes_drain=drain)).operation_done.message)
-    return 0
-
-
-def _nodes_undrain(args: argparse.Namespace) -> int:
-    undrain = pb.NodesUndrain(node_id=args.node, reason=args.reason or "")
-    print(ask(args, pb.Envelope(nodes_undrain=undrain)).operation_done.message)
-    return 0
-
-
-def _policy_show(args: argparse.Namespace) -> int:
     shown = ask(args, pb.Envelope(policy_show=pb.PolicyShow())).policy_shown
     loaded = iso(shown.loaded_at.ToNanoseconds() / 1e9) if shown.HasField("loaded_at") else "-"
     print(f"# policy version {shown.version}, from {shown.source or '-'}, in force since {loaded}")
@@ -137,7 +106,8 @@ def _policy_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _policy_apply(args: argparse.Namespace) -> int:
+def policy_apply(args: argparse.Namespace) -> int:
+    """Send a policy file; prints the version now in force."""
     path: Path = args.file
     try:
         text = path.read_text(encoding="utf-8")
@@ -155,7 +125,8 @@ def _policy_apply(args: argparse.Namespace) -> int:
     return 0
 
 
-def _runs_ls(args: argparse.Namespace) -> int:
+def runs_ls(args: argparse.Namespace) -> int:
+    """Runs from the control-plane's ledger, newest first, as a table or JSON."""
     from iop_control_plane.ledger import MAX_LIST, STATUSES  # here: the other commands start without the services'
     from iop_node.history import parse_since
 
@@ -177,7 +148,8 @@ def _runs_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def _runs_show(args: argparse.Namespace) -> int:
+def runs_show(args: argparse.Namespace) -> int:
+    """Every field of one run from the control-plane's ledger, with its attempts."""
     listed = ask(args, pb.Envelope(runs_list=pb.RunsList(run_id=args.run_id, limit=1))).runs_listed
     if not listed.runs:
         raise CliError(f"no run {args.run_id!r} in the control-plane's ledger", 1)
