@@ -29,25 +29,11 @@ __all__ = ["batches_cancel", "batches_ls", "batches_show"]
 _BAR = 20
 
 
-async def batches_ls(args: argparse.Namespace) -> int:
+def batches_ls(args: argparse.Namespace) -> int:
     """The newest batches, as a table or JSON."""
-    return await _ls(args)
-
-
-async def batches_show(args: argparse.Namespace) -> int:
-    """One batch: status, counts and, while it runs, its progress."""
-    return await _show(args)
-
-
-async def batches_cancel(args: argparse.Namespace) -> int:
-    """Stop a batch: no new lines start, running ones are cancelled."""
-    return await _cancel(args)
-
-
-async def _ls(args: argparse.Namespace) -> int:
     if not 1 <= args.limit <= rules.BATCHES_PAGE.maximum:
         raise CliError(f"--limit must be from 1 to {rules.BATCHES_PAGE.maximum}, not {args.limit}", 2)
-    listed = (await _ask(args, pb.Envelope(batches_list=pb.BatchesList(limit=args.limit)))).batches_listed
+    listed = _ask(args, pb.Envelope(batches_list=pb.BatchesList(limit=args.limit))).batches_listed
     batches = [batch_dict(batch) for batch in listed.batches]
     emit(batches, as_json=args.json, text=_table(batches))
     if listed.has_more:
@@ -55,8 +41,9 @@ async def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _show(args: argparse.Namespace) -> int:
-    info = await _batch(args, pb.Envelope(batch_get=pb.BatchGet(batch_id=args.batch_id)))
+def batches_show(args: argparse.Namespace) -> int:
+    """One batch: status, counts and, while it runs, its progress."""
+    info = _batch(args, pb.Envelope(batch_get=pb.BatchGet(batch_id=args.batch_id)))
     batch = batch_dict(info)
     if args.json:
         print(json.dumps(batch, indent=2))
@@ -76,8 +63,9 @@ async def _show(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _cancel(args: argparse.Namespace) -> int:
-    batch = batch_dict(await _batch(args, pb.Envelope(batch_cancel=pb.BatchCancel(batch_id=args.batch_id))))
+def batches_cancel(args: argparse.Namespace) -> int:
+    """Stop a batch: no new lines start, running ones are cancelled."""
+    batch = batch_dict(_batch(args, pb.Envelope(batch_cancel=pb.BatchCancel(batch_id=args.batch_id))))
     counts = batch["request_counts"]
     done = f"{counts['completed'] + counts['failed']} of {counts['total']} lines done"
     if batch["status"] in rules.ENDED - {"cancelled"}:
@@ -86,13 +74,13 @@ async def _cancel(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _ask(args: argparse.Namespace, envelope: pb.Envelope) -> pb.Envelope:
-    return await ask(args, envelope, service="worker")
+def _ask(args: argparse.Namespace, envelope: pb.Envelope) -> pb.Envelope:
+    return ask(args, envelope, service="worker")
 
 
-async def _batch(args: argparse.Namespace, envelope: pb.Envelope) -> pb.BatchInfo:
+def _batch(args: argparse.Namespace, envelope: pb.Envelope) -> pb.BatchInfo:
     try:
-        return (await _ask(args, envelope)).batch_info
+        return _ask(args, envelope).batch_info
     except CliError as exc:
         if exc.error != pb.ERROR_CODE_NOT_FOUND:
             raise

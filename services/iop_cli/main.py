@@ -27,7 +27,6 @@ Subcommands import their service lazily, so ``iop certs`` does not load a web se
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 from collections.abc import Sequence
@@ -130,7 +129,9 @@ def _runs_ls(args: argparse.Namespace) -> int:
     if args.control_plane is not None:
         from iop_cli.ops import runs_ls as ledger_ls
 
-        return asyncio.run(ledger_ls(args))
+        return ledger_ls(args)
+    import asyncio
+
     from iop_cli.runs import ls
 
     return asyncio.run(ls(args))
@@ -140,7 +141,9 @@ def _runs_show(args: argparse.Namespace) -> int:
     if args.control_plane is not None:
         from iop_cli.ops import runs_show as ledger_show
 
-        return asyncio.run(ledger_show(args))
+        return ledger_show(args)
+    import asyncio
+
     from iop_cli.runs import show
 
     return asyncio.run(show(args))
@@ -150,7 +153,7 @@ def _ops(args: argparse.Namespace) -> int:
     from iop_cli import ops
 
     action = getattr(ops, args.ops_action)
-    code: int = asyncio.run(action(args))
+    code: int = action(args)
     return code
 
 
@@ -158,7 +161,7 @@ def _batches(args: argparse.Namespace) -> int:
     from iop_cli import batches
 
     action = getattr(batches, args.batches_action)
-    code: int = asyncio.run(action(args))
+    code: int = action(args)
     return code
 
 
@@ -166,7 +169,7 @@ def _tokens(args: argparse.Namespace) -> int:
     from iop_cli import tokens
 
     action = getattr(tokens, args.tokens_action)
-    code: int = asyncio.run(action(args))
+    code: int = action(args)
     return code
 
 
@@ -198,7 +201,8 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command tree; for an admin ``command``, that command's parsers alone."""
     parser = argparse.ArgumentParser(prog="iop", description="IOP, the Inference Operations Platform.")
     parser.add_argument("--version", action=_VersionAction, help="print the version and exit")
     parser.add_argument(
@@ -210,6 +214,15 @@ def _parser() -> argparse.ArgumentParser:
     state_dir = Path(os.environ.get("IOP_STATE_DIR", ".iop"))
     state_help = "state folder of 'iop up' (default: $IOP_STATE_DIR, else .iop)"
     commands = parser.add_subparsers(dest="command", required=True)
+    parser.set_defaults(logs=True)  # whether main() configures logging; the admin requests' parsers say False
+    # `iop nodes ls` and its kin run often, a new process each time: building every other command's
+    # parser took a tenth of its start (argparse looks up a translation for each help text).
+    if command in ("nodes", "policy", "join-token"):
+        _ops_parsers(commands, common, state_dir)
+        return parser
+    if command == "batches":
+        _batches_parsers(commands, common, state_dir)
+        return parser
 
     certs = commands.add_parser("certs", help="mTLS certificates").add_subparsers(dest="certs_command", required=True)
     init = certs.add_parser("init", parents=[common], help="write a CA and a certificate + key per role into DIR")
@@ -391,6 +404,7 @@ def _ops_parsers(
     admin.add_argument(
         "--server-name", default="localhost", metavar="NAME", help="its certificate name (default localhost)"
     )
+    admin.set_defaults(logs=False)
 
     nodes = commands.add_parser("nodes", help="a control-plane's nodes (admin certificate)")
     nodes_commands = nodes.add_subparsers(dest="nodes_command", required=True)
@@ -448,6 +462,7 @@ def _batches_parsers(
     admin.add_argument(
         "--server-name", default="localhost", metavar="NAME", help="its certificate name (default localhost)"
     )
+    admin.set_defaults(logs=False)
     batches = commands.add_parser("batches", help="a worker's batch jobs (admin certificate)")
     batches_commands = batches.add_subparsers(dest="batches_command", required=True)
     ls = batches_commands.add_parser("ls", parents=[admin], help="the newest batches, their status and progress")
@@ -493,8 +508,11 @@ def _join_parser(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``iop`` command; returns the exit code."""
-    args = _parser().parse_args(argv)
-    if args.command not in ("node", "control-plane"):  # these configure logging from their settings
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser(_command(argv)).parse_args(argv)
+    # node and control-plane configure logging from their settings; an admin request logs nothing
+    # of its own, and leaves structlog unloaded (a new process each time: imports are its cost).
+    if args.command not in ("node", "control-plane") and args.logs:
         from iop_wire.logs import configure
 
         configure(args.log_level or "warning")
@@ -504,6 +522,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"iop {args.command}: {exc}", file=sys.stderr)
         return exc.code
     return code
+
+
+def _command(argv: Sequence[str]) -> str | None:
+    """The command ``argv`` names when nothing but ``--log-level LEVEL`` comes before it."""
+    rest = list(argv[2:] if argv[:1] == ["--log-level"] else argv)
+    return rest[0] if rest and not rest[0].startswith("-") else None
 
 
 def console() -> None:

@@ -31,10 +31,9 @@ from google.protobuf.duration_pb2 import Duration
 from iop_cli.output import CliError, emit, table, warn
 from iop_cli.readyfile import read_ready
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_wire import code_name
-from iop_wire.endpoint import dial
-from iop_wire.errors import IopError
-from iop_wire.tls import TlsConfig
+from iop_wire.blocking import BlockingClient
+from iop_wire.errors import IopError, code_name
+from iop_wire.tls import TlsConfig, client_context
 
 __all__ = [
     "DEFAULT_CONTROL_PLANE",
@@ -63,50 +62,9 @@ _STATES = {
 _CANNOT_ASK = frozenset({pb.ERROR_CODE_PERMISSION_DENIED, pb.ERROR_CODE_UNAUTHENTICATED})
 
 
-async def nodes_ls(args: argparse.Namespace) -> int:
+def nodes_ls(args: argparse.Namespace) -> int:
     """Every node the control-plane knows, as a table or JSON."""
-    return await _nodes_ls(args)
-
-
-async def nodes_drain(args: argparse.Namespace) -> int:
-    """No new runs to the node; its runs in flight finish."""
-    return await _nodes_drain(args)
-
-
-async def nodes_undrain(args: argparse.Namespace) -> int:
-    """Runs go to the node again (once it is connected)."""
-    return await _nodes_undrain(args)
-
-
-async def nodes_remove(args: argparse.Namespace) -> int:
-    """Revoke the node's certificates, close its connection, forget it: it comes back only by joining again."""
-    remove = pb.NodesRemove(node_id=args.node, reason=args.reason or "")
-    print((await ask(args, pb.Envelope(nodes_remove=remove))).operation_done.message)
-    return 0
-
-
-async def policy_show(args: argparse.Namespace) -> int:
-    """The policy in force: a comment line (version, source, time), then its YAML."""
-    return await _policy_show(args)
-
-
-async def policy_apply(args: argparse.Namespace) -> int:
-    """Send a policy file; prints the version now in force."""
-    return await _policy_apply(args)
-
-
-async def runs_ls(args: argparse.Namespace) -> int:
-    """Runs from the control-plane's ledger, newest first, as a table or JSON."""
-    return await _runs_ls(args)
-
-
-async def runs_show(args: argparse.Namespace) -> int:
-    """Every field of one run from the control-plane's ledger, with its attempts."""
-    return await _runs_show(args)
-
-
-async def _nodes_ls(args: argparse.Namespace) -> int:
-    listed = (await ask(args, pb.Envelope(nodes_list=pb.NodesList()))).nodes_listed
+    listed = ask(args, pb.Envelope(nodes_list=pb.NodesList())).nodes_listed
     now = time.time()
     if args.json:
         emit([_node_dict(node, now) for node in listed.nodes], as_json=True, text="")
@@ -115,20 +73,30 @@ async def _nodes_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _nodes_drain(args: argparse.Namespace) -> int:
+def nodes_drain(args: argparse.Namespace) -> int:
+    """No new runs to the node; its runs in flight finish."""
     drain = pb.NodesDrain(node_id=args.node, reason=args.reason or "")
-    print((await ask(args, pb.Envelope(nodes_drain=drain))).operation_done.message)
+    print(ask(args, pb.Envelope(nodes_drain=drain)).operation_done.message)
     return 0
 
 
-async def _nodes_undrain(args: argparse.Namespace) -> int:
+def nodes_undrain(args: argparse.Namespace) -> int:
+    """Runs go to the node again (once it is connected)."""
     undrain = pb.NodesUndrain(node_id=args.node, reason=args.reason or "")
-    print((await ask(args, pb.Envelope(nodes_undrain=undrain))).operation_done.message)
+    print(ask(args, pb.Envelope(nodes_undrain=undrain)).operation_done.message)
     return 0
 
 
-async def _policy_show(args: argparse.Namespace) -> int:
-    shown = (await ask(args, pb.Envelope(policy_show=pb.PolicyShow()))).policy_shown
+def nodes_remove(args: argparse.Namespace) -> int:
+    """Revoke the node's certificates, close its connection, forget it: it comes back only by joining again."""
+    remove = pb.NodesRemove(node_id=args.node, reason=args.reason or "")
+    print(ask(args, pb.Envelope(nodes_remove=remove)).operation_done.message)
+    return 0
+
+
+def policy_show(args: argparse.Namespace) -> int:
+    """The policy in force: a comment line (version, source, time), then its YAML."""
+    shown = ask(args, pb.Envelope(policy_show=pb.PolicyShow())).policy_shown
     loaded = iso(shown.loaded_at.ToNanoseconds() / 1e9) if shown.HasField("loaded_at") else "-"
     print(f"# policy version {shown.version}, from {shown.source or '-'}, in force since {loaded}")
     if shown.yaml:
@@ -138,16 +106,17 @@ async def _policy_show(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _policy_apply(args: argparse.Namespace) -> int:
+def policy_apply(args: argparse.Namespace) -> int:
+    """Send a policy file; prints the version now in force."""
     path: Path = args.file
     try:
-        text = path.read_text(encoding="utf-8")  # noqa: ASYNC240 - one small file, before dialing
+        text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
         raise CliError(f"cannot read {path}: {reason}", 2) from None
     apply = pb.PolicyApply(yaml=text, source=str(path))
     try:
-        applied = (await ask(args, pb.Envelope(policy_apply=apply))).policy_applied
+        applied = ask(args, pb.Envelope(policy_apply=apply)).policy_applied
     except CliError as exc:
         if exc.error != pb.ERROR_CODE_INVALID_ARGUMENT:
             raise
@@ -156,7 +125,8 @@ async def _policy_apply(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _runs_ls(args: argparse.Namespace) -> int:
+def runs_ls(args: argparse.Namespace) -> int:
+    """Runs from the control-plane's ledger, newest first, as a table or JSON."""
     from iop_control_plane.ledger import MAX_LIST, STATUSES  # here: the other commands start without the services'
     from iop_node.history import parse_since
 
@@ -170,7 +140,7 @@ async def _runs_ls(args: argparse.Namespace) -> int:
             query.since.FromDatetime(parse_since(args.since))
         except ValueError as exc:
             raise CliError(str(exc), 2) from None
-    listed = (await ask(args, pb.Envelope(runs_list=query))).runs_listed
+    listed = ask(args, pb.Envelope(runs_list=query)).runs_listed
     runs = [_run_dict(run) for run in listed.runs]
     emit(runs, as_json=args.json, text=_runs_table(runs))
     if listed.more:
@@ -178,8 +148,9 @@ async def _runs_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _runs_show(args: argparse.Namespace) -> int:
-    listed = (await ask(args, pb.Envelope(runs_list=pb.RunsList(run_id=args.run_id, limit=1)))).runs_listed
+def runs_show(args: argparse.Namespace) -> int:
+    """Every field of one run from the control-plane's ledger, with its attempts."""
+    listed = ask(args, pb.Envelope(runs_list=pb.RunsList(run_id=args.run_id, limit=1))).runs_listed
     if not listed.runs:
         raise CliError(f"no run {args.run_id!r} in the control-plane's ledger", 1)
     run = _run_dict(listed.runs[0])
@@ -195,16 +166,19 @@ async def _runs_show(args: argparse.Namespace) -> int:
     return 0
 
 
-async def ask(args: argparse.Namespace, envelope: pb.Envelope, *, service: str = "control-plane") -> pb.Envelope:
-    """Dial ``service`` (at its ``--SERVICE HOST:PORT`` option) as an admin, send one request, return its answer."""
+def ask(args: argparse.Namespace, envelope: pb.Envelope, *, service: str = "control-plane") -> pb.Envelope:
+    """Dial ``service`` (at its ``--SERVICE HOST:PORT`` option) as an admin, send one request, return its answer.
+
+    A blocking client, not asyncio: these commands start a new process each time, and the asyncio
+    connection's imports were most of their time."""
     option = service.replace("-", "_")
     if not getattr(args, option):
         setattr(args, option, default_address(service, args.dir))
     host, port = _address(getattr(args, option), f"--{service}")
-    tls = _admin_tls(args.certs or args.dir / "certs")
+    context = client_context(_admin_tls(args.certs or args.dir / "certs"))
     where = f"the {service} at {host}:{port}"
     try:
-        connection = await dial(host, port, tls=tls, server_hostname=args.server_name, timeout=_TIMEOUT)
+        client = BlockingClient.connect(host, port, context=context, server_hostname=args.server_name, timeout=_TIMEOUT)
     except IopError as exc:
         raise CliError(f"{where} refused the connection: {exc.message}", 2) from None
     except TimeoutError:
@@ -213,14 +187,13 @@ async def ask(args: argparse.Namespace, envelope: pb.Envelope, *, service: str =
         raise CliError(f"cannot reach {where}: connection refused", 2) from None
     except OSError as exc:
         raise CliError(f"cannot reach {where}: {exc.strerror or exc}", 2) from None
-    try:
-        return await connection.request(envelope, timeout=_TIMEOUT)
-    except IopError as exc:
-        raise CliError(exc.message, 2 if exc.code in _CANNOT_ASK else 1, error=exc.code) from None
-    except TimeoutError:
-        raise CliError(f"{where} did not answer in {_TIMEOUT:g}s", 2) from None
-    finally:
-        await connection.close("done")
+    with client:
+        try:
+            return client.request(envelope, timeout=_TIMEOUT)
+        except IopError as exc:
+            raise CliError(exc.message, 2 if exc.code in _CANNOT_ASK else 1, error=exc.code) from None
+        except TimeoutError:
+            raise CliError(f"{where} did not answer in {_TIMEOUT:g}s", 2) from None
 
 
 def default_address(service: str, state: Path) -> str:

@@ -32,11 +32,11 @@ _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _LOOPBACK = ("127.", "localhost", "::1", "[::1]")
 
 
-async def join_token_create(args: argparse.Namespace) -> int:
+def join_token_create(args: argparse.Namespace) -> int:
     """Create a token; print the ``iop join`` line for it."""
     create = pb.JoinTokenCreate(uses=args.uses, name_prefix=args.name_prefix or "")
     create.ttl.FromTimedelta(datetime.timedelta(seconds=_duration(args.ttl)))
-    created = (await ask(args, pb.Envelope(join_token_create=create))).join_token_created
+    created = ask(args, pb.Envelope(join_token_create=create)).join_token_created
     asked_host, _, port = args.control_plane.rpartition(":")
     hosts = others_use(args.dir / "control-plane.yaml")
     host = hosts[0] if hosts else asked_host
@@ -54,19 +54,19 @@ async def join_token_create(args: argparse.Namespace) -> int:
     return 0
 
 
-async def join_token_ls(args: argparse.Namespace) -> int:
+def join_token_ls(args: argparse.Namespace) -> int:
     """Every token, newest first: id, expiry, uses, state; never a secret."""
-    listed = (await ask(args, pb.Envelope(join_tokens_list=pb.JoinTokensList()))).join_tokens_listed
+    listed = ask(args, pb.Envelope(join_tokens_list=pb.JoinTokensList())).join_tokens_listed
     now = time.time()
     tokens = [_token_dict(token, now) for token in listed.tokens]
     emit(tokens, as_json=args.json, text=_tokens_table(tokens) if tokens else "no join tokens")
     return 0
 
 
-async def join_token_revoke(args: argparse.Namespace) -> int:
+def join_token_revoke(args: argparse.Namespace) -> int:
     """No machine may join with the token any more."""
     token_id = args.id.removeprefix("iopjt-").partition(".")[0]  # a whole token names its id too
-    print((await ask(args, pb.Envelope(join_token_revoke=pb.JoinTokenRevoke(id=token_id)))).operation_done.message)
+    print(ask(args, pb.Envelope(join_token_revoke=pb.JoinTokenRevoke(id=token_id))).operation_done.message)
     return 0
 
 

@@ -20,7 +20,7 @@ import hashlib
 import time
 from collections.abc import Awaitable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import structlog
 
@@ -33,6 +33,9 @@ from iop_control_plane.state import PolicyRecord, StateStore
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import Inbound, IopError, MessageHandler
 from iop_wire.settings import ConfigError
+
+if TYPE_CHECKING:
+    from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 __all__ = ["Operations", "PolicyInForce"]
 
@@ -80,8 +83,12 @@ class Operations:
 
     async def nodes_list(self, inbound: Inbound) -> None:
         """Every registered node, in any state."""
-        nodes = [self._info(node) for node in sorted(self.sessions.registry.nodes.values(), key=lambda n: n.node_id)]
-        await inbound.reply(pb.Envelope(nodes_listed=pb.NodesListed(nodes=nodes)))
+        answer = pb.Envelope()
+        answer.nodes_listed.SetInParent()  # the body even when there is no node
+        listed = answer.nodes_listed.nodes
+        for node in sorted(self.sessions.registry.nodes.values(), key=lambda n: n.node_id):
+            self._add(listed, node)
+        await inbound.reply(answer)
 
     async def nodes_drain(self, inbound: Inbound) -> None:
         """No new runs to the node until undrained."""
@@ -223,29 +230,29 @@ class Operations:
             raise IopError(pb.ERROR_CODE_NOT_FOUND, f"no node {node_id!r} is registered")
         return node
 
-    def _info(self, node: NodeView) -> pb.NodeInfo:
+    def _add(self, listed: RepeatedCompositeFieldContainer[pb.NodeInfo], node: NodeView) -> None:
+        """``node`` added to the answer in place: built apart and copied in, 1,000 nodes took 3-4 times
+        as long, most of the `iop nodes ls` round trip."""
         sessions = self.sessions
-        models = [
-            pb.ModelLoad(
-                model=v.model,
-                in_flight=v.in_flight + v.sent_since_report,
-                queued=v.queued,
-                capacity=v.capacity,
-                available=v.available,
-            )
-            for v in node.models.values()
-        ]
-        info = pb.NodeInfo(
+        loads = [(view, view.in_flight + view.sent_since_report) for view in node.models.values()]
+        info = listed.add(
             node_id=node.node_id,
             state=_STATES[node.state],
             reason=node.reason,
-            models=models,
             labels=node.labels,
-            in_flight=sum(model.in_flight for model in models),
-            capacity=sum(model.capacity for model in models),
+            in_flight=sum(in_flight for _, in_flight in loads),
+            capacity=sum(view.capacity for view, _ in loads),
             address=sessions.addresses.get(node.node_id, ""),
             shared_certificate=node.node_id in sessions.shared,
         )
+        for view, in_flight in loads:
+            info.models.add(
+                model=view.model,
+                in_flight=in_flight,
+                queued=view.queued,
+                capacity=view.capacity,
+                available=view.available,
+            )
         connection = sessions.connections.get(node.node_id)
         if connection is not None and connection.peer.serial:
             info.certificate_serial = connection.peer.serial
@@ -255,7 +262,6 @@ class Operations:
             info.last_heartbeat.FromNanoseconds(int(seen * 1e9))
         if (first := sessions.store.first_seen.get(node.node_id)) is not None:
             info.first_seen.FromNanoseconds(int(first * 1e9))
-        return info
 
 
 async def _stored(write: Awaitable[_T], what: str) -> _T:

@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 from typing import Final, Protocol
 
-from google.protobuf import json_format
 from google.protobuf.message import DecodeError as ProtobufDecodeError
 
-from iop_gen.pb.iop.runtime_pb2 import Envelope
-from iop_wire.errors import DecodeError
+from iop_gen.pb.iop.runtime_pb2 import ERROR_CODE_PROTOCOL_VIOLATION, Envelope
+from iop_wire.errors import DecodeError, HandshakeError, IopError
+from iop_wire.framing import PREFACE_PREFIX
 
-__all__ = ["CODECS", "Codec", "JsonCodec", "ProtobufCodec", "get_codec"]
+__all__ = ["CODECS", "Codec", "JsonCodec", "ProtobufCodec", "get_codec", "preface_refusal"]
 
 
 class Codec(Protocol):
@@ -56,10 +56,14 @@ class JsonCodec:
     name = "json"
 
     def encode(self, envelope: Envelope) -> bytes:
+        from google.protobuf import json_format  # noqa: PLC0415 - on first use: a short process (iop nodes ls) speaks proto
+
         document = json_format.MessageToDict(envelope)
         return json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode()
 
     def decode(self, body: bytes) -> Envelope:
+        from google.protobuf import json_format  # noqa: PLC0415 - as in encode
+
         try:
             # Unknown fields are skipped so that a message type added later reads as
             # "no body" (ERROR_CODE_UNKNOWN_MESSAGE_TYPE), as it does in protobuf binary.
@@ -81,3 +85,14 @@ def get_codec(name: str) -> Codec:
         return CODECS[name]
     except KeyError:
         raise ValueError(f"unknown codec {name!r}; known: {', '.join(CODECS)}") from None
+
+
+def preface_refusal(answer: bytes, codec: Codec) -> IopError | None:
+    """None when a listener's ``answer`` to our preface accepts ``codec``, else the error it sent instead."""
+    if answer == PREFACE_PREFIX + codec.name.encode():
+        return None
+    envelope = codec.decode(answer)
+    if envelope.WhichOneof("body") != "error":
+        return HandshakeError(ERROR_CODE_PROTOCOL_VIOLATION, "listener answered the preface with a non-error")
+    error = envelope.error
+    return HandshakeError(error.code, error.message, retryable=error.retryable, reason=error.reason)

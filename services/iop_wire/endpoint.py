@@ -29,10 +29,10 @@ from types import TracebackType
 import structlog
 
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_wire.codec import CODECS, Codec, get_codec
+from iop_wire.codec import CODECS, Codec, get_codec, preface_refusal
 from iop_wire.connection import Connection, ConnectionConfig, Handler
 from iop_wire.errors import ConnectionClosed, FrameError, HandshakeError, IopError
-from iop_wire.framing import HEADER_SIZE, encode_frame
+from iop_wire.framing import HEADER_SIZE, PREFACE_PREFIX, encode_frame, preface
 from iop_wire.logs import RateLimitedLog, library_logger
 from iop_wire.messages import error_envelope
 from iop_wire.metrics import HANDSHAKES, LIMIT_HITS
@@ -41,13 +41,7 @@ from iop_wire.tls import PeerIdentity, Role, TlsConfig, client_context, peer_ide
 __all__ = ["HandlerFactory", "Listener", "ListenerConfig", "Screen", "dial", "open_stream", "preface"]
 
 _log = library_logger("iop.wire")  # silent below WARNING until the application configures logging
-_PREFACE_PREFIX = b"IOP/1 "
 _MAX_PREFACE = 64
-
-
-def preface(codec: str) -> bytes:
-    """The preface frame asking for (or accepting) ``codec``."""
-    return bytes(encode_frame(_PREFACE_PREFIX + codec.encode()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -424,9 +418,9 @@ async def _read_preface(reader: asyncio.StreamReader) -> str | None:
     if not 0 < size <= _MAX_PREFACE:
         return None
     body = await reader.readexactly(size)
-    if not body.startswith(_PREFACE_PREFIX):
+    if not body.startswith(PREFACE_PREFIX):
         return None
-    return body[len(_PREFACE_PREFIX) :].decode("ascii", "replace")
+    return body[len(PREFACE_PREFIX) :].decode("ascii", "replace")
 
 
 async def _refuse(
@@ -504,13 +498,7 @@ async def _read_answer(reader: asyncio.StreamReader, codec: str) -> IopError | N
         return ConnectionClosed("listener closed the connection during the preface")
     except (ssl.SSLError, ConnectionError) as exc:
         return ConnectionClosed(f"listener refused the connection: {_reason(exc)}")
-    if body == _PREFACE_PREFIX + codec.encode():
-        return None
-    envelope = get_codec(codec).decode(body)
-    if envelope.WhichOneof("body") != "error":
-        return HandshakeError(pb.ERROR_CODE_PROTOCOL_VIOLATION, "listener answered the preface with a non-error")
-    err = envelope.error
-    return HandshakeError(err.code, err.message, retryable=err.retryable, reason=err.reason)
+    return preface_refusal(body, get_codec(codec))
 
 
 class dial:  # noqa: N801 - used like a function: ``await dial(...)`` or ``async with dial(...) as c``

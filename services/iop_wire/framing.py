@@ -10,11 +10,13 @@ import struct
 
 from iop_wire.errors import FrameError
 
-__all__ = ["DEFAULT_MAX_FRAME_SIZE", "HEADER_SIZE", "FrameDecoder", "encode_frame"]
+__all__ = ["DEFAULT_MAX_FRAME_SIZE", "HEADER_SIZE", "PREFACE_PREFIX", "FrameDecoder", "encode_frame", "preface"]
 
 HEADER_SIZE = 4
 DEFAULT_MAX_FRAME_SIZE = 4 * 1024 * 1024
 _HEADER = struct.Struct(">I")
+PREFACE_PREFIX = b"IOP/1 "
+"""A connection's first frame (each way) is this and a codec name: see :mod:`iop_wire.endpoint`."""
 
 
 def encode_frame(body: bytes, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> bytearray:
@@ -26,6 +28,11 @@ def encode_frame(body: bytes, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> b
     _HEADER.pack_into(frame, 0, size)
     frame[HEADER_SIZE:] = body
     return frame
+
+
+def preface(codec: str) -> bytes:
+    """The preface frame asking for (or accepting) ``codec``."""
+    return bytes(encode_frame(PREFACE_PREFIX + codec.encode()))
 
 
 class FrameDecoder:
