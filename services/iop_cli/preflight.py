@@ -12,16 +12,21 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import os
 import sqlite3
+import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from iop_cli.output import CliError
 
-__all__ = ["check_files", "only_up"]
+__all__ = ["check_files", "choosing_ports", "only_up"]
 
 _LOCK = "up.lock"
+_PORTS_WAIT = 60.0
+"""How long an ``iop up`` waits for another one (of another folder) to have its services listening."""
 
 
 @contextlib.contextmanager
@@ -36,6 +41,34 @@ def only_up(state: Path, command: str) -> Iterator[None]:
                 f"another 'iop up' or 'iop down' is at work in {state} (it holds {state / _LOCK}); "
                 f"wait for it to finish, then run 'iop {command}' again"
             ) from None
+        yield  # the lock goes with the file's closing, also when this process dies
+
+
+@contextlib.contextmanager
+def choosing_ports() -> Iterator[None]:
+    """Hold this user's machine-wide lock from choosing free ports until the services listen on them.
+
+    Two ``iop up`` of two folders started at once both found 7400 free, wrote it, and the second
+    control-plane to bind exited "7400 is in use". Held, the second waits until the first's
+    services listen, then finds 7400 taken and chooses another. Past ``_PORTS_WAIT`` (the other
+    hangs) it goes on without the lock, as before.
+    """
+    path = Path(tempfile.gettempdir()) / f"iop-up-ports-{os.getuid()}.lock"
+    try:
+        lock = path.open("a")
+    except OSError:  # a temporary folder we cannot write: choose without the lock
+        yield
+        return
+    with lock:
+        deadline = time.monotonic() + _PORTS_WAIT
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
         yield  # the lock goes with the file's closing, also when this process dies
 
 

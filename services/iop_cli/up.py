@@ -94,7 +94,7 @@ from iop_cli.platform import (
     services,
     terminate,
 )
-from iop_cli.preflight import check_files, only_up
+from iop_cli.preflight import check_files, choosing_ports, only_up
 from iop_cli.readyfile import read_ready
 from iop_cli.shell import iop_command
 from iop_cli.supervisor import read_state, state_file
@@ -130,6 +130,7 @@ def up(
         if running:
             return _already_running(state, running, port)
         check_files(state)  # before any port check or process: a broken file is named as what it is
+        lock.enter_context(choosing_ports())  # until the services listen on the ports chosen
         prepare(state, port, backend, listen)
         if foreground:
             return _foreground(Platform(state, log_level, foreground=True), started=lock.close)

@@ -260,6 +260,31 @@ def test_down_stops_every_process(state: Path) -> None:
     assert _iop("status", "--dir", str(state)).returncode == 1
 
 
+@pytest.mark.timeout(240)
+def test_two_ups_of_two_folders_started_at_once_both_start(tmp_path: Path) -> None:
+    """Both found the control-plane's 7400 (and the metrics ports) free and wrote them; the second
+    to bind exited "in use". Now the second waits until the first's services listen, then chooses."""
+    folders = [tmp_path / "one", tmp_path / "two"]
+    results: dict[Path, subprocess.CompletedProcess[str]] = {}
+
+    def up(folder: Path) -> None:
+        results[folder] = _iop("up", "--dir", str(folder), "--port", "0", timeout=180)
+
+    try:
+        threads = [threading.Thread(target=up, args=(folder,)) for folder in folders]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for folder in folders:
+            assert results[folder].returncode == 0, results[folder].stdout + results[folder].stderr
+        ports = [yaml.safe_load((folder / "control-plane.yaml").read_text())["listen"]["port"] for folder in folders]
+        assert ports[0] != ports[1]
+    finally:
+        for folder in folders:
+            _iop("down", "--dir", str(folder))
+
+
 def _http_status(url: str) -> int | None:
     try:
         with urllib.request.urlopen(url, timeout=5) as answer:  # noqa: S310 - our own edge on loopback
