@@ -56,7 +56,7 @@ CONVERSATIONS, TURNS = 6, 4
 MAX_TOKENS = 16
 REUSED = 64
 """Prompt tokens a server must reuse for a request to count as a hit (a chat template's start is a few)."""
-CAPACITY = 4
+CAPACITY = int(os.environ.get("IOP_PREFIX_BENCH_CAPACITY", "4"))
 """Runs a node takes at once (its llama server queues them: it runs one at a time)."""
 CACHE_STATES = 3
 """Conversations' prompt states each server's cache holds: half of them (prefix placement needs 2 per server)."""
