@@ -168,7 +168,9 @@ async def test_client_that_stops_reading_is_dropped_and_its_runs_cancelled(
         await assert_eventually(lambda: attacked.closed, timeout=window + 3)
         dropped_after = time.monotonic() - started
         beats.cancel()
-    assert dropped_after < window + 1.5, dropped_after
+    # Within the wait's bound (the window, plus filling the kernel's buffers with 500 runs' events
+    # on a loaded host: 2.7 s was seen against a 1.2 s window); the reason is checked below.
+    assert dropped_after < window + 3, dropped_after
     assert _logged(logs, "peer dead", "read nothing")
     assert _peers_lost("unread") - lost_before == 1
     await assert_eventually(lambda: len(handler.cancelled) == runs)
