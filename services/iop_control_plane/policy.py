@@ -16,7 +16,6 @@ Aliases and routes name models that nodes serve, never each other. :func:`load_p
 
 from __future__ import annotations
 
-from functools import cached_property
 from typing import Annotated, Any, Literal
 
 import yaml
@@ -117,13 +116,13 @@ class Policy(Section):
             return settings.prefix_imbalance
         return self.defaults.prefix_imbalance
 
-    @cached_property
-    def uses_prefix(self) -> bool:
-        """Whether some model is placed by prompt prefix (then runs' prompts are hashed): read for every
-        run, found once per policy (it is frozen)."""
-        if self.defaults.policy == "prefix":
-            return True
-        return any(settings.policy == "prefix" for settings in self.models.values())
+    def places_by_prefix(self, name: str) -> bool:
+        """Whether a run of ``name`` (a model, an alias or a route) may be placed by prompt prefix: only
+        then is its prompt hashed (once per run, in the relay)."""
+        if (alias := self.aliases.get(name)) is not None:
+            return self.policy_for(alias) == "prefix"
+        targets = self.routes.get(name) or (name,)
+        return any(self.policy_for(target) == "prefix" for target in targets)
 
     def priority_for(self, model: str, caller: str | None) -> int:
         """Priority of a run that sets none: the caller's, else the model's, else the default."""

@@ -162,7 +162,7 @@ class RunRelay:
                 log = _log.bind(run_id=request.run_id, requester=sink.connection_id, caller=caller)
                 session = request.metadata.get("session") or None
                 priority, prompt_tokens = self.priority(request, caller), estimated_prompt_tokens(request)
-                prompt = prompt_prefixes(request) if self.scheduler.policy.uses_prefix else ()
+                prompt = prompt_prefixes(request) if self.scheduler.policy.places_by_prefix(request.model) else ()
                 run = _Run(request, sink, caller, session, priority, entry, log, prompt_tokens, prompt)
                 terminal = await self._run(run)
         finally:

@@ -281,8 +281,12 @@ def test_only_the_prefix_policy_records_prefixes() -> None:
     decision = scheduler.choose("m", prompt=prompt_prefixes(_chat("system")))
     assert (decision.node_id, decision.prefix) == ("a", None)
     assert len(scheduler.prefixes) == 0
-    assert scheduler.policy.uses_prefix
-    assert not load_policy("models: {m: {policy: round-robin}}").uses_prefix
+    policy = scheduler.policy  # the relay hashes the prompts of p's runs only
+    assert policy.places_by_prefix("p") and not policy.places_by_prefix("m")
+    assert not load_policy("models: {m: {policy: round-robin}}").places_by_prefix("m")
+    routed = load_policy("aliases: {a: p}\nroutes: {r: {m: 1, p: 1}}\nmodels: {p: {policy: prefix}}")
+    assert routed.places_by_prefix("a") and routed.places_by_prefix("r") and not routed.places_by_prefix("m")
+    assert load_policy("defaults: {policy: prefix}").places_by_prefix("anything")
 
 
 def test_a_run_records_its_landmarks_and_a_branch_matches_the_one_before_it() -> None:
