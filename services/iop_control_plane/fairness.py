@@ -173,17 +173,19 @@ class FairShare:
             return caller
         return "other"
 
-    def charge_served(self, model: str, caller: str, *, estimate: int, usage: pb.Usage | None, outputs: int) -> None:
+    def charge_served(self, model: str, caller: str, *, estimate: int, usage: pb.Usage | None, outputs: int) -> bool:
         """Charge ``caller`` for what an attempt served: the node's usage, else ``outputs`` (deltas relayed);
-        the prompt's ``estimate``, charged at admission, is corrected to the node's count."""
+        the prompt's ``estimate`` charged at admission and not yet corrected (0 once it was: a later
+        attempt is charged its whole prompt) is corrected to the node's count. Whether it served."""
         completion = usage.completion_tokens if usage is not None else outputs
         if usage is None and not completion:
-            return  # failed before any output: the estimate charged at admission stands
+            return False  # failed before any output: the estimate charged at admission stands
         prompt = usage.prompt_tokens if usage is not None and usage.prompt_tokens else estimate
         self.counters.charge(model, caller, prompt=prompt - estimate, completion=completion)
         label = self.label(caller)
         self.served.labels(label, "prompt").inc(prompt)
         self.served.labels(label, "completion").inc(completion)
+        return True
 
     def observe_wait(self, caller: str, seconds: float) -> None:
         self.waited.labels(self.label(caller)).observe(seconds)

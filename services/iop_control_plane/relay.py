@@ -53,9 +53,10 @@ _Terminal = tuple[pb.RunEvent, bytes]
 _Log = structlog.typing.FilteringBoundLogger
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Run:
-    """A requester's run while the control-plane serves it: what each step (admit, wait, attempt) reads."""
+    """A requester's run while the control-plane serves it: what each step (admit, wait, attempt) reads;
+    only its fair-share charging (``fair_model``, ``estimate``) changes as it goes."""
 
     request: pb.RunRequest
     sink: EventSink
@@ -73,6 +74,11 @@ class _Run:
     """Its prompt's estimated tokens (charged to its caller when admitted, corrected to the node's count)."""
     prompt: tuple[Prefix, ...] = ()
     """Its prompt's prefix hashes, when a model is placed by prefix (hashed once, on arrival)."""
+    fair_model: str = ""
+    """The queue whose fair-share counters its attempts are charged to: the model it was admitted
+    under (as requested), then the model a failover waited for."""
+    estimate: int = 0
+    """The prompt's estimate charged at admission and not yet corrected to a node's count."""
 
 
 class _Queued(Waiter[Decision]):
@@ -163,7 +169,19 @@ class RunRelay:
                 session = request.metadata.get("session") or None
                 priority, prompt_tokens = self.priority(request, caller), estimated_prompt_tokens(request)
                 prompt = prompt_prefixes(request) if self.scheduler.policy.places_by_prefix(request.model) else ()
-                run = _Run(request, sink, caller, session, priority, entry, log, prompt_tokens, prompt)
+                run = _Run(
+                    request,
+                    sink,
+                    caller,
+                    session,
+                    priority,
+                    entry,
+                    log,
+                    prompt_tokens,
+                    prompt,
+                    request.model,
+                    prompt_tokens,
+                )
                 terminal = await self._run(run)
         finally:
             entry.outputs, entry.first_output = sink.outputs, sink.first_output_at
@@ -383,6 +401,7 @@ class RunRelay:
             if attempt > 1:
                 decision = self._choose(run, decision.model, exclude=tried)
                 if decision.outcome == "all_busy":  # the others are full: wait for one, within the deadline
+                    run.fair_model = decision.model  # the counters that queue orders it by
                     waited = await self._wait(run, decision.model, exclude=tried)
                     if isinstance(waited, IopError):
                         break
@@ -448,8 +467,12 @@ class RunRelay:
             if first_output is not None:
                 first_output()
             self.scheduler.registry.finished(node_id, decision.model)
-            estimate, outputs = run.prompt_tokens, sink.outputs  # charged before the slot this frees is given
-            self.fair.charge_served(request.model, run.caller, estimate=estimate, usage=usage, outputs=outputs)
+            # Charged before the slot this frees is given; the estimate is corrected once, by the first
+            # attempt that served.
+            if self.fair.charge_served(
+                run.fair_model, run.caller, estimate=run.estimate, usage=usage, outputs=sink.outputs
+            ):
+                run.estimate = 0
             self.wake()
         lost = connection is None or connection.closed
         record.outcome, record.reason = _outcome(terminal[0], lost)

@@ -196,17 +196,22 @@ def test_usage_corrects_the_estimate_and_is_counted_by_a_bounded_set_of_labels()
     policy = load_policy("callers: {named: {weight: 2}}\n")
     share = FairShare(FairnessSettings(caller_labels=1), lambda: policy, registry)
     share.counters.charge("m", "a", prompt=10)  # the estimate, at admission
-    share.charge_served("m", "a", estimate=10, usage=pb.Usage(prompt_tokens=12, completion_tokens=5), outputs=5)
-    assert share.counters.of("m", "a") == 12 + 2 * 5
+    served = share.charge_served(
+        "m", "a", estimate=10, usage=pb.Usage(prompt_tokens=12, completion_tokens=5), outputs=5
+    )
+    assert served and share.counters.of("m", "a") == 12 + 2 * 5
+    # A failover's second attempt that served: its whole prompt, the estimate being corrected already.
+    share.charge_served("m", "a", estimate=0, usage=pb.Usage(prompt_tokens=12, completion_tokens=1), outputs=1)
+    assert share.counters.of("m", "a") == 12 + 2 * 5 + 12 + 2 * 1
     share.charge_served("m", "b", estimate=3, usage=None, outputs=4)  # no usage: the deltas relayed
     share.charge_served("m", "named", estimate=0, usage=None, outputs=4)
-    share.charge_served("m", "failed", estimate=7, usage=None, outputs=0)  # nothing served: the estimate stands
+    assert not share.charge_served("m", "failed", estimate=7, usage=None, outputs=0)  # the estimate stands
     assert share.counters.of("m", "named") == 4  # 2 x 4 / weight 2
     assert share.counters.of("m", "failed") == 0
 
     def tokens(caller: str, kind: str) -> float | None:
         return registry.get_sample_value("iop_control_plane_caller_tokens_total", {"caller": caller, "kind": kind})
 
-    assert tokens("a", "prompt") == 12 and tokens("a", "completion") == 5
+    assert tokens("a", "prompt") == 12 + 12 and tokens("a", "completion") == 5 + 1
     assert tokens("other", "completion") == 4  # b: past the one label for callers the policy does not name
     assert tokens("named", "completion") == 4
