@@ -17,7 +17,7 @@ from typing import Any
 
 import asyncpg
 
-from iop_wire.pg import on_fresh_sessions, shown_url
+from iop_wire.pg import Connection, commit_once, on_fresh_sessions, shown_url
 from iop_worker.store import (
     BATCH_COLUMNS,
     FILE_COLUMNS,
@@ -99,9 +99,10 @@ _RESULTS = (
 
 
 # Each operation below marked on_fresh_sessions is one transaction or one statement, so a session
-# lost in it left nothing done, unless only COMMIT's reply was lost. Run again then: create_batch
-# fails on its id (the primary key), finish and release find the lease gone and say so, and lines
-# leased twice wait out the first lease as any worker's lost lease does. None is applied twice.
+# lost in it left nothing done, unless only COMMIT's reply was lost; run again then, it changes
+# nothing the first run did not (release finds the lease gone and says so). Those whose second run
+# would answer wrong after such a commit (create_batch failing on its id, lease taking more lines,
+# finish saying the lease was gone) run through commit_once, which asks the server first.
 
 
 class PgJobStore:
@@ -202,14 +203,17 @@ class PgJobStore:
             await conn.execute("DELETE FROM file_chunks WHERE file_id = $1", file_id)
             return _changed(await conn.execute("DELETE FROM files WHERE id = $1", file_id)) > 0
 
-    @on_fresh_sessions
     async def create_batch(self, batch: BatchRecord, lines: Sequence[LineRecord]) -> None:
-        """Store a batch and its lines, in one transaction (the lines by COPY)."""
+        """Store a batch and its lines, in one transaction (the lines by COPY); once: run again after
+        it committed, it would fail on the batch's id."""
         marks = ", ".join(f"${index}" for index in range(1, len(BATCH_COLUMNS) + 1))
         rows = [line_row(line) for line in lines]
-        async with self.pool.acquire() as conn, conn.transaction():
+
+        async def create(conn: Connection) -> None:
             await conn.execute(f"INSERT INTO batches ({', '.join(BATCH_COLUMNS)}) VALUES ({marks})", *batch_row(batch))  # noqa: S608
             await conn.copy_records_to_table("lines", records=rows, columns=LINE_COLUMNS)
+
+        await commit_once(self, "create_batch", create)
 
     @on_fresh_sessions
     async def add_lines(self, lines: Sequence[LineRecord]) -> None:
@@ -256,18 +260,22 @@ class PgJobStore:
         status = await self.pool.execute(sql, batch_id, [str(s) for s in from_statuses], *values.values())
         return _changed(status) > 0
 
-    @on_fresh_sessions
     async def lease(
         self, owner: str, *, limit: int, lease_seconds: float, batch_id: str | None = None
     ) -> list[LineRecord]:
-        """Take up to ``limit`` pending or expired lines of batches in progress, oldest first."""
-        rows: list[asyncpg.Record] = []
-        async with self.pool.acquire() as conn, conn.transaction():
+        """Take up to ``limit`` pending or expired lines of batches in progress, oldest first; once:
+        run again after it committed, it would lease more lines, the first ones idle till they expire."""
+
+        async def take(conn: Connection) -> list[asyncpg.Record]:
+            rows: list[asyncpg.Record] = []
             for (batch,) in await conn.fetch(_IN_PROGRESS, batch_id):
                 taken = await conn.fetch(_LEASE, owner, batch, limit - len(rows), lease_seconds)
                 rows += sorted(taken, key=lambda row: row["line"])  # RETURNING has no order
                 if len(rows) == limit:
                     break
+            return rows
+
+        rows = await commit_once(self, "lease", take)
         self.lease_takeovers += sum(row["was_status"] == "leased" and row["was_owner"] != owner for row in rows)
         return [line_from_row(row[: len(LINE_COLUMNS)]) for row in rows]
 
@@ -278,32 +286,38 @@ class PgJobStore:
         sql = f"UPDATE lines SET lease_expires = {_NOW} + $4 {_KEYS} AND status = 'leased' AND lease_owner = $3"  # noqa: S608
         return _changed(await self.pool.execute(sql, batch_ids, lines, owner, lease_seconds))
 
-    @on_fresh_sessions
     async def finish(  # noqa: PLR0917 - the line's key, its outcome and usage: the order callers expect
         self, owner: str, batch_id: str, line: int, status: LineStatus, result: str, usage: Usage
     ) -> bool:
-        """Record a line's outcome and add its usage to the batch, only if ``owner`` still leases it."""
+        """Record a line's outcome and add its usage to the batch, only if ``owner`` still leases it;
+        once: run again after it committed, it would find the lease gone and say so."""
         if status not in (LineStatus.COMPLETED, LineStatus.FAILED):
             raise ValueError(f"a line finishes completed or failed, not {status}")
-        async with self.pool.acquire() as conn, conn.transaction():
+
+        async def record(conn: Connection) -> bool:
             if not _changed(await conn.execute(_FINISH, str(status), result, batch_id, line, owner)):
                 return False
             await conn.execute(_ADD_USAGE, *Usage(*usage), batch_id)
-        return True
+            return True
 
-    @on_fresh_sessions
+        return await commit_once(self, "finish", record)
+
     async def finish_many(self, owner: str, outcomes: Sequence[Outcome]) -> list[bool]:
-        """``finish`` for several lines in one transaction; for each, whether ``owner`` still leased it."""
-        written: list[bool] = []
-        usage: dict[str, Usage] = {}
-        async with self.pool.acquire() as conn, conn.transaction():
+        """``finish`` for several lines in one transaction; for each, whether ``owner`` still leased it
+        (once, as ``finish``)."""
+
+        async def record(conn: Connection) -> list[bool]:
+            written: list[bool] = []
+            usage: dict[str, Usage] = {}
             for batch_id, line, status, result, used in outcomes:
                 written.append(_changed(await conn.execute(_FINISH, str(status), result, batch_id, line, owner)) > 0)
                 if written[-1]:
                     total = usage.get(batch_id, Usage())
                     usage[batch_id] = Usage(*(a + b for a, b in zip(total, used, strict=True)))
             await conn.executemany(_ADD_USAGE, [(*Usage(*used), batch_id) for batch_id, used in usage.items()])
-        return written
+            return written
+
+        return await commit_once(self, "finish_many", record)
 
     @on_fresh_sessions
     async def release(self, owner: str, keys: Sequence[LineKey]) -> int:
