@@ -167,22 +167,20 @@ class _HeadWithBody(asyncio.Transport):
         self._loop = loop
         self._head: bytes | None = None
         self._flush_later: asyncio.Handle | None = None
-        self._first = True
+        """Set by the first write: the head's flush at the turn's end."""
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         # The first write is the head (or a 100 Continue): its body follows in this turn, a
         # stream's first chunk may not (then the head leaves alone as the turn ends).
-        if self._first:
-            self._first = False
+        if self._flush_later is None:
             self._head = bytes(data)
             self._flush_later = self._loop.call_soon(self._flush)
-            return
-        if self._head is not None:
-            data = self._head + data
-            self._head = None
-            assert self._flush_later is not None
+        elif self._head is not None:
+            head, self._head = self._head, None
             self._flush_later.cancel()
-        self._transport.write(data)
+            self._transport.writelines((head, data))  # one write (uvloop: writev), the body not copied
+        else:
+            self._transport.write(data)
 
     def _flush(self) -> None:
         if self._head is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -33,6 +33,11 @@ class _Recorder:
     def write(self, data: bytes) -> None:
         self.writes.append(bytes(data))
         self._transport.write(data)
+
+    def writelines(self, chunks: Iterable[bytes]) -> None:  # one write of all the chunks (writev)
+        chunks = [bytes(chunk) for chunk in chunks]
+        self.writes.append(b"".join(chunks))
+        self._transport.writelines(chunks)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
