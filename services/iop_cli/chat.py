@@ -20,7 +20,6 @@ exit 1; a platform that cannot be reached names its URL and suggests ``iop up``,
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -71,7 +70,7 @@ def _concurrency(state: Path) -> dict[str, int]:
     ready = _read(state / "control-plane.ready")
     try:
         port = int(json.loads(ready or "")["port"])
-        answer = asyncio.run(admin_ask(port, state / "certs", pb.Envelope(nodes_list=pb.NodesList())))
+        answer = admin_ask(port, state / "certs", pb.Envelope(nodes_list=pb.NodesList()))
     except Exception:  # noqa: BLE001 - the list is printed without it, whatever kept it from being asked
         return {}
     totals: dict[str, int] = {}

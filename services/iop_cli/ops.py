@@ -37,6 +37,7 @@ from iop_wire.tls import TlsConfig, client_context
 
 __all__ = [
     "DEFAULT_CONTROL_PLANE",
+    "NODE_STATES",
     "ask",
     "default_address",
     "iso",
@@ -53,7 +54,7 @@ __all__ = [
 DEFAULT_CONTROL_PLANE = "127.0.0.1:7400"
 _DEFAULTS = {"control-plane": DEFAULT_CONTROL_PLANE, "worker": "127.0.0.1:7402"}
 _TIMEOUT = 10.0
-_STATES = {
+NODE_STATES = {  # a node's state as the commands show it
     pb.NODE_STATE_READY: "ready",
     pb.NODE_STATE_UNAVAILABLE: "unavailable",
     pb.NODE_STATE_DRAINING: "draining",
@@ -224,7 +225,7 @@ def _node_dict(node: pb.NodeInfo, now: float) -> dict[str, Any]:
     first_seen = node.first_seen.ToNanoseconds() / 1e9 if node.HasField("first_seen") else None
     return {
         "node_id": node.node_id,
-        "state": _STATES.get(node.state, "unspecified"),
+        "state": NODE_STATES.get(node.state, "unspecified"),
         "reason": node.reason,
         "models": [
             {
@@ -261,7 +262,7 @@ def _nodes_table(nodes: Sequence[pb.NodeInfo], now: float) -> str:
         rows.append(
             (
                 node.node_id,
-                _STATES.get(node.state, "unspecified"),
+                NODE_STATES.get(node.state, "unspecified"),
                 models or "-",
                 f"{node.in_flight}/{node.capacity}",
                 "-" if heartbeat is None else f"{max(0.0, heartbeat):.1f}s ago",

@@ -55,7 +55,6 @@ This module holds the three commands and what they print; the files ``up`` write
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import signal
@@ -76,6 +75,7 @@ from iop_cli.configs import (
     reason,
     yaml_value,
 )
+from iop_cli.ops import NODE_STATES
 from iop_cli.output import CliError, emit, table
 from iop_cli.platform import (
     SERVICES,
@@ -99,8 +99,8 @@ from iop_cli.readyfile import read_ready
 from iop_cli.shell import iop_command
 from iop_cli.supervisor import read_state, state_file
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_wire.endpoint import dial
-from iop_wire.tls import TlsConfig
+from iop_wire.blocking import BlockingClient
+from iop_wire.tls import TlsConfig, client_context
 
 __all__ = ["CONTROL_PLANE_PORT", "EDGE_PORT", "down", "run_attached", "start_supervised", "status", "up"]
 
@@ -476,32 +476,30 @@ def _node_state(state: Path, node_id: str) -> str:
     if not control_plane:
         return "no control-plane"
     try:
-        listed = asyncio.run(
-            admin_ask(int(control_plane["port"]), state / "certs", pb.Envelope(nodes_list=pb.NodesList()))
-        )
+        listed = admin_ask(int(control_plane["port"]), state / "certs", pb.Envelope(nodes_list=pb.NodesList()))
     except Exception as exc:  # noqa: BLE001 - any failure to ask is shown, not raised
         return f"unknown ({reason(exc)})"
-    names = {pb.NODE_STATE_READY: "ready", pb.NODE_STATE_UNAVAILABLE: "unavailable", pb.NODE_STATE_DRAINING: "draining"}
     for node in listed.nodes_listed.nodes:
         if node.node_id == node_id:
-            return names.get(node.state, "unspecified")
+            return NODE_STATES.get(node.state, "unspecified")
     return "not registered"
 
 
 def _worker_health(port: int, certs: Path) -> str:
     """ "ok" once the worker answers a batches.list (asked over mTLS as an admin)."""
     try:
-        asyncio.run(admin_ask(port, certs, pb.Envelope(batches_list=pb.BatchesList(limit=1))))
+        admin_ask(port, certs, pb.Envelope(batches_list=pb.BatchesList(limit=1)))
     except Exception as exc:  # noqa: BLE001 - any failure to ask is shown, not raised
         return f"not answering ({reason(exc)})"
     return "ok"
 
 
-async def admin_ask(port: int, certs: Path, request: pb.Envelope) -> pb.Envelope:
-    """One request to a service on 127.0.0.1:``port``, over mTLS as an admin; its answer."""
+def admin_ask(port: int, certs: Path, request: pb.Envelope) -> pb.Envelope:
+    """One request to a service on 127.0.0.1:``port``, over mTLS as an admin; its answer (the blocking
+    client, as ``iop nodes`` uses: no event loop for one question)."""
     tls = TlsConfig(enabled=True, cert=certs / "admin.crt", key=certs / "admin.key", ca=certs / "ca.crt")
-    connection = await dial("127.0.0.1", port, tls=tls, server_hostname="localhost", timeout=HTTP_TIMEOUT)
-    try:
-        return await connection.request(request, timeout=HTTP_TIMEOUT)
-    finally:
-        await connection.close("status done")
+    context = client_context(tls)
+    with BlockingClient.connect(
+        "127.0.0.1", port, context=context, server_hostname="localhost", timeout=HTTP_TIMEOUT
+    ) as client:
+        return client.request(request, timeout=HTTP_TIMEOUT)
