@@ -18,7 +18,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from iop_cli.output import CliError
 
@@ -34,13 +34,11 @@ def only_up(state: Path, command: str) -> Iterator[None]:
     """Hold ``state``'s lock while ``command`` (``up``, ``down``) changes what runs there; CliError if another does."""
     state.mkdir(parents=True, exist_ok=True)
     with (state / _LOCK).open("a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _flock(lock, wait=0.0):
             raise CliError(
                 f"another 'iop up' or 'iop down' is at work in {state} (it holds {state / _LOCK}); "
                 f"wait for it to finish, then run 'iop {command}' again"
-            ) from None
+            )
         yield  # the lock goes with the file's closing, also when this process dies
 
 
@@ -60,16 +58,21 @@ def choosing_ports() -> Iterator[None]:
         yield
         return
     with lock:
-        deadline = time.monotonic() + _PORTS_WAIT
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    break
-                time.sleep(0.05)
+        _flock(lock, wait=_PORTS_WAIT)  # taken or not, go on
         yield  # the lock goes with the file's closing, also when this process dies
+
+
+def _flock(file: IO[str], *, wait: float) -> bool:
+    """Take ``file``'s exclusive lock, trying for up to ``wait`` seconds; whether it was taken."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
 
 
 def check_files(state: Path) -> None:
