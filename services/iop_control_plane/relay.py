@@ -257,8 +257,7 @@ class RunRelay:
         )
         self.metrics.decision_time.observe(time.perf_counter() - began)
         run.log.debug("decision", outcome=decision.outcome, policy=decision.policy, reason=decision.reason)
-        self.metrics.decisions.labels(decision.policy, decision.outcome).inc()
-        self.metrics.placed_by_prefix(decision, self.scheduler.policy.models)
+        self._count(decision)
         if decision.yielded:
             self.metrics.background_yields.inc()
         return decision
@@ -281,11 +280,15 @@ class RunRelay:
             self._held = asyncio.get_running_loop().call_later(self.background_yield - held, self._hold_ended)
         if decision.outcome == "all_busy":
             return None
-        self.metrics.decisions.labels(decision.policy, decision.outcome).inc()
-        self.metrics.placed_by_prefix(decision, self.scheduler.policy.models)
+        self._count(decision)
         if decision.node_id is not None and not waiter.counted:
             self.queue.started(waiter.caller)
         return decision
+
+    def _count(self, decision: Decision) -> None:
+        """A decision in the metrics: by policy and outcome, and the prefix policy's by reason."""
+        self.metrics.decisions.labels(decision.policy, decision.outcome).inc()
+        self.metrics.placed_by_prefix(decision, self.scheduler.policy.models)
 
     def _hold_ended(self) -> None:
         self._held = None
