@@ -85,9 +85,12 @@ class _ModelQueue(Generic[T]):
     def remove(self, waiter: Waiter[T]) -> bool:
         level = self.levels.get(waiter.priority, {})
         waiters = level.get(waiter.caller)
-        if not waiters or waiter not in waiters:
+        if not waiters:
             return False
-        waiters.remove(waiter)
+        try:
+            waiters.remove(waiter)  # one scan, not a look and then a scan: it is mostly the first
+        except ValueError:
+            return False
         if not waiters:
             del level[waiter.caller]
             if not level:
