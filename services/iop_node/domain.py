@@ -8,8 +8,9 @@ from enum import StrEnum
 from typing import Any, TypeAlias
 
 from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire.errors import IopError
 
-__all__ = ["ROLE_NAMES", "ExecutionSpec", "RunKind", "RunRecord", "RunStatus"]
+__all__ = ["ROLE_NAMES", "ExecutionSpec", "RunKind", "RunRecord", "RunStatus", "refuse_continuation"]
 
 RunKind: TypeAlias = pb.RunKind.ValueType
 """A ``RunKind`` value (``pb.RUN_KIND_CHAT``, ...)."""
@@ -57,6 +58,17 @@ class ExecutionSpec:
             text = "".join(part.text for part in message.content)
             lines.append(f"{ROLE_NAMES[message.role]}: {text}")
         return "\n".join(lines)
+
+
+def refuse_continuation(spec: ExecutionSpec, why: str) -> None:
+    """INVALID_ARGUMENT (param ``continuation``) when ``spec`` continues delivered output and its
+    adapter cannot, ``why`` saying so: a relay must not take a fresh answer for the rest of one."""
+    if spec.request.HasField("continuation"):
+        raise IopError(
+            pb.ERROR_CODE_INVALID_ARGUMENT,
+            f"model {spec.request.model!r} cannot continue delivered output: {why}",
+            param="continuation",
+        )
 
 
 ROLE_NAMES = {number: name.removeprefix("ROLE_").lower() for name, number in pb.Role.items()}

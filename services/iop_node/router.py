@@ -73,6 +73,8 @@ class Router:
             name = pb.RunKind.Name(kind).removeprefix("RUN_KIND_").lower()
             param = "input" if kind == pb.RUN_KIND_EMBEDDING else "prompt"
             raise _invalid(f"prompt is empty: {name} runs need a prompt", param)
+        if request.HasField("continuation"):
+            _check_continuation(request, kind)
         size = sum(map(len, request.prompt))
         for message in request.messages:
             if message.role == pb.ROLE_UNSPECIFIED:
@@ -96,6 +98,21 @@ class Router:
             raise _invalid(message, "max_tokens")
         if len(sampling.stop) > _MAX_STOP:
             raise _invalid(f"sampling.stop takes at most {_MAX_STOP} sequences, got {len(sampling.stop)}", "stop")
+
+
+def _check_continuation(request: pb.RunRequest, kind: RunKind) -> None:
+    """The shapes a continuation can have (runtime.proto's Continuation): one output to extend."""
+    if kind == pb.RUN_KIND_EMBEDDING:
+        raise _invalid("an embedding run has no output to continue", "continuation")
+    if kind == pb.RUN_KIND_COMPLETION and len(request.prompt) != 1:
+        message = f"a continued completion has one prompt, not {len(request.prompt)}"
+        raise _invalid(message, "continuation")
+    if request.continuation.token_ids and len(request.continuation.token_ids) != request.continuation.completion_tokens:
+        message = (
+            f"continuation has {len(request.continuation.token_ids)} token ids but completion_tokens "
+            f"{request.continuation.completion_tokens}"
+        )
+        raise _invalid(message, "continuation")
 
 
 _SAMPLING_RANGES = {  # runtime.proto's Sampling comments (OpenAI's ranges), bounds included

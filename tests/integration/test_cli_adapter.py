@@ -171,6 +171,15 @@ async def test_prompt_with_nul_cannot_be_an_argument() -> None:
     assert error.code == pb.ERROR_CODE_INVALID_ARGUMENT
 
 
+async def test_a_continuation_is_refused_before_the_program_starts(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    spec = _spec()
+    spec.request.continuation.text = "so far"
+    error, sink = await _failed(CliOptions(argv=_py("import sys; open(sys.argv[1], 'w')", str(marker))), spec)
+    assert (error.code, error.param) == (pb.ERROR_CODE_INVALID_ARGUMENT, "continuation")
+    assert not marker.exists() and sink.deltas == []
+
+
 async def test_nonzero_exit_is_a_backend_error_quoting_stderr() -> None:
     code = "import sys; print('partial'); sys.stderr.write('first\\nboom: it broke\\n'); sys.exit(3)"
     error, sink = await _failed(CliOptions(argv=_py(code)))

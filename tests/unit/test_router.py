@@ -137,3 +137,31 @@ def test_sampling_out_of_its_range_is_refused_naming_the_field(sampling: dict[st
 def test_sampling_at_the_ends_of_its_ranges_runs(sampling: dict[str, object]) -> None:
     resolved = _router().resolve(_request("plain", **sampling)).sampling
     assert resolved == pb.Sampling(**sampling)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kind", "prompt", "continuation", "message"),
+    [
+        (pb.RUN_KIND_EMBEDDING, ["a"], pb.Continuation(text="x"), "embedding run has no output"),
+        (pb.RUN_KIND_COMPLETION, ["a", "b"], pb.Continuation(text="x"), "one prompt, not 2"),
+        (pb.RUN_KIND_COMPLETION, ["a"], pb.Continuation(text="x y", token_ids=[1, 2], completion_tokens=3), "2 token"),
+    ],
+)
+def test_a_continuation_of_a_shape_that_cannot_be_continued_is_refused(
+    kind: int, prompt: list[str], continuation: pb.Continuation, message: str
+) -> None:
+    request = pb.RunRequest(run_id="r", model="plain", kind=kind, prompt=prompt, continuation=continuation)  # type: ignore[arg-type]
+    with pytest.raises(IopError) as refused:
+        _router().resolve(request)
+    assert refused.value.code == pb.ERROR_CODE_INVALID_ARGUMENT and refused.value.param == "continuation"
+    assert message in str(refused.value)
+
+
+def test_a_continuation_of_one_completion_or_a_chat_resolves() -> None:
+    completion = pb.RunRequest(
+        run_id="r", model="plain", kind=pb.RUN_KIND_COMPLETION, prompt=["a"], continuation=pb.Continuation(text="b")
+    )
+    assert _router().resolve(completion).request.continuation.text == "b"
+    chat = _request("plain")
+    chat.continuation.CopyFrom(pb.Continuation(text="so far", token_ids=[5, 6], completion_tokens=2))
+    assert _router().resolve(chat).request.continuation.completion_tokens == 2

@@ -610,6 +610,18 @@ export declare type RunRequest = Message<"iop.RunRequest"> & {
    * @generated from field: map<string, string> metadata = 12;
    */
   metadata: { [key: string]: string };
+
+  /**
+   * Set when this run continues output that an earlier attempt already
+   * delivered (its node was lost mid-stream): the receiver generates only
+   * what follows, so the requester's text is continuation.text followed by
+   * this run's deltas. Sent only to a node whose ModelInfo lists the run's
+   * kind in continuable_kinds; others refuse it (ERROR_CODE_INVALID_ARGUMENT,
+   * param "continuation"). For RUN_KIND_COMPLETION the prompt has one entry.
+   *
+   * @generated from field: iop.Continuation continuation = 13;
+   */
+  continuation?: Continuation | undefined;
 };
 
 /**
@@ -617,6 +629,57 @@ export declare type RunRequest = Message<"iop.RunRequest"> & {
  * Use `create(RunRequestSchema)` to create a new message.
  */
 export declare const RunRequestSchema: GenMessage<RunRequest>;
+
+/**
+ * Output already delivered to the requester, for a run continued elsewhere.
+ *
+ * @generated from message iop.Continuation
+ */
+export declare type Continuation = Message<"iop.Continuation"> & {
+  /**
+   * The text delivered so far: the assistant message's content so far
+   * (RUN_KIND_CHAT) or the completion so far (RUN_KIND_COMPLETION).
+   *
+   * @generated from field: string text = 1;
+   */
+  text: string;
+
+  /**
+   * Token ids of text, when every delta delivered carried them; else empty.
+   *
+   * @generated from field: repeated uint32 token_ids = 2;
+   */
+  tokenIds: number[];
+
+  /**
+   * Completion tokens delivered so far: len(token_ids) when known, else the
+   * sender's count of the deltas that carried text (an estimate).
+   *
+   * @generated from field: uint32 completion_tokens = 3;
+   */
+  completionTokens: number;
+
+  /**
+   * Which continuation this is: 1 for the run's first, 2 for its second...
+   *
+   * @generated from field: uint32 migration = 4;
+   */
+  migration: number;
+
+  /**
+   * Prompt tokens earlier continuations of this run re-read, carried so the
+   * final usage can report the run's whole migration cost.
+   *
+   * @generated from field: uint32 continuation_prompt_tokens = 5;
+   */
+  continuationPromptTokens: number;
+};
+
+/**
+ * Describes the message iop.Continuation.
+ * Use `create(ContinuationSchema)` to create a new message.
+ */
+export declare const ContinuationSchema: GenMessage<Continuation>;
 
 /**
  * Sampling parameters, with OpenAI's meanings.
@@ -1049,6 +1112,13 @@ export declare type RunDelta = Message<"iop.RunDelta"> & {
    * @generated from field: repeated iop.Embedding embeddings = 4;
    */
   embeddings: Embedding[];
+
+  /**
+   * Token ids of text, when the backend reports them; empty otherwise.
+   *
+   * @generated from field: repeated uint32 token_ids = 5;
+   */
+  tokenIds: number[];
 };
 
 /**
@@ -1267,6 +1337,16 @@ export declare type Usage = Message<"iop.Usage"> & {
    * @generated from field: bool estimated = 4;
    */
   estimated: boolean;
+
+  /**
+   * Extra prompt work of the run's continuations: the delivered output each
+   * one re-read as prompt. Not part of prompt_tokens, which counts the
+   * requester's prompt once; completion_tokens counts every token delivered,
+   * by every attempt.
+   *
+   * @generated from field: uint32 continuation_prompt_tokens = 5;
+   */
+  continuationPromptTokens: number;
 };
 
 /**
@@ -1496,6 +1576,14 @@ export declare type ModelInfo = Message<"iop.ModelInfo"> & {
    * @generated from field: uint32 context_length = 5;
    */
   contextLength: number;
+
+  /**
+   * Run kinds this model can continue from delivered output (a run.request
+   * with a continuation); empty when its adapter cannot continue.
+   *
+   * @generated from field: repeated iop.RunKind continuable_kinds = 6;
+   */
+  continuableKinds: RunKind[];
 };
 
 /**
@@ -2332,6 +2420,13 @@ export declare type LedgerRun = Message<"iop.LedgerRun"> & {
    * @generated from field: repeated iop.LedgerAttempt attempts = 16;
    */
   attempts: LedgerAttempt[];
+
+  /**
+   * Times the run was continued on another node after output was delivered.
+   *
+   * @generated from field: uint32 migrations = 17;
+   */
+  migrations: number;
 };
 
 /**
@@ -2387,6 +2482,36 @@ export declare type LedgerAttempt = Message<"iop.LedgerAttempt"> & {
    * @generated from field: google.protobuf.Duration duration = 6;
    */
   duration?: Duration | undefined;
+
+  /**
+   * Deltas this attempt relayed to the requester.
+   *
+   * @generated from field: uint32 outputs = 7;
+   */
+  outputs: number;
+
+  /**
+   * True when this attempt continued output delivered by earlier attempts
+   * (a migration); its request carried a Continuation.
+   *
+   * @generated from field: bool continued = 8;
+   */
+  continued: boolean;
+
+  /**
+   * The migration's cost: delivered tokens this attempt re-read as prompt.
+   *
+   * @generated from field: uint32 continuation_prompt_tokens = 9;
+   */
+  continuationPromptTokens: number;
+
+  /**
+   * From the last output before the previous attempt was lost to this
+   * attempt's first output: the gap the requester saw (migrations only).
+   *
+   * @generated from field: google.protobuf.Duration gap = 10;
+   */
+  gap?: Duration | undefined;
 };
 
 /**

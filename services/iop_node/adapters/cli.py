@@ -23,7 +23,7 @@ import structlog
 from structlog.typing import FilteringBoundLogger
 
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_node.domain import ExecutionSpec
+from iop_node.domain import ExecutionSpec, refuse_continuation
 from iop_node.ports import EventSink
 from iop_wire.errors import IopError
 
@@ -95,6 +95,7 @@ class CliAdapter:
 
     async def execute(self, spec: ExecutionSpec, sink: EventSink) -> None:
         """Run the model's program for ``spec``, streaming its stdout to ``sink`` as it arrives."""
+        refuse_continuation(spec, "the cli adapter runs a program, which cannot be asked to go on from a text")
         options = self._models[spec.request.model]
         proc = await _spawn(options, spec.prompt_text())
         log = _log.bind(run_id=spec.request.run_id, pid=proc.pid)

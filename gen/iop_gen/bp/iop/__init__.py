@@ -22,6 +22,7 @@ __all__ = (
     "CertRenewed",
     "ChatMessage",
     "ContentPart",
+    "Continuation",
     "Embedding",
     "Envelope",
     "Error",
@@ -1178,6 +1179,44 @@ default_message_pool.register_message("iop", "ContentPart", ContentPart)
 
 
 @dataclass(eq=False, repr=False)
+class Continuation(betterproto2.Message):
+    """
+    Output already delivered to the requester, for a run continued elsewhere.
+    """
+
+    text: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The text delivered so far: the assistant message's content so far
+    (RUN_KIND_CHAT) or the completion so far (RUN_KIND_COMPLETION).
+    """
+
+    token_ids: "list[int]" = betterproto2.field(2, betterproto2.TYPE_UINT32, repeated=True)
+    """
+    Token ids of text, when every delta delivered carried them; else empty.
+    """
+
+    completion_tokens: "int" = betterproto2.field(3, betterproto2.TYPE_UINT32)
+    """
+    Completion tokens delivered so far: len(token_ids) when known, else the
+    sender's count of the deltas that carried text (an estimate).
+    """
+
+    migration: "int" = betterproto2.field(4, betterproto2.TYPE_UINT32)
+    """
+    Which continuation this is: 1 for the run's first, 2 for its second...
+    """
+
+    continuation_prompt_tokens: "int" = betterproto2.field(5, betterproto2.TYPE_UINT32)
+    """
+    Prompt tokens earlier continuations of this run re-read, carried so the
+    final usage can report the run's whole migration cost.
+    """
+
+
+default_message_pool.register_message("iop", "Continuation", Continuation)
+
+
+@dataclass(eq=False, repr=False)
 class Embedding(betterproto2.Message):
     """
     One embedding vector.
@@ -2242,6 +2281,30 @@ class LedgerAttempt(betterproto2.Message):
     How long the attempt took.
     """
 
+    outputs: "int" = betterproto2.field(7, betterproto2.TYPE_UINT32)
+    """
+    Deltas this attempt relayed to the requester.
+    """
+
+    continued: "bool" = betterproto2.field(8, betterproto2.TYPE_BOOL)
+    """
+    True when this attempt continued output delivered by earlier attempts
+    (a migration); its request carried a Continuation.
+    """
+
+    continuation_prompt_tokens: "int" = betterproto2.field(9, betterproto2.TYPE_UINT32)
+    """
+    The migration's cost: delivered tokens this attempt re-read as prompt.
+    """
+
+    gap: "datetime.timedelta | None" = betterproto2.field(
+        10, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Duration, optional=True
+    )
+    """
+    From the last output before the previous attempt was lost to this
+    attempt's first output: the gap the requester saw (migrations only).
+    """
+
 
 default_message_pool.register_message("iop", "LedgerAttempt", LedgerAttempt)
 
@@ -2340,6 +2403,11 @@ class LedgerRun(betterproto2.Message):
     Each node the run was tried on, in order.
     """
 
+    migrations: "int" = betterproto2.field(17, betterproto2.TYPE_UINT32)
+    """
+    Times the run was continued on another node after output was delivered.
+    """
+
 
 default_message_pool.register_message("iop", "LedgerRun", LedgerRun)
 
@@ -2373,6 +2441,12 @@ class ModelInfo(betterproto2.Message):
     context_length: "int" = betterproto2.field(5, betterproto2.TYPE_UINT32)
     """
     Context window in tokens, 0 if unknown.
+    """
+
+    continuable_kinds: "list[RunKind]" = betterproto2.field(6, betterproto2.TYPE_ENUM, repeated=True)
+    """
+    Run kinds this model can continue from delivered output (a run.request
+    with a continuation); empty when its adapter cannot continue.
     """
 
 
@@ -2888,6 +2962,11 @@ class RunDelta(betterproto2.Message):
     Embedding vectors (RUN_KIND_EMBEDDING), one per prompt entry.
     """
 
+    token_ids: "list[int]" = betterproto2.field(5, betterproto2.TYPE_UINT32, repeated=True)
+    """
+    Token ids of text, when the backend reports them; empty otherwise.
+    """
+
 
 default_message_pool.register_message("iop", "RunDelta", RunDelta)
 
@@ -3010,6 +3089,16 @@ class RunRequest(betterproto2.Message):
     )
     """
     Free-form labels recorded with the run (request ids, trace ids, tags).
+    """
+
+    continuation: "Continuation | None" = betterproto2.field(13, betterproto2.TYPE_MESSAGE, optional=True)
+    """
+    Set when this run continues output that an earlier attempt already
+    delivered (its node was lost mid-stream): the receiver generates only
+    what follows, so the requester's text is continuation.text followed by
+    this run's deltas. Sent only to a node whose ModelInfo lists the run's
+    kind in continuable_kinds; others refuse it (ERROR_CODE_INVALID_ARGUMENT,
+    param "continuation"). For RUN_KIND_COMPLETION the prompt has one entry.
     """
 
 
@@ -3326,6 +3415,14 @@ class Usage(betterproto2.Message):
     estimated: "bool" = betterproto2.field(4, betterproto2.TYPE_BOOL)
     """
     True when the node counted the tokens because the backend did not report them.
+    """
+
+    continuation_prompt_tokens: "int" = betterproto2.field(5, betterproto2.TYPE_UINT32)
+    """
+    Extra prompt work of the run's continuations: the delivered output each
+    one re-read as prompt. Not part of prompt_tokens, which counts the
+    requester's prompt once; completion_tokens counts every token delivered,
+    by every attempt.
     """
 
 

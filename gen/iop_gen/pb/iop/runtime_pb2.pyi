@@ -855,6 +855,7 @@ class RunRequest(_message.Message):
     DEADLINE_FIELD_NUMBER: _builtins.int
     CALLER_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
+    CONTINUATION_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """Client-chosen id of the run, unique among the runs live on this
     connection (run ids are scoped to the connection); used by cancel.request
@@ -908,6 +909,16 @@ class RunRequest(_message.Message):
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Free-form labels recorded with the run (request ids, trace ids, tags)."""
 
+    @_builtins.property
+    def continuation(self) -> Global___Continuation:
+        """Set when this run continues output that an earlier attempt already
+        delivered (its node was lost mid-stream): the receiver generates only
+        what follows, so the requester's text is continuation.text followed by
+        this run's deltas. Sent only to a node whose ModelInfo lists the run's
+        kind in continuable_kinds; others refuse it (ERROR_CODE_INVALID_ARGUMENT,
+        param "continuation"). For RUN_KIND_COMPLETION the prompt has one entry.
+        """
+
     def __init__(
         self,
         *,
@@ -923,14 +934,61 @@ class RunRequest(_message.Message):
         deadline: _timestamp_pb2.Timestamp | None = ...,
         caller: Global___Caller | None = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        continuation: Global___Continuation | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["caller", b"caller", "deadline", b"deadline", "openai_fields", b"openai_fields", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["caller", b"caller", "continuation", b"continuation", "deadline", b"deadline", "openai_fields", b"openai_fields", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller", b"caller", "deadline", b"deadline", "kind", b"kind", "messages", b"messages", "metadata", b"metadata", "model", b"model", "openai_fields", b"openai_fields", "priority", b"priority", "prompt", b"prompt", "run_id", b"run_id", "sampling", b"sampling", "stream", b"stream"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller", b"caller", "continuation", b"continuation", "deadline", b"deadline", "kind", b"kind", "messages", b"messages", "metadata", b"metadata", "model", b"model", "openai_fields", b"openai_fields", "priority", b"priority", "prompt", b"prompt", "run_id", b"run_id", "sampling", b"sampling", "stream", b"stream"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RunRequest: _TypeAlias = RunRequest  # noqa: Y015
+
+@_typing.final
+class Continuation(_message.Message):
+    """Output already delivered to the requester, for a run continued elsewhere."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
+    MIGRATION_FIELD_NUMBER: _builtins.int
+    CONTINUATION_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    """The text delivered so far: the assistant message's content so far
+    (RUN_KIND_CHAT) or the completion so far (RUN_KIND_COMPLETION).
+    """
+    completion_tokens: _builtins.int
+    """Completion tokens delivered so far: len(token_ids) when known, else the
+    sender's count of the deltas that carried text (an estimate).
+    """
+    migration: _builtins.int
+    """Which continuation this is: 1 for the run's first, 2 for its second..."""
+    continuation_prompt_tokens: _builtins.int
+    """Prompt tokens earlier continuations of this run re-read, carried so the
+    final usage can report the run's whole migration cost.
+    """
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Token ids of text, when every delta delivered carried them; else empty."""
+
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        completion_tokens: _builtins.int = ...,
+        migration: _builtins.int = ...,
+        continuation_prompt_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_tokens", b"completion_tokens", "continuation_prompt_tokens", b"continuation_prompt_tokens", "migration", b"migration", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Continuation: _TypeAlias = Continuation  # noqa: Y015
 
 @_typing.final
 class Sampling(_message.Message):
@@ -1312,6 +1370,7 @@ class RunDelta(_message.Message):
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     EMBEDDINGS_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Generated text since the previous delta."""
     @_builtins.property
@@ -1326,6 +1385,10 @@ class RunDelta(_message.Message):
     def embeddings(self) -> _containers.RepeatedCompositeFieldContainer[Global___Embedding]:
         """Embedding vectors (RUN_KIND_EMBEDDING), one per prompt entry."""
 
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Token ids of text, when the backend reports them; empty otherwise."""
+
     def __init__(
         self,
         *,
@@ -1333,10 +1396,11 @@ class RunDelta(_message.Message):
         tool_calls: _abc.Iterable[Global___ToolCallDelta] | None = ...,
         logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
         embeddings: _abc.Iterable[Global___Embedding] | None = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "logprobs", b"logprobs", "text", b"text", "tool_calls", b"tool_calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1514,6 +1578,7 @@ class Usage(_message.Message):
     COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     ESTIMATED_FIELD_NUMBER: _builtins.int
+    CONTINUATION_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     """Tokens in the prompt."""
     completion_tokens: _builtins.int
@@ -1522,6 +1587,12 @@ class Usage(_message.Message):
     """Prompt tokens served from a cache."""
     estimated: _builtins.bool
     """True when the node counted the tokens because the backend did not report them."""
+    continuation_prompt_tokens: _builtins.int
+    """Extra prompt work of the run's continuations: the delivered output each
+    one re-read as prompt. Not part of prompt_tokens, which counts the
+    requester's prompt once; completion_tokens counts every token delivered,
+    by every attempt.
+    """
     def __init__(
         self,
         *,
@@ -1529,10 +1600,11 @@ class Usage(_message.Message):
         completion_tokens: _builtins.int = ...,
         cached_tokens: _builtins.int = ...,
         estimated: _builtins.bool = ...,
+        continuation_prompt_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "estimated", b"estimated", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "continuation_prompt_tokens", b"continuation_prompt_tokens", "estimated", b"estimated", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1752,6 +1824,7 @@ class ModelInfo(_message.Message):
     MAX_CONCURRENCY_FIELD_NUMBER: _builtins.int
     AVAILABLE_FIELD_NUMBER: _builtins.int
     CONTEXT_LENGTH_FIELD_NUMBER: _builtins.int
+    CONTINUABLE_KINDS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """The name clients use."""
     max_concurrency: _builtins.int
@@ -1764,6 +1837,12 @@ class ModelInfo(_message.Message):
     def kinds(self) -> _containers.RepeatedScalarFieldContainer[Global___RunKind.ValueType]:
         """Run kinds it supports."""
 
+    @_builtins.property
+    def continuable_kinds(self) -> _containers.RepeatedScalarFieldContainer[Global___RunKind.ValueType]:
+        """Run kinds this model can continue from delivered output (a run.request
+        with a continuation); empty when its adapter cannot continue.
+        """
+
     def __init__(
         self,
         *,
@@ -1772,10 +1851,11 @@ class ModelInfo(_message.Message):
         max_concurrency: _builtins.int = ...,
         available: _builtins.bool = ...,
         context_length: _builtins.int = ...,
+        continuable_kinds: _abc.Iterable[Global___RunKind.ValueType] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "context_length", b"context_length", "kinds", b"kinds", "max_concurrency", b"max_concurrency", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "context_length", b"context_length", "continuable_kinds", b"continuable_kinds", "kinds", b"kinds", "max_concurrency", b"max_concurrency", "name", b"name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2495,6 +2575,7 @@ class LedgerRun(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     OUTPUTS_FIELD_NUMBER: _builtins.int
     ATTEMPTS_FIELD_NUMBER: _builtins.int
+    MIGRATIONS_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """The id its requester chose (scoped to the requester's connection)."""
     requester: _builtins.str
@@ -2517,6 +2598,8 @@ class LedgerRun(_message.Message):
     """Why generation stopped, for a completed run."""
     outputs: _builtins.int
     """Deltas relayed to the requester."""
+    migrations: _builtins.int
+    """Times the run was continued on another node after output was delivered."""
     @_builtins.property
     def received_at(self) -> _timestamp_pb2.Timestamp:
         """When the control-plane received the run.request."""
@@ -2556,10 +2639,11 @@ class LedgerRun(_message.Message):
         finish_reason: Global___FinishReason.ValueType = ...,
         outputs: _builtins.int = ...,
         attempts: _abc.Iterable[Global___LedgerAttempt] | None = ...,
+        migrations: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration", "received_at", b"received_at", "ttft", b"ttft", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "caller", b"caller", "connection", b"connection", "duration", b"duration", "error_code", b"error_code", "error_message", b"error_message", "finish_reason", b"finish_reason", "model", b"model", "node_id", b"node_id", "outputs", b"outputs", "received_at", b"received_at", "requester", b"requester", "run_id", b"run_id", "status", b"status", "ttft", b"ttft", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "caller", b"caller", "connection", b"connection", "duration", b"duration", "error_code", b"error_code", "error_message", b"error_message", "finish_reason", b"finish_reason", "migrations", b"migrations", "model", b"model", "node_id", b"node_id", "outputs", b"outputs", "received_at", b"received_at", "requester", b"requester", "run_id", b"run_id", "status", b"status", "ttft", b"ttft", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2577,6 +2661,10 @@ class LedgerAttempt(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     STARTED_AFTER_FIELD_NUMBER: _builtins.int
     DURATION_FIELD_NUMBER: _builtins.int
+    OUTPUTS_FIELD_NUMBER: _builtins.int
+    CONTINUED_FIELD_NUMBER: _builtins.int
+    CONTINUATION_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    GAP_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The node it was placed on."""
     model: _builtins.str
@@ -2585,6 +2673,14 @@ class LedgerAttempt(_message.Message):
     """"completed", "failed", "node_lost" or "cancelled"."""
     reason: _builtins.str
     """The error code and message of a failed attempt; empty when completed."""
+    outputs: _builtins.int
+    """Deltas this attempt relayed to the requester."""
+    continued: _builtins.bool
+    """True when this attempt continued output delivered by earlier attempts
+    (a migration); its request carried a Continuation.
+    """
+    continuation_prompt_tokens: _builtins.int
+    """The migration's cost: delivered tokens this attempt re-read as prompt."""
     @_builtins.property
     def started_after(self) -> _duration_pb2.Duration:
         """From the run's received_at to this attempt's start."""
@@ -2592,6 +2688,12 @@ class LedgerAttempt(_message.Message):
     @_builtins.property
     def duration(self) -> _duration_pb2.Duration:
         """How long the attempt took."""
+
+    @_builtins.property
+    def gap(self) -> _duration_pb2.Duration:
+        """From the last output before the previous attempt was lost to this
+        attempt's first output: the gap the requester saw (migrations only).
+        """
 
     def __init__(
         self,
@@ -2602,10 +2704,14 @@ class LedgerAttempt(_message.Message):
         reason: _builtins.str = ...,
         started_after: _duration_pb2.Duration | None = ...,
         duration: _duration_pb2.Duration | None = ...,
+        outputs: _builtins.int = ...,
+        continued: _builtins.bool = ...,
+        continuation_prompt_tokens: _builtins.int = ...,
+        gap: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration", "started_after", b"started_after"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration", "gap", b"gap", "started_after", b"started_after"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration", "model", b"model", "node_id", b"node_id", "outcome", b"outcome", "reason", b"reason", "started_after", b"started_after"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["continuation_prompt_tokens", b"continuation_prompt_tokens", "continued", b"continued", "duration", b"duration", "gap", b"gap", "model", b"model", "node_id", b"node_id", "outcome", b"outcome", "outputs", b"outputs", "reason", b"reason", "started_after", b"started_after"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
