@@ -1,0 +1,101 @@
+"""What a relay keeps of a run's delivered output, to continue the run elsewhere if its source is lost.
+
+A relay (the control-plane between a requester and a node, an edge between a client and
+control-planes) feeds every delta it forwards to :meth:`Delivered.add`. When the source is lost
+after output, :meth:`Delivered.continuation` is the ``Continuation`` to send with the run to
+another source: everything the requester has, from the run's first token (a run that arrived
+with a continuation of its own starts from it), so a second migration carries the first one's
+output too. A run whose output cannot be handed on (tool-call fragments, embeddings, more text
+than ``limit``) is not continuable; :attr:`Delivered.why_not` says why.
+
+    delivered = Delivered(request)
+    ... delivered.add(event.delta) for each delta forwarded ...
+    continuation = delivered.continuation()  # None: delivered.why_not
+    retry.continuation.CopyFrom(continuation); delivered.sent(continuation)
+"""
+
+from __future__ import annotations
+
+from iop_gen.pb.iop import runtime_pb2 as pb
+
+__all__ = ["DEFAULT_LIMIT", "Delivered"]
+
+DEFAULT_LIMIT = 4 * 1024 * 1024
+"""Characters of delivered text kept per run: a longer run ends NODE_LOST rather than hold more."""
+
+
+class Delivered:
+    """The output of one run relayed so far, and how to continue the run from it."""
+
+    __slots__ = ("_chars", "_count", "_ids", "_last", "_limit", "_texts", "why_not")
+
+    def __init__(self, request: pb.RunRequest, *, limit: int = DEFAULT_LIMIT) -> None:
+        self._limit = limit
+        self._last: pb.Continuation | None = None
+        self._texts: list[str] = []
+        self._ids: list[int] | None = []  # None once a delta's text came without its ids
+        self._chars = self._count = 0
+        self.why_not = ""
+        """Empty while the run can be continued; else why not, for the requester's NODE_LOST message."""
+        if request.kind == pb.RUN_KIND_EMBEDDING:
+            self.why_not = "embeddings are not continued"
+        elif request.kind == pb.RUN_KIND_COMPLETION and len(request.prompt) != 1:
+            self.why_not = f"a completion of {len(request.prompt)} prompts is not continued"
+        if request.HasField("continuation"):
+            base = request.continuation
+            self._last = base
+            self._texts.append(base.text)
+            self._chars, self._count = len(base.text), base.completion_tokens
+            self._ids = list(base.token_ids) if len(base.token_ids) == base.completion_tokens else None
+
+    def add(self, delta: pb.RunDelta) -> None:
+        """Keep ``delta``, forwarded to the requester."""
+        if self.why_not:
+            return
+        if delta.tool_calls or delta.embeddings:
+            self._give_up("tool calls are not continued" if delta.tool_calls else "embeddings are not continued")
+            return
+        if not delta.text:
+            return
+        self._chars += len(delta.text)
+        if self._chars > self._limit:
+            self._give_up(f"its output is over the {self._limit} characters a relay keeps to continue it")
+            return
+        self._texts.append(delta.text)
+        if delta.token_ids:
+            self._count += len(delta.token_ids)
+            if self._ids is not None:
+                self._ids.extend(delta.token_ids)
+        else:
+            self._count += 1  # a backend streams about one token per delta; an estimate, said so by the empty ids
+            self._ids = None
+
+    @property
+    def text(self) -> str:
+        """Every text delivered, from the run's first token."""
+        if len(self._texts) > 1:
+            self._texts[:] = ["".join(self._texts)]
+        return self._texts[0] if self._texts else ""
+
+    def continuation(self) -> pb.Continuation | None:
+        """The continuation for the run's next attempt; None if it cannot be continued (``why_not``)."""
+        if self.why_not:
+            return None
+        last = self._last
+        return pb.Continuation(
+            text=self.text,
+            token_ids=self._ids or [],
+            completion_tokens=self._count,
+            migration=last.migration + 1 if last is not None else 1,
+            # the lost attempt re-read what it was sent: about its delivered tokens
+            continuation_prompt_tokens=last.continuation_prompt_tokens + last.completion_tokens if last else 0,
+        )
+
+    def sent(self, continuation: pb.Continuation) -> None:
+        """``continuation`` went out with the run's next attempt: the one after it counts its cost."""
+        self._last = continuation
+
+    def _give_up(self, why: str) -> None:
+        self.why_not = why
+        self._texts.clear()
+        self._ids = None
