@@ -3,7 +3,9 @@
 Text is a sequence of words drawn by a generator seeded from the request (its seed, or a hash
 of model and prompt), so the same request always streams the same text. Speed, length, time
 to first token and failures are set per route (``options``) and may be overridden per request
-through metadata keys ``mock.<option>`` (for example ``mock.fail_after: "3"``).
+through metadata keys ``mock.<option>`` (for example ``mock.fail_after: "3"``). A run with a
+continuation goes on exactly where the delivered tokens end: joined to them, its text is the
+uninterrupted run's, byte for byte.
 """
 
 from __future__ import annotations
@@ -126,7 +128,10 @@ class MockAdapter:
 
     async def capabilities(self) -> list[pb.ModelInfo]:
         kinds = [pb.RUN_KIND_CHAT, pb.RUN_KIND_COMPLETION, pb.RUN_KIND_EMBEDDING]
-        return [pb.ModelInfo(name=name, kinds=kinds, available=True) for name in self._models]
+        continuable = [pb.RUN_KIND_CHAT, pb.RUN_KIND_COMPLETION]
+        return [
+            pb.ModelInfo(name=name, kinds=kinds, available=True, continuable_kinds=continuable) for name in self._models
+        ]
 
     async def execute(self, spec: ExecutionSpec, sink: EventSink) -> None:
         _refuse_unsupported(spec)
@@ -142,7 +147,12 @@ class MockAdapter:
         count = options.tokens if limit is None else min(limit, options.tokens)
         interval = 1.0 / options.tokens_per_second if options.tokens_per_second else 0.0
         faulty = (options.fail_after, options.stall_after, options.crash_after) != (None, None, None)
-        for index in range(count):
+        # A continuation goes on exactly: the text is a function of the request, so the tokens
+        # delivered before are drawn again and skipped, and the rest is what the run would have said.
+        delivered = spec.request.continuation.completion_tokens
+        for _ in range(min(delivered, count)):
+            words.choice(_WORDS)
+        for index in range(delivered, count):
             if faulty:
                 await _inject(options, index)
             await sink.delta(words.choice(_WORDS) + " ")
@@ -153,8 +163,10 @@ class MockAdapter:
         if faulty:
             await _inject(options, count)
         reason = pb.FINISH_REASON_LENGTH if limit is not None and limit <= options.tokens else pb.FINISH_REASON_STOP
-        prompt_tokens = len(prompt.split())
-        await sink.complete(reason, pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=count))
+        usage = pb.Usage(prompt_tokens=len(prompt.split()), completion_tokens=count)
+        if spec.request.HasField("continuation"):  # this attempt re-read the delivered tokens
+            usage.continuation_prompt_tokens = spec.request.continuation.continuation_prompt_tokens + delivered
+        await sink.complete(reason, usage)
 
 
 _UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logprobs", "top_logprobs")
