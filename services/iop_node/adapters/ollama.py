@@ -5,6 +5,12 @@ Chat runs stream NDJSON from /api/chat, completion runs from /api/generate, embe
 seed, stop, num_predict, presence/frequency penalty), ``done_reason`` to the finish reason,
 ``prompt_eval_count`` / ``eval_count`` to usage (streamed lines counted where it is missing)
 and the reported durations to timings.
+
+A run cut on another node continues here (``Continuation``, for the kinds in the route's
+``continuation``) through /api/chat with the delivered text as a final assistant message, which
+Ollama continues where the model's TEMPLATE leaves the last assistant message open; a completion
+goes there as its one user message, as /api/generate would have templated it. ``num_predict`` is
+what the run has left, and usage is the whole run's (continuing.py).
 """
 
 from __future__ import annotations
@@ -12,11 +18,18 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
 from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_node.adapters.continuing import (
+    check_continuable,
+    continuable_kinds,
+    limit_reached,
+    remaining_tokens,
+    whole_run_usage,
+)
 from iop_node.adapters.http import KINDS, Backends, BackendTime, Endpoint, HttpOptions, check_kind
 from iop_node.adapters.shapes import (
     embeddings,
@@ -51,6 +64,12 @@ class OllamaOptions(HttpOptions):
     """The Ollama server."""
     keep_alive: str | None = None
     """How long Ollama keeps the model loaded after a run (Ollama's ``keep_alive``, e.g. "10m")."""
+    continuation: tuple[Literal["chat", "completion"], ...] = ()
+    """The run kinds this model can continue from output delivered elsewhere (a run cut on a lost
+    node). Ollama continues a final assistant message only where the model's TEMPLATE leaves it
+    open (the library's templates that test ``$last``, e.g. qwen2.5's); a template that closes every
+    message starts a new answer instead, so none by default: set [chat, completion] for a model
+    whose template is of the first sort."""
 
 
 def _tag_names(document: Any) -> set[str]:
@@ -79,14 +98,22 @@ class OllamaAdapter:
             backend = self._backends[model].backend
             served = await backend.served()
             up = backend.available and (served is None or _listed(options.target or model, served))
-            infos.append(pb.ModelInfo(name=model, kinds=[KINDS[kind] for kind in options.kinds], available=up))
+            kinds = [KINDS[kind] for kind in options.kinds]
+            continuable = continuable_kinds(options.continuation, options.kinds)
+            infos.append(pb.ModelInfo(name=model, kinds=kinds, available=up, continuable_kinds=continuable))
         return infos
 
     async def execute(self, spec: ExecutionSpec, sink: EventSink) -> None:
         model = spec.request.model
         options = self._options[model]
         check_kind(spec, options)
+        if spec.request.HasField("continuation"):
+            check_continuable(spec, options.continuation)
         endpoint = self._backends[model]
+        spent = limit_reached(spec)
+        if spent is not None:
+            await sink.complete(pb.FINISH_REASON_LENGTH, spent)
+            return
         request = None if spec.kind == pb.RUN_KIND_EMBEDDING else _request_body(spec, options)
         try:
             if request is None:
@@ -120,7 +147,7 @@ async def _generate(endpoint: Endpoint, spec: ExecutionSpec, sink: EventSink, pa
                 break
     if final is None:
         raise protocol_error("the backend's stream ended without a done line")
-    usage = _usage(final) or estimated_usage(spec, lines_with_text)
+    usage = whole_run_usage(spec, _usage(final) or estimated_usage(spec, lines_with_text))
     await sink.complete(finish_reason(final.get("done_reason")), usage, _timings(final, timing))
 
 
@@ -136,6 +163,16 @@ def _request_body(spec: ExecutionSpec, options: OllamaOptions) -> tuple[str, dic
         body["format"] = (response_format.get("json_schema") or {}).get("schema", "json")
     if spec.openai_fields.get("tools"):
         body["tools"] = spec.openai_fields["tools"]
+    if request.HasField("continuation"):
+        left = remaining_tokens(spec)
+        if left is not None:  # the run's limit counts the delivered tokens too
+            body["options"]["num_predict"] = left
+        if spec.kind == pb.RUN_KIND_COMPLETION:  # the router let one prompt through
+            body["messages"] = [{"role": "user", "content": request.prompt[0]}]
+        else:
+            body["messages"] = [_message(message) for message in request.messages]
+        body["messages"].append({"role": "assistant", "content": request.continuation.text})
+        return "/api/chat", body
     if spec.kind == pb.RUN_KIND_COMPLETION:
         body["prompt"] = "\n".join(request.prompt)
         return "/api/generate", body

@@ -7,15 +7,27 @@ logprobs come back as run events. Usage is asked for (``stream_options.include_u
 server that sends none (llama.cpp's) has its streamed chunks counted, one token each. The
 ``developer`` role goes out as ``system`` unless the route says the server knows it. The
 served models come from GET /v1/models, read while no run of this node is in flight there.
+
+A run cut on another node continues here (``Continuation``, for the kinds in the route's
+``continuation``): a completion by appending the delivered text to the prompt, a chat by sending
+it as a final assistant message with vLLM's ``continue_final_message``; ``max_tokens`` is what the
+run has left, and usage is the whole run's (continuing.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_node.adapters.continuing import (
+    check_continuable,
+    continuable_kinds,
+    limit_reached,
+    remaining_tokens,
+    whole_run_usage,
+)
 from iop_node.adapters.http import KINDS, Backends, BackendTime, Endpoint, HttpOptions, check_kind
 from iop_node.adapters.shapes import (
     embeddings,
@@ -26,7 +38,7 @@ from iop_node.adapters.shapes import (
     model_names,
     protocol_error,
 )
-from iop_node.domain import ROLE_NAMES, ExecutionSpec
+from iop_node.domain import ROLE_NAMES, ExecutionSpec, refuse_continuation
 from iop_node.ports import EventSink
 from iop_wire.errors import IopError
 
@@ -39,6 +51,12 @@ class VllmOptions(HttpOptions):
     developer_role: bool = False
     """Send the ``developer`` role as it is; false (the default) sends it as ``system``, which every
     server knows (llama-cpp-python answers HTTP 500 to ``developer``)."""
+    continuation: tuple[Literal["chat", "completion"], ...] = ("completion",)
+    """The run kinds the server can continue from output delivered elsewhere (a run cut on a lost
+    node): ``completion`` on any server (the delivered text goes after the prompt); ``chat`` only
+    where the server continues a final assistant message on ``continue_final_message`` (vLLM,
+    SGLang), not llama-cpp-python, which ignores the field and starts a new answer. [] continues
+    nothing: such runs end NODE_LOST when their node is lost."""
 
 
 def _model_ids(document: Any) -> set[str]:
@@ -63,13 +81,18 @@ class VllmAdapter:
             served = await backend.served()
             up = backend.available and (served is None or (options.target or model) in served)
             kinds = [KINDS[kind] for kind in options.kinds]
-            infos.append(pb.ModelInfo(name=model, kinds=kinds, available=up))
+            continuable = continuable_kinds(options.continuation, options.kinds)
+            infos.append(pb.ModelInfo(name=model, kinds=kinds, available=up, continuable_kinds=continuable))
         return infos
 
     async def execute(self, spec: ExecutionSpec, sink: EventSink) -> None:
         options = self._options[spec.request.model]
         _check(spec, options)
         endpoint = self._backends[spec.request.model]
+        spent = limit_reached(spec)
+        if spent is not None:
+            await sink.complete(pb.FINISH_REASON_LENGTH, spent)
+            return
         try:
             if spec.kind == pb.RUN_KIND_EMBEDDING:
                 await _embed(endpoint, spec, sink)
@@ -86,6 +109,10 @@ def _check(spec: ExecutionSpec, options: VllmOptions) -> None:
     if int(spec.openai_fields.get("n") or 1) != 1:
         raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, "n > 1 is not supported: send one run per choice", param="n")
     check_kind(spec, options)
+    if spec.request.HasField("continuation"):
+        check_continuable(spec, options.continuation)
+        if spec.openai_fields.get("continue_final_message"):
+            refuse_continuation(spec, "the request continues its own final message")
 
 
 async def _stream(endpoint: Endpoint, spec: ExecutionSpec, sink: EventSink, options: VllmOptions) -> None:
@@ -113,7 +140,8 @@ async def _stream(endpoint: Endpoint, spec: ExecutionSpec, sink: EventSink, opti
             finish = finished or finish
     if finish is None:
         raise protocol_error("the backend's stream ended without a finish_reason")
-    await sink.complete(finish_reason(finish), usage or estimated_usage(spec, chunks), timing.timings())
+    usage = whole_run_usage(spec, usage or estimated_usage(spec, chunks))
+    await sink.complete(finish_reason(finish), usage, timing.timings())
 
 
 async def _whole(endpoint: Endpoint, spec: ExecutionSpec, sink: EventSink, options: VllmOptions) -> None:
@@ -127,7 +155,7 @@ async def _whole(endpoint: Endpoint, spec: ExecutionSpec, sink: EventSink, optio
         calls = [_tool_call(i, call) for i, call in enumerate(message.get("tool_calls") or [])]
         output = _delta(text, calls, _logprobs(choice.get("logprobs")))
         finish = finish_reason(choice.get("finish_reason"))
-        usage = _usage(document.get("usage"))
+        usage = whole_run_usage(spec, _usage(document.get("usage")))
     except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:  # ValueError: not UTF-8 either
         raise protocol_error(f"unexpected answer shape ({exc}): {str(document)[:200]}") from None
     await _send(sink, output)
@@ -158,10 +186,20 @@ def _request_body(spec: ExecutionSpec, options: VllmOptions, *, stream: bool) ->
     for field, value in spec.sampling.ListFields():  # set fields only; stop only when not empty
         body[field.name] = list(value) if field.name == "stop" else value
     request = spec.request
+    continued = request.HasField("continuation")
+    left = remaining_tokens(spec)
+    if continued and left is not None:  # the run's limit counts the delivered tokens too
+        body["max_tokens"] = left
     if spec.kind == pb.RUN_KIND_COMPLETION:
         body["prompt"] = request.prompt[0] if len(request.prompt) == 1 else list(request.prompt)
+        if continued:  # the router let one prompt through
+            body["prompt"] += request.continuation.text
         return "/v1/completions", body
     body["messages"] = [_message(message, developer=options.developer_role) for message in request.messages]
+    if continued:  # the answer so far, left open for the server to go on with
+        body["messages"].append({"role": "assistant", "content": request.continuation.text})
+        body["continue_final_message"] = True
+        body["add_generation_prompt"] = False
     return "/v1/chat/completions", body
 
 
