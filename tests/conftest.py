@@ -39,6 +39,33 @@ async def assert_eventually(condition: Callable[[], bool], timeout: float = 5.0,
         await asyncio.sleep(interval)
 
 
+class TextSink:
+    """An adapter's EventSink for text runs, called directly in a test: keeps the deltas, finish and usage."""
+
+    def __init__(self) -> None:
+        self.deltas: list[str] = []
+        self.finish: pb.FinishReason.ValueType | None = None
+        self.usage: pb.Usage | None = None
+
+    async def delta(self, text: str) -> None:
+        self.deltas.append(text)
+
+    async def output(self, delta: pb.RunDelta) -> None:
+        raise AssertionError("text runs write text")
+
+    async def complete(
+        self, finish_reason: pb.FinishReason.ValueType, usage: pb.Usage | None = None, timings: pb.Timings | None = None
+    ) -> None:
+        self.finish, self.usage = finish_reason, usage
+
+    def annotate(self, key: str, value: str) -> None:
+        pass
+
+    @property
+    def text(self) -> str:
+        return "".join(self.deltas)
+
+
 @dataclass
 class Pki:
     """A CA and a directory to write certificates into."""

@@ -19,6 +19,7 @@ import pytest
 from aiohttp import web
 from backends.fixtures import require
 from backends.servers import BackendServer, http_json, ollama_server
+from conftest import TextSink
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.adapters.ollama import OllamaAdapter, OllamaOptions
@@ -27,37 +28,8 @@ from iop_node.domain import ExecutionSpec
 from iop_wire.continuation import Delivered
 from iop_wire.errors import IopError
 
-pytest_plugins = ["backends.fixtures"]
-
 CUTS = 20
 TOKENS = 40
-
-
-class Sink:
-    """Keeps what an adapter writes."""
-
-    def __init__(self) -> None:
-        self.deltas: list[str] = []
-        self.finish: pb.FinishReason.ValueType | None = None
-        self.usage: pb.Usage | None = None
-
-    async def delta(self, text: str) -> None:
-        self.deltas.append(text)
-
-    async def output(self, delta: pb.RunDelta) -> None:
-        raise AssertionError("these runs write text only")
-
-    async def complete(
-        self, finish_reason: pb.FinishReason.ValueType, usage: pb.Usage | None = None, timings: pb.Timings | None = None
-    ) -> None:
-        self.finish, self.usage = finish_reason, usage
-
-    def annotate(self, key: str, value: str) -> None:
-        pass
-
-    @property
-    def text(self) -> str:
-        return "".join(self.deltas)
 
 
 def _spec(
@@ -100,8 +72,8 @@ def _vllm(url: str, *continued: str, **options: Any) -> contextlib.aclosing[Vllm
     return contextlib.aclosing(VllmAdapter({"tiny": VllmOptions(base_url=url, target="tiny", **options)}))
 
 
-async def _run(adapter: VllmAdapter | OllamaAdapter, spec: ExecutionSpec) -> Sink:
-    sink = Sink()
+async def _run(adapter: VllmAdapter | OllamaAdapter, spec: ExecutionSpec) -> TextSink:
+    sink = TextSink()
     await adapter.execute(spec, sink)
     return sink
 

@@ -3,31 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from conftest import TextSink
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.adapters.mock import MockAdapter, MockOptions
 from iop_node.domain import ExecutionSpec
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.deltas: list[str] = []
-        self.usage: pb.Usage | None = None
-        self.finish: pb.FinishReason.ValueType | None = None
-
-    async def delta(self, text: str) -> None:
-        self.deltas.append(text)
-
-    async def output(self, delta: pb.RunDelta) -> None:
-        raise AssertionError("text runs write text")
-
-    async def complete(
-        self, finish_reason: pb.FinishReason.ValueType, usage: pb.Usage | None = None, timings: pb.Timings | None = None
-    ) -> None:
-        self.finish, self.usage = finish_reason, usage
-
-    def annotate(self, key: str, value: str) -> None:
-        pass
 
 
 def _spec(kind: pb.RunKind.ValueType, continuation: pb.Continuation | None = None) -> ExecutionSpec:
@@ -41,8 +21,8 @@ def _spec(kind: pb.RunKind.ValueType, continuation: pb.Continuation | None = Non
     return ExecutionSpec(request, "mock", "m", kind, pb.Sampling(max_tokens=20), {})
 
 
-async def _run(spec: ExecutionSpec) -> Sink:
-    sink = Sink()
+async def _run(spec: ExecutionSpec) -> TextSink:
+    sink = TextSink()
     await MockAdapter({"m": MockOptions(tokens=30)}).execute(spec, sink)
     return sink
 
