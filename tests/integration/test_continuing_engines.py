@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 from backends.fixtures import require
-from backends.servers import BackendServer, http_json, ollama_server
-from conftest import TextSink
+from backends.servers import BackendServer, http_json, llama_server, ollama_server
+from conftest import Pki, TextSink
+from google.protobuf.struct_pb2 import Struct
+from node_helpers import chat, client, collect, node_settings, running_node, text
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.adapters.ollama import OllamaAdapter, OllamaOptions
@@ -55,8 +58,8 @@ def _spec(
 def _continued(spec: ExecutionSpec, deltas: list[str]) -> ExecutionSpec:
     """``spec`` with the Continuation a relay builds after forwarding ``deltas`` (iop_wire's Delivered)."""
     delivered = Delivered(spec.request)
-    for text in deltas:
-        delivered.add(pb.RunDelta(text=text))
+    for piece in deltas:
+        delivered.add(pb.RunDelta(text=piece))
     continuation = delivered.continuation()
     assert continuation is not None, delivered.why_not
     request = pb.RunRequest()
@@ -204,7 +207,7 @@ async def test_a_continuation_that_already_reached_max_tokens_ends_without_askin
 
 # -- llama-cpp-python: a completion cut after k tokens on server A goes on on server B ------------------
 
-_PROMPT = "hello world the model"
+_PROMPT = "Once upon a time, in a small village by the sea,"
 
 
 def _tokens(server: BackendServer, text: str) -> list[int]:
@@ -233,10 +236,24 @@ async def _joins(a: VllmAdapter, b: VllmAdapter, spec: ExecutionSpec) -> tuple[l
     return whole.deltas, joined
 
 
+@pytest.fixture
+def two_llamas(tiny_gguf: Path, tmp_path: Path) -> Iterator[tuple[BackendServer, BackendServer]]:
+    """Two llama-cpp-python servers of the model in $IOP_CONTINUATION_MODEL (a GGUF file, e.g.
+    SmolLM2-135M-Instruct for real text), else the suite's tiny model."""
+    require("llama")
+    model = Path(os.environ.get("IOP_CONTINUATION_MODEL") or tiny_gguf)
+    with (
+        llama_server(model, workdir=tmp_path / "a") as first,
+        llama_server(model, workdir=tmp_path / "b") as second,
+    ):
+        yield first, second
+
+
 async def test_llama_cpp_completion_cut_anywhere_joins_to_the_uninterrupted_text(
-    llama_backend: BackendServer, llama_backend_fresh: BackendServer, stack: contextlib.AsyncExitStack
+    two_llamas: tuple[BackendServer, BackendServer], stack: contextlib.AsyncExitStack
 ) -> None:
-    a, b = [await stack.enter_async_context(_vllm(s.base_url)) for s in (llama_backend, llama_backend_fresh)]
+    llama_backend = two_llamas[0]
+    a, b = [await stack.enter_async_context(_vllm(server.base_url)) for server in two_llamas]
     # Greedy: temperature 0 and no repeat penalty. llama-cpp-python's default (repeat_penalty 1.1)
     # counts only the tokens generated in the request, so a continuation forgets the delivered ones.
     greedy = _spec(pb.RUN_KIND_COMPLETION, _PROMPT, openai_fields={"repeat_penalty": 1.0})
@@ -252,6 +269,55 @@ async def test_llama_cpp_completion_cut_anywhere_joins_to_the_uninterrupted_text
         f"\nllama-cpp-python completions, {CUTS} cuts: {len(joined)} join exactly"
         f" ({len(same)} re-tokenise alike at the cut); with its default repeat_penalty 1.1: {len(penalised)}"
     )
+    for cut in sorted(set(cuts) - set(same)):  # the delivered end and what followed it, as tokenised
+        print(f"  cut after {cut} deltas re-tokenises otherwise: {deltas[cut - 1]!r} + {deltas[cut]!r}")
+
+
+async def test_a_node_continues_a_completion_cut_on_another_server_and_refuses_a_chat(
+    pki: Pki, tmp_path: Path, llama_backend: BackendServer, llama_backend_fresh: BackendServer
+) -> None:
+    """Through a real node (router, route settings, metered sink): the run starts on one server's route
+    and its continuation goes to the other's, as the control-plane re-places a cut run."""
+    routes = [
+        {"model": name, "adapter": "vllm", "target": "tiny", "options": {"base_url": server.base_url}}
+        for name, server in (("tiny-a", llama_backend), ("tiny-b", llama_backend_fresh))
+    ]
+    greedy = Struct()
+    greedy.update({"repeat_penalty": 1.0})
+    request = pb.RunRequest(
+        run_id="whole",
+        model="tiny-a",
+        kind=pb.RUN_KIND_COMPLETION,
+        prompt=[_PROMPT],
+        stream=True,
+        sampling=pb.Sampling(max_tokens=24, temperature=0, seed=7),
+        openai_fields=greedy,
+    )
+    async with running_node(node_settings(pki, tmp_path, routes)) as app:
+        connection = await client(app, pki)
+        capabilities = await connection.capabilities()
+        [vllm] = [adapter for adapter in capabilities.adapters if adapter.name == "vllm"]
+        assert [list(model.continuable_kinds) for model in vllm.models] == [[pb.RUN_KIND_COMPLETION]] * 2
+        whole = await collect(await connection.open_run(request))
+        delivered = Delivered(request)
+        for event in [event for event in whole if event.HasField("delta")][:9]:
+            delivered.add(event.delta)
+        continuation = delivered.continuation()
+        assert continuation is not None and continuation.completion_tokens == 9
+        cut = pb.RunRequest()
+        cut.CopyFrom(request)
+        cut.run_id, cut.model = "rest", "tiny-b"
+        cut.continuation.CopyFrom(continuation)
+        rest = await collect(await connection.open_run(cut))
+        assert continuation.text + text(rest) == text(whole)
+        first, last = whole[-1].complete.usage, rest[-1].complete.usage
+        assert first.completion_tokens == 24
+        assert (last.prompt_tokens, last.completion_tokens) == (first.prompt_tokens, first.completion_tokens)
+        assert last.continuation_prompt_tokens == 9
+        refused = chat(model="tiny-b", continuation=continuation)
+        error = (await collect(await connection.open_run(refused)))[-1].error
+        assert (error.code, error.param) == (pb.ERROR_CODE_INVALID_ARGUMENT, "continuation")
+        await connection.close()
 
 
 # -- Ollama: chat and completions continue where the model's template leaves the answer open ----------
@@ -263,7 +329,6 @@ OPEN_LAST_TEMPLATE = (
     '{{ if or (ne .Role "assistant") (not $last) }}<|im_end|>\n{{ end }}'
     '{{- if and (ne .Role "assistant") $last }}<|im_start|>assistant\n{{ end }}{{- end }}'
 )
-OLLAMA_CUTS = 10
 OLLAMA_TOKENS = 30
 
 
@@ -293,7 +358,7 @@ async def test_ollama_continues_where_the_template_leaves_the_answer_open(
     spec = _spec(kind, "hello world", adapter="ollama", max_tokens=OLLAMA_TOKENS)
     whole = await _run(a, spec)
     assert whole.finish == pb.FINISH_REASON_LENGTH and whole.usage is not None
-    cuts = range(1, len(whole.deltas), max(len(whole.deltas) // OLLAMA_CUTS, 1))
+    cuts = _cuts(len(whole.deltas))
     for cut in cuts:
         rest = await _run(b, _continued(spec, whole.deltas[:cut]))
         assert "".join(whole.deltas[:cut]) + rest.text == whole.text, f"cut after {cut} deltas"
