@@ -22,7 +22,7 @@ class Limits:
     """What a request may ask for on this node."""
 
     max_prompt_chars: int
-    """Largest prompt, all message text together."""
+    """Largest prompt, all message text together with a continuation's delivered text."""
     max_tokens: int
     """Largest max_tokens."""
 
@@ -75,7 +75,8 @@ class Router:
             raise _invalid(f"prompt is empty: {name} runs need a prompt", param)
         if request.HasField("continuation"):
             _check_continuation(request, kind)
-        size = sum(map(len, request.prompt))
+        # the delivered text to continue goes to the backend as prompt too
+        size = sum(map(len, request.prompt)) + len(request.continuation.text)
         for message in request.messages:
             if message.role == pb.ROLE_UNSPECIFIED:
                 raise _invalid("every message needs a role", "messages")

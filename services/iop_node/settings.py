@@ -126,7 +126,7 @@ class Settings(BaseSettings):
     max_frame_size: int = Field(DEFAULT_MAX_FRAME_SIZE, ge=1024)
     """Largest frame accepted, bytes."""
     max_prompt_chars: int = Field(1_000_000, ge=1)
-    """Largest prompt (all message text together), characters."""
+    """Largest prompt (all message text together, with a continuation's delivered text), characters."""
     max_tokens_limit: int = Field(131_072, ge=1)
     """Largest max_tokens a request may ask for."""
     shutdown_grace: float = Field(30.0, ge=0)

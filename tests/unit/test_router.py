@@ -165,3 +165,12 @@ def test_a_continuation_of_one_completion_or_a_chat_resolves() -> None:
     chat = _request("plain")
     chat.continuation.CopyFrom(pb.Continuation(text="so far", token_ids=[5, 6], completion_tokens=2))
     assert _router().resolve(chat).request.continuation.completion_tokens == 2
+
+
+def test_the_prompt_limit_counts_the_delivered_text_a_backend_rereads() -> None:
+    request = pb.RunRequest(run_id="r", model="plain", kind=pb.RUN_KIND_COMPLETION, prompt=["a" * 60])
+    request.continuation.text = "b" * 40
+    assert _router().resolve(request).request.continuation.text == "b" * 40
+    request.continuation.text += "b"
+    with pytest.raises(IopError, match="prompt of 101 characters"):
+        _router().resolve(request)
