@@ -90,9 +90,14 @@ def _cuts(deltas: int) -> list[int]:
 
 
 class Recorder:
-    """An OpenAI-compatible server that keeps every request body and streams two tokens with usage."""
+    """An OpenAI-compatible server that keeps every request body and streams two tokens with usage.
+
+    As vLLM does: with ``return_tokens_as_token_ids`` each chunk's logprobs name its token as
+    "token_id:N" (chat: logprobs.content, completions: logprobs.tokens), and a chunk of a token whose
+    character is not complete yet comes first, without text; POST /tokenize gives a prompt's ids."""
 
     PROMPT_TOKENS = 30
+    PROMPT_IDS = (1, 2, 3)
 
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
@@ -103,14 +108,26 @@ class Recorder:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         chat = request.path.endswith("/chat/completions")
-        for index, word in enumerate([" a", " b"]):
-            choice = {"index": 0, **({"delta": {"content": word}} if chat else {"text": word})}
-            choice["finish_reason"] = "length" if index == 1 else None
+        ids = body.get("return_tokens_as_token_ids")
+        for index, word in enumerate(["", " a", " b"] if ids else [" a", " b"]):
+            choice: dict[str, Any] = {"index": 0, **({"delta": {"content": word}} if chat else {"text": word})}
+            choice["finish_reason"] = "length" if word == " b" else None
+            if ids:
+                token = f"token_id:{40 + index}"
+                choice["logprobs"] = (
+                    {"content": [{"token": token, "logprob": -0.5, "bytes": [], "top_logprobs": []}]}
+                    if chat
+                    else {"tokens": [token], "token_logprobs": [-0.5], "top_logprobs": None, "text_offset": [0]}
+                )
             await response.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
         usage = {"prompt_tokens": self.PROMPT_TOKENS, "completion_tokens": 2, "total_tokens": self.PROMPT_TOKENS + 2}
         await response.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         return response
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        self.bodies.append(await request.json())
+        return web.json_response({"count": 3, "max_model_len": 2048, "tokens": list(self.PROMPT_IDS)})
 
     @staticmethod
     async def models(request: web.Request) -> web.Response:
@@ -131,6 +148,7 @@ async def recorder() -> AsyncIterator[tuple[Recorder, str]]:
     app.router.add_post("/v1/chat/completions", server.answer)
     app.router.add_post("/v1/completions", server.answer)
     app.router.add_get("/v1/models", server.models)
+    app.router.add_post("/tokenize", server.tokenize)
     runner = web.AppRunner(app, shutdown_timeout=0.1)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -203,6 +221,60 @@ async def test_a_continuation_that_already_reached_max_tokens_ends_without_askin
     assert server.bodies == [] and sink.deltas == [] and sink.finish == pb.FINISH_REASON_LENGTH
     assert sink.usage is not None
     assert (sink.usage.completion_tokens, sink.usage.continuation_prompt_tokens) == (3, 4)
+
+
+class OutputSink(TextSink):
+    """Keeps the deltas an adapter writes as RunDelta (token ids, tool calls, logprobs) too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list[pb.RunDelta] = []
+
+    async def output(self, delta: pb.RunDelta) -> None:
+        self.outputs.append(delta)
+        self.deltas.append(delta.text)
+
+
+@pytest.mark.parametrize("kind", [pb.RUN_KIND_CHAT, pb.RUN_KIND_COMPLETION], ids=["chat", "completion"])
+async def test_a_token_ids_route_streams_each_tokens_id_without_the_logprobs_it_asked_for(
+    recorder: tuple[Recorder, str], stack: contextlib.AsyncExitStack, kind: pb.RunKind.ValueType
+) -> None:
+    server, url = recorder
+    adapter = await stack.enter_async_context(_vllm(url, token_ids=True))
+    sink = OutputSink()
+    await adapter.execute(_spec(kind, "tell me"), sink)
+    [body] = server.bodies
+    assert body["return_tokens_as_token_ids"] is True
+    assert body["logprobs"] == (True if kind == pb.RUN_KIND_CHAT else 0)
+    # the textless first token's id goes with the next text; the client asked no logprobs, gets none
+    assert [(d.text, list(d.token_ids), len(d.logprobs)) for d in sink.outputs] == [
+        (" a", [40, 41], 0),
+        (" b", [42], 0),
+    ]
+    # what a relay keeps of it continues from exact tokens: the prompt's ids (POST /tokenize) + the delivered
+    delivered = Delivered(_spec(kind, "tell me").request)
+    for delta in sink.outputs[:1]:
+        delivered.add(delta)
+    continuation = delivered.continuation()
+    assert continuation is not None and list(continuation.token_ids) == [40, 41]
+    if kind == pb.RUN_KIND_COMPLETION:
+        await adapter.execute(_spec(kind, "tell me", continuation=continuation), OutputSink())
+        tokenize, continued = server.bodies[1:]
+        assert tokenize == {"model": "tiny", "prompt": "tell me"}
+        assert continued["prompt"] == [*Recorder.PROMPT_IDS, 40, 41] and continued["max_tokens"] == TOKENS - 2
+
+
+async def test_a_client_asking_logprobs_gets_them_as_text_not_token_ids(
+    recorder: tuple[Recorder, str], stack: contextlib.AsyncExitStack
+) -> None:
+    server, url = recorder
+    adapter = await stack.enter_async_context(_vllm(url, token_ids=True))
+    await adapter.execute(_spec(pb.RUN_KIND_CHAT, "tell me", openai_fields={"logprobs": True}), OutputSink())
+    [body] = server.bodies
+    assert "return_tokens_as_token_ids" not in body
+    plain = await stack.enter_async_context(_vllm(url))  # the default: no ids asked
+    await plain.execute(_spec(pb.RUN_KIND_CHAT, "tell me"), OutputSink())
+    assert "return_tokens_as_token_ids" not in server.bodies[1] and "logprobs" not in server.bodies[1]
 
 
 # -- llama-cpp-python: a completion cut after k tokens on server A goes on on server B ------------------

@@ -11,7 +11,8 @@ served models come from GET /v1/models, read while no run of this node is in fli
 A run cut on another node continues here (``Continuation``, for the kinds in the route's
 ``continuation``): a completion by appending the delivered text to the prompt, a chat by sending
 it as a final assistant message with vLLM's ``continue_final_message``; ``max_tokens`` is what the
-run has left, and usage is the whole run's (continuing.py).
+run has left, and usage is the whole run's (continuing.py). A route with ``token_ids`` (vLLM)
+streams each token's id and continues a completion from the prompt's and the delivered token ids.
 """
 
 from __future__ import annotations
@@ -57,6 +58,12 @@ class VllmOptions(HttpOptions):
     where the server continues a final assistant message on ``continue_final_message`` (vLLM,
     SGLang), not llama-cpp-python, which ignores the field and starts a new answer. [] continues
     nothing: such runs end NODE_LOST when their node is lost."""
+    token_ids: bool = False
+    """vLLM only: stream each token's id (asked as the chosen token's logprob with
+    ``return_tokens_as_token_ids``, for streams whose client asked no logprobs), so that a relay
+    keeps the ids of what it delivered, and continue a completion from exact tokens (the prompt's
+    ids from vLLM's POST /tokenize, then the delivered ids) rather than from re-tokenised text. Off
+    by default: other servers send no ids, and it adds a logprob to every chunk."""
 
 
 def _model_ids(document: Any) -> set[str]:
@@ -116,7 +123,9 @@ def _check(spec: ExecutionSpec, options: VllmOptions) -> None:
 
 
 async def _stream(endpoint: Endpoint, spec: ExecutionSpec, sink: EventSink, options: VllmOptions) -> None:
-    path, body = _request_body(spec, options, stream=True)
+    path, body = _request_body(spec, options, stream=True, token_prompt=await _token_prompt(endpoint, spec, options))
+    ids = _streams_token_ids(spec, options)
+    held: list[int] = []  # ids of tokens whose text is still to come (a character split over tokens)
     finish: str | None = None
     usage: pb.Usage | None = None
     chunks = 0  # chunks with output: one token each where the server sends no usage
@@ -132,6 +141,8 @@ async def _stream(endpoint: Endpoint, spec: ExecutionSpec, sink: EventSink, opti
             try:
                 usage = _usage(chunk.get("usage")) or usage
                 output, finished = _output(chunk)
+                if ids:
+                    output, held = _with_token_ids(chunk, output, held)
             except (AttributeError, KeyError, TypeError, ValueError) as exc:  # ValueError: not UTF-8 either
                 raise protocol_error(f"unexpected chunk shape ({exc}): {data[:120]!r}") from None
             if output:
@@ -145,7 +156,7 @@ async def _stream(endpoint: Endpoint, spec: ExecutionSpec, sink: EventSink, opti
 
 
 async def _whole(endpoint: Endpoint, spec: ExecutionSpec, sink: EventSink, options: VllmOptions) -> None:
-    path, body = _request_body(spec, options, stream=False)
+    path, body = _request_body(spec, options, stream=False, token_prompt=await _token_prompt(endpoint, spec, options))
     timing = BackendTime()
     document = await endpoint.post_json(path, body, timing=timing)
     try:
@@ -176,7 +187,29 @@ async def _embed(endpoint: Endpoint, spec: ExecutionSpec, sink: EventSink) -> No
     await sink.complete(pb.FINISH_REASON_STOP, _usage(document.get("usage")), timing.timings())
 
 
-def _request_body(spec: ExecutionSpec, options: VllmOptions, *, stream: bool) -> tuple[str, dict[str, Any]]:
+def _streams_token_ids(spec: ExecutionSpec, options: VllmOptions) -> bool:
+    """Whether this run's stream asks for token ids: the route says the server gives them, and the
+    client asked no logprobs (which would then come back as "token_id:N" instead of text)."""
+    return options.token_ids and spec.request.stream and spec.openai_fields.get("logprobs") in (None, False)
+
+
+async def _token_prompt(endpoint: Endpoint, spec: ExecutionSpec, options: VllmOptions) -> list[int] | None:
+    """For a completion continued from token ids on a ``token_ids`` route: the prompt's ids (vLLM's
+    POST /tokenize, which adds the special tokens a text prompt gets), then the delivered ids, so
+    that the server reads exactly the tokens the lost one had. None otherwise: the prompt goes as text."""
+    continuation = spec.request.continuation
+    if not (options.token_ids and spec.kind == pb.RUN_KIND_COMPLETION and continuation.token_ids):
+        return None
+    document = await endpoint.post_json("/tokenize", {"model": spec.target_model, "prompt": spec.request.prompt[0]})
+    tokens = document.get("tokens") if isinstance(document, dict) else None
+    if not isinstance(tokens, list) or not all(isinstance(token, int) for token in tokens):
+        raise protocol_error(f"/tokenize answered without a list of token ids: {str(document)[:200]}")
+    return [*tokens, *continuation.token_ids]
+
+
+def _request_body(
+    spec: ExecutionSpec, options: VllmOptions, *, stream: bool, token_prompt: list[int] | None = None
+) -> tuple[str, dict[str, Any]]:
     """The path and JSON body for a chat or completion run: the client's OpenAI fields, then ours."""
     body: dict[str, Any] = dict(spec.openai_fields)
     body["model"] = spec.target_model
@@ -190,9 +223,14 @@ def _request_body(spec: ExecutionSpec, options: VllmOptions, *, stream: bool) ->
     left = remaining_tokens(spec)
     if continued and left is not None:  # the run's limit counts the delivered tokens too
         body["max_tokens"] = left
+    if stream and _streams_token_ids(spec, options):
+        body["return_tokens_as_token_ids"] = True
+        body["logprobs"] = True if spec.kind == pb.RUN_KIND_CHAT else 0  # the chosen token's only
     if spec.kind == pb.RUN_KIND_COMPLETION:
         body["prompt"] = request.prompt[0] if len(request.prompt) == 1 else list(request.prompt)
-        if continued:  # the router let one prompt through
+        if token_prompt is not None:
+            body["prompt"] = token_prompt
+        elif continued:  # the router let one prompt through
             body["prompt"] += request.continuation.text
         return "/v1/completions", body
     body["messages"] = [_message(message, developer=options.developer_role) for message in request.messages]
@@ -257,6 +295,22 @@ def _output(chunk: dict[str, Any]) -> tuple[str | pb.RunDelta, str | None]:
     calls = [_tool_call(call.get("index", i), call) for i, call in enumerate((delta or {}).get("tool_calls") or ())]
     logprobs = _logprobs(choice.get("logprobs")) if choice.get("logprobs") else []
     return _delta(text, calls, logprobs), choice.get("finish_reason")
+
+
+def _with_token_ids(
+    chunk: dict[str, Any], output: str | pb.RunDelta, held: list[int]
+) -> tuple[str | pb.RunDelta, list[int]]:
+    """``output`` with the ids of its tokens, read from the logprobs a ``token_ids`` stream asked for
+    ("token_id:N"; chat: logprobs.content[].token, completions: logprobs.tokens[]), which are
+    dropped: the client asked none. Ids of a chunk without text are held for the next text."""
+    choices = chunk.get("choices") or ()
+    logprobs = (choices[0].get("logprobs") if choices else None) or {}
+    tokens = [item["token"] for item in logprobs.get("content") or ()] or logprobs.get("tokens") or ()
+    held = held + [int(token.removeprefix("token_id:")) for token in tokens]
+    text, calls = (output, ()) if isinstance(output, str) else (output.text, output.tool_calls)
+    if not text and not calls:
+        return "", held
+    return pb.RunDelta(text=text, tool_calls=calls, token_ids=held), []
 
 
 def _delta(text: str, calls: list[pb.ToolCallDelta], logprobs: list[pb.TokenLogprob]) -> str | pb.RunDelta:
