@@ -4,7 +4,9 @@ What each adapter sends is checked against a small OpenAI-compatible server writ
 on 127.0.0.1 port 0) that records the bodies it gets: no engine here honours vLLM's
 ``continue_final_message``. Whether a continued run joins to its delivered part is checked on
 real engines with greedy sampling: two llama-cpp-python servers (completions, 20 cuts) and two
-Ollama servers (chat and completions), all serving the suite's tiny model (tests/backends).
+Ollama servers (chat and completions), all serving the suite's tiny model (tests/backends); the
+20-cut test takes another GGUF from $IOP_CONTINUATION_MODEL (SmolLM2-135M for real text). Run with
+``-s`` to see the figures (services/iop_node/README.md quotes them).
 """
 
 from __future__ import annotations
