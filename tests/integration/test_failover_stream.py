@@ -1,10 +1,12 @@
 """Runs over several control-planes (``iop_wire.failover``), against peers written with the wire API:
 a connection that dies before the run's first output is left for another peer, and the reader
-sees one clean stream; after output the run ends NODE_LOST (retryable)."""
+sees one clean stream; after output the run is continued on another peer (one stream, numbered
+on, nothing repeated), or ends NODE_LOST (retryable) saying why it could not be."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -81,6 +83,45 @@ async def _die_after_output(request: pb.RunRequest, sink: EventSink, listener: L
     await asyncio.sleep(10)
 
 
+_WORDS = ("one ", "two ", "three ", "four ", "five ")
+
+
+def _cut_after(outputs: int) -> Serve:
+    """A peer serving the five words from where the request's continuation ends, and dying after ``outputs`` of them."""
+
+    async def serve(request: pb.RunRequest, sink: EventSink, listener: Listener) -> None:
+        await sink.start(node_id="n", model=request.model, adapter="fake")
+        delivered = request.continuation.completion_tokens
+        assert request.continuation.text == "".join(_WORDS[:delivered]), "the continuation is what the reader got"
+        for word in _WORDS[delivered : delivered + outputs]:
+            await sink.delta(word)
+        if delivered + outputs < len(_WORDS):
+            await asyncio.sleep(0.05)
+            _crash(sink, listener)
+            await asyncio.sleep(10)
+        usage = pb.Usage(prompt_tokens=2, completion_tokens=len(_WORDS))
+        usage.continuation_prompt_tokens = request.continuation.continuation_prompt_tokens + delivered
+        await sink.complete(pb.FINISH_REASON_STOP, usage)
+
+    return serve
+
+
+async def _tool_call_then_die(request: pb.RunRequest, sink: EventSink, listener: Listener) -> None:
+    await sink.start(node_id="n", model=request.model, adapter="fake")
+    await sink.output(pb.RunDelta(tool_calls=[pb.ToolCallDelta(index=0, id="call-1")]))
+    await asyncio.sleep(0.05)
+    _crash(sink, listener)
+    await asyncio.sleep(10)
+
+
+async def _embed_then_die(request: pb.RunRequest, sink: EventSink, listener: Listener) -> None:
+    await sink.start(node_id="n", model=request.model, adapter="fake")
+    await sink.output(pb.RunDelta(embeddings=[pb.Embedding(index=0, values=[0.5])]))
+    await asyncio.sleep(0.05)
+    _crash(sink, listener)
+    await asyncio.sleep(10)
+
+
 async def _shutting_down(request: pb.RunRequest, sink: EventSink, listener: Listener) -> None:
     from iop_wire.errors import IopError
 
@@ -107,11 +148,11 @@ def _failovers(outcome: str) -> float:
     return REGISTRY.get_sample_value("iop_wire_run_failovers_total", {"outcome": outcome}) or 0.0
 
 
-async def _read(links: Links, request: pb.RunRequest) -> tuple[list[pb.RunEvent], int]:
-    stream = await open_run_anywhere(links, request)
+async def _read(links: Links, request: pb.RunRequest, **options: int) -> tuple[list[pb.RunEvent], int]:
+    stream = await open_run_anywhere(links, request, **options)
     async with asyncio.timeout(10), stream:
         events = [event async for event in stream]
-    return events, stream.reopened
+    return events, stream.reopened + stream.migrated
 
 
 @pytest.mark.parametrize("dying", [_die_before_output, _shutting_down], ids=["connection-lost", "shutting-down"])
@@ -139,6 +180,7 @@ async def test_a_run_lost_after_output_ends_node_lost_retryable(pki: Pki) -> Non
     error = events[-1].error
     assert error.code == pb.ERROR_CODE_NODE_LOST and error.retryable
     assert doomed.address in error.message and "after 1 output" in error.message
+    assert "not continued: no other control-plane" in error.message
 
 
 async def test_a_run_with_no_peer_left_ends_with_the_retryable_loss(pki: Pki) -> None:
@@ -164,3 +206,59 @@ async def test_a_cancelled_run_is_not_opened_again(pki: Pki) -> None:
         async with asyncio.timeout(10):
             events = [event async for event in stream]
     assert kinds(events)[-1] == "error" and stream.reopened == 0
+
+
+async def test_a_run_cut_after_output_is_continued_on_another_peer_as_one_stream(pki: Pki) -> None:
+    first, second = await Peer(pki, _cut_after(3)).start(), await Peer(pki, _cut_after(3)).start()
+    before = _failovers("continued")
+    async with _links(pki, first, second) as links:
+        events, moved = await _read(links, chat())
+    assert kinds(events) == ["start", "delta", "delta", "delta", "delta", "delta", "complete"], "one start"
+    assert text(events) == "".join(_WORDS), "nothing repeated, nothing missing"
+    assert [event.sequence for event in events] == list(range(7)), "numbered on from the last event read"
+    usage = events[-1].complete.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.continuation_prompt_tokens) == (2, 5, 3)
+    assert moved == 1 and _failovers("continued") == before + 1
+    assert len(first.runs) == len(second.runs) == 1
+
+
+async def test_a_run_is_continued_at_most_migrations_times(pki: Pki) -> None:
+    peers = [await Peer(pki, _cut_after(1)).start() for _ in range(3)]
+    async with _links(pki, *peers) as links:
+        events, moved = await _read(links, chat(), migrations=1)
+    assert kinds(events) == ["start", "delta", "delta", "error"] and moved == 1
+    assert text(events) == "one two " and [event.sequence for event in events] == [0, 1, 2, 3]
+    error = events[-1].error
+    assert error.code == pb.ERROR_CODE_NODE_LOST and error.retryable
+    assert "after 2 output(s)" in error.message and "(migrations: 1)" in error.message
+
+
+async def test_a_run_is_not_continued_with_migrations_0_or_past_its_deadline(pki: Pki) -> None:
+    first, second = await Peer(pki, _cut_after(1)).start(), await Peer(pki, _cut_after(1)).start()
+    async with _links(pki, first, second) as links:
+        events, moved = await _read(links, chat(), migrations=0)
+        assert kinds(events) == ["start", "delta", "error"] and moved == 0
+        assert "(migrations: 0)" in events[-1].error.message
+        late = chat()
+        late.deadline.FromNanoseconds(time.time_ns() + 10_000_000)  # past by the time the connection is lost
+        events, moved = await _read(links, late)
+    assert kinds(events) == ["start", "delta", "error"] and moved == 0
+    assert events[-1].error.code == pb.ERROR_CODE_NODE_LOST and "its deadline passed" in events[-1].error.message
+
+
+@pytest.mark.parametrize(
+    ("dying", "why"),
+    [(_tool_call_then_die, "tool calls are not continued"), (_embed_then_die, "embeddings are not continued")],
+    ids=["tool-call", "embedding"],
+)
+async def test_output_that_cannot_be_handed_on_ends_node_lost_saying_why(pki: Pki, dying: Serve, why: str) -> None:
+    first, second = await Peer(pki, dying).start(), await Peer(pki, dying).start()
+    before = _failovers("lost_after_output")
+    async with _links(pki, first, second) as links:
+        events, moved = await _read(links, chat())
+    assert kinds(events) == ["start", "delta", "error"] and moved == 0
+    assert [event.sequence for event in events] == [0, 1, 2]
+    error = events[-1].error
+    assert error.code == pb.ERROR_CODE_NODE_LOST and error.retryable and why in error.message
+    assert _failovers("lost_after_output") == before + 1
+    assert len(first.runs) + len(second.runs) == 1, "no second attempt"
