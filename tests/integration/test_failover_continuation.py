@@ -15,9 +15,8 @@ from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
-import yaml
 from conftest import Pki, assert_eventually
-from cp_helpers import IOP
+from cp_helpers import IOP, cp_config
 from node_helpers import chat, kinds, node_settings, text
 
 from iop_gen.pb.iop import runtime_pb2 as pb
@@ -38,16 +37,8 @@ NODES = ("node-1", "node-2")
 def _control_plane(pki: Pki, folder: Path) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     """An `iop control-plane` process on port 0 and its port; killed on the way out."""
     folder.mkdir()
-    tls = pki.config("cp", Role.CONTROL_PLANE)
-    config = {
-        "listen": {"port": 0},
-        "tls": {"enabled": True, "cert": str(tls.cert), "key": str(tls.key), "ca": str(tls.ca)},
-        "store_path": str(folder / "cp.db"),
-        "heartbeat_interval": 0.5,
-    }
-    (folder / "cp.yaml").write_text(yaml.safe_dump(config))
     ready = folder / "ready.json"
-    command = [*IOP, "control-plane", "--config", str(folder / "cp.yaml"), "--ready-file", str(ready)]
+    command = [*IOP, "control-plane", "--config", str(cp_config(pki, folder)), "--ready-file", str(ready)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         for _ in range(400):
