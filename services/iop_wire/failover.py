@@ -215,6 +215,8 @@ class FailoverStream(RunStream):
                 )
                 return None
             why = "no other control-plane could take it"
+            if failed[1]:  # the attempt was refused, not lost: say by what
+                why += f" (the last one answered {pb.ErrorCode.Name(failed[0].error.code)}: {failed[0].error.message})"
         if self.cancelled:
             return failed
         FAILOVERS.labels("lost_after_output").inc()
@@ -256,11 +258,17 @@ class FailoverStream(RunStream):
                 continue
             except IopError:
                 return False
-            self._attempt, self._connection, self.address = stream, connection, link.target.address
-            self._attempt_outputs = 0
-            self._renumber = True
+            self._follow(stream, connection, link.target.address)
             return True
         return False
+
+    def _follow(self, stream: RunStream, connection: Connection, address: str) -> None:
+        """Read the run's events from ``stream`` (a new attempt) from now on."""
+        self._attempt, self._connection, self.address = stream, connection, address
+        self._attempt_outputs = 0
+        self._renumber = True
+        if self.cancelled:  # while it was being opened: its end is all the reader waits for
+            stream.cancel_nowait("cancelled by the requester")
 
     def _cancel_attempt(self, run_id: str, reason: str) -> None:
         self._attempt.cancel_nowait(reason)

@@ -18,7 +18,8 @@ from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.connection import ConnectionConfig, Handler
 from iop_wire.dialer import KeepConnected, Links, Target
 from iop_wire.endpoint import Listener, ListenerConfig
-from iop_wire.failover import open_run_anywhere
+from iop_wire.errors import IopError
+from iop_wire.failover import DEFAULT_MIGRATIONS, open_run_anywhere
 from iop_wire.metrics import REGISTRY
 from iop_wire.runs import EventSink
 from iop_wire.tls import Role
@@ -106,6 +107,14 @@ def _cut_after(outputs: int) -> Serve:
     return serve
 
 
+async def _cut_or_refuse(request: pb.RunRequest, sink: EventSink, listener: Listener) -> None:
+    """Dies after one word; refuses a continuation (as a control-plane with no node able to continue it)."""
+    if request.HasField("continuation"):
+        await sink.error(IopError(pb.ERROR_CODE_UNAVAILABLE, "no node can continue it", retryable=True))
+        return
+    await _cut_after(1)(request, sink, listener)
+
+
 async def _tool_call_then_die(request: pb.RunRequest, sink: EventSink, listener: Listener) -> None:
     await sink.start(node_id="n", model=request.model, adapter="fake")
     await sink.output(pb.RunDelta(tool_calls=[pb.ToolCallDelta(index=0, id="call-1")]))
@@ -123,8 +132,6 @@ async def _embed_then_die(request: pb.RunRequest, sink: EventSink, listener: Lis
 
 
 async def _shutting_down(request: pb.RunRequest, sink: EventSink, listener: Listener) -> None:
-    from iop_wire.errors import IopError
-
     await sink.error(IopError(pb.ERROR_CODE_SHUTTING_DOWN, "stopping", retryable=True))
 
 
@@ -148,8 +155,10 @@ def _failovers(outcome: str) -> float:
     return REGISTRY.get_sample_value("iop_wire_run_failovers_total", {"outcome": outcome}) or 0.0
 
 
-async def _read(links: Links, request: pb.RunRequest, **options: int) -> tuple[list[pb.RunEvent], int]:
-    stream = await open_run_anywhere(links, request, **options)
+async def _read(
+    links: Links, request: pb.RunRequest, migrations: int = DEFAULT_MIGRATIONS
+) -> tuple[list[pb.RunEvent], int]:
+    stream = await open_run_anywhere(links, request, migrations=migrations)
     async with asyncio.timeout(10), stream:
         events = [event async for event in stream]
     return events, stream.reopened + stream.migrated
@@ -244,6 +253,18 @@ async def test_a_run_is_not_continued_with_migrations_0_or_past_its_deadline(pki
         events, moved = await _read(links, late)
     assert kinds(events) == ["start", "delta", "error"] and moved == 0
     assert events[-1].error.code == pb.ERROR_CODE_NODE_LOST and "its deadline passed" in events[-1].error.message
+
+
+async def test_a_continuation_refused_everywhere_ends_node_lost_with_the_refusal(pki: Pki) -> None:
+    first, second = await Peer(pki, _cut_or_refuse).start(), await Peer(pki, _cut_or_refuse).start()
+    async with _links(pki, first, second) as links:
+        events, moved = await _read(links, chat())
+    assert kinds(events) == ["start", "delta", "error"] and moved == 1
+    assert [event.sequence for event in events] == [0, 1, 2]
+    error = events[-1].error
+    assert error.code == pb.ERROR_CODE_NODE_LOST and error.retryable
+    assert "no other control-plane could take it" in error.message
+    assert "ERROR_CODE_UNAVAILABLE: no node can continue it" in error.message
 
 
 @pytest.mark.parametrize(
