@@ -105,6 +105,7 @@ class FailoverStream(RunStream):
         self._attempt_outputs = 0
         self._sequence = 0  # the number of the next event passed to the reader
         self._renumber = False  # an attempt after the first numbers from 0 again
+        self._lost_from = ""  # the peer whose connection was lost after output, last
         self.outputs = 0
         """Deltas read so far."""
         self.reopened = 0
@@ -194,7 +195,9 @@ class FailoverStream(RunStream):
             if not self.cancelled:
                 FAILOVERS.labels("none_left").inc()
             return failed
-        lost_at, lost_from = time.monotonic(), self.address
+        lost_at = time.monotonic()
+        if not failed[1]:  # lost, not refused by a continued attempt's control-plane
+            self._lost_from = self.address
         continuation, why = self._continuation()
         if continuation is not None:
             request = pb.RunRequest()
@@ -207,7 +210,7 @@ class FailoverStream(RunStream):
                 _log.info(
                     "run continued",
                     run_id=self.run_id,
-                    lost=lost_from,
+                    lost=self._lost_from,
                     address=self.address,
                     outputs=self.outputs,
                     migration=self.migrated,
@@ -220,6 +223,7 @@ class FailoverStream(RunStream):
         if self.cancelled:
             return failed
         FAILOVERS.labels("lost_after_output").inc()
+        lost_from = self._lost_from
         _log.warning("run not continued", run_id=self.run_id, address=lost_from, outputs=self.outputs, why=why)
         message = (
             f"the connection to the control-plane at {lost_from} was lost after {self.outputs} output(s)"

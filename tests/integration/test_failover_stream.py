@@ -33,12 +33,16 @@ class Peer:
     def __init__(self, pki: Pki, serve: Serve) -> None:
         self.pki, self.serve = pki, serve
         self.runs: list[str] = []
+        self.continued: list[str] = []
+        """The runs it was sent with a continuation."""
         self.listener: Listener | None = None
         self.port = 0
 
     async def start(self) -> Peer:
         async def run(request: pb.RunRequest, sink: EventSink) -> None:
             self.runs.append(request.run_id)
+            if request.HasField("continuation"):
+                self.continued.append(request.run_id)
             assert self.listener is not None
             await self.serve(request, sink, self.listener)
 
@@ -228,7 +232,7 @@ async def test_a_run_cut_after_output_is_continued_on_another_peer_as_one_stream
     usage = events[-1].complete.usage
     assert (usage.prompt_tokens, usage.completion_tokens, usage.continuation_prompt_tokens) == (2, 5, 3)
     assert moved == 1 and _failovers("continued") == before + 1
-    assert len(first.runs) == len(second.runs) == 1
+    assert len(first.runs) == len(second.runs) == 1 and len(first.continued + second.continued) == 1
 
 
 async def test_a_run_is_continued_at_most_migrations_times(pki: Pki) -> None:
@@ -265,6 +269,8 @@ async def test_a_continuation_refused_everywhere_ends_node_lost_with_the_refusal
     assert error.code == pb.ERROR_CODE_NODE_LOST and error.retryable
     assert "no other control-plane could take it" in error.message
     assert "ERROR_CODE_UNAVAILABLE: no node can continue it" in error.message
+    cut = second if first.continued else first  # the peer that lost the run, not the one that refused it
+    assert f"control-plane at {cut.address} was lost after 1 output(s)" in error.message
 
 
 @pytest.mark.parametrize(
