@@ -167,6 +167,8 @@ class FailoverStream(RunStream):
             refused = not self._attempt_outputs and event.error.retryable and event.error.code in REOPEN_CODES
             if lost or refused:
                 return None
+            if self.migrated and not self._attempt_outputs:  # the continued attempt failed before its own output
+                return self._deliver(self._not_continued(f"the control-plane at {self.address} {_answered(event)}"))
         return self._deliver(item)
 
     def _numbered(self, item: _Event) -> _Event:
@@ -219,9 +221,11 @@ class FailoverStream(RunStream):
                 return None
             why = "no other control-plane could take it"
             if failed[1]:  # the attempt was refused, not lost: say by what
-                why += f" (the last one answered {pb.ErrorCode.Name(failed[0].error.code)}: {failed[0].error.message})"
-        if self.cancelled:
-            return failed
+                why += f" (the last one {_answered(failed[0])})"
+        return failed if self.cancelled else self._not_continued(why)
+
+    def _not_continued(self, why: str) -> _Event:
+        """The NODE_LOST that ends a run lost after output and not continued (counted and logged)."""
         FAILOVERS.labels("lost_after_output").inc()
         lost_from = self._lost_from
         _log.warning("run not continued", run_id=self.run_id, address=lost_from, outputs=self.outputs, why=why)
@@ -276,3 +280,8 @@ class FailoverStream(RunStream):
 
     def _cancel_attempt(self, run_id: str, reason: str) -> None:
         self._attempt.cancel_nowait(reason)
+
+
+def _answered(event: pb.RunEvent) -> str:
+    """What a peer's error event said, for a message: ``answered INVALID_ARGUMENT: ...``."""
+    return f"answered {pb.ErrorCode.Name(event.error.code).removeprefix('ERROR_CODE_')}: {event.error.message}"

@@ -119,6 +119,15 @@ async def _cut_or_refuse(request: pb.RunRequest, sink: EventSink, listener: List
     await _cut_after(1)(request, sink, listener)
 
 
+async def _cut_or_refuse_for_good(request: pb.RunRequest, sink: EventSink, listener: Listener) -> None:
+    """Dies after one word; refuses a continuation for good (as a node whose adapter cannot continue)."""
+    if request.HasField("continuation"):
+        refusal = IopError(pb.ERROR_CODE_INVALID_ARGUMENT, "the cli adapter cannot continue", param="continuation")
+        await sink.error(refusal)
+        return
+    await _cut_after(1)(request, sink, listener)
+
+
 async def _tool_call_then_die(request: pb.RunRequest, sink: EventSink, listener: Listener) -> None:
     await sink.start(node_id="n", model=request.model, adapter="fake")
     await sink.output(pb.RunDelta(tool_calls=[pb.ToolCallDelta(index=0, id="call-1")]))
@@ -268,9 +277,22 @@ async def test_a_continuation_refused_everywhere_ends_node_lost_with_the_refusal
     error = events[-1].error
     assert error.code == pb.ERROR_CODE_NODE_LOST and error.retryable
     assert "no other control-plane could take it" in error.message
-    assert "ERROR_CODE_UNAVAILABLE: no node can continue it" in error.message
+    assert "answered UNAVAILABLE: no node can continue it" in error.message
     cut = second if first.continued else first  # the peer that lost the run, not the one that refused it
     assert f"control-plane at {cut.address} was lost after 1 output(s)" in error.message
+
+
+async def test_a_continuation_refused_for_good_ends_node_lost_not_with_the_refusal(pki: Pki) -> None:
+    first, second = await Peer(pki, _cut_or_refuse_for_good).start(), await Peer(pki, _cut_or_refuse_for_good).start()
+    async with _links(pki, first, second) as links:
+        events, moved = await _read(links, chat())
+    assert kinds(events) == ["start", "delta", "error"] and moved == 1
+    assert [event.sequence for event in events] == [0, 1, 2]
+    error = events[-1].error
+    assert error.code == pb.ERROR_CODE_NODE_LOST and error.retryable, "the client sends the run again"
+    refuser = first if first.continued else second
+    assert f"not continued: the control-plane at {refuser.address} answered INVALID_ARGUMENT" in error.message
+    assert "the cli adapter cannot continue" in error.message
 
 
 @pytest.mark.parametrize(
