@@ -111,21 +111,16 @@ def _cut_after(outputs: int) -> Serve:
     return serve
 
 
-async def _cut_or_refuse(request: pb.RunRequest, sink: EventSink, listener: Listener) -> None:
-    """Dies after one word; refuses a continuation (as a control-plane with no node able to continue it)."""
-    if request.HasField("continuation"):
-        await sink.error(IopError(pb.ERROR_CODE_UNAVAILABLE, "no node can continue it", retryable=True))
-        return
-    await _cut_after(1)(request, sink, listener)
+def _cut_then_refuse(refusal: IopError) -> Serve:
+    """Dies after one word; answers a continuation with ``refusal`` (a control-plane or node that cannot continue)."""
 
+    async def serve(request: pb.RunRequest, sink: EventSink, listener: Listener) -> None:
+        if request.HasField("continuation"):
+            await sink.error(refusal)
+            return
+        await _cut_after(1)(request, sink, listener)
 
-async def _cut_or_refuse_for_good(request: pb.RunRequest, sink: EventSink, listener: Listener) -> None:
-    """Dies after one word; refuses a continuation for good (as a node whose adapter cannot continue)."""
-    if request.HasField("continuation"):
-        refusal = IopError(pb.ERROR_CODE_INVALID_ARGUMENT, "the cli adapter cannot continue", param="continuation")
-        await sink.error(refusal)
-        return
-    await _cut_after(1)(request, sink, listener)
+    return serve
 
 
 async def _tool_call_then_die(request: pb.RunRequest, sink: EventSink, listener: Listener) -> None:
@@ -268,31 +263,31 @@ async def test_a_run_is_not_continued_with_migrations_0_or_past_its_deadline(pki
     assert events[-1].error.code == pb.ERROR_CODE_NODE_LOST and "its deadline passed" in events[-1].error.message
 
 
-async def test_a_continuation_refused_everywhere_ends_node_lost_with_the_refusal(pki: Pki) -> None:
-    first, second = await Peer(pki, _cut_or_refuse).start(), await Peer(pki, _cut_or_refuse).start()
-    async with _links(pki, first, second) as links:
-        events, moved = await _read(links, chat())
-    assert kinds(events) == ["start", "delta", "error"] and moved == 1
-    assert [event.sequence for event in events] == [0, 1, 2]
-    error = events[-1].error
-    assert error.code == pb.ERROR_CODE_NODE_LOST and error.retryable
-    assert "no other control-plane could take it" in error.message
-    assert "answered UNAVAILABLE: no node can continue it" in error.message
-    cut = second if first.continued else first  # the peer that lost the run, not the one that refused it
-    assert f"control-plane at {cut.address} was lost after 1 output(s)" in error.message
-
-
-async def test_a_continuation_refused_for_good_ends_node_lost_not_with_the_refusal(pki: Pki) -> None:
-    first, second = await Peer(pki, _cut_or_refuse_for_good).start(), await Peer(pki, _cut_or_refuse_for_good).start()
+@pytest.mark.parametrize(
+    ("refusal", "why"),
+    [
+        (
+            IopError(pb.ERROR_CODE_UNAVAILABLE, "no node can continue it", retryable=True),
+            "no other control-plane could take it (the last one answered UNAVAILABLE: no node can continue it)",
+        ),
+        (
+            IopError(pb.ERROR_CODE_INVALID_ARGUMENT, "the cli adapter cannot continue", param="continuation"),
+            "the control-plane at {refuser} answered INVALID_ARGUMENT: the cli adapter cannot continue",
+        ),
+    ],
+    ids=["retryable-refusal-tried-elsewhere", "refusal-for-good"],
+)
+async def test_a_refused_continuation_ends_node_lost_quoting_the_refusal(pki: Pki, refusal: IopError, why: str) -> None:
+    first, second = [await Peer(pki, _cut_then_refuse(refusal)).start() for _ in range(2)]
     async with _links(pki, first, second) as links:
         events, moved = await _read(links, chat())
     assert kinds(events) == ["start", "delta", "error"] and moved == 1
     assert [event.sequence for event in events] == [0, 1, 2]
     error = events[-1].error
     assert error.code == pb.ERROR_CODE_NODE_LOST and error.retryable, "the client sends the run again"
-    refuser = first if first.continued else second
-    assert f"not continued: the control-plane at {refuser.address} answered INVALID_ARGUMENT" in error.message
-    assert "the cli adapter cannot continue" in error.message
+    cut, refuser = (second, first) if first.continued else (first, second)
+    assert f"control-plane at {cut.address} was lost after 1 output(s)" in error.message, "not the refuser"
+    assert f"not continued: {why.format(refuser=refuser.address)}" in error.message, error.message
 
 
 @pytest.mark.parametrize(
