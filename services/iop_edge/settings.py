@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from iop_wire.failover import DEFAULT_MIGRATIONS
 from iop_wire.settings import (
     ConfigError,
     ConnectionSettings,
@@ -79,6 +80,9 @@ class UpstreamSettings(ControlPlaneAddress):
     """Connections to each control-plane; runs are spread over every one that is up."""
     capabilities_ttl: float = Field(2.0, ge=0)
     """Seconds a capability answer (GET /v1/models) is reused."""
+    migrations: int = Field(DEFAULT_MIGRATIONS, ge=0, le=16)
+    """Times a run whose control-plane connection is lost after its first output is continued through
+    another control-plane (0: never, it ends node_lost)."""
 
 
 class WorkerSettings(ControlPlaneAddress):

@@ -10,7 +10,8 @@ in turn, whichever peer they reach; a connection that closes is redialed with ba
 
 A run opened through a control-plane whose connection dies before the run's first output is
 opened again through another (``iop_wire.failover``): the client sees one stream. After output
-it ends with NODE_LOST (retryable). Capabilities (the models for ``/v1/models`` and ``/ready``)
+it is continued through another from what the client got (at most ``migrations`` times), or
+ends with NODE_LOST (retryable) when it cannot be. Capabilities (the models for ``/v1/models`` and ``/ready``)
 are asked of every control-plane that is up and merged, then reused for ``capabilities_ttl``
 seconds, so a burst of model lists costs each control-plane one request.
 """
@@ -95,14 +96,17 @@ class Upstream(Pool):
         cp = settings.control_plane
         super().__init__(settings, cp, connections=cp.connections, role=Role.CONTROL_PLANE, setting="control_plane")
         self._ttl = cp.capabilities_ttl
+        self._migrations = cp.migrations
         self._capabilities: tuple[float, pb.CapabilityResponse] | None = None
         self._asking: asyncio.Future[pb.CapabilityResponse] | None = None
 
     async def open_run(self, request: pb.RunRequest) -> FailoverStream:
-        """Submit a run on a connection that is up; opened again elsewhere if that one dies before output."""
+        """Submit a run on a connection that is up; opened again elsewhere if that one dies (continued
+        from its output when it had some)."""
         if not self.links.up():
             self.connection()  # the pool's error: none configured, or none reachable
-        return await open_run_anywhere(self.links, request, urgent=False)  # written at the end of the turn
+        # written at the end of the turn
+        return await open_run_anywhere(self.links, request, urgent=False, migrations=self._migrations)
 
     async def capabilities(self) -> pb.CapabilityResponse:
         """The models available across the platform's ready nodes (cached ``capabilities_ttl`` s)."""

@@ -15,7 +15,7 @@ Layers, bottom up (each usable and testable without the ones above it):
 - ``endpoint``: :class:`Listener` and :func:`dial`, the preface (codec agreement), role checks.
 - ``blocking``: a blocking one-request-at-a-time client without asyncio, for short-lived processes.
 - ``dialer``: :class:`KeepConnected`, one connection kept open with backoff and jitter; :class:`Links`, several.
-- ``failover``: :func:`open_run_anywhere`, a run opened again on another peer while it has no output.
+- ``failover``: :func:`open_run_anywhere`, a run opened again on another peer: before output, or continued after.
 - ``settings``: the TLS, listen and limit settings every service shares, and the YAML loader.
 
 Messages are the upb classes generated in ``iop_gen.pb.iop.runtime_pb2``.

@@ -44,8 +44,9 @@ PROTOCOL_VIOLATIONS = Counter(
 FAILOVERS = Counter(
     "iop_wire_run_failovers_total",
     "Runs whose control-plane connection or placement failed, by outcome: reopened (opened again through "
-    "another control-plane before output), none_left (no other to try), lost_after_output (ended NODE_LOST, "
-    "retryable).",
+    "another control-plane before output), none_left (no other to try), continued (lost after output, "
+    "continued through another control-plane from what was delivered), lost_after_output (lost after output "
+    "and not continued: ended NODE_LOST, retryable; the log line run not continued says why).",
     ["outcome"],
     registry=REGISTRY,
 )

@@ -1,8 +1,9 @@
 """Two control-planes, active-active, as real processes: two nodes registered with both, an edge
 connected to both (``control_plane.addresses``). ``kill -9`` of one control-plane: runs past their
-first output through it end with a retryable error (``node_lost``), runs before it are opened again
-through the other and complete as one clean stream, requests started afterwards succeed; nothing
-hangs (every wait bounded)."""
+first output through it are continued through the other (the client, the official OpenAI SDK among
+them, sees one stream with the uninterrupted text), runs before it are opened again through the
+other and complete as one clean stream, requests started afterwards succeed; nothing hangs (every
+wait bounded)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
+import openai
 import pytest
 
 from iop_edge.keys import create_key
@@ -159,6 +161,13 @@ def ha(tmp_path: Path) -> Iterator[TwoControlPlanes]:
         yield started
 
 
+def _sdk_stream(ha: TwoControlPlanes, model: str) -> str:
+    """One streamed chat completion through the official OpenAI SDK: its text (an error event raises)."""
+    client = openai.OpenAI(base_url=f"{ha.base}/v1", api_key=ha.key, timeout=30.0, max_retries=0)
+    chunks = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "go"}], stream=True)
+    return "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+
+
 def _edge_log(ha: TwoControlPlanes, event: str) -> int:
     return sum(
         json.loads(line).get("event") == event for line in ha.edge.log.read_text().splitlines() if line[:1] == "{"
@@ -166,20 +175,30 @@ def _edge_log(ha: TwoControlPlanes, event: str) -> int:
 
 
 def test_kill_9_of_a_control_plane_under_streams(ha: TwoControlPlanes) -> None:
-    """In flight: complete or node_lost (retryable), none hangs; started after the kill: all succeed."""
+    """In flight: each goes on through the other control-plane to the uninterrupted text, none hangs;
+    started after the kill: all succeed."""
     assert ha.ready().json()["models"] == len(ROUTES)
     with ThreadPoolExecutor(16) as pool:
-        in_flight = [pool.submit(ha.stream, "mock-stream") for _ in range(8)]
+        in_flight = [pool.submit(ha.stream, "mock-stream") for _ in range(7)]
+        through_sdk = pool.submit(_sdk_stream, ha, "mock-stream")
         wait_for(lambda: ha.running("mock-stream") == 8, 20, 0.05, "8 streams running")
         time.sleep(0.3)  # every stream past its first tokens
         ha.control_planes["cp-a"].kill()
         after = [pool.submit(ha.stream, model) for model in ("mock-small", "mock-ttft") * 8]
+        uninterrupted = pool.submit(ha.stream, "mock-stream")  # the same request: the same text (mock)
         ended = [future.result(timeout=60) for future in in_flight]
+        sdk_text = through_sdk.result(timeout=60)
         later = [future.result(timeout=60) for future in after]
-    assert all(result["status"] == 200 for result in ended), ended
-    assert {result["end"] for result in ended} <= {"done", "node_lost"}, ended
-    assert any(result["end"] == "node_lost" for result in ended), (ended, ha.edge.log.read_text()[-3000:])
-    assert all(len(result["text"].split()) == 60 for result in ended if result["end"] == "done")
+        whole = uninterrupted.result(timeout=60)
+    assert whole["end"] == "done" and len(whole["text"].split()) == 60, whole
+    assert all(result["status"] == 200 and result["end"] == "done" for result in ended), (
+        ended,
+        ha.edge.log.read_text()[-3000:],
+    )
+    assert all(result["text"] == whole["text"] and result["roles"] == 1 for result in ended), ended
+    assert sdk_text == whole["text"]
+    assert _edge_log(ha, "run continued") >= 1, "no stream was carried by cp-a"
+    assert _edge_log(ha, "run not continued") == 0
     assert all(result["status"] == 200 and result["end"] == "done" for result in later), later
     wait_for(lambda: ha.ready().json().get("control_plane_connections") == 2, 10, 0.05, "the edge seeing cp-a gone")
     ready = ha.ready()

@@ -43,6 +43,21 @@ def cp_settings(pki: Pki, tmp_path: Path, **extra: Any) -> Settings:
     return Settings.model_validate(data)
 
 
+def cp_config(pki: Pki, folder: Path, **extra: object) -> Path:
+    """An `iop control-plane` config file in ``folder``, as :func:`cp_settings` (for a process)."""
+    tls = pki.config("cp", Role.CONTROL_PLANE)
+    data = {
+        "listen": {"port": 0},
+        "tls": {"enabled": True, "cert": str(tls.cert), "key": str(tls.key), "ca": str(tls.ca)},
+        "store_path": str(folder / "cp.db"),
+        "heartbeat_interval": 0.5,
+        **extra,
+    }
+    path = folder / "cp.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
 def node_config(pki: Pki, tmp_path: Path, node_id: str, port: int, routes: list[dict[str, Any]] | None = None) -> Path:
     """An `iop node` config registering with the control-plane at ``port`` (no listener of its own), serving
     ``routes`` (default: ROUTES)."""

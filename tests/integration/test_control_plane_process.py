@@ -11,29 +11,14 @@ import subprocess
 import urllib.request
 from pathlib import Path
 
-import yaml
 from conftest import Pki, assert_eventually
-from cp_helpers import IOP, ROUTES, node_process, node_processes
+from cp_helpers import IOP, ROUTES, cp_config, node_process, node_processes
 from node_helpers import chat, collect, kinds
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.connection import Connection, ConnectionConfig
 from iop_wire.endpoint import dial
 from iop_wire.tls import Role
-
-
-def _config(pki: Pki, tmp_path: Path, **extra: object) -> Path:
-    tls = pki.config("cp", Role.CONTROL_PLANE)
-    data = {
-        "listen": {"port": 0},
-        "tls": {"enabled": True, "cert": str(tls.cert), "key": str(tls.key), "ca": str(tls.ca)},
-        "store_path": str(tmp_path / "cp.db"),
-        "heartbeat_interval": 0.5,
-        **extra,
-    }
-    path = tmp_path / "cp.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
 
 
 async def _until_registered(admin: Connection) -> None:
@@ -59,21 +44,21 @@ def _start(config: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_bad_config_exits_2_with_one_line(pki: Pki, tmp_path: Path) -> None:
-    config = _config(pki, tmp_path, attempts=0)
+    config = cp_config(pki, tmp_path, attempts=0)
     result = _start(config)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("iop control-plane: bad config: attempts (line"), result.stderr
 
     (tmp_path / "policy.yaml").write_text("defaults: {policy: random}\n")
-    config = _config(pki, tmp_path, policy_path="policy.yaml")
+    config = cp_config(pki, tmp_path, policy_path="policy.yaml")
     result = _start(config)
     assert result.returncode == 2 and "policy_path" in result.stderr and "defaults.policy" in result.stderr
 
 
 async def test_control_plane_process_serves_nodes_and_edges(pki: Pki, tmp_path: Path) -> None:
     ready = tmp_path / "ready.json"
-    config = _config(pki, tmp_path, metrics={"port": 0})
+    config = cp_config(pki, tmp_path, metrics={"port": 0})
     command = [*IOP, "control-plane", "--config", str(config), "--ready-file", str(ready)]
     with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as process:  # noqa: ASYNC220 - started once, before anything runs on the loop
         try:
@@ -100,7 +85,7 @@ async def test_runs_in_flight_when_killed_are_interrupted_in_the_ledger_after_a_
     pki: Pki, tmp_path: Path
 ) -> None:
     ready = tmp_path / "ready.json"
-    command = [*IOP, "control-plane", "--config", str(_config(pki, tmp_path)), "--ready-file", str(ready)]
+    command = [*IOP, "control-plane", "--config", str(cp_config(pki, tmp_path)), "--ready-file", str(ready)]
     tls, config = pki.config("ops", Role.ADMIN), ConnectionConfig(heartbeat_interval=0.5)
     with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as process:  # noqa: ASYNC220 - started once, before anything runs on the loop
         await assert_eventually(ready.exists, timeout=20)
@@ -153,7 +138,7 @@ async def test_a_run_completed_just_before_a_kill_is_recorded_as_its_node_record
     then killed: after the restart the ledger shows it completed with its usage, as its node recorded
     it, not interrupted. A run left open that the node never ran stays interrupted."""
     ready, store, log = tmp_path / "ready.json", tmp_path / "cp.db", tmp_path / "cp.log"
-    command = [*IOP, "control-plane", "--config", str(_config(pki, tmp_path)), "--ready-file", str(ready)]
+    command = [*IOP, "control-plane", "--config", str(cp_config(pki, tmp_path)), "--ready-file", str(ready)]
     tls, config = pki.config("ops", Role.ADMIN), ConnectionConfig(heartbeat_interval=0.5)
     with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as process:  # noqa: ASYNC220 - started once, before anything runs on the loop
         await assert_eventually(ready.exists, timeout=20)
@@ -183,7 +168,7 @@ async def test_a_run_completed_just_before_a_kill_is_recorded_as_its_node_record
             await admin.close()
             usage = events[-1].complete.usage
             ready.unlink()
-            again = [*IOP, "control-plane", "--config", str(_config(pki, tmp_path, listen={"port": port}))]
+            again = [*IOP, "control-plane", "--config", str(cp_config(pki, tmp_path, listen={"port": port}))]
             with (
                 log.open("wb") as output,
                 subprocess.Popen(  # noqa: ASYNC220 - as above

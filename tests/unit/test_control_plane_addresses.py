@@ -50,6 +50,16 @@ def test_bad_addresses_are_one_line_naming_the_key(tmp_path: Path, section: str,
     assert "\n" not in message and message.startswith(key) and text in message, message
 
 
+def test_the_edge_continues_a_run_cut_after_output_migrations_times_and_refuses_a_bad_value(tmp_path: Path) -> None:
+    assert edge_settings(_config(tmp_path, "control_plane: {address: 'a:1'}\n")).control_plane.migrations == 2
+    assert edge_settings(_config(tmp_path, "control_plane: {migrations: 0}\n")).control_plane.migrations == 0
+    for bad in ("-1", "17", "many"):
+        with pytest.raises(ConfigError) as raised:
+            edge_settings(_config(tmp_path, f"control_plane: {{migrations: {bad}}}\n"))
+        message = str(raised.value).strip()
+        assert "\n" not in message and message.startswith("control_plane.migrations"), message
+
+
 def _answer(*models: str, adapter: str = "mock") -> pb.CapabilityResponse:
     infos = [pb.ModelInfo(name=name) for name in models]
     return pb.CapabilityResponse(adapters=[pb.AdapterInfo(name=adapter, models=infos)])
