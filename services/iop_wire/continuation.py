@@ -27,7 +27,7 @@ DEFAULT_LIMIT = 4 * 1024 * 1024
 class Delivered:
     """The output of one run relayed so far, and how to continue the run from it."""
 
-    __slots__ = ("_chars", "_count", "_ids", "_last", "_limit", "_texts", "why_not")
+    __slots__ = ("_chars", "_count", "_ids", "_last", "_limit", "_texts", "_tools", "why_not")
 
     def __init__(self, request: pb.RunRequest, *, limit: int = DEFAULT_LIMIT) -> None:
         self._limit = limit
@@ -41,6 +41,10 @@ class Delivered:
             self.why_not = "embeddings are not continued"
         elif request.kind == pb.RUN_KIND_COMPLETION and len(request.prompt) != 1:
             self.why_not = f"a completion of {len(request.prompt)} prompts is not continued"
+        # Only a run offered tools streams tool calls beside text: for the others a text delta's
+        # tool calls are not read (a microsecond a delta); deltas without text are checked always.
+        fields = request.openai_fields.fields
+        self._tools = "tools" in fields or "functions" in fields
         if request.HasField("continuation"):
             base = request.continuation
             self._last = base
@@ -52,23 +56,26 @@ class Delivered:
         """Keep ``delta``, forwarded to the requester."""
         if self.why_not:
             return
-        if delta.tool_calls or delta.embeddings:
-            self._give_up("tool calls are not continued" if delta.tool_calls else "embeddings are not continued")
-            return
-        if not delta.text:
-            return
-        self._chars += len(delta.text)
+        text = delta.text
+        if not text or self._tools:  # a text delta of a run offered no tools carries no tool calls
+            if delta.tool_calls or delta.embeddings:
+                self._give_up("tool calls are not continued" if delta.tool_calls else "embeddings are not continued")
+                return
+            if not text:
+                return
+        self._chars += len(text)
         if self._chars > self._limit:
             self._give_up(f"its output is over the {self._limit} characters a relay keeps to continue it")
             return
-        self._texts.append(delta.text)
-        if delta.token_ids:
-            self._count += len(delta.token_ids)
-            if self._ids is not None:
-                self._ids.extend(delta.token_ids)
-        else:
-            self._count += 1  # a backend streams about one token per delta; an estimate, said so by the empty ids
+        self._texts.append(text)
+        if self._ids is not None:  # once one delta came without ids, the count is an estimate: not read again
+            ids = delta.token_ids
+            if ids:
+                self._count += len(ids)
+                self._ids.extend(ids)
+                return
             self._ids = None
+        self._count += 1  # a backend streams about one token per delta; an estimate, said so by the empty ids
 
     @property
     def text(self) -> str:

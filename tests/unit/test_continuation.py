@@ -43,7 +43,9 @@ def test_a_second_migration_carries_the_first_ones_output_and_cost() -> None:
 
 
 def test_tool_calls_embeddings_several_prompts_and_too_much_text_are_not_continued() -> None:
-    tools = Delivered(_chat())
+    offered = _chat()
+    offered.openai_fields.update({"tools": [{"type": "function", "function": {"name": "f"}}]})
+    tools = Delivered(offered)
     tools.add(pb.RunDelta(text="x"))
     tools.add(pb.RunDelta(tool_calls=[pb.ToolCallDelta(index=0, function_name="f")]))
     assert tools.continuation() is None and "tool calls" in tools.why_not
