@@ -556,7 +556,10 @@ class RunRelay:
             self.metrics.migrations.labels(outcome).inc()
             self.metrics.node_lost.inc()
             log.warning("node lost mid-run", reason=why, outcome=outcome)
-            message = f"node {node_id} was lost after {sink.outputs} output(s) and the run was not continued: {why}"
+            message = (
+                f"node {node_id} was lost after {sink.outputs} output(s) and the run was not continued: {why};"
+                " send the run again"
+            )
             return IopError(pb.ERROR_CODE_NODE_LOST, message, retryable=True)
         assert isinstance(found, Decision) and output is not None and continuation is not None
         run.continuation, run.migrations = continuation, run.migrations + 1
