@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -255,3 +256,36 @@ async def test_a_frozen_node_is_detected_and_its_run_continued(cp: ControlPlaneA
         one_stream(events)
         assert kinds(events)[-1] == "complete" and text(events) == text(whole)
         await assert_eventually(lambda: _metric(cp, "iop_control_plane_migrations_total", outcome="continued") == 1)
+
+
+async def test_a_cut_run_waits_in_the_queue_for_a_node_that_can_continue_it(
+    cp: ControlPlaneApp, pki: Pki, tmp_path: Path
+) -> None:
+    one_at_a_time = [{**PACED, "max_concurrency": 1}]
+    with node_processes(pki, tmp_path, listening_port(cp), "node-a", "node-b", routes=one_at_a_time) as processes:
+        await all_ready(cp, "node-a", "node-b")
+        edge = await client(cp, pki)
+        whole = await collect(await edge.open_run(chat("paced")))
+        cut = await edge.open_run(chat("paced", run_id="waits"))
+        events = await _deltas(cut, 1)
+        other = await edge.open_run(chat("paced", metadata={"mock.tokens": "20"}))  # the other node's only slot, 1 s
+        assert (await anext(other)).start.node_id != events[0].start.node_id
+        processes[events[0].start.node_id].kill()
+        ended: list[float] = []
+
+        async def finish_other() -> None:
+            assert kinds(await collect(other))[-1] == "complete"
+            ended.append(time.monotonic())
+
+        finishing = asyncio.create_task(finish_other())
+        events.append(await anext(cut))
+        while events[-1].WhichOneof("event") != "delta":
+            events.append(await anext(cut))
+        continued_at = time.monotonic()
+        events += await collect(cut)
+        await finishing
+        one_stream(events)
+        assert kinds(events)[-1] == "complete" and text(events) == text(whole)
+        assert ended[0] <= continued_at  # it went on only once the other run freed the slot
+        assert _metric(cp, "iop_control_plane_queue_wait_seconds_count", outcome="admitted") >= 1
+        assert _metric(cp, "iop_control_plane_migrations_total", outcome="continued") == 1
