@@ -289,3 +289,25 @@ async def test_a_cut_run_waits_in_the_queue_for_a_node_that_can_continue_it(
         assert ended[0] <= continued_at  # it went on only once the other run freed the slot
         assert _metric(cp, "iop_control_plane_queue_wait_seconds_count", outcome="admitted") >= 1
         assert _metric(cp, "iop_control_plane_migrations_total", outcome="continued") == 1
+
+
+async def test_a_cut_run_whose_deadline_passes_in_the_queue_ends_node_lost_saying_so(
+    cp: ControlPlaneApp, pki: Pki, tmp_path: Path
+) -> None:
+    one_at_a_time = [{**PACED, "max_concurrency": 1}]
+    with node_processes(pki, tmp_path, listening_port(cp), "node-a", "node-b", routes=one_at_a_time) as processes:
+        await all_ready(cp, "node-a", "node-b")
+        edge = await client(cp, pki)
+        request = chat("paced", run_id="late")
+        request.deadline.FromNanoseconds(time.time_ns() + 2_500_000_000)
+        cut = await edge.open_run(request)
+        events = await _deltas(cut, 1)
+        other = await edge.open_run(chat("paced", metadata={"mock.tokens": "200"}))  # the other node's slot, 10 s
+        assert (await anext(other)).start.node_id != events[0].start.node_id
+        processes[events[0].start.node_id].kill()
+        events += await collect(cut)
+        await other.cancel("enough")
+        one_stream(events)
+        error = events[-1].error
+        assert error.code == pb.ERROR_CODE_NODE_LOST and "not continued: no slot for 'paced' within" in error.message
+        assert _metric(cp, "iop_control_plane_migrations_total", outcome="deadline") == 1
