@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -258,19 +259,36 @@ async def test_a_frozen_node_is_detected_and_its_run_continued(cp: ControlPlaneA
         await assert_eventually(lambda: _metric(cp, "iop_control_plane_migrations_total", outcome="continued") == 1)
 
 
-async def test_a_cut_run_waits_in_the_queue_for_a_node_that_can_continue_it(
+@asynccontextmanager
+async def _one_slot_each(
     cp: ControlPlaneApp, pki: Pki, tmp_path: Path
-) -> None:
+) -> AsyncIterator[tuple[dict[str, subprocess.Popen[bytes]], Connection]]:
+    """node-a and node-b serving ``paced`` one run at a time, and an edge's connection."""
     one_at_a_time = [{**PACED, "max_concurrency": 1}]
     with node_processes(pki, tmp_path, listening_port(cp), "node-a", "node-b", routes=one_at_a_time) as processes:
         await all_ready(cp, "node-a", "node-b")
-        edge = await client(cp, pki)
+        yield processes, await client(cp, pki)
+
+
+async def _cut_with_the_other_slot_taken(
+    edge: Connection, request: pb.RunRequest, processes: dict[str, Any], *, seconds: int
+) -> tuple[RunStream, list[pb.RunEvent], RunStream]:
+    """Of two nodes with one slot each: ``request`` on one, cut after a delta once a run of ``seconds`` holds the
+    other's slot: (its stream, its events so far, the other run's stream past its start)."""
+    cut = await edge.open_run(request)
+    events = await _deltas(cut, 1)
+    other = await edge.open_run(chat("paced", metadata={"mock.tokens": str(seconds * 20)}))  # 20 tokens/s
+    assert (await anext(other)).start.node_id != events[0].start.node_id
+    processes[events[0].start.node_id].kill()
+    return cut, events, other
+
+
+async def test_a_cut_run_waits_in_the_queue_for_a_node_that_can_continue_it(
+    cp: ControlPlaneApp, pki: Pki, tmp_path: Path
+) -> None:
+    async with _one_slot_each(cp, pki, tmp_path) as (processes, edge):
         whole = await collect(await edge.open_run(chat("paced")))
-        cut = await edge.open_run(chat("paced", run_id="waits"))
-        events = await _deltas(cut, 1)
-        other = await edge.open_run(chat("paced", metadata={"mock.tokens": "20"}))  # the other node's only slot, 1 s
-        assert (await anext(other)).start.node_id != events[0].start.node_id
-        processes[events[0].start.node_id].kill()
+        cut, events, other = await _cut_with_the_other_slot_taken(edge, chat("paced"), processes, seconds=1)
         ended: list[float] = []
 
         async def finish_other() -> None:
@@ -294,17 +312,10 @@ async def test_a_cut_run_waits_in_the_queue_for_a_node_that_can_continue_it(
 async def test_a_cut_run_whose_deadline_passes_in_the_queue_ends_node_lost_saying_so(
     cp: ControlPlaneApp, pki: Pki, tmp_path: Path
 ) -> None:
-    one_at_a_time = [{**PACED, "max_concurrency": 1}]
-    with node_processes(pki, tmp_path, listening_port(cp), "node-a", "node-b", routes=one_at_a_time) as processes:
-        await all_ready(cp, "node-a", "node-b")
-        edge = await client(cp, pki)
+    async with _one_slot_each(cp, pki, tmp_path) as (processes, edge):
         request = chat("paced", run_id="late")
         request.deadline.FromNanoseconds(time.time_ns() + 2_500_000_000)
-        cut = await edge.open_run(request)
-        events = await _deltas(cut, 1)
-        other = await edge.open_run(chat("paced", metadata={"mock.tokens": "200"}))  # the other node's slot, 10 s
-        assert (await anext(other)).start.node_id != events[0].start.node_id
-        processes[events[0].start.node_id].kill()
+        cut, events, other = await _cut_with_the_other_slot_taken(edge, request, processes, seconds=10)
         events += await collect(cut)
         await other.cancel("enough")
         one_stream(events)
