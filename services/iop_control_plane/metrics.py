@@ -60,7 +60,8 @@ class ControlPlaneMetrics:
             "Runs whose node was lost after output, by what came of continuing them elsewhere: continued"
             " (re-placed with their delivered output), not_continuable (tool calls, embeddings, several prompts,"
             " output over the relay's bound), limit (the policy's migrations used up), no_node (no node left"
-            " that can continue the model and kind), deadline (none before the run's deadline).",
+            " that can continue the model and kind), deadline (no slot before the run's deadline or queue timeout),"
+            " queue_full (the model's queue was full).",
             ["outcome"],
             registry=self.registry,
         )

@@ -119,8 +119,8 @@ class Scheduler:
         A ``background`` run yields: it is not placed on a node with interactive runs awaiting
         their first output (``NodeView.awaiting_first_output``), and is all_busy (``yielded``)
         when every candidate with room has some. ``prompt`` holds the run's prompt prefixes, which
-        the ``prefix`` policy places by. A run that ``continuing`` delivered output (its ``pb.RunKind``)
-        goes only to a node whose capabilities list that kind among the model's continuable ones.
+        the ``prefix`` policy places by. A run ``continuing`` delivered output (``continuing``: its
+        ``pb.RunKind``) goes only to a node whose capabilities list that kind for the model.
         """
         key = session or caller
         targets = self._targets(model, session)
@@ -280,12 +280,13 @@ class Scheduler:
         everyone = self.registry.pool(model)
         if not everyone:
             return f"{self.registry.serving(model)} node(s) serve {model!r}, none ready with it available"
-        fit = "that can continue a run of its kind" if continuing is not None else "that fit"
         if not pool:
             shown = ", ".join(f"{name}={value}" for name, value in wanted if name != CONTINUES)
-            if continuing is not None:
-                return f"none of {len(everyone)} candidate(s) for {model!r} {fit}" + (f" with {shown}" if shown else "")
-            return f"none of {len(everyone)} candidate(s) for {model!r} has labels {shown}"
+            if continuing is None:
+                return f"none of {len(everyone)} candidate(s) for {model!r} has labels {shown}"
+            labelled = f" and has labels {shown}" if shown else ""
+            return f"none of {len(everyone)} candidate(s) for {model!r} can continue a run of its kind{labelled}"
+        fit = "that can continue a run of its kind" if continuing is not None else "that fit"
         return f"all {len(pool)} candidate(s) for {model!r} {fit} already tried"
 
 
