@@ -105,6 +105,7 @@ bench:
     python tests/bench/pacing_bench.py
     python tests/bench/scheduler_bench.py
     python tests/bench/control_plane_bench.py
+    python tests/bench/relay_hook_bench.py
     python tests/bench/detection_bench.py
     python tests/bench/edge_bench.py
     python tests/bench/batch_bench.py

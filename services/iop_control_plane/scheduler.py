@@ -28,7 +28,8 @@ from typing import Literal, NamedTuple
 from iop_control_plane.policy import Policy, PolicyName
 from iop_control_plane.pool import Accept, ModelPool
 from iop_control_plane.prefix import Prefix, PrefixIndex, PrefixReason
-from iop_control_plane.registry import Labels, ModelView, Registry
+from iop_control_plane.registry import CONTINUES, Labels, ModelView, Registry
+from iop_control_plane.registry import continuing as with_continuing
 from iop_control_plane.ring import point
 
 __all__ = ["Decision", "Outcome", "Scheduler"]
@@ -108,6 +109,7 @@ class Scheduler:
         exclude: Set[str] = frozenset(),
         background: bool = False,
         prompt: tuple[Prefix, ...] = (),
+        continuing: int | None = None,
     ) -> Decision:
         """A node for a run of ``model`` (a model, an alias or a route).
 
@@ -117,18 +119,23 @@ class Scheduler:
         A ``background`` run yields: it is not placed on a node with interactive runs awaiting
         their first output (``NodeView.awaiting_first_output``), and is all_busy (``yielded``)
         when every candidate with room has some. ``prompt`` holds the run's prompt prefixes, which
-        the ``prefix`` policy places by.
+        the ``prefix`` policy places by. A run ``continuing`` delivered output (``continuing``: its
+        ``pb.RunKind``) goes only to a node whose capabilities list that kind for the model.
         """
         key = session or caller
         targets = self._targets(model, session)
         if targets is None:
-            return self._place(model, labels, key, exclude, background=background, prompt=prompt)
-        first = self._place(targets[0], labels, key, exclude, route=model, background=background, prompt=prompt)
+            return self._place(model, labels, key, exclude, background=background, prompt=prompt, continuing=continuing)
+        first = self._place(
+            targets[0], labels, key, exclude, route=model, background=background, prompt=prompt, continuing=continuing
+        )
         if first.outcome == "placed":
             return first
         busy = first if first.outcome == "all_busy" else None
         for target in targets[1:]:  # the weighted pick is full or has no candidate: the others, heaviest first
-            decision = self._place(target, labels, key, exclude, route=model, background=background, prompt=prompt)
+            decision = self._place(
+                target, labels, key, exclude, route=model, background=background, prompt=prompt, continuing=continuing
+            )
             if decision.outcome == "placed":
                 return decision
             busy = busy or (decision if decision.outcome == "all_busy" else None)
@@ -173,10 +180,13 @@ class Scheduler:
         *,
         background: bool = False,
         prompt: tuple[Prefix, ...] = (),
+        continuing: int | None = None,
     ) -> Decision:
         policy, wanted = self.policy.policy_for(model), self._constraints(model)
         if labels:
             wanted = tuple(sorted({*wanted, *labels.items()}))  # both must hold: a clash leaves no candidate
+        if continuing is not None:
+            wanted = with_continuing(continuing, wanted)  # a pool of its own: no scan past nodes that cannot
         pool = self.registry.pool(model, wanted)
         if pool is None:
             return Decision(None, model, policy, "unknown_model", f"no registered node serves {model!r}", route)
@@ -195,7 +205,8 @@ class Scheduler:
             pick = self._pick(pool, policy, accept, key, prompt)
         view, policy = pick.view, pick.policy
         if view is None:
-            return Decision(None, model, policy, "no_candidate", self._why_none(model, pool, wanted), route)
+            why = self._why_none(model, pool, wanted, continuing)
+            return Decision(None, model, policy, "no_candidate", why, route)
         load = view.load
         where = f"{view.node.node_id} at {load}/{view.capacity}"
         if load >= view.capacity:  # not free
@@ -264,15 +275,19 @@ class Scheduler:
             found = self._labels[model] = tuple(sorted(settings.labels.items()))
         return found
 
-    def _why_none(self, model: str, pool: ModelPool, wanted: Labels) -> str:
+    def _why_none(self, model: str, pool: ModelPool, wanted: Labels, continuing: int | None) -> str:
         """Why no candidate fits (runs only when none does)."""
         everyone = self.registry.pool(model)
         if not everyone:
             return f"{self.registry.serving(model)} node(s) serve {model!r}, none ready with it available"
         if not pool:
-            shown = ", ".join(f"{name}={value}" for name, value in wanted)
-            return f"none of {len(everyone)} candidate(s) for {model!r} has labels {shown}"
-        return f"all {len(pool)} candidate(s) for {model!r} that fit already tried"
+            shown = ", ".join(f"{name}={value}" for name, value in wanted if name != CONTINUES)
+            if continuing is None:
+                return f"none of {len(everyone)} candidate(s) for {model!r} has labels {shown}"
+            labelled = f" and has labels {shown}" if shown else ""
+            return f"none of {len(everyone)} candidate(s) for {model!r} can continue a run of its kind{labelled}"
+        fit = "that can continue a run of its kind" if continuing is not None else "that fit"
+        return f"all {len(pool)} candidate(s) for {model!r} {fit} already tried"
 
 
 def _unprompted(accept: Accept) -> Accept:

@@ -104,12 +104,14 @@ async def with_node(
 
 
 @contextmanager
-def node_processes(pki: Pki, tmp_path: Path, port: int, *node_ids: str) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
-    """`iop node` processes by id; killed (if still running) on the way out."""
+def node_processes(
+    pki: Pki, tmp_path: Path, port: int, *node_ids: str, routes: list[dict[str, Any]] | None = None
+) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+    """`iop node` processes by id, serving ``routes`` (default: ROUTES); killed (if still running) on the way out."""
     processes: dict[str, subprocess.Popen[bytes]] = {}
     try:
         for node_id in node_ids:
-            config = node_config(pki, tmp_path, node_id, port)
+            config = node_config(pki, tmp_path, node_id, port, routes)
             command = [*IOP, "node", "--config", str(config)]
             processes[node_id] = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         yield processes
@@ -143,6 +145,18 @@ async def client(app: ControlPlaneApp, pki: Pki, name: str = "edge-1", role: Rol
 
 def sequences(events: list[pb.RunEvent]) -> list[int]:
     return [event.sequence for event in events]
+
+
+def listening_port(app: ControlPlaneApp) -> int:
+    assert app.listener is not None
+    return app.listener.port
+
+
+def one_stream(events: list[pb.RunEvent]) -> None:
+    """What a requester must see of a run however many nodes served it: one start first, gapless numbers from 0."""
+    assert [event.WhichOneof("event") for event in events].count("start") == 1, events[:2]
+    assert events[0].WhichOneof("event") == "start"
+    assert sequences(events) == list(range(len(events)))
 
 
 class BusyNode:
