@@ -1,0 +1,212 @@
+"""Streams that survive a lost node (issue 22, item 4): a run cut mid-stream goes on on another node.
+
+Real processes throughout (``iop control-plane``, ``iop node`` with the mock adapter, ``iop
+edge``). 32 streams over three nodes, one node killed and another frozen under them, read at the
+wire level where sequence numbers show: every stream completes, its text is byte for byte the
+text of the same request run uninterrupted, its usage is that run's, its sequence has no gap. The
+official SDK through the edge sees no error and the whole text. A model served by the cli adapter,
+which cannot continue a run, still ends with node_lost when its node dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from .conftest import Stack, running_stack, wait_for
+from .migration_helpers import (
+    CONTINUED_ROUTES,
+    MODEL,
+    NODES,
+    STREAMS,
+    TOKENS,
+    Received,
+    attempts_on,
+    cut_streams,
+    dial_control_plane,
+    receive_all,
+    requests,
+)
+from .openai_schema import validate
+
+CLI_MODEL = "cli-words"
+SLOW_WORDS = """\
+import sys, time
+for index in range(100):
+    sys.stdout.write(f"word{index} ")
+    sys.stdout.flush()
+    time.sleep(0.05)
+"""
+"""The cli route's program: 100 words at 20 a second, written as it goes (a backend that cannot continue)."""
+TELL: list[ChatCompletionMessageParam] = [{"role": "user", "content": "tell me a long story"}]
+
+
+def _whole(received: Received) -> None:
+    """One start, then deltas, then one complete; sequence numbers 0, 1, 2, ... with no gap."""
+    kinds = received.kinds()
+    assert kinds[-1] == "complete", (received.request.run_id, received.end)
+    assert kinds[0] == "start" and kinds.count("start") == 1, (received.request.run_id, kinds)
+    assert set(kinds[1:-1]) == {"delta"}, (received.request.run_id, kinds)
+    assert [event.sequence for _, event in received.events] == list(range(len(kinds))), received.request.run_id
+
+
+# serial: five processes and 32 paced streams; under the parallel phase's load a starved heartbeat cuts runs again
+@pytest.mark.serial
+@pytest.mark.slow
+def test_32_streams_survive_a_killed_node_and_a_frozen_one(tmp_path: Path) -> None:
+    with running_stack(tmp_path / "stack", dict.fromkeys(NODES, CONTINUED_ROUTES)) as stack:
+        cut, (kill, freeze) = asyncio.run(cut_streams(stack, requests("cut"), (signal.SIGKILL, signal.SIGSTOP)))
+        wait_for(lambda: freeze.node_id in _ready(stack), 30, 0.1, "the thawed node registered again")
+        whole = asyncio.run(_uninterrupted(stack, requests("whole")))
+        cut_ids = {run.request.run_id for run in cut}
+        on_killed, on_frozen = attempts_on(stack, kill.node_id) & cut_ids, attempts_on(stack, freeze.node_id) & cut_ids
+
+    assert on_killed and on_frozen, "both faults cut runs"
+    print(
+        f"cut: {len(on_killed)} runs by the kill, {len(on_frozen)} by the freeze; {kill.detection=} {freeze.detection=}"
+    )
+    for run, reference in zip(cut, whole, strict=True):
+        _whole(run)
+        assert run.text == reference.text, run.request.run_id
+        usage, expected = run.end.complete.usage, reference.end.complete.usage
+        assert (usage.prompt_tokens, usage.completion_tokens) == (expected.prompt_tokens, expected.completion_tokens)
+        assert expected.completion_tokens == TOKENS and len(run.text.split()) == TOKENS
+        moved = run.request.run_id in on_killed | on_frozen
+        # a continued run's usage counts the delivered output each continuation re-read; an uncut one's is 0
+        assert (usage.continuation_prompt_tokens > 0) == moved, (run.request.run_id, usage)
+
+
+async def _uninterrupted(stack: Stack, made: list[Any]) -> list[Received]:
+    """The same requests again with nothing cut (the reference), each checked to be whole and never continued."""
+    connection = await dial_control_plane(stack, "edge")
+    try:
+        whole = await receive_all(connection, made)
+    finally:
+        await connection.close()
+    for received in whole:
+        _whole(received)
+        assert received.end.complete.usage.continuation_prompt_tokens == 0, received.request.run_id
+    assert len(whole) == STREAMS
+    return whole
+
+
+def _ready(stack: Stack) -> set[str]:
+    listed = json.loads(stack.admin("ls", "--json").stdout)
+    return {node["node_id"] for node in listed if node["state"] == "ready"}
+
+
+@pytest.fixture(scope="module")
+def two_nodes_and_a_cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Two nodes serving the paced mock model (continuable) and a cli model (not), shared by the tests below;
+    each test that kills a node starts it again."""
+    root = tmp_path_factory.mktemp("migration")
+    program = root / "slow_words.py"
+    program.write_text(SLOW_WORDS)
+    cli_route = {"model": CLI_MODEL, "adapter": "cli", "options": {"argv": [sys.executable, str(program)]}}
+    routes = [*CONTINUED_ROUTES, cli_route]
+    with running_stack(root / "stack", {"node-a": routes, "node-b": routes}) as started:
+        yield started
+
+
+def _kill_the_node_running(stack: Stack, model: str) -> str:
+    doomed = wait_for(lambda: stack.running(model), 5, 0.01, f"a run of {model} on a node")
+    stack.nodes[doomed].kill()
+    return str(doomed)
+
+
+def _start_again(stack: Stack, node_id: str) -> None:
+    stack.nodes[node_id].restart()
+    wait_for(lambda: _ready(stack) == set(stack.nodes), 30, 0.1, f"{node_id} registered again")
+
+
+def test_sdk_chat_stream_sees_no_error_when_its_node_dies(two_nodes_and_a_cli: Stack) -> None:
+    stack = two_nodes_and_a_cli
+    client = stack.client()
+    stream = client.chat.completions.create(
+        model=MODEL, messages=TELL, stream=True, stream_options={"include_usage": True}
+    )
+    pieces, usage, finish, doomed = [], None, None, ""
+    try:
+        for index, chunk in enumerate(stream):  # an error event here would raise openai.APIError
+            if chunk.choices:
+                pieces.append(chunk.choices[0].delta.content or "")
+                finish = chunk.choices[0].finish_reason or finish
+            usage = chunk.usage or usage
+            if index == 5:
+                doomed = _kill_the_node_running(stack, MODEL)
+    finally:
+        if doomed:
+            _start_again(stack, doomed)
+    assert doomed, "the stream ended before its node was killed"
+    reference = client.chat.completions.create(model=MODEL, messages=TELL)
+    assert "".join(pieces) == reference.choices[0].message.content
+    assert finish == reference.choices[0].finish_reason
+    assert usage is not None and reference.usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (reference.usage.prompt_tokens, TOKENS)
+
+
+def test_sdk_completion_stream_sees_no_error_when_its_node_dies(two_nodes_and_a_cli: Stack) -> None:
+    stack = two_nodes_and_a_cli
+    client, prompt = stack.client(), "once upon a time"
+    stream = client.completions.create(model=MODEL, prompt=prompt, stream=True, stream_options={"include_usage": True})
+    pieces, usage, doomed = [], None, ""
+    try:
+        for index, chunk in enumerate(stream):
+            pieces.extend(choice.text for choice in chunk.choices)
+            usage = chunk.usage or usage
+            if index == 5:
+                doomed = _kill_the_node_running(stack, MODEL)
+    finally:
+        if doomed:
+            _start_again(stack, doomed)
+    assert doomed, "the stream ended before its node was killed"
+    reference = client.completions.create(model=MODEL, prompt=prompt)
+    assert "".join(pieces) == reference.choices[0].text
+    assert usage is not None and reference.usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (reference.usage.prompt_tokens, TOKENS)
+
+
+def test_a_run_its_adapter_cannot_continue_ends_with_node_lost(two_nodes_and_a_cli: Stack) -> None:
+    stack = two_nodes_and_a_cli
+    body = {"model": CLI_MODEL, "messages": TELL, "stream": True}
+    payloads, doomed = [], ""
+    try:
+        with stack.http() as http, http.stream("POST", "/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line:
+                    payloads.append(line.removeprefix("data: "))
+                if len(payloads) == 3 and not doomed:
+                    doomed = _kill_the_node_running(stack, CLI_MODEL)
+    finally:
+        if doomed:
+            _start_again(stack, doomed)
+    assert doomed, "the stream ended before its node was killed"
+    assert "[DONE]" not in payloads, "an error must not look like a finished stream"
+    *chunks, last = (json.loads(payload) for payload in payloads)
+    for chunk in chunks:
+        validate("CreateChatCompletionStreamResponse", chunk)
+    validate("ErrorResponse", last)
+    assert last["error"]["type"] == "server_error" and last["error"]["code"] == "node_lost", last
+
+    # the SDK turns that event into APIError, as before continuation existed
+    stream = stack.client().chat.completions.create(model=CLI_MODEL, messages=TELL, stream=True)
+    doomed = ""
+    try:
+        with pytest.raises(openai.APIError) as caught:  # noqa: PT012 - the error comes while iterating
+            for index, _ in enumerate(stream):
+                if index == 2:
+                    doomed = _kill_the_node_running(stack, CLI_MODEL)
+    finally:
+        if doomed:
+            _start_again(stack, doomed)
+    assert isinstance(caught.value.body, dict) and caught.value.body["code"] == "node_lost"
