@@ -62,6 +62,7 @@ def _whole(received: Received) -> None:
 # serial: five processes and 32 paced streams; under the parallel phase's load a starved heartbeat cuts runs again
 @pytest.mark.serial
 @pytest.mark.slow
+@pytest.mark.timeout(120)  # about 30 s alone, of which the platform's start 10
 def test_32_streams_survive_a_killed_node_and_a_frozen_one(tmp_path: Path) -> None:
     with running_stack(tmp_path / "stack", dict.fromkeys(NODES, CONTINUED_ROUTES)) as stack:
         cut, (kill, freeze) = asyncio.run(cut_streams(stack, requests("cut"), (signal.SIGKILL, signal.SIGSTOP)))
@@ -157,7 +158,9 @@ def test_sdk_chat_stream_sees_no_error_when_its_node_dies(two_nodes_and_a_cli: S
 def test_sdk_completion_stream_sees_no_error_when_its_node_dies(two_nodes_and_a_cli: Stack) -> None:
     stack = two_nodes_and_a_cli
     client, prompt = stack.client(), "once upon a time"
-    stream = client.completions.create(model=MODEL, prompt=prompt, stream=True, stream_options={"include_usage": True})
+    stream = client.completions.create(  # max_tokens: the completions API's default is 16
+        model=MODEL, prompt=prompt, max_tokens=TOKENS, stream=True, stream_options={"include_usage": True}
+    )
     pieces, usage, doomed = [], None, ""
     try:
         for index, chunk in enumerate(stream):
@@ -169,7 +172,7 @@ def test_sdk_completion_stream_sees_no_error_when_its_node_dies(two_nodes_and_a_
         if doomed:
             _start_again(stack, doomed)
     assert doomed, "the stream ended before its node was killed"
-    reference = client.completions.create(model=MODEL, prompt=prompt)
+    reference = client.completions.create(model=MODEL, prompt=prompt, max_tokens=TOKENS)
     assert "".join(pieces) == reference.choices[0].text
     assert usage is not None and reference.usage is not None
     assert (usage.prompt_tokens, usage.completion_tokens) == (reference.usage.prompt_tokens, TOKENS)
