@@ -14,9 +14,9 @@ import asyncio
 import json
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import openai
 import pytest
@@ -47,6 +47,7 @@ for index in range(100):
     time.sleep(0.05)
 """
 """The cli route's program: 100 words at 20 a second, written as it goes (a backend that cannot continue)."""
+T = TypeVar("T")
 TELL: list[ChatCompletionMessageParam] = [{"role": "user", "content": "tell me a long story"}]
 
 
@@ -124,56 +125,47 @@ def _kill_the_node_running(stack: Stack, model: str) -> str:
     return str(doomed)
 
 
-def _start_again(stack: Stack, node_id: str) -> None:
-    stack.nodes[node_id].restart()
-    wait_for(lambda: _ready(stack) == set(stack.nodes), 30, 0.1, f"{node_id} registered again")
+def _read_killing_its_node(stack: Stack, chunks: Iterable[T], model: str, after: int = 6) -> list[T]:
+    """Every chunk of a stream of ``model``; the node running it is killed once ``after`` chunks are in,
+    and started again (registered) once the stream has ended, however it ended."""
+    read, doomed = [], ""
+    try:
+        for chunk in chunks:
+            read.append(chunk)
+            if len(read) == after:
+                doomed = _kill_the_node_running(stack, model)
+    finally:
+        if doomed:
+            stack.nodes[doomed].restart()
+            wait_for(lambda: _ready(stack) == set(stack.nodes), 30, 0.1, f"{doomed} registered again")
+    assert doomed, "the stream ended before its node was killed"
+    return read
 
 
 def test_sdk_chat_stream_sees_no_error_when_its_node_dies(two_nodes_and_a_cli: Stack) -> None:
-    stack = two_nodes_and_a_cli
-    client = stack.client()
+    client = two_nodes_and_a_cli.client()
     stream = client.chat.completions.create(
         model=MODEL, messages=TELL, stream=True, stream_options={"include_usage": True}
     )
-    pieces, usage, finish, doomed = [], None, None, ""
-    try:
-        for index, chunk in enumerate(stream):  # an error event here would raise openai.APIError
-            if chunk.choices:
-                pieces.append(chunk.choices[0].delta.content or "")
-                finish = chunk.choices[0].finish_reason or finish
-            usage = chunk.usage or usage
-            if index == 5:
-                doomed = _kill_the_node_running(stack, MODEL)
-    finally:
-        if doomed:
-            _start_again(stack, doomed)
-    assert doomed, "the stream ended before its node was killed"
+    chunks = _read_killing_its_node(two_nodes_and_a_cli, stream, MODEL)  # an error event would raise APIError
+    choices = [chunk.choices[0] for chunk in chunks if chunk.choices]
+    usage = chunks[-1].usage
     reference = client.chat.completions.create(model=MODEL, messages=TELL)
-    assert "".join(pieces) == reference.choices[0].message.content
-    assert finish == reference.choices[0].finish_reason
+    assert "".join(choice.delta.content or "" for choice in choices) == reference.choices[0].message.content
+    assert choices[-1].finish_reason == reference.choices[0].finish_reason
     assert usage is not None and reference.usage is not None
     assert (usage.prompt_tokens, usage.completion_tokens) == (reference.usage.prompt_tokens, TOKENS)
 
 
 def test_sdk_completion_stream_sees_no_error_when_its_node_dies(two_nodes_and_a_cli: Stack) -> None:
-    stack = two_nodes_and_a_cli
-    client, prompt = stack.client(), "once upon a time"
+    client, prompt = two_nodes_and_a_cli.client(), "once upon a time"
     stream = client.completions.create(  # max_tokens: the completions API's default is 16
         model=MODEL, prompt=prompt, max_tokens=TOKENS, stream=True, stream_options={"include_usage": True}
     )
-    pieces, usage, doomed = [], None, ""
-    try:
-        for index, chunk in enumerate(stream):
-            pieces.extend(choice.text for choice in chunk.choices)
-            usage = chunk.usage or usage
-            if index == 5:
-                doomed = _kill_the_node_running(stack, MODEL)
-    finally:
-        if doomed:
-            _start_again(stack, doomed)
-    assert doomed, "the stream ended before its node was killed"
+    chunks = _read_killing_its_node(two_nodes_and_a_cli, stream, MODEL)
+    usage = chunks[-1].usage
     reference = client.completions.create(model=MODEL, prompt=prompt, max_tokens=TOKENS)
-    assert "".join(pieces) == reference.choices[0].text
+    assert "".join(choice.text for chunk in chunks for choice in chunk.choices) == reference.choices[0].text
     assert usage is not None and reference.usage is not None
     assert (usage.prompt_tokens, usage.completion_tokens) == (reference.usage.prompt_tokens, TOKENS)
 
@@ -181,19 +173,10 @@ def test_sdk_completion_stream_sees_no_error_when_its_node_dies(two_nodes_and_a_
 def test_a_run_its_adapter_cannot_continue_ends_with_node_lost(two_nodes_and_a_cli: Stack) -> None:
     stack = two_nodes_and_a_cli
     body = {"model": CLI_MODEL, "messages": TELL, "stream": True}
-    payloads, doomed = [], ""
-    try:
-        with stack.http() as http, http.stream("POST", "/chat/completions", json=body) as response:
-            assert response.status_code == 200
-            for line in response.iter_lines():
-                if line:
-                    payloads.append(line.removeprefix("data: "))
-                if len(payloads) == 3 and not doomed:
-                    doomed = _kill_the_node_running(stack, CLI_MODEL)
-    finally:
-        if doomed:
-            _start_again(stack, doomed)
-    assert doomed, "the stream ended before its node was killed"
+    with stack.http() as http, http.stream("POST", "/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = (line.removeprefix("data: ") for line in response.iter_lines() if line)
+        payloads = _read_killing_its_node(stack, lines, CLI_MODEL, after=3)
     assert "[DONE]" not in payloads, "an error must not look like a finished stream"
     *chunks, last = (json.loads(payload) for payload in payloads)
     for chunk in chunks:
@@ -203,13 +186,6 @@ def test_a_run_its_adapter_cannot_continue_ends_with_node_lost(two_nodes_and_a_c
 
     # the SDK turns that event into APIError, as before continuation existed
     stream = stack.client().chat.completions.create(model=CLI_MODEL, messages=TELL, stream=True)
-    doomed = ""
-    try:
-        with pytest.raises(openai.APIError) as caught:  # noqa: PT012 - the error comes while iterating
-            for index, _ in enumerate(stream):
-                if index == 2:
-                    doomed = _kill_the_node_running(stack, CLI_MODEL)
-    finally:
-        if doomed:
-            _start_again(stack, doomed)
+    with pytest.raises(openai.APIError) as caught:
+        _read_killing_its_node(stack, stream, CLI_MODEL, after=3)
     assert isinstance(caught.value.body, dict) and caught.value.body["code"] == "node_lost"
