@@ -294,6 +294,7 @@ def _run_dict(run: pb.LedgerRun) -> dict[str, Any]:
         if run.finish_reason
         else "",
         "outputs": run.outputs,
+        "migrations": run.migrations,
         "attempts": [
             {
                 "node_id": attempt.node_id,
@@ -302,6 +303,10 @@ def _run_dict(run: pb.LedgerRun) -> dict[str, Any]:
                 "reason": attempt.reason,
                 "started_after_ms": _ms(attempt.started_after),
                 "duration_ms": _ms(attempt.duration),
+                "outputs": attempt.outputs,
+                "continued": attempt.continued,
+                "continuation_prompt_tokens": attempt.continuation_prompt_tokens,
+                "gap_ms": _ms(attempt.gap) if attempt.HasField("gap") else None,
             }
             for attempt in run.attempts
         ],

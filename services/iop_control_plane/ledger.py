@@ -78,6 +78,14 @@ class Attempt:
     """completed, failed, node_lost or cancelled."""
     reason: str = ""
     ended: float = 0.0
+    outputs: int = 0
+    """Deltas it relayed to the requester."""
+    continued: bool = False
+    """Whether it continued output earlier attempts delivered (its request carried a continuation)."""
+    continuation_prompt_tokens: int = 0
+    """Its migration's cost: delivered tokens it re-read as prompt (the node's count, else the estimate sent)."""
+    gap: float | None = None
+    """Seconds from the last output before the previous attempt was lost to its first output (migrations)."""
 
 
 @dataclass(slots=True)
@@ -101,6 +109,8 @@ class LedgerEntry:
     usage: pb.Usage | None = None
     finish_reason: int = 0
     outputs: int = 0
+    migrations: int = 0
+    """Times it was continued on another node after its node was lost mid-stream."""
     recorded: bool | None = None
     """Whether the ledger takes the run, decided when it starts (the write backlog may be full); None before."""
     open_row: int | None = None
@@ -122,9 +132,12 @@ class LedgerEntry:
 
 RUN_COLUMNS = (
     "run_id, requester, connection, caller, model, node_id, status, error_code, error_message, received_at, "
-    "ttft, duration, prompt_tokens, completion_tokens, usage_estimated, finish_reason, outputs"
+    "ttft, duration, prompt_tokens, completion_tokens, usage_estimated, finish_reason, outputs, migrations"
 )
-ATTEMPT_COLUMNS = "run, attempt, node_id, model, outcome, reason, started_after, duration"
+ATTEMPT_COLUMNS = (
+    "run, attempt, node_id, model, outcome, reason, started_after, duration, outputs, continued, "
+    "continuation_prompt_tokens, gap"
+)
 OPEN_COLUMNS = "run_id, requester, connection, caller, model, received_at, node_id, node_model, attempt, placed_after"
 
 
@@ -157,6 +170,7 @@ def run_row(entry: LedgerEntry) -> tuple[object, ...]:
         int(usage.estimated),
         entry.finish_reason,
         entry.outputs,
+        entry.migrations,
     )
 
 
@@ -171,6 +185,10 @@ def attempt_rows(entry: LedgerEntry) -> list[tuple[object, ...]]:
             clip(attempt.reason, TEXT_CHARS),
             attempt.started - entry.received,
             attempt.ended - attempt.started,
+            attempt.outputs,
+            int(attempt.continued),
+            attempt.continuation_prompt_tokens,
+            attempt.gap,
         )
         for number, attempt in enumerate(entry.attempts, 1)
     ]
@@ -182,9 +200,9 @@ def interrupted(row: tuple[Any, ...]) -> tuple[tuple[object, ...], tuple[object,
     *run_names, received_at, node_id, node_model, attempt, placed_after = row
     where = f"; attempt {attempt} on node {node_id}" if node_id else "; not yet placed"
     run = (*run_names, node_id, "interrupted", pb.ERROR_CODE_UNAVAILABLE, _INTERRUPTED + where, received_at,
-           None, 0.0, 0, 0, 0, 0, 0)  # fmt: skip
-    tried = (attempt, node_id, node_model, "interrupted", _INTERRUPTED, placed_after, 0.0) if node_id else None
-    return run, tried
+           None, 0.0, 0, 0, 0, 0, 0, 0)  # fmt: skip
+    tried = (attempt, node_id, node_model, "interrupted", _INTERRUPTED, placed_after, 0.0, 0, 0, 0, None)
+    return run, tried if node_id else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,7 +305,7 @@ def query(path: Path, request: pb.RunsList) -> pb.RunsListed:
 def run_message(row: Sequence[object], attempts: Iterable[Sequence[Any]]) -> pb.LedgerRun:
     """A ``runs`` row (id, then :data:`RUN_COLUMNS`) and its attempts' rows as runs.list shows them."""
     (_, run_id, requester, connection, caller, model, node_id, status, code, message, received_at, ttft,
-     duration, prompt, completion, estimated, finish, outputs) = row  # fmt: skip
+     duration, prompt, completion, estimated, finish, outputs, migrations) = row  # fmt: skip
     run = pb.LedgerRun(
         run_id=str(run_id),
         requester=str(requester),
@@ -301,15 +319,20 @@ def run_message(row: Sequence[object], attempts: Iterable[Sequence[Any]]) -> pb.
         usage=pb.Usage(prompt_tokens=_int(prompt), completion_tokens=_int(completion), estimated=bool(estimated)),
         finish_reason=pb.FinishReason.ValueType(_int(finish)),
         outputs=_int(outputs),
+        migrations=_int(migrations),
     )
     run.received_at.FromNanoseconds(int(_float(received_at) * 1e9))
     if ttft is not None:
         run.ttft.FromTimedelta(datetime.timedelta(seconds=_float(ttft)))
     run.duration.FromTimedelta(datetime.timedelta(seconds=_float(duration)))
-    for _, _, node, attempt_model, outcome, reason, started_after, took in attempts:
+    for _, _, node, attempt_model, outcome, reason, started_after, took, *migrated in attempts:
         attempt = run.attempts.add(node_id=node, model=attempt_model, outcome=outcome, reason=reason)
         attempt.started_after.FromTimedelta(datetime.timedelta(seconds=started_after))
         attempt.duration.FromTimedelta(datetime.timedelta(seconds=took))
+        outputs, continued, cost, gap = migrated
+        attempt.outputs, attempt.continued, attempt.continuation_prompt_tokens = outputs, bool(continued), cost
+        if gap is not None:
+            attempt.gap.FromTimedelta(datetime.timedelta(seconds=gap))
     return run
 
 

@@ -55,6 +55,22 @@ class ControlPlaneMetrics:
             "Runs ended with NODE_LOST: their node was lost after output.",
             registry=self.registry,
         )
+        self.migrations = Counter(
+            "iop_control_plane_migrations_total",
+            "Runs whose node was lost after output, by what came of continuing them elsewhere: continued"
+            " (re-placed with their delivered output), not_continuable (tool calls, embeddings, several prompts,"
+            " output over the relay's bound), limit (the policy's migrations used up), no_node (no node left"
+            " that can continue the model and kind), deadline (none before the run's deadline).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.migration_gap = Histogram(
+            "iop_control_plane_migration_gap_seconds",
+            "Time a continued run's requester waited: its last output before the node was lost to the first"
+            " output of the node that continued it (loss detection included).",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30),
+            registry=self.registry,
+        )
         self.queue_wait = Histogram(
             "iop_control_plane_queue_wait_seconds",
             "Time runs waited in the admission queue, by how they left (admitted, deadline, caller_limit, cancelled).",

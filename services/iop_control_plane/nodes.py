@@ -30,6 +30,12 @@ __all__ = ["NodeSessions", "loads", "status"]
 _log = structlog.get_logger("iop.control_plane")
 
 
+def continuable_kinds(capabilities: pb.CapabilityResponse) -> dict[str, frozenset[int]]:
+    """The run kinds each model of a node can continue (models that continue none are left out)."""
+    models = (model for adapter in capabilities.adapters for model in adapter.models)
+    return {model.name: frozenset(model.continuable_kinds) for model in models if model.continuable_kinds}
+
+
 def loads(message: pb.NodeStatus, capabilities: pb.CapabilityResponse | None = None) -> list[ModelLoad]:
     """The registry's view of a node's report; without per-model loads, its capabilities' models."""
     if message.models or capabilities is None:
@@ -109,7 +115,8 @@ class NodeSessions:
         capabilities = pb.CapabilityResponse()
         capabilities.CopyFrom(message.capabilities)
         labels = dict(capabilities.labels)
-        self.registry.register(node_id, loads(message.status, capabilities), labels=labels)
+        continuable = continuable_kinds(capabilities)
+        self.registry.register(node_id, loads(message.status, capabilities), labels=labels, continuable=continuable)
         self.connections[node_id], self.capabilities[node_id] = connection, capabilities
         self._by_connection[connection.id] = node_id
         self.addresses[node_id] = connection.address

@@ -43,13 +43,13 @@ _DIALECT = Dialect(real="double precision", int="bigint", serial="bigserial PRIM
 _SCHEMA_LOCK = 0x10B_C951  # the advisory lock key held while migrating
 _NOW = "extract(epoch from statement_timestamp())::float8"
 _POLICY = "SELECT version, text, source, applied_by, applied_at FROM policies"
-_RUN = f"INSERT INTO runs ({ledger.RUN_COLUMNS}) VALUES ({', '.join(f'${n}' for n in range(1, 18))}) RETURNING id"  # noqa: S608
+_RUN = f"INSERT INTO runs ({ledger.RUN_COLUMNS}) VALUES ({', '.join(f'${n}' for n in range(1, 19))}) RETURNING id"  # noqa: S608
 # A batch the writer sends again after its commit's outcome was unknown (the reply lost while the
 # database went away) may hold runs and state changes already written. The same run, requester,
 # connection, caller and receipt time is the same ledger entry (another control-plane's record of
 # the run has its own connection and time); the same node, time and state is the same change.
 _ENDED_RUN = (
-    f"INSERT INTO runs ({ledger.RUN_COLUMNS}) SELECT {', '.join(f'${n}' for n in range(1, 18))} "  # noqa: S608
+    f"INSERT INTO runs ({ledger.RUN_COLUMNS}) SELECT {', '.join(f'${n}' for n in range(1, 19))} "  # noqa: S608
     "WHERE NOT EXISTS (SELECT FROM runs WHERE run_id = $1 AND requester = $2 AND connection = $3 AND caller = $4 "
     "AND received_at = $10) RETURNING id"
 )
@@ -57,7 +57,7 @@ _STATE_CHANGED = (
     "INSERT INTO node_events (node_id, at, state, reason) SELECT $1, $2, $3, $4 "
     "WHERE NOT EXISTS (SELECT FROM node_events WHERE node_id = $1 AND at = $2 AND state = $3)"
 )
-_ATTEMPT = f"INSERT INTO run_attempts ({ledger.ATTEMPT_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)"  # noqa: S608
+_ATTEMPT = f"INSERT INTO run_attempts ({ledger.ATTEMPT_COLUMNS}) VALUES ({', '.join(f'${n}' for n in range(1, 13))})"  # noqa: S608
 _OPEN = (
     "INSERT INTO open_runs (run_id, requester, connection, caller, model, received_at, owner) "
     "VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING id"

@@ -1,11 +1,11 @@
 """The policy file: how runs are placed, limited and retried (YAML, validated in one go).
 
-    defaults: {policy: least-loaded, priority: 0, attempts: 2, caller_concurrency: null, fairness: tokens,
-               prefix_imbalance: 0.5}
+    defaults: {policy: least-loaded, priority: 0, attempts: 2, migrations: 2, caller_concurrency: null,
+               fairness: tokens, prefix_imbalance: 0.5}
     aliases: {gpt-4o: llama-70b}                   # a name clients use -> a model nodes serve
     routes: {chat: {llama-8b: 90, qwen-7b: 10}}    # a name -> models by weight
     models:
-      llama-70b: {policy: session-affinity, labels: {gpu: h100}, attempts: 3, fairness: fifo}
+      llama-70b: {policy: session-affinity, labels: {gpu: h100}, attempts: 3, migrations: 1, fairness: fifo}
       qwen-7b: {policy: prefix}                    # to the node that saw the prompt's start
     callers:
       batch-worker: {max_concurrency: 64, priority: -10, weight: 0.5}
@@ -47,6 +47,8 @@ class Defaults(Section):
     """Priority of a run that sets none (higher first; interactive 0, batch below)."""
     attempts: int = Field(2, ge=1, le=10)
     """Nodes a run may be tried on before it fails (the first included)."""
+    migrations: int = Field(2, ge=0, le=10)
+    """Times a run whose node was lost after output may be continued on another node (0: never)."""
     caller_concurrency: int | None = Field(None, ge=1)
     """Runs one caller may have in progress; None: no limit."""
     fairness: Fairness = "tokens"
@@ -67,6 +69,8 @@ class ModelPolicy(Section):
     """Priority of its runs that set none; None: the caller's, else the default."""
     attempts: int | None = Field(None, ge=1, le=10)
     """Nodes a run may be tried on; None: the default."""
+    migrations: int | None = Field(None, ge=0, le=10)
+    """Times a run cut after output may be continued on another node; None: the default."""
     fairness: Fairness | None = None
     """Order of its waiting runs within a priority; None: the default."""
     prefix_imbalance: Imbalance | None = None
@@ -137,6 +141,11 @@ class Policy(Section):
         """Nodes a run of ``model`` may be tried on, the first included."""
         settings = self.models.get(model)
         return settings.attempts if settings and settings.attempts else self.defaults.attempts
+
+    def migrations_for(self, model: str) -> int:
+        """Times a run of ``model`` cut after output may be continued on another node."""
+        settings = self.models.get(model)
+        return settings.migrations if settings and settings.migrations is not None else self.defaults.migrations
 
     def caller_limit(self, caller: str) -> int | None:
         """Runs ``caller`` may have in progress; None: no limit."""

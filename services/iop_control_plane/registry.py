@@ -85,11 +85,17 @@ class Registry:
             listener()
 
     def register(
-        self, node_id: str, models: Iterable[ModelLoad], *, labels: Mapping[str, str] | None = None
+        self,
+        node_id: str,
+        models: Iterable[ModelLoad],
+        *,
+        labels: Mapping[str, str] | None = None,
+        continuable: Mapping[str, frozenset[int]] | None = None,
     ) -> NodeView:
-        """Add a ready node; one registered under the same id before is replaced."""
+        """Add a ready node; one registered under the same id before is replaced. ``continuable``: the
+        run kinds each model can continue (``NodeView.continuable``)."""
         self.remove(node_id)
-        node = self.nodes[node_id] = NodeView(node_id, labels=dict(labels or {}))
+        node = self.nodes[node_id] = NodeView(node_id, labels=dict(labels or {}), continuable=dict(continuable or {}))
         self._set_loads(node, models)
         self._more_room()
         return node

@@ -5,7 +5,17 @@ A requester's run is served under its own id and opened on the chosen node under
 received (:func:`iop_wire.relay`). A run that fails before its first delta (the node's
 connection lost, or a retryable error) is tried on another node, up to the policy's attempts
 and within its deadline, waiting in the queue when the others are full; the requester sees one
-start and gapless numbers. A node lost after output ends the run with ``ERROR_CODE_NODE_LOST``.
+start and gapless numbers.
+
+Migration: a run whose node is lost after output (its connection closed, or the liveness watchdog
+closed it) is continued on another node that can continue its model and kind
+(``ModelInfo.continuable_kinds``), sent with the output already delivered
+(:class:`iop_wire.continuation.Delivered`, fed each delta relayed): the node generates only what
+follows, and its complete reports the whole run's usage. Up to the policy's ``migrations`` per run,
+within its deadline, waiting in the queue like a failover. A run that cannot be continued (its
+output cannot be handed on, no migrations left, no node can continue it, its deadline) ends with
+``ERROR_CODE_NODE_LOST`` saying why. A run that arrives with a continuation (an edge continuing
+it) is placed only on nodes that can continue it.
 
 Admission (:mod:`iop_control_plane.admission`): a run whose candidates are all full waits in its
 model's queue, by priority (the request's, else the policy's default) then the caller's fair share
@@ -39,6 +49,7 @@ from iop_control_plane.settings import FairnessSettings
 from iop_control_plane.text import NAME_CHARS, clip
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import EventSink, IopError, acting_caller, code_name, relay
+from iop_wire.continuation import Delivered
 from iop_wire.errors import Reason
 from iop_wire.logs import RateLimitedLog
 from iop_wire.messages import error_message
@@ -79,12 +90,44 @@ class _Run:
     under (as requested), then the model a failover waited for."""
     estimate: int = 0
     """The prompt's estimate charged at admission and not yet corrected to a node's count."""
+    continuing: int | None = None
+    """Its kind once it continues delivered output (it arrived with a continuation, or migrated):
+    it is placed only on nodes that can continue that kind; None until then."""
+    continuation: pb.Continuation | None = None
+    """The continuation its next attempts carry (the request's own, else the last migration's)."""
+    output: _Output | None = None
+    """What the requester was sent, kept to continue the run; None when its policy allows no migration."""
+    migrations: int = 0
+    """Times this control-plane continued it on another node."""
+
+
+class _Output:
+    """What a run's requester was sent, and when: fed each delta the relay forwards (``relay``'s
+    ``on_delta``), it keeps the delivered output (:class:`Delivered`, bounded) and times the gap a
+    migration leaves."""
+
+    __slots__ = ("delivered", "last_at", "resumed")
+
+    def __init__(self, request: pb.RunRequest) -> None:
+        self.delivered = Delivered(request)
+        self.last_at = 0.0
+        """time.monotonic() of the last delta sent."""
+        self.resumed: Callable[[float], None] | None = None
+        """Called once with the gap (seconds since the last delta) at the next delta: set at a migration."""
+
+    def add(self, delta: pb.RunDelta) -> None:
+        now = time.monotonic()
+        if self.resumed is not None:
+            resumed, self.resumed = self.resumed, None
+            resumed(now - self.last_at)
+        self.last_at = now
+        self.delivered.add(delta)
 
 
 class _Queued(Waiter[Decision]):
     """A queued run, and the future its handler waits on."""
 
-    __slots__ = ("exclude", "future", "prompt", "session")
+    __slots__ = ("continuing", "exclude", "future", "prompt", "session")
 
     def __init__(
         self,
@@ -97,6 +140,7 @@ class _Queued(Waiter[Decision]):
         exclude: frozenset[str] = frozenset(),
         prompt_tokens: int = 0,
         prompt: tuple[Prefix, ...] = (),
+        continuing: int | None = None,
     ) -> None:
         super().__init__(model, caller, priority, since, counted=bool(exclude), prompt_tokens=prompt_tokens)
         self.session = session
@@ -104,6 +148,8 @@ class _Queued(Waiter[Decision]):
         """Its run's prompt prefixes (the ``prefix`` policy places by them)."""
         self.exclude = exclude
         """Nodes a failover already tried."""
+        self.continuing = continuing
+        """The kind of run it continues, if it does: only nodes that can continue it take it."""
         self.future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
 
@@ -165,28 +211,27 @@ class RunRelay:
             if (over_long := _over_long(request, caller)) is not None:
                 terminal = await self._refuse_over_long(sink, *over_long)
             else:
-                log = _log.bind(run_id=request.run_id, requester=sink.connection_id, caller=caller)
-                session = request.metadata.get("session") or None
-                priority, prompt_tokens = self.priority(request, caller), estimated_prompt_tokens(request)
-                prompt = prompt_prefixes(request) if self.scheduler.policy.places_by_prefix(request.model) else ()
-                run = _Run(
-                    request,
-                    sink,
-                    caller,
-                    session,
-                    priority,
-                    entry,
-                    log,
-                    prompt_tokens,
-                    prompt,
-                    request.model,
-                    prompt_tokens,
-                )
-                terminal = await self._run(run)
+                terminal = await self._run(self._prepared(request, sink, caller, entry))
         finally:
             entry.outputs, entry.first_output = sink.outputs, sink.first_output_at
             entry.ending(terminal, sink.cancel_reason)
             store.run_ended(entry)
+
+    def _prepared(self, request: pb.RunRequest, sink: EventSink, caller: str, entry: LedgerEntry) -> _Run:
+        """A run received, with what its steps read: priority, prompt estimate and prefixes, what it continues."""
+        policy = self.scheduler.policy
+        log = _log.bind(run_id=request.run_id, requester=sink.connection_id, caller=caller)
+        session = request.metadata.get("session") or None
+        priority, prompt_tokens = self.priority(request, caller), estimated_prompt_tokens(request)
+        prompt = prompt_prefixes(request) if policy.places_by_prefix(request.model) else ()
+        run = _Run(
+            request, sink, caller, session, priority, entry, log, prompt_tokens, prompt, request.model, prompt_tokens
+        )
+        if request.HasField("continuation"):
+            run.continuing, run.continuation = _kind(request), request.continuation
+        if policy.migrations_for(policy.aliases.get(request.model, request.model)):
+            run.output = _Output(request)  # kept only for a run that may be continued
+        return run
 
     async def _refuse_over_long(self, sink: EventSink, field: str, name: str) -> pb.RunEvent:
         """INVALID_ARGUMENT for a name over NAME_CHARS, shown clipped; counted, and logged at most once a second."""
@@ -253,7 +298,13 @@ class RunRelay:
         background = run.priority < 0 and self.background_yield > 0
         began = time.perf_counter()
         decision = self.scheduler.choose(
-            model, session=run.session, caller=run.caller, exclude=exclude, background=background, prompt=run.prompt
+            model,
+            session=run.session,
+            caller=run.caller,
+            exclude=exclude,
+            background=background,
+            prompt=run.prompt,
+            continuing=run.continuing,
         )
         self.metrics.decision_time.observe(time.perf_counter() - began)
         run.log.debug("decision", outcome=decision.outcome, policy=decision.policy, reason=decision.reason)
@@ -274,6 +325,7 @@ class RunRelay:
             exclude=waiter.exclude,
             background=background,
             prompt=waiter.prompt,
+            continuing=waiter.continuing,
         )
         self.metrics.decision_time.observe(time.perf_counter() - began)
         if decision.yielded and self._held is None:  # placed anyway once held for background_yield
@@ -335,6 +387,7 @@ class RunRelay:
             exclude=exclude,
             prompt_tokens=run.prompt_tokens,
             prompt=run.prompt,
+            continuing=run.continuing,
         )
         timeout = self._timeout(run.request)
         if timeout <= 0 or not self.queue.offer(waiter):
@@ -396,21 +449,14 @@ class RunRelay:
         )
 
     async def _serve(self, run: _Run, decision: Decision) -> pb.RunEvent:
-        """Run the admitted run on ``decision``'s node, failing over to others while it may: its terminal event."""
+        """Run the admitted run on ``decision``'s node, failing over to others before output and
+        continuing it elsewhere after, while it may: its terminal event."""
         request, sink = run.request, run.sink
         tried = frozenset[str]()
         last: _Terminal | None = None
-        for attempt in range(1, self.attempts(request.model) + 1):
-            if attempt > 1:
-                decision = self._choose(run, decision.model, exclude=tried)
-                if decision.outcome == "all_busy":  # the others are full: wait for one, within the deadline
-                    run.fair_model = decision.model  # the counters that queue orders it by
-                    waited = await self._wait(run, decision.model, exclude=tried)
-                    if isinstance(waited, IopError):
-                        break
-                    decision = waited
-                if decision.node_id is None:
-                    break
+        attempts = self.attempts(request.model)
+        failed = 0  # attempts that failed before output
+        while True:
             node_id = decision.node_id
             assert node_id is not None
             tried |= {node_id}
@@ -420,16 +466,86 @@ class RunRelay:
                 return terminal[0]
             error = terminal[0].error
             if sink.outputs:
-                return await self._after_output(sink, terminal, node_id=node_id, lost=lost)
+                if not lost:
+                    await sink.forward(*terminal)
+                    return terminal[0]
+                moved = await self._migrate(run, decision, tried)
+                if isinstance(moved, IopError):
+                    await sink.error(moved)
+                    return pb.RunEvent(error=error_message(moved))
+                decision = moved
+                continue
             if not (lost or error.retryable) or _past(request):
                 await sink.forward(*terminal)
                 return terminal[0]
-            run.log.info("failover", node_id=node_id, attempt=attempt, code=code_name(error.code), reason=error.message)
+            code = code_name(error.code)
+            run.log.info("failover", node_id=node_id, attempt=failed + 1, code=code, reason=error.message)
             self.metrics.failovers.labels("connection_lost" if lost else code_name(error.code)).inc()
-            last = terminal
+            last, failed = terminal, failed + 1
+            if failed >= attempts:
+                break
+            found = await self._next_node(run, decision.model, tried)
+            if isinstance(found, IopError) or found.node_id is None:
+                break
+            decision = found
         assert last is not None  # the first attempt always runs
         await sink.forward(*last)  # the last attempt's failure says more than "no other node"
         return last[0]
+
+    async def _next_node(self, run: _Run, model: str, tried: frozenset[str]) -> Decision | IopError:
+        """A node not in ``tried`` for the run's next attempt, waiting in the queue while the others
+        are full, within its deadline: a decision (placed, or why none) or why the wait failed."""
+        decision = self._choose(run, model, exclude=tried)
+        if decision.outcome != "all_busy":
+            return decision
+        run.fair_model = model  # the counters that queue orders it by
+        return await self._wait(run, model, exclude=tried)
+
+    async def _migrate(self, run: _Run, lost: Decision, tried: frozenset[str]) -> Decision | IopError:
+        """The run's node was lost after output: a node to continue it on, its continuation set, or the
+        NODE_LOST error saying why it is not continued (counted by outcome, logged either way)."""
+        sink, output = run.sink, run.output
+        node_id = lost.node_id
+        log = run.log.bind(node_id=node_id, outputs=sink.outputs)
+        limit = self.scheduler.policy.migrations_for(lost.model)
+        continuation = output.delivered.continuation() if output is not None else None
+        found: Decision | IopError | None = None
+        if output is None or not limit:
+            outcome, why = "limit", f"the policy's migrations is 0 for {lost.model!r}"
+        elif continuation is None:
+            outcome, why = "not_continuable", output.delivered.why_not
+        elif run.migrations >= limit:
+            why = f"it was continued {run.migrations} time(s) already, the policy's migrations for {lost.model!r}"
+            outcome = "limit"
+        elif _past(run.request):
+            outcome, why = "deadline", "its deadline has passed"
+        else:
+            run.continuing = _kind(run.request)
+            found = await self._next_node(run, lost.model, tried)
+            outcome, why = _placed(found)
+        if outcome != "continued":
+            self.metrics.migrations.labels(outcome).inc()
+            self.metrics.node_lost.inc()
+            log.warning("node lost mid-run", reason=why, outcome=outcome)
+            message = f"node {node_id} was lost after {sink.outputs} output(s) and the run was not continued: {why}"
+            return IopError(pb.ERROR_CODE_NODE_LOST, message, retryable=True)
+        assert isinstance(found, Decision) and output is not None and continuation is not None
+        run.continuation, run.migrations = continuation, run.migrations + 1
+        run.entry.migrations = run.migrations
+        output.delivered.sent(continuation)
+        self.metrics.migrations.labels("continued").inc()
+        to = found.node_id
+        log = log.bind(to_node_id=to, migration=run.migrations, tokens=continuation.completion_tokens)
+        log.debug("run continuing")
+        record_at = len(run.entry.attempts)  # the next attempt's record
+
+        def resumed(gap: float) -> None:  # at the continued attempt's first output
+            self.metrics.migration_gap.observe(gap)
+            run.entry.attempts[record_at].gap = gap
+            log.info("run migrated", gap=round(gap, 4))
+
+        output.resumed = resumed
+        return found
 
     async def _attempt(self, run: _Run, decision: Decision) -> tuple[_Terminal, bool]:
         """Open the run on the decision's node and relay it: (its terminal event, whether the node was lost).
@@ -439,7 +555,9 @@ class RunRelay:
         """
         assert decision.node_id is not None
         request, sink, entry, node_id = run.request, run.sink, run.entry, decision.node_id
+        continuation = run.continuation
         record = Attempt(node_id, decision.model, time.monotonic(), outcome="cancelled")
+        record.continued = continuation is not None
         entry.attempts.append(record)
         self.sessions.store.run_placed(entry)
         upstream = pb.RunRequest()
@@ -447,15 +565,20 @@ class RunRelay:
         upstream.run_id = f"{sink.connection_id}.{request.run_id}.{len(entry.attempts)}"
         upstream.model = decision.model
         upstream.caller.id = run.caller
+        if continuation is not None:
+            upstream.continuation.CopyFrom(continuation)
         connection = self.sessions.connection(node_id)
         first_output = self._awaiting_first_output(node_id) if run.priority >= 0 else None
+        on_delta = run.output.add if run.output is not None else None
         usage: pb.Usage | None = None
+        before = sink.outputs
         try:
             if connection is None:
                 raise IopError(pb.ERROR_CODE_UNAVAILABLE, f"node {node_id} has no connection")
             stream = await connection.open_run(upstream)
             async with asyncio.timeout(_remaining(request)):  # None: no deadline
-                terminal = await relay(stream, sink, first_output=first_output)  # the deadline cancels the node's run
+                # the deadline cancels the node's run
+                terminal = await relay(stream, sink, first_output=first_output, on_delta=on_delta)
             if terminal[0].complete.HasField("usage"):
                 usage = terminal[0].complete.usage
         except TimeoutError:
@@ -466,14 +589,17 @@ class RunRelay:
             exc.run_id = request.run_id
             terminal = (pb.RunEvent(error=error_message(exc)), b"")
         finally:
-            record.ended = time.monotonic()
+            record.ended, record.outputs = time.monotonic(), sink.outputs - before
+            if continuation is not None:
+                record.continuation_prompt_tokens = _cost(continuation, usage)
             if first_output is not None:
                 first_output()
             self.scheduler.registry.finished(node_id, decision.model)
             # Charged before the slot this frees is given; the estimate is corrected once, by the first
-            # attempt that served.
+            # attempt that served. A continued attempt's usage counts the whole run: only its own part is charged.
+            served = _own_part(usage, continuation)
             if self.fair.charge_served(
-                run.fair_model, run.caller, estimate=run.estimate, usage=usage, outputs=sink.outputs
+                run.fair_model, run.caller, estimate=run.estimate, usage=served, outputs=record.outputs
             ):
                 run.estimate = 0
             self.wake()
@@ -481,16 +607,37 @@ class RunRelay:
         record.outcome, record.reason = _outcome(terminal[0], lost)
         return terminal, lost
 
-    async def _after_output(self, sink: EventSink, terminal: _Terminal, *, node_id: str, lost: bool) -> pb.RunEvent:
-        if not lost:
-            await sink.forward(*terminal)
-            return terminal[0]
-        _log.warning("node lost mid-run", node_id=node_id, run_id=sink.run_id, outputs=sink.outputs)
-        self.metrics.node_lost.inc()
-        message = f"node {node_id} was lost after {sink.outputs} output(s); send the run again"
-        error = IopError(pb.ERROR_CODE_NODE_LOST, message, retryable=True)
-        await sink.error(error)
-        return pb.RunEvent(error=error_message(error))
+
+def _kind(request: pb.RunRequest) -> int:
+    """The request's kind (unset means chat)."""
+    return request.kind or pb.RUN_KIND_CHAT
+
+
+def _placed(found: Decision | IopError) -> tuple[str, str]:
+    """A migration's outcome and why, from the decision (or failed wait) for its next node."""
+    if isinstance(found, IopError):  # the wait in the queue failed: full, else no slot before the deadline
+        return ("queue_full" if found.reason == pb.ERROR_REASON_QUEUE_FULL else "deadline"), found.message
+    if found.node_id is None:
+        return "no_node", found.reason
+    return "continued", ""
+
+
+def _cost(continuation: pb.Continuation, usage: pb.Usage | None) -> int:
+    """Prompt tokens a continued attempt re-read: from the node's usage (the whole run's, less the
+    earlier continuations'), else the delivered tokens it was sent (an estimate)."""
+    if usage is not None and usage.continuation_prompt_tokens:
+        return max(usage.continuation_prompt_tokens - continuation.continuation_prompt_tokens, 0)
+    return continuation.completion_tokens
+
+
+def _own_part(usage: pb.Usage | None, continuation: pb.Continuation | None) -> pb.Usage | None:
+    """``usage`` of a continued attempt less the completion tokens earlier attempts delivered (charged then)."""
+    if usage is None or continuation is None:
+        return usage
+    own = pb.Usage()
+    own.CopyFrom(usage)
+    own.completion_tokens = max(usage.completion_tokens - continuation.completion_tokens, 0)
+    return own
 
 
 def _outcome(event: pb.RunEvent, lost: bool) -> tuple[str, str]:

@@ -108,6 +108,7 @@ class Scheduler:
         exclude: Set[str] = frozenset(),
         background: bool = False,
         prompt: tuple[Prefix, ...] = (),
+        continuing: int | None = None,
     ) -> Decision:
         """A node for a run of ``model`` (a model, an alias or a route).
 
@@ -117,18 +118,23 @@ class Scheduler:
         A ``background`` run yields: it is not placed on a node with interactive runs awaiting
         their first output (``NodeView.awaiting_first_output``), and is all_busy (``yielded``)
         when every candidate with room has some. ``prompt`` holds the run's prompt prefixes, which
-        the ``prefix`` policy places by.
+        the ``prefix`` policy places by. A run that ``continuing`` delivered output (its ``pb.RunKind``)
+        goes only to a node whose capabilities list that kind among the model's continuable ones.
         """
         key = session or caller
         targets = self._targets(model, session)
         if targets is None:
-            return self._place(model, labels, key, exclude, background=background, prompt=prompt)
-        first = self._place(targets[0], labels, key, exclude, route=model, background=background, prompt=prompt)
+            return self._place(model, labels, key, exclude, background=background, prompt=prompt, continuing=continuing)
+        first = self._place(
+            targets[0], labels, key, exclude, route=model, background=background, prompt=prompt, continuing=continuing
+        )
         if first.outcome == "placed":
             return first
         busy = first if first.outcome == "all_busy" else None
         for target in targets[1:]:  # the weighted pick is full or has no candidate: the others, heaviest first
-            decision = self._place(target, labels, key, exclude, route=model, background=background, prompt=prompt)
+            decision = self._place(
+                target, labels, key, exclude, route=model, background=background, prompt=prompt, continuing=continuing
+            )
             if decision.outcome == "placed":
                 return decision
             busy = busy or (decision if decision.outcome == "all_busy" else None)
@@ -173,6 +179,7 @@ class Scheduler:
         *,
         background: bool = False,
         prompt: tuple[Prefix, ...] = (),
+        continuing: int | None = None,
     ) -> Decision:
         policy, wanted = self.policy.policy_for(model), self._constraints(model)
         if labels:
@@ -181,6 +188,8 @@ class Scheduler:
         if pool is None:
             return Decision(None, model, policy, "unknown_model", f"no registered node serves {model!r}", route)
         accept = (lambda view: view.node.node_id not in exclude) if exclude else None
+        if continuing is not None:
+            accept = _continues(accept, continuing)
         if background:
             pick = self._pick(pool, policy, _unprompted(accept), key, prompt)
             if pick.view is None or not pick.view.free:
@@ -195,7 +204,8 @@ class Scheduler:
             pick = self._pick(pool, policy, accept, key, prompt)
         view, policy = pick.view, pick.policy
         if view is None:
-            return Decision(None, model, policy, "no_candidate", self._why_none(model, pool, wanted), route)
+            why = self._why_none(model, pool, wanted, continuing)
+            return Decision(None, model, policy, "no_candidate", why, route)
         load = view.load
         where = f"{view.node.node_id} at {load}/{view.capacity}"
         if load >= view.capacity:  # not free
@@ -264,8 +274,10 @@ class Scheduler:
             found = self._labels[model] = tuple(sorted(settings.labels.items()))
         return found
 
-    def _why_none(self, model: str, pool: ModelPool, wanted: Labels) -> str:
+    def _why_none(self, model: str, pool: ModelPool, wanted: Labels, continuing: int | None) -> str:
         """Why no candidate fits (runs only when none does)."""
+        if continuing is not None and pool:
+            return f"none of the {len(pool)} candidate(s) for {model!r} not yet tried can continue a run of its kind"
         everyone = self.registry.pool(model)
         if not everyone:
             return f"{self.registry.serving(model)} node(s) serve {model!r}, none ready with it available"
@@ -280,6 +292,13 @@ def _unprompted(accept: Accept) -> Accept:
     if accept is None:
         return lambda view: not view.node.awaiting_first_output
     return lambda view: not view.node.awaiting_first_output and accept(view)
+
+
+def _continues(accept: Accept, kind: int) -> Accept:
+    """``accept``, and the node can continue runs of ``kind`` of the view's model."""
+    if accept is None:
+        return lambda view: kind in view.node.continuable.get(view.model, ())
+    return lambda view: kind in view.node.continuable.get(view.model, ()) and accept(view)
 
 
 def _free(accept: Accept) -> Accept:

@@ -45,10 +45,10 @@ _OPEN = (
     "VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
 _PLACED = "UPDATE open_runs SET node_id = ?, node_model = ?, attempt = ?, placed_after = ? WHERE id = ?"
-_RUN = f"INSERT INTO runs ({ledger.RUN_COLUMNS}) VALUES ({', '.join('?' * 17)})"  # noqa: S608 - fixed columns
+_RUN = f"INSERT INTO runs ({ledger.RUN_COLUMNS}) VALUES ({', '.join('?' * 18)})"  # noqa: S608 - fixed columns
 _SETTLE_RUN = ledger.settle_run_sql(lambda _: "?")
 _SETTLE_ATTEMPT = ledger.settle_attempt_sql(lambda _: "?")
-_ATTEMPT = f"INSERT INTO run_attempts ({ledger.ATTEMPT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"  # noqa: S608
+_ATTEMPT = f"INSERT INTO run_attempts ({ledger.ATTEMPT_COLUMNS}) VALUES ({', '.join('?' * 12)})"  # noqa: S608
 
 
 class SqliteStore:

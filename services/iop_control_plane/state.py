@@ -100,7 +100,14 @@ _V2 = (  # shared by replicas: whose runs are open, numbered policies, drains, c
     "CREATE TABLE replicas (owner TEXT PRIMARY KEY, seen_at {real} NOT NULL)",
     "CREATE INDEX node_certificates_revoked ON node_certificates (revoked_at)",
 )
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2)
+_V3 = (  # runs continued on another node after their node was lost mid-stream: each attempt's share and cost
+    "ALTER TABLE runs ADD COLUMN migrations {int} NOT NULL DEFAULT 0",
+    "ALTER TABLE run_attempts ADD COLUMN outputs {int} NOT NULL DEFAULT 0",
+    "ALTER TABLE run_attempts ADD COLUMN continued {int} NOT NULL DEFAULT 0",
+    "ALTER TABLE run_attempts ADD COLUMN continuation_prompt_tokens {int} NOT NULL DEFAULT 0",
+    "ALTER TABLE run_attempts ADD COLUMN gap {real}",
+)
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3)
 """Step ``n`` (from 0) takes the schema from version ``n`` to ``n + 1``."""
 SCHEMA_VERSION = len(MIGRATIONS)
 

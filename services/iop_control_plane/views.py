@@ -74,6 +74,9 @@ class NodeView:
     """What it serves, by model name."""
     reason: str = "registered"
     """Why it is in its state."""
+    continuable: dict[str, frozenset[int]] = field(default_factory=dict)
+    """Run kinds (``pb.RunKind`` values) it can continue from delivered output, by model (its
+    capabilities' ``continuable_kinds``); a model missing here continues none."""
     awaiting_first_output: int = 0
     """Interactive runs (priority >= 0) this control-plane sent the node that have not yet sent
     their first output: background runs are held back from the node while there are any."""

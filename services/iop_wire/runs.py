@@ -434,7 +434,11 @@ _string_field = _bytes_field
 
 
 async def relay(
-    stream: RunStream, sink: EventSink, *, first_output: Callable[[], None] | None = None
+    stream: RunStream,
+    sink: EventSink,
+    *,
+    first_output: Callable[[], None] | None = None,
+    on_delta: Callable[[pb.RunDelta], None] | None = None,
 ) -> tuple[pb.RunEvent, bytes]:
     """Forward ``stream``'s events into ``sink`` until its terminal event, returned unforwarded.
 
@@ -442,9 +446,12 @@ async def relay(
     the run elsewhere when it failed before any output (``sink.outputs == 0``). If the task
     is cancelled (the requester cancelled or went away), or forwarding fails (the requester's
     connection closed under it), the run is cancelled upstream too: nobody reads it any more.
-    ``first_output`` is called once, when the run's first output has been forwarded.
+    ``first_output`` is called once, when this stream's first output has been forwarded (the sink
+    may hold an earlier attempt's); ``on_delta`` with each delta forwarded (a relay that keeps the
+    delivered output to continue the run elsewhere: :class:`iop_wire.continuation.Delivered`).
     """
     as_received = stream.codec == "proto"  # only protobuf bytes can be forwarded as they are
+    before = sink.outputs
     try:
         while True:
             try:
@@ -453,10 +460,13 @@ async def relay(
                 raise IopError(pb.ERROR_CODE_INTERNAL, f"run {stream.run_id} was already read to its end") from None
             if not as_received:
                 body = b""
-            if event.WhichOneof("event") in TERMINAL_EVENTS:
+            kind = event.WhichOneof("event")
+            if kind in TERMINAL_EVENTS:
                 return event, body
             await sink.forward(event, body)
-            if first_output is not None and sink.outputs:
+            if on_delta is not None and kind == "delta":
+                on_delta(event.delta)
+            if first_output is not None and sink.outputs > before:
                 first_output()
                 first_output = None
     except BaseException:  # CancelledError, or ConnectionClosed from a requester gone mid-forward

@@ -94,9 +94,11 @@ async def test_node_killed_before_first_token_fails_over(cp: ControlPlaneApp, pk
         assert metrics.get_sample_value("iop_control_plane_decisions_total", placed) == 2
 
 
-async def test_node_killed_mid_stream_ends_with_node_lost(cp: ControlPlaneApp, pki: Pki, tmp_path: Path) -> None:
-    with node_processes(pki, tmp_path, _port(cp), "node-a", "node-b") as processes:
-        await all_ready(cp, "node-a", "node-b")
+async def test_node_killed_mid_stream_with_no_other_ends_with_node_lost(
+    cp: ControlPlaneApp, pki: Pki, tmp_path: Path
+) -> None:
+    with node_processes(pki, tmp_path, _port(cp), "node-a") as processes:  # another would continue it
+        await all_ready(cp, "node-a")
         edge = await client(cp, pki)
         stream = await edge.open_run(chat(model="mock-slow", run_id="cut"))
         start = await anext(stream)
@@ -108,7 +110,10 @@ async def test_node_killed_mid_stream_ends_with_node_lost(cp: ControlPlaneApp, p
         assert kinds(events)[-1] == "error"
         error = events[-1].error
         assert error.code == pb.ERROR_CODE_NODE_LOST and error.retryable and error.run_id == "cut"
+        assert "not continued" in error.message
         assert cp.metrics.registry.get_sample_value("iop_control_plane_node_lost_runs_total") == 1
+        no_node = {"outcome": "no_node"}
+        assert cp.metrics.registry.get_sample_value("iop_control_plane_migrations_total", no_node) == 1
 
 
 async def test_roles_and_identity_are_enforced(cp: ControlPlaneApp, pki: Pki, tmp_path: Path) -> None:

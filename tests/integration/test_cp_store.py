@@ -85,6 +85,27 @@ async def test_the_ledger_keeps_runs_and_their_attempts(open_store: Open) -> Non
     assert [run.run_id for run in (await store.runs(pb.RunsList())).runs] == ["r2"]
 
 
+async def test_the_ledger_keeps_a_migrated_runs_attempts_with_their_outputs_cost_and_gap(open_store: Open) -> None:
+    store = await open_store("cp-a")
+    entry = _ended("moved", "node-a", "node-b")
+    lost, continued = entry.attempts
+    lost.outcome, lost.outputs = "node_lost", 12
+    continued.outputs, continued.continued, continued.continuation_prompt_tokens, continued.gap = 28, True, 12, 0.75
+    entry.migrations = 1
+    await store.commit([entry], {})
+    [run] = (await store.runs(pb.RunsList(run_id="moved"))).runs
+    assert run.migrations == 1
+    first, second = run.attempts
+    assert (first.outputs, first.continued, first.continuation_prompt_tokens, first.HasField("gap")) == (
+        12,
+        False,
+        0,
+        False,
+    )
+    assert (second.outputs, second.continued, second.continuation_prompt_tokens) == (28, True, 12)
+    assert second.gap.ToTimedelta().total_seconds() == 0.75
+
+
 async def test_runs_in_progress_of_a_silent_control_plane_are_recorded_interrupted(open_store: Open) -> None:
     first, second = await open_store("cp-a"), await open_store("cp-b")
     waiting, placed, ended = (LedgerEntry(name, "edge-1", "c", "alice", "m") for name in ("w", "p", "e"))

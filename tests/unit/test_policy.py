@@ -13,7 +13,7 @@ aliases: {gpt-4o: llama-70b}
 routes:
   chat: {llama-8b: 90, qwen-7b: 10}
 models:
-  llama-70b: {policy: session-affinity, labels: {gpu: h100}, attempts: 3, priority: 5}
+  llama-70b: {policy: session-affinity, labels: {gpu: h100}, attempts: 3, migrations: 1, priority: 5}
   qwen-7b: {policy: round-robin}
 callers:
   batch-worker: {max_concurrency: 64, priority: -10}
@@ -32,6 +32,7 @@ def test_the_example_loads_and_answers_per_model_and_caller() -> None:
         "least-loaded",
     ]
     assert [policy.attempts_for(model) for model in ("llama-70b", "other")] == [3, 2]
+    assert [policy.migrations_for(model) for model in ("llama-70b", "other")] == [1, 2]
     assert policy.priority_for("llama-70b", "batch-worker") == -10  # the caller's first
     assert policy.priority_for("llama-70b", "someone") == 5  # then the model's
     assert policy.priority_for("other", None) == 0  # then the default
@@ -42,6 +43,7 @@ def test_the_example_loads_and_answers_per_model_and_caller() -> None:
 def test_an_empty_policy_is_the_defaults(text: str) -> None:
     policy = load_policy(text)
     assert (policy.policy_for("m"), policy.attempts_for("m"), policy.caller_limit("c")) == ("least-loaded", 2, None)
+    assert policy.migrations_for("m") == 2
 
 
 @pytest.mark.parametrize(
@@ -58,6 +60,9 @@ def test_an_empty_policy_is_the_defaults(text: str) -> None:
         ("aliases: {chat: a}\nroutes: {chat: {b: 1}}", "aliases.chat: is also a route"),
         ("aliases: {x: a}\nroutes: {chat: {x: 1}}", "routes.chat.x: 'x' is an alias"),
         ("models: {m: {attempts: 0}}", "models.m.attempts: Input should be greater than or equal to 1"),
+        ("models: {m: {migrations: -1}}", "models.m.migrations: Input should be greater than or equal to 0"),
+        ("defaults: {migrations: 11}", "defaults.migrations: Input should be less than or equal to 10"),
+        ("defaults: {migrations: many}", "defaults.migrations: Input should be a valid integer"),
         ("models: {m: {labels: {gpu: [h100]}}}", "models.m.labels.gpu: Input should be a valid string"),
         ("callers: {c: {max_concurrency: 0}}", "callers.c.max_concurrency: Input should be greater than or equal to 1"),
         ("callers: {c: {priority: 3000000000}}", "callers.c.priority: Input should be less than or equal to 2147"),

@@ -42,6 +42,26 @@ def _spread(scheduler: Scheduler, decisions: int, in_flight: int, model: str = "
     return placed
 
 
+# Continuation
+
+
+@pytest.mark.parametrize("policy", ["least-loaded", "round-robin", "session-affinity", "prefix"])
+def test_a_continuing_run_goes_only_to_nodes_that_can_continue_its_kind(policy: str) -> None:
+    registry = Registry()
+    chat, completion = 1, 2  # pb.RUN_KIND_CHAT, pb.RUN_KIND_COMPLETION
+    registry.register("plain", [ModelLoad("m", capacity=100)])
+    registry.register("chats", [ModelLoad("m", capacity=1)], continuable={"m": frozenset({chat})})
+    registry.register("both", [ModelLoad("m", capacity=1)], continuable={"m": frozenset({chat, completion})})
+    scheduler = Scheduler(registry, load_policy(f"defaults: {{policy: {policy}}}"))
+    assert _placed(scheduler.choose("m", caller="c", continuing=completion)) == "both"
+    assert {_placed(scheduler.choose("m", caller="c", continuing=chat, exclude={"both"}))} == {"chats"}
+    busy = scheduler.choose("m", caller="c", continuing=chat)  # both continuable nodes full: the run waits
+    assert busy.outcome == "all_busy"
+    none = scheduler.choose("m", caller="c", continuing=completion, exclude={"both"})
+    assert none.outcome == "no_candidate" and "can continue a run of its kind" in none.reason
+    assert _placed(scheduler.choose("m", caller="c")) == "plain"  # a run that continues nothing: every node
+
+
 # Least-loaded
 
 

@@ -1,0 +1,268 @@
+"""Migration: a run whose node is lost after output continues on another node that can continue it.
+
+Real `iop node` processes (mock adapter: its continuation is exact; cli adapter: it continues
+nothing) registered over mTLS with an in-process control-plane; a node is killed (SIGKILL) or
+frozen (SIGSTOP) mid-stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Pki, assert_eventually
+from cp_helpers import IOP, all_ready, client, cp_settings, node_processes, sequences
+from cp_policy_helpers import write_policy
+from node_helpers import chat, collect, kinds, text
+
+from iop_control_plane.bootstrap import ControlPlaneApp, build_control_plane
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire.connection import Connection
+from iop_wire.runs import RunStream
+from iop_wire.tls import Role
+
+PACED: dict[str, Any] = {"model": "paced", "adapter": "mock", "options": {"tokens": 40, "tokens_per_second": 20}}
+_WORDS = "import sys, time\nfor n in range(40):\n    print('word', n, flush=True)\n    time.sleep(0.05)\n"
+CLI: dict[str, Any] = {"model": "paced", "adapter": "cli", "options": {"argv": [sys.executable, "-c", _WORDS]}}
+
+
+@pytest.fixture
+async def cp(pki: Pki, tmp_path: Path) -> AsyncIterator[ControlPlaneApp]:
+    async with build_control_plane(cp_settings(pki, tmp_path)) as app:
+        yield app
+
+
+@pytest.fixture
+async def cp_once(pki: Pki, tmp_path: Path) -> AsyncIterator[ControlPlaneApp]:
+    """A control-plane whose policy allows one migration per run."""
+    policy = write_policy(tmp_path, "defaults: {migrations: 1}\n")
+    async with build_control_plane(cp_settings(pki, tmp_path, policy_path=policy)) as app:
+        yield app
+
+
+@pytest.fixture
+async def cp_never(pki: Pki, tmp_path: Path) -> AsyncIterator[ControlPlaneApp]:
+    """A control-plane whose policy allows no migration."""
+    policy = write_policy(tmp_path, "defaults: {migrations: 0}\n")
+    async with build_control_plane(cp_settings(pki, tmp_path, policy_path=policy)) as app:
+        yield app
+
+
+def _port(app: ControlPlaneApp) -> int:
+    assert app.listener is not None
+    return app.listener.port
+
+
+def _clean(events: list[pb.RunEvent]) -> None:
+    """One start first, gapless numbers from 0."""
+    assert kinds(events)[0] == "start" and kinds(events).count("start") == 1
+    assert sequences(events) == list(range(len(events)))
+
+
+async def _deltas(stream: RunStream, count: int) -> list[pb.RunEvent]:
+    """The stream's events up to its ``count``-th delta."""
+    events: list[pb.RunEvent] = []
+    while kinds(events).count("delta") < count:
+        events.append(await anext(stream))
+    return events
+
+
+async def _cut(edge: Connection, request: pb.RunRequest, processes: dict[str, Any], after: int) -> list[pb.RunEvent]:
+    """Run ``request``, kill its node after ``after`` deltas, and read the rest: every event the requester saw."""
+    stream = await edge.open_run(request)
+    events = await _deltas(stream, after)
+    processes[events[0].start.node_id].kill()
+    return [*events, *await collect(stream)]
+
+
+def _metric(app: ControlPlaneApp, name: str, **labels: str) -> float:
+    return app.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+async def test_a_node_killed_mid_stream_is_continued_on_another_exactly(
+    cp: ControlPlaneApp, pki: Pki, tmp_path: Path
+) -> None:
+    with node_processes(pki, tmp_path, _port(cp), "node-a", "node-b", routes=[PACED]) as processes:
+        await all_ready(cp, "node-a", "node-b")
+        edge = await client(cp, pki)
+        whole = await collect(await edge.open_run(chat("paced", run_id="whole")))
+        assert kinds(whole)[-1] == "complete"
+
+        events = await _cut(edge, chat("paced", run_id="cut"), processes, after=5)
+        _clean(events)
+        assert kinds(events)[-1] == "complete", events[-1]
+        assert text(events) == text(whole)  # byte for byte: nothing repeated, nothing missing
+        usage, expected = events[-1].complete.usage, whole[-1].complete.usage
+        assert (usage.prompt_tokens, usage.completion_tokens) == (expected.prompt_tokens, expected.completion_tokens)
+        delivered = next(n for n, event in enumerate(events) if event.WhichOneof("event") == "complete")
+        assert usage.continuation_prompt_tokens >= 5 and usage.continuation_prompt_tokens < delivered
+        assert _metric(cp, "iop_control_plane_migrations_total", outcome="continued") == 1
+        assert _metric(cp, "iop_control_plane_migration_gap_seconds_count") == 1
+        assert _metric(cp, "iop_control_plane_node_lost_runs_total") == 0
+
+        run = await _ledger_run(cp, "cut")
+        assert run.migrations == 1 and run.status == "completed"
+        lost, continued = run.attempts
+        assert (lost.outcome, lost.continued, continued.outcome, continued.continued) == (
+            "node_lost",
+            False,
+            "completed",
+            True,
+        )
+        assert lost.outputs + continued.outputs == run.outputs == 40 and lost.outputs >= 5
+        assert continued.continuation_prompt_tokens == usage.continuation_prompt_tokens == lost.outputs
+        assert continued.gap.ToTimedelta().total_seconds() > 0 and not lost.HasField("gap")
+        await _runs_show(cp, pki, tmp_path, "cut", lost=lost.node_id, to=continued.node_id)
+
+
+async def _ledger_run(app: ControlPlaneApp, run_id: str) -> pb.LedgerRun:
+    """The run's ledger row, once the writer committed it."""
+    found: list[pb.LedgerRun] = []
+
+    async def written() -> bool:
+        found[:] = (await app.sessions.store.runs(pb.RunsList(run_id=run_id))).runs
+        return bool(found)
+
+    for _ in range(100):  # the ledger is written in batches, off the relay's path
+        if await written():
+            return found[0]
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"run {run_id!r} never reached the ledger")
+
+
+async def _runs_show(app: ControlPlaneApp, pki: Pki, tmp_path: Path, run_id: str, *, lost: str, to: str) -> None:
+    """`iop runs show RUN --control-plane`: each attempt with its outputs, whether it continued, its cost and gap."""
+    certs = tmp_path / "admin" / "certs"
+    certs.mkdir(parents=True)
+    tls = pki.config("ops", Role.ADMIN)
+    assert tls.cert and tls.key and tls.ca
+    for source, name in ((tls.cert, "admin.crt"), (tls.key, "admin.key"), (tls.ca, "ca.crt")):
+        shutil.copy(source, certs / name)
+    where = ["--control-plane", f"127.0.0.1:{_port(app)}", "--dir", str(tmp_path / "admin")]
+    for shown in ("--json", None):
+        process = await asyncio.create_subprocess_exec(
+            *IOP, "runs", "show", run_id, *where, *([shown] if shown else []), stdout=subprocess.PIPE
+        )
+        out, _ = await asyncio.wait_for(process.communicate(), 30)
+        assert process.returncode == 0
+        if shown:
+            run = json.loads(out)
+            assert run["migrations"] == 1
+            first, second = run["attempts"]
+            assert (first["node_id"], first["continued"], first["gap_ms"]) == (lost, False, None)
+            assert (second["node_id"], second["continued"]) == (to, True) and second["gap_ms"] > 0
+            assert second["continuation_prompt_tokens"] == first["outputs"] > 0
+        else:
+            lines = out.decode().splitlines()
+            assert "migrations: 1" in lines
+            assert any(line.startswith(f"  2. node_id={to}, ") and "continued=True" in line for line in lines)
+
+
+async def test_a_run_lost_again_past_the_migrations_limit_ends_node_lost_naming_it(
+    cp_once: ControlPlaneApp, pki: Pki, tmp_path: Path
+) -> None:
+    cp = cp_once
+    with node_processes(pki, tmp_path, _port(cp), "node-a", "node-b", "node-c", routes=[PACED]) as processes:
+        await all_ready(cp, "node-a", "node-b", "node-c")
+        edge = await client(cp, pki)
+        stream = await edge.open_run(chat("paced", run_id="twice"))
+        events = await _deltas(stream, 3)
+        first = events[0].start.node_id
+        processes[first].kill()
+        events += await _deltas(stream, 3)  # three more, from the node that continued it
+        assert kinds(events).count("delta") == 6
+        second = next(node for node in cp.registry.nodes.values() if node.models["paced"].placed).node_id
+        assert second != first
+        processes[second].kill()
+        events += await collect(stream)
+        _clean(events)
+        error = events[-1].error
+        assert error.code == pb.ERROR_CODE_NODE_LOST and error.retryable
+        assert "continued 1 time(s) already" in error.message and "migrations" in error.message
+        assert _metric(cp, "iop_control_plane_migrations_total", outcome="continued") == 1
+        assert _metric(cp, "iop_control_plane_migrations_total", outcome="limit") == 1
+        assert _metric(cp, "iop_control_plane_node_lost_runs_total") == 1
+        run = await _ledger_run(cp, "twice")
+        assert [attempt.outcome for attempt in run.attempts] == ["node_lost", "node_lost"] and run.migrations == 1
+
+
+async def test_with_no_migrations_allowed_a_cut_run_ends_node_lost(
+    cp_never: ControlPlaneApp, pki: Pki, tmp_path: Path
+) -> None:
+    cp = cp_never
+    with node_processes(pki, tmp_path, _port(cp), "node-a", "node-b", routes=[PACED]) as processes:
+        await all_ready(cp, "node-a", "node-b")
+        events = await _cut(await client(cp, pki), chat("paced"), processes, after=2)
+        _clean(events)
+        error = events[-1].error
+        assert error.code == pb.ERROR_CODE_NODE_LOST and "migrations is 0" in error.message
+        assert _metric(cp, "iop_control_plane_migrations_total", outcome="limit") == 1
+
+
+async def test_a_run_no_node_can_continue_ends_node_lost_saying_why(
+    cp: ControlPlaneApp, pki: Pki, tmp_path: Path
+) -> None:
+    with node_processes(pki, tmp_path, _port(cp), "node-a", "node-b", routes=[CLI]) as processes:
+        await all_ready(cp, "node-a", "node-b")
+        events = await _cut(await client(cp, pki), chat("paced"), processes, after=2)
+        _clean(events)
+        error = events[-1].error
+        assert error.code == pb.ERROR_CODE_NODE_LOST and error.retryable
+        assert "can continue a run of its kind" in error.message, error.message
+        assert _metric(cp, "iop_control_plane_migrations_total", outcome="no_node") == 1
+        assert _metric(cp, "iop_control_plane_migrations_total", outcome="continued") == 0
+
+
+async def test_a_run_arriving_with_a_continuation_goes_only_to_a_node_that_can_continue(
+    cp: ControlPlaneApp, pki: Pki, tmp_path: Path
+) -> None:
+    with node_processes(pki, tmp_path, _port(cp), "node-mock", routes=[PACED]):
+        await all_ready(cp, "node-mock")
+        edge = await client(cp, pki)
+        fast = {"mock.tokens_per_second": "0"}
+        whole = text(await collect(await edge.open_run(chat("paced", metadata=fast))))
+        head = whole.split(" ")[:7]
+        with node_processes(pki, tmp_path, _port(cp), "node-cli", routes=[CLI]):
+            await all_ready(cp, "node-cli")
+            await _continued_only_on(edge, "node-mock", " ".join(head) + " ", whole)
+
+
+async def _continued_only_on(edge: Connection, node_id: str, delivered: str, whole: str) -> None:
+    """Runs sent with ``delivered`` as their continuation go to ``node_id`` alone, and end as ``whole`` does."""
+    nodes = set()
+    for _ in range(4):  # least-loaded alone would put some on the idle cli node
+        request = chat("paced", metadata={"mock.tokens_per_second": "0"})
+        request.continuation.text, request.continuation.completion_tokens = delivered, len(delivered.split())
+        events = await collect(await edge.open_run(request))
+        assert kinds(events)[-1] == "complete", events[-1]
+        nodes.add(events[0].start.node_id)
+        assert delivered + text(events) == whole
+        assert events[-1].complete.usage.completion_tokens == 40
+    assert nodes == {node_id}
+
+
+async def test_a_frozen_node_is_detected_and_its_run_continued(cp: ControlPlaneApp, pki: Pki, tmp_path: Path) -> None:
+    with node_processes(pki, tmp_path, _port(cp), "node-a", "node-b", routes=[PACED]) as processes:
+        await all_ready(cp, "node-a", "node-b")
+        edge = await client(cp, pki)
+        whole = await collect(await edge.open_run(chat("paced")))
+        stream = await edge.open_run(chat("paced"))
+        events = await _deltas(stream, 4)
+        frozen = processes[events[0].start.node_id]
+        os.kill(frozen.pid, signal.SIGSTOP)
+        try:
+            events += await collect(stream)
+        finally:
+            os.kill(frozen.pid, signal.SIGCONT)
+        _clean(events)
+        assert kinds(events)[-1] == "complete" and text(events) == text(whole)
+        await assert_eventually(lambda: _metric(cp, "iop_control_plane_migrations_total", outcome="continued") == 1)
