@@ -13,16 +13,18 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import subprocess
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx2 as httpx
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from .conftest import Stack, running_stack, wait_for
+from .conftest import IOP, Stack, running_stack, wait_for
 from .migration_helpers import (
     CONTINUED_ROUTES,
     MODEL,
@@ -65,12 +67,15 @@ def _whole(received: Received) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(120)  # about 30 s alone, of which the platform's start 10
 def test_32_streams_survive_a_killed_node_and_a_frozen_one(tmp_path: Path) -> None:
-    with running_stack(tmp_path / "stack", dict.fromkeys(NODES, CONTINUED_ROUTES)) as stack:
+    nodes = dict.fromkeys(NODES, CONTINUED_ROUTES)
+    with running_stack(tmp_path / "stack", nodes, control_plane={"metrics": {"port": 0}}) as stack:
         cut, (kill, freeze) = asyncio.run(cut_streams(stack, requests("cut"), (signal.SIGKILL, signal.SIGSTOP)))
-        wait_for(lambda: freeze.node_id in _ready(stack), 30, 0.1, "the thawed node registered again")
-        whole = asyncio.run(_uninterrupted(stack, requests("whole")))
         cut_ids = {run.request.run_id for run in cut}
         on_killed, on_frozen = attempts_on(stack, kill.node_id) & cut_ids, attempts_on(stack, freeze.node_id) & cut_ids
+        continued = _cp_metric(stack, 'iop_control_plane_migrations_total{outcome="continued"}')
+        ledger = wait_for(lambda: _ledger(stack, cut_ids), 10, 0.1, "every cut run in the control-plane's ledger")
+        wait_for(lambda: freeze.node_id in _ready(stack), 30, 0.1, "the thawed node registered again")
+        whole = asyncio.run(_uninterrupted(stack, requests("whole")))
 
     assert on_killed and on_frozen, "both faults cut runs"
     print(
@@ -82,9 +87,13 @@ def test_32_streams_survive_a_killed_node_and_a_frozen_one(tmp_path: Path) -> No
         usage, expected = run.end.complete.usage, reference.end.complete.usage
         assert (usage.prompt_tokens, usage.completion_tokens) == (expected.prompt_tokens, expected.completion_tokens)
         assert expected.completion_tokens == TOKENS and len(run.text.split()) == TOKENS
-        moved = run.request.run_id in on_killed | on_frozen
+        lost = (run.request.run_id in on_killed) + (run.request.run_id in on_frozen)
         # a continued run's usage counts the delivered output each continuation re-read; an uncut one's is 0
-        assert (usage.continuation_prompt_tokens > 0) == moved, (run.request.run_id, usage)
+        assert (usage.continuation_prompt_tokens > 0) == (lost > 0), (run.request.run_id, usage)
+        entry = ledger[run.request.run_id]  # one attempt per node it ran on, the lost ones first
+        assert (entry["status"], entry["migrations"], len(entry["attempts"])) == ("completed", lost, lost + 1), entry
+        assert entry["attempts"][0]["node_id"] == run.started_on, entry
+    assert continued == len(on_killed) + len(on_frozen)
 
 
 async def _uninterrupted(stack: Stack, made: list[Any]) -> list[Received]:
@@ -99,6 +108,22 @@ async def _uninterrupted(stack: Stack, made: list[Any]) -> list[Received]:
         assert received.end.complete.usage.continuation_prompt_tokens == 0, received.request.run_id
     assert len(whole) == STREAMS
     return whole
+
+
+def _cp_metric(stack: Stack, series: str) -> float:
+    """One series of the control-plane's /metrics (``name{labels}`` as printed; 0 when absent)."""
+    port = json.loads(stack.control_plane.ready_file.read_text())["metrics_port"]  # type: ignore[union-attr]
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(series + " ")), 0.0)
+
+
+def _ledger(stack: Stack, run_ids: set[str]) -> dict[str, dict[str, Any]] | None:
+    """The control-plane ledger's records of ``run_ids`` (``iop runs ls --control-plane``); None until all are in."""
+    address = f"127.0.0.1:{stack.cp_port}"
+    command = [*IOP, "runs", "ls", "--control-plane", address, "--certs", str(stack.certs), "--json", "--limit", "200"]
+    listed = json.loads(subprocess.run(command, capture_output=True, text=True, timeout=30, check=True).stdout)
+    runs = {run["run_id"]: run for run in listed if run["run_id"] in run_ids}
+    return runs if runs.keys() == run_ids else None
 
 
 def _ready(stack: Stack) -> set[str]:
