@@ -12,12 +12,15 @@ each unavailable. ``tests/e2e/test_migration.py`` asserts on what the streams re
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sqlite3
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+
+import httpx2 as httpx
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.connection import Connection
@@ -196,6 +199,15 @@ async def _until_mid_stream(received: list[Received]) -> None:
                 f"not every stream reached {DELTAS_BEFORE_A_FAULT} deltas: {[r.deltas() for r in received]}"
             )
         await asyncio.sleep(_POLL)
+
+
+def control_plane_metric(stack: Stack, series: str) -> float:
+    """One series of the control-plane's /metrics (``name{labels}`` as printed; 0 when absent); the
+    control-plane must have been started with ``metrics: {port: 0}``."""
+    assert stack.control_plane is not None
+    port = json.loads(stack.control_plane.ready_file.read_text())["metrics_port"]
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(series + " ")), 0.0)
 
 
 def attempts_on(stack: Stack, node_id: str) -> set[str]:

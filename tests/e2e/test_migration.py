@@ -19,7 +19,6 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx2 as httpx
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
@@ -33,6 +32,7 @@ from .migration_helpers import (
     TOKENS,
     Received,
     attempts_on,
+    control_plane_metric,
     cut_streams,
     dial_control_plane,
     receive_all,
@@ -72,7 +72,7 @@ def test_32_streams_survive_a_killed_node_and_a_frozen_one(tmp_path: Path) -> No
         cut, (kill, freeze) = asyncio.run(cut_streams(stack, requests("cut"), (signal.SIGKILL, signal.SIGSTOP)))
         cut_ids = {run.request.run_id for run in cut}
         on_killed, on_frozen = attempts_on(stack, kill.node_id) & cut_ids, attempts_on(stack, freeze.node_id) & cut_ids
-        continued = _cp_metric(stack, 'iop_control_plane_migrations_total{outcome="continued"}')
+        continued = control_plane_metric(stack, 'iop_control_plane_migrations_total{outcome="continued"}')
         ledger = wait_for(lambda: _ledger(stack, cut_ids), 10, 0.1, "every cut run in the control-plane's ledger")
         wait_for(lambda: freeze.node_id in _ready(stack), 30, 0.1, "the thawed node registered again")
         whole = asyncio.run(_uninterrupted(stack, requests("whole")))
@@ -108,13 +108,6 @@ async def _uninterrupted(stack: Stack, made: list[Any]) -> list[Received]:
         assert received.end.complete.usage.continuation_prompt_tokens == 0, received.request.run_id
     assert len(whole) == STREAMS
     return whole
-
-
-def _cp_metric(stack: Stack, series: str) -> float:
-    """One series of the control-plane's /metrics (``name{labels}`` as printed; 0 when absent)."""
-    port = json.loads(stack.control_plane.ready_file.read_text())["metrics_port"]  # type: ignore[union-attr]
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-    return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(series + " ")), 0.0)
 
 
 def _ledger(stack: Stack, run_ids: set[str]) -> dict[str, dict[str, Any]] | None:
