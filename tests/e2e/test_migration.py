@@ -201,6 +201,7 @@ def test_a_run_its_adapter_cannot_continue_ends_with_node_lost(two_nodes_and_a_c
         validate("CreateChatCompletionStreamResponse", chunk)
     validate("ErrorResponse", last)
     assert last["error"]["type"] == "server_error" and last["error"]["code"] == "node_lost", last
+    assert "not continued" in last["error"]["message"], last  # the control-plane says why, not just that
 
     # the SDK turns that event into APIError, as before continuation existed
     stream = stack.client().chat.completions.create(model=CLI_MODEL, messages=TELL, stream=True)
