@@ -7,7 +7,9 @@ ready-made indexes.
 
 Each model has a pool of candidates, and one more for each set of labels decisions ask for
 (made on first use; the most recently used ``label_pools`` are kept), so a decision with label
-constraints never skips nodes without them.
+constraints never skips nodes without them. A run that continues delivered output asks for the
+pseudo-label ``(CONTINUES, kind)`` (:func:`continuing`): the nodes whose model can continue that
+kind of run (``NodeView.continuable``), kept as a pool the same way.
 
 A node's load for a model, as the scheduler sees it, is what the node last reported (in flight
 plus queued) plus the runs this control-plane sent it since (``sent_since_report``); a run that
@@ -22,10 +24,18 @@ from dataclasses import dataclass
 from iop_control_plane.pool import ModelPool
 from iop_control_plane.views import ModelView, NodeState, NodeView
 
-__all__ = ["Labels", "ModelLoad", "ModelView", "NodeState", "NodeView", "Registry", "Status"]
+__all__ = ["CONTINUES", "Labels", "ModelLoad", "ModelView", "NodeState", "NodeView", "Registry", "Status", "continuing"]
 
 Labels = tuple[tuple[str, str], ...]
 """Label constraints as sorted (name, value) pairs: a node must carry all of them."""
+CONTINUES = ""
+"""The name of the pseudo-label that asks for nodes able to continue a kind of run (no label is named ""
+in a policy: names have a character at least; sorted, it comes first)."""
+
+
+def continuing(kind: int, labels: Labels) -> Labels:
+    """``labels`` and the pseudo-label of nodes that can continue runs of ``kind`` (a ``pb.RunKind`` value)."""
+    return ((CONTINUES, str(kind)), *labels)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +172,7 @@ class Registry:
         if pool is None:
             pool = ModelPool(within=pools[()])
             for view in pools[()].views.values():
-                if _carries(view.node, labels):
+                if _fits(view, labels):
                     pool.update(view)
             if len(pools) > self._label_pools:
                 del pools[next(key for key in pools if key)]  # the least recently used
@@ -193,7 +203,7 @@ class Registry:
         """Keep the model's pools current: the node is a candidate, with this load, or not."""
         candidate = view.node.state is NodeState.READY and view.available and view.capacity >= 1
         for labels, pool in self._pools[view.model].items():
-            if candidate and (not labels or _carries(view.node, labels)):
+            if candidate and (not labels or _fits(view, labels)):
                 pool.update(view)
             else:
                 pool.discard(view.node.node_id)
@@ -207,5 +217,13 @@ class Registry:
             del self._serving[model], self._pools[model]
 
 
-def _carries(node: NodeView, labels: Labels) -> bool:
-    return all(node.labels.get(name) == value for name, value in labels)
+def _fits(view: ModelView, labels: Labels) -> bool:
+    """Whether the view's node carries ``labels`` (and, asked ``CONTINUES``, can continue that kind of run)."""
+    node = view.node
+    for name, value in labels:
+        if name == CONTINUES:
+            if int(value) not in node.continuable.get(view.model, ()):
+                return False
+        elif node.labels.get(name) != value:
+            return False
+    return True

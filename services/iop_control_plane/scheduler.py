@@ -28,7 +28,8 @@ from typing import Literal, NamedTuple
 from iop_control_plane.policy import Policy, PolicyName
 from iop_control_plane.pool import Accept, ModelPool
 from iop_control_plane.prefix import Prefix, PrefixIndex, PrefixReason
-from iop_control_plane.registry import Labels, ModelView, Registry
+from iop_control_plane.registry import CONTINUES, Labels, ModelView, Registry
+from iop_control_plane.registry import continuing as with_continuing
 from iop_control_plane.ring import point
 
 __all__ = ["Decision", "Outcome", "Scheduler"]
@@ -184,12 +185,12 @@ class Scheduler:
         policy, wanted = self.policy.policy_for(model), self._constraints(model)
         if labels:
             wanted = tuple(sorted({*wanted, *labels.items()}))  # both must hold: a clash leaves no candidate
+        if continuing is not None:
+            wanted = with_continuing(continuing, wanted)  # a pool of its own: no scan past nodes that cannot
         pool = self.registry.pool(model, wanted)
         if pool is None:
             return Decision(None, model, policy, "unknown_model", f"no registered node serves {model!r}", route)
         accept = (lambda view: view.node.node_id not in exclude) if exclude else None
-        if continuing is not None:
-            accept = _continues(accept, continuing)
         if background:
             pick = self._pick(pool, policy, _unprompted(accept), key, prompt)
             if pick.view is None or not pick.view.free:
@@ -276,15 +277,16 @@ class Scheduler:
 
     def _why_none(self, model: str, pool: ModelPool, wanted: Labels, continuing: int | None) -> str:
         """Why no candidate fits (runs only when none does)."""
-        if continuing is not None and pool:
-            return f"none of the {len(pool)} candidate(s) for {model!r} not yet tried can continue a run of its kind"
         everyone = self.registry.pool(model)
         if not everyone:
             return f"{self.registry.serving(model)} node(s) serve {model!r}, none ready with it available"
+        fit = "that can continue a run of its kind" if continuing is not None else "that fit"
         if not pool:
-            shown = ", ".join(f"{name}={value}" for name, value in wanted)
+            shown = ", ".join(f"{name}={value}" for name, value in wanted if name != CONTINUES)
+            if continuing is not None:
+                return f"none of {len(everyone)} candidate(s) for {model!r} {fit}" + (f" with {shown}" if shown else "")
             return f"none of {len(everyone)} candidate(s) for {model!r} has labels {shown}"
-        return f"all {len(pool)} candidate(s) for {model!r} that fit already tried"
+        return f"all {len(pool)} candidate(s) for {model!r} {fit} already tried"
 
 
 def _unprompted(accept: Accept) -> Accept:
@@ -292,13 +294,6 @@ def _unprompted(accept: Accept) -> Accept:
     if accept is None:
         return lambda view: not view.node.awaiting_first_output
     return lambda view: not view.node.awaiting_first_output and accept(view)
-
-
-def _continues(accept: Accept, kind: int) -> Accept:
-    """``accept``, and the node can continue runs of ``kind`` of the view's model."""
-    if accept is None:
-        return lambda view: kind in view.node.continuable.get(view.model, ())
-    return lambda view: kind in view.node.continuable.get(view.model, ()) and accept(view)
 
 
 def _free(accept: Accept) -> Accept:

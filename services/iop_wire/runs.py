@@ -438,7 +438,7 @@ async def relay(
     sink: EventSink,
     *,
     first_output: Callable[[], None] | None = None,
-    on_delta: Callable[[pb.RunDelta], None] | None = None,
+    on_delta: Callable[[pb.RunEvent, bytes], None] | None = None,
 ) -> tuple[pb.RunEvent, bytes]:
     """Forward ``stream``'s events into ``sink`` until its terminal event, returned unforwarded.
 
@@ -447,8 +447,9 @@ async def relay(
     is cancelled (the requester cancelled or went away), or forwarding fails (the requester's
     connection closed under it), the run is cancelled upstream too: nobody reads it any more.
     ``first_output`` is called once, when this stream's first output has been forwarded (the sink
-    may hold an earlier attempt's); ``on_delta`` with each delta forwarded (a relay that keeps the
-    delivered output to continue the run elsewhere: :class:`iop_wire.continuation.Delivered`).
+    may hold an earlier attempt's); ``on_delta`` with each delta event forwarded and its body as
+    received (b"" unless protobuf): a relay that keeps the delivered output to continue the run
+    elsewhere (:class:`iop_wire.continuation.Delivered`) may keep the bytes and decode them only then.
     """
     as_received = stream.codec == "proto"  # only protobuf bytes can be forwarded as they are
     before = sink.outputs
@@ -465,7 +466,7 @@ async def relay(
                 return event, body
             await sink.forward(event, body)
             if on_delta is not None and kind == "delta":
-                on_delta(event.delta)
+                on_delta(event, body)
             if first_output is not None and sink.outputs > before:
                 first_output()
                 first_output = None

@@ -58,7 +58,9 @@ def _cluster(rng: random.Random, models_per_node: int = 3, model_names: list[str
     registry = Registry()
     for index in range(NODES):
         labels = {"zone": rng.choice("abc"), "gpu": rng.choice(("h100", "a100", "l4"))}
-        registry.register(f"node-{index:04}", _loads(rng, rng.sample(model_names, models_per_node)), labels=labels)
+        loads = _loads(rng, rng.sample(model_names, models_per_node))
+        continuable = {load.model: frozenset({pb.RUN_KIND_CHAT}) for load in loads} if index % 2 else {}
+        registry.register(f"node-{index:04}", loads, labels=labels, continuable=continuable)  # half continue chat
     return Scheduler(registry, load_policy(POLICY))
 
 
@@ -113,6 +115,7 @@ def main() -> None:
         ("least-loaded, call labels zone=a", lambda i: scheduler.choose("model-06", labels={"zone": "a"})),
         ("failover: least-loaded excluding 2 tried", lambda i: _failover(scheduler, "model-07")),
         ("any of 20 models, policy of each", lambda i: scheduler.choose(MODELS[i % 20], session=f"s-{i % 997}")),
+        ("migration: a continuing run, half the nodes continue", lambda i: _continuing(scheduler, "model-08")),
     ]
     rows = [(f"register {NODES:,} nodes x 3 models (all of them)", f"{setup * 1000:.0f} ms")]
     for name, decide in cases:
@@ -124,6 +127,11 @@ def main() -> None:
     rows += _overloaded()
     rows += _prefix_rows()
     print_table(rows, unit=f"{NODES:,} nodes")
+
+
+def _continuing(scheduler: Scheduler, model: str) -> Decision:
+    """A run cut after output, placed again on a node that can continue chat (not the one it was on)."""
+    return scheduler.choose(model, exclude={"node-0001"}, continuing=pb.RUN_KIND_CHAT)
 
 
 def _overloaded() -> list[tuple[str, str]]:

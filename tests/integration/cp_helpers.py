@@ -132,6 +132,18 @@ def sequences(events: list[pb.RunEvent]) -> list[int]:
     return [event.sequence for event in events]
 
 
+def listening_port(app: ControlPlaneApp) -> int:
+    assert app.listener is not None
+    return app.listener.port
+
+
+def one_stream(events: list[pb.RunEvent]) -> None:
+    """What a requester must see of a run however many nodes served it: one start first, gapless numbers from 0."""
+    assert [event.WhichOneof("event") for event in events].count("start") == 1, events[:2]
+    assert events[0].WhichOneof("event") == "start"
+    assert sequences(events) == list(range(len(events)))
+
+
 class BusyNode:
     """A node written with the wire API: registers ``node_id``, then refuses every run RESOURCE_EXHAUSTED
     (retryable), noting the run ids it was sent."""

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from conftest import Pki, assert_eventually
-from cp_helpers import IOP, all_ready, client, cp_settings, node_processes, sequences
+from cp_helpers import IOP, all_ready, client, cp_settings, listening_port, node_processes, one_stream
 from cp_policy_helpers import write_policy
 from node_helpers import chat, collect, kinds, text
 
@@ -57,17 +57,6 @@ async def cp_never(pki: Pki, tmp_path: Path) -> AsyncIterator[ControlPlaneApp]:
         yield app
 
 
-def _port(app: ControlPlaneApp) -> int:
-    assert app.listener is not None
-    return app.listener.port
-
-
-def _clean(events: list[pb.RunEvent]) -> None:
-    """One start first, gapless numbers from 0."""
-    assert kinds(events)[0] == "start" and kinds(events).count("start") == 1
-    assert sequences(events) == list(range(len(events)))
-
-
 async def _deltas(stream: RunStream, count: int) -> list[pb.RunEvent]:
     """The stream's events up to its ``count``-th delta."""
     events: list[pb.RunEvent] = []
@@ -91,14 +80,14 @@ def _metric(app: ControlPlaneApp, name: str, **labels: str) -> float:
 async def test_a_node_killed_mid_stream_is_continued_on_another_exactly(
     cp: ControlPlaneApp, pki: Pki, tmp_path: Path
 ) -> None:
-    with node_processes(pki, tmp_path, _port(cp), "node-a", "node-b", routes=[PACED]) as processes:
+    with node_processes(pki, tmp_path, listening_port(cp), "node-a", "node-b", routes=[PACED]) as processes:
         await all_ready(cp, "node-a", "node-b")
         edge = await client(cp, pki)
         whole = await collect(await edge.open_run(chat("paced", run_id="whole")))
         assert kinds(whole)[-1] == "complete"
 
         events = await _cut(edge, chat("paced", run_id="cut"), processes, after=5)
-        _clean(events)
+        one_stream(events)
         assert kinds(events)[-1] == "complete", events[-1]
         assert text(events) == text(whole)  # byte for byte: nothing repeated, nothing missing
         usage, expected = events[-1].complete.usage, whole[-1].complete.usage
@@ -147,7 +136,7 @@ async def _runs_show(app: ControlPlaneApp, pki: Pki, tmp_path: Path, run_id: str
     assert tls.cert and tls.key and tls.ca
     for source, name in ((tls.cert, "admin.crt"), (tls.key, "admin.key"), (tls.ca, "ca.crt")):
         shutil.copy(source, certs / name)
-    where = ["--control-plane", f"127.0.0.1:{_port(app)}", "--dir", str(tmp_path / "admin")]
+    where = ["--control-plane", f"127.0.0.1:{listening_port(app)}", "--dir", str(tmp_path / "admin")]
     for shown in ("--json", None):
         process = await asyncio.create_subprocess_exec(
             *IOP, "runs", "show", run_id, *where, *([shown] if shown else []), stdout=subprocess.PIPE
@@ -171,7 +160,7 @@ async def test_a_run_lost_again_past_the_migrations_limit_ends_node_lost_naming_
     cp_once: ControlPlaneApp, pki: Pki, tmp_path: Path
 ) -> None:
     cp = cp_once
-    with node_processes(pki, tmp_path, _port(cp), "node-a", "node-b", "node-c", routes=[PACED]) as processes:
+    with node_processes(pki, tmp_path, listening_port(cp), "node-a", "node-b", "node-c", routes=[PACED]) as processes:
         await all_ready(cp, "node-a", "node-b", "node-c")
         edge = await client(cp, pki)
         stream = await edge.open_run(chat("paced", run_id="twice"))
@@ -184,7 +173,7 @@ async def test_a_run_lost_again_past_the_migrations_limit_ends_node_lost_naming_
         assert second != first
         processes[second].kill()
         events += await collect(stream)
-        _clean(events)
+        one_stream(events)
         error = events[-1].error
         assert error.code == pb.ERROR_CODE_NODE_LOST and error.retryable
         assert "continued 1 time(s) already" in error.message and "migrations" in error.message
@@ -199,10 +188,10 @@ async def test_with_no_migrations_allowed_a_cut_run_ends_node_lost(
     cp_never: ControlPlaneApp, pki: Pki, tmp_path: Path
 ) -> None:
     cp = cp_never
-    with node_processes(pki, tmp_path, _port(cp), "node-a", "node-b", routes=[PACED]) as processes:
+    with node_processes(pki, tmp_path, listening_port(cp), "node-a", "node-b", routes=[PACED]) as processes:
         await all_ready(cp, "node-a", "node-b")
         events = await _cut(await client(cp, pki), chat("paced"), processes, after=2)
-        _clean(events)
+        one_stream(events)
         error = events[-1].error
         assert error.code == pb.ERROR_CODE_NODE_LOST and "migrations is 0" in error.message
         assert _metric(cp, "iop_control_plane_migrations_total", outcome="limit") == 1
@@ -211,10 +200,10 @@ async def test_with_no_migrations_allowed_a_cut_run_ends_node_lost(
 async def test_a_run_no_node_can_continue_ends_node_lost_saying_why(
     cp: ControlPlaneApp, pki: Pki, tmp_path: Path
 ) -> None:
-    with node_processes(pki, tmp_path, _port(cp), "node-a", "node-b", routes=[CLI]) as processes:
+    with node_processes(pki, tmp_path, listening_port(cp), "node-a", "node-b", routes=[CLI]) as processes:
         await all_ready(cp, "node-a", "node-b")
         events = await _cut(await client(cp, pki), chat("paced"), processes, after=2)
-        _clean(events)
+        one_stream(events)
         error = events[-1].error
         assert error.code == pb.ERROR_CODE_NODE_LOST and error.retryable
         assert "can continue a run of its kind" in error.message, error.message
@@ -225,13 +214,13 @@ async def test_a_run_no_node_can_continue_ends_node_lost_saying_why(
 async def test_a_run_arriving_with_a_continuation_goes_only_to_a_node_that_can_continue(
     cp: ControlPlaneApp, pki: Pki, tmp_path: Path
 ) -> None:
-    with node_processes(pki, tmp_path, _port(cp), "node-mock", routes=[PACED]):
+    with node_processes(pki, tmp_path, listening_port(cp), "node-mock", routes=[PACED]):
         await all_ready(cp, "node-mock")
         edge = await client(cp, pki)
         fast = {"mock.tokens_per_second": "0"}
         whole = text(await collect(await edge.open_run(chat("paced", metadata=fast))))
         head = whole.split(" ")[:7]
-        with node_processes(pki, tmp_path, _port(cp), "node-cli", routes=[CLI]):
+        with node_processes(pki, tmp_path, listening_port(cp), "node-cli", routes=[CLI]):
             await all_ready(cp, "node-cli")
             await _continued_only_on(edge, "node-mock", " ".join(head) + " ", whole)
 
@@ -251,7 +240,7 @@ async def _continued_only_on(edge: Connection, node_id: str, delivered: str, who
 
 
 async def test_a_frozen_node_is_detected_and_its_run_continued(cp: ControlPlaneApp, pki: Pki, tmp_path: Path) -> None:
-    with node_processes(pki, tmp_path, _port(cp), "node-a", "node-b", routes=[PACED]) as processes:
+    with node_processes(pki, tmp_path, listening_port(cp), "node-a", "node-b", routes=[PACED]) as processes:
         await all_ready(cp, "node-a", "node-b")
         edge = await client(cp, pki)
         whole = await collect(await edge.open_run(chat("paced")))
@@ -263,6 +252,6 @@ async def test_a_frozen_node_is_detected_and_its_run_continued(cp: ControlPlaneA
             events += await collect(stream)
         finally:
             os.kill(frozen.pid, signal.SIGCONT)
-        _clean(events)
+        one_stream(events)
         assert kinds(events)[-1] == "complete" and text(events) == text(whole)
         await assert_eventually(lambda: _metric(cp, "iop_control_plane_migrations_total", outcome="continued") == 1)
