@@ -302,11 +302,12 @@ def running_stack(
     control_plane: dict[str, Any] | None = None,
     edge_settings: dict[str, Any] | None = None,
     worker: dict[str, Any] | None = None,
+    node_settings: dict[str, Any] | None = None,
 ) -> Iterator[Stack]:
     """Control-plane, then the nodes (id -> routes), a worker when ``worker`` is given (its extra
     settings), and the edge; stopped (SIGTERM) on the way out.
 
-    ``control_plane`` and ``edge_settings`` add settings to their configs.
+    ``control_plane``, ``node_settings`` (every node's) and ``edge_settings`` add settings to their configs.
     """
     root.mkdir(parents=True, exist_ok=True)
     certs = root / "certs"
@@ -340,6 +341,7 @@ def running_stack(
                     "store_path": str(root / f"{node_id}.db"),
                     "heartbeat_interval": 0.5,
                     "routes": routes,
+                    **(node_settings or {}),
                 },
             )
             started[node_id] = _spawn(root, node_id, "node", config)
