@@ -495,10 +495,19 @@ class RunRelay:
                 return terminal[0]
             error = terminal[0].error
             if sink.outputs:
-                if not lost:
+                # A continuing node that fails before its own first output (it refused the
+                # continuation, or was full) did not cut the run: another node may continue it.
+                refused = not run.entry.attempts[-1].outputs and error.code not in _ENDS_THE_RUN
+                if not (lost or refused):
                     await sink.forward(*terminal)
                     return terminal[0]
-                moved = await self._migrate(run, decision, tried)
+                refusal = ""
+                if refused:
+                    refusal = f"{code_name(error.code)}: {error.message}"
+                    run.log.info("continuation refused", node_id=node_id, reason=refusal)
+                    assert run.output is not None  # a continued attempt had its output kept
+                    run.output.delivered.refused()
+                moved = await self._migrate(run, decision, tried, refusal=refusal)
                 if isinstance(moved, IopError):
                     await sink.error(moved)
                     return pb.RunEvent(error=error_message(moved))
@@ -530,9 +539,12 @@ class RunRelay:
         run.fair_model = model  # the counters that queue orders it by
         return await self._wait(run, model, exclude=tried)
 
-    async def _migrate(self, run: _Run, lost: Decision, tried: frozenset[str]) -> Decision | IopError:
-        """The run's node was lost after output: a node to continue it on, its continuation set, or the
-        NODE_LOST error saying why it is not continued (counted by outcome, logged either way)."""
+    async def _migrate(
+        self, run: _Run, lost: Decision, tried: frozenset[str], *, refusal: str = ""
+    ) -> Decision | IopError:
+        """The run's node was lost after output (or, ``refusal`` saying how, refused to continue it): a
+        node to continue it on, its continuation set, or the NODE_LOST error saying why it is not
+        continued (counted by outcome, logged either way)."""
         sink, output = run.sink, run.output
         node_id = lost.node_id
         log = run.log.bind(node_id=node_id, outputs=sink.outputs)
@@ -556,8 +568,9 @@ class RunRelay:
             self.metrics.migrations.labels(outcome).inc()
             self.metrics.node_lost.inc()
             log.warning("node lost mid-run", reason=why, outcome=outcome)
+            what = f"refused to continue the run ({refusal})" if refusal else "was lost"
             message = (
-                f"node {node_id} was lost after {sink.outputs} output(s) and the run was not continued: {why};"
+                f"node {node_id} {what} after {sink.outputs} output(s) and the run was not continued: {why};"
                 " send the run again"
             )
             return IopError(pb.ERROR_CODE_NODE_LOST, message, retryable=True)
@@ -638,6 +651,10 @@ class RunRelay:
         lost = connection is None or connection.closed
         record.outcome, record.reason = _outcome(terminal[0], lost)
         return terminal, lost
+
+
+_ENDS_THE_RUN = frozenset({pb.ERROR_CODE_DEADLINE_EXCEEDED, pb.ERROR_CODE_CANCELLED})
+"""Errors of a continued attempt before its own output that end the run rather than send it to another node."""
 
 
 def _kind(request: pb.RunRequest) -> int:

@@ -27,11 +27,12 @@ DEFAULT_LIMIT = 4 * 1024 * 1024
 class Delivered:
     """The output of one run relayed so far, and how to continue the run from it."""
 
-    __slots__ = ("_chars", "_count", "_ids", "_last", "_limit", "_texts", "_tools", "why_not")
+    __slots__ = ("_chars", "_count", "_ids", "_last", "_limit", "_sent", "_texts", "_tools", "why_not")
 
     def __init__(self, request: pb.RunRequest, *, limit: int = DEFAULT_LIMIT) -> None:
         self._limit = limit
         self._last: pb.Continuation | None = None
+        self._sent: list[pb.Continuation | None] = []  # the _last before each sent(), for refused()
         self._texts: list[str] = []
         self._ids: list[int] | None = []  # None once a delta's text came without its ids
         self._chars = self._count = 0
@@ -100,7 +101,14 @@ class Delivered:
 
     def sent(self, continuation: pb.Continuation) -> None:
         """``continuation`` went out with the run's next attempt: the one after it counts its cost."""
+        self._sent.append(self._last)
         self._last = continuation
+
+    def refused(self) -> None:
+        """The last continuation sent was refused before it was read: the next one neither counts its
+        cost nor its number."""
+        if self._sent:
+            self._last = self._sent.pop()
 
     def _give_up(self, why: str) -> None:
         self.why_not = why

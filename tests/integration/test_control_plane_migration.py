@@ -22,7 +22,16 @@ from typing import Any
 
 import pytest
 from conftest import Pki, assert_eventually
-from cp_helpers import IOP, all_ready, client, cp_settings, listening_port, node_processes, one_stream
+from cp_helpers import (
+    IOP,
+    all_ready,
+    client,
+    cp_settings,
+    listening_port,
+    node_config,
+    node_processes,
+    one_stream,
+)
 from cp_policy_helpers import write_policy
 from node_helpers import chat, collect, kinds, text
 
@@ -211,6 +220,39 @@ async def test_a_run_no_node_can_continue_ends_node_lost_saying_why(
         assert "can continue a run of its kind" in error.message, error.message
         assert _metric(cp, "iop_control_plane_migrations_total", outcome="no_node") == 1
         assert _metric(cp, "iop_control_plane_migrations_total", outcome="continued") == 0
+
+
+async def test_a_node_that_refuses_the_continuation_is_not_the_runs_end(
+    cp: ControlPlaneApp, pki: Pki, tmp_path: Path
+) -> None:
+    """node-b takes the prompt (11 characters) but not the prompt with the delivered text: its refusal
+    (INVALID_ARGUMENT, before its own output) sends the run on, here to no other node: NODE_LOST
+    naming the refusal, not an INVALID_ARGUMENT after half an answer."""
+    with node_processes(pki, tmp_path, listening_port(cp), "node-a", routes=[PACED]) as processes:
+        await all_ready(cp, "node-a")
+        edge = await client(cp, pki)
+        stream = await edge.open_run(chat("paced", run_id="refused", metadata={"mock.tokens": "400"}))
+        events = await _deltas(stream, 5)
+        config = node_config(pki, tmp_path, "node-b", listening_port(cp), [PACED])
+        config.write_text(config.read_text() + "max_prompt_chars: 20\n")
+        small = subprocess.Popen([*IOP, "node", "--config", str(config)], stdout=subprocess.DEVNULL)
+        try:
+            await all_ready(cp, "node-b")
+            processes["node-a"].kill()
+            events += await collect(stream)
+        finally:
+            small.kill()
+            small.wait(timeout=10)
+    one_stream(events)
+    error = events[-1].error
+    assert error.code == pb.ERROR_CODE_NODE_LOST and error.retryable, events[-1]
+    assert "node node-b refused to continue the run (INVALID_ARGUMENT: prompt of" in error.message, error.message
+    assert "can continue a run of its kind" in error.message
+    run = await _ledger_run(cp, "refused")
+    assert [(a.node_id, a.outcome, a.continued, a.outputs) for a in run.attempts][1:] == [
+        ("node-b", "failed", True, 0)
+    ]
+    assert run.attempts[0].outcome == "node_lost"
 
 
 async def test_a_run_arriving_with_a_continuation_goes_only_to_a_node_that_can_continue(

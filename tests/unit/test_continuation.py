@@ -58,3 +58,17 @@ def test_tool_calls_embeddings_several_prompts_and_too_much_text_are_not_continu
     assert long.continuation() is not None
     long.add(pb.RunDelta(text="def"))
     assert long.continuation() is None and "5 characters" in long.why_not and long.text == ""
+
+
+def test_a_refused_continuation_costs_nothing_and_keeps_its_number_free() -> None:
+    delivered = Delivered(_chat())
+    delivered.add(pb.RunDelta(text="a b", token_ids=[1, 2]))
+    first = delivered.continuation()
+    assert first is not None
+    delivered.sent(first)
+    delivered.refused()  # the node refused it before reading it
+    again = delivered.continuation()
+    assert again == first  # migration 1 again, and no re-read counted for the refusal
+    delivered.sent(first)
+    second = delivered.continuation()
+    assert second is not None and (second.migration, second.continuation_prompt_tokens) == (2, 2)
