@@ -58,9 +58,11 @@ def cp_config(pki: Pki, folder: Path, **extra: object) -> Path:
     return path
 
 
-def node_config(pki: Pki, tmp_path: Path, node_id: str, port: int, routes: list[dict[str, Any]] | None = None) -> Path:
+def node_config(
+    pki: Pki, tmp_path: Path, node_id: str, port: int, routes: list[dict[str, Any]] | None = None, **settings: Any
+) -> Path:
     """An `iop node` config registering with the control-plane at ``port`` (no listener of its own), serving
-    ``routes`` (default: ROUTES)."""
+    ``routes`` (default: ROUTES), with ``settings`` over it."""
     tls = pki.config(node_id, Role.NODE)
     data = {
         "node_id": node_id,
@@ -71,6 +73,7 @@ def node_config(pki: Pki, tmp_path: Path, node_id: str, port: int, routes: list[
         "event_loop": "asyncio",
         "control_plane": {"address": f"127.0.0.1:{port}", "server_name": "localhost", "reconnect_initial": 0.05},
         "routes": ROUTES if routes is None else routes,
+        **settings,
     }
     path = tmp_path / f"{node_id}.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -78,9 +81,11 @@ def node_config(pki: Pki, tmp_path: Path, node_id: str, port: int, routes: list[
 
 
 @contextmanager
-def node_process(pki: Pki, tmp_path: Path, port: int, node_id: str, routes: list[dict[str, Any]]) -> Iterator[None]:
-    """One `iop node` process serving ``routes``; killed on the way out."""
-    config = node_config(pki, tmp_path, node_id, port, routes)
+def node_process(
+    pki: Pki, tmp_path: Path, port: int, node_id: str, routes: list[dict[str, Any]], **settings: Any
+) -> Iterator[None]:
+    """One `iop node` process serving ``routes`` (``settings`` over its config); killed on the way out."""
+    config = node_config(pki, tmp_path, node_id, port, routes, **settings)
     process = subprocess.Popen(
         [*IOP, "node", "--config", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )

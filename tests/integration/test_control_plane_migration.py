@@ -28,7 +28,7 @@ from cp_helpers import (
     client,
     cp_settings,
     listening_port,
-    node_config,
+    node_process,
     node_processes,
     one_stream,
 )
@@ -233,25 +233,17 @@ async def test_a_node_that_refuses_the_continuation_is_not_the_runs_end(
         edge = await client(cp, pki)
         stream = await edge.open_run(chat("paced", run_id="refused", metadata={"mock.tokens": "400"}))
         events = await _deltas(stream, 5)
-        config = node_config(pki, tmp_path, "node-b", listening_port(cp), [PACED])
-        config.write_text(config.read_text() + "max_prompt_chars: 20\n")
-        small = subprocess.Popen([*IOP, "node", "--config", str(config)], stdout=subprocess.DEVNULL)
-        try:
+        with node_process(pki, tmp_path, listening_port(cp), "node-b", [PACED], max_prompt_chars=20):
             await all_ready(cp, "node-b")
             processes["node-a"].kill()
             events += await collect(stream)
-        finally:
-            small.kill()
-            small.wait(timeout=10)
     one_stream(events)
     error = events[-1].error
     assert error.code == pb.ERROR_CODE_NODE_LOST and error.retryable, events[-1]
     assert "node node-b refused to continue the run (INVALID_ARGUMENT: prompt of" in error.message, error.message
     assert "can continue a run of its kind" in error.message
     run = await _ledger_run(cp, "refused")
-    assert [(a.node_id, a.outcome, a.continued, a.outputs) for a in run.attempts][1:] == [
-        ("node-b", "failed", True, 0)
-    ]
+    assert [(a.node_id, a.outcome, a.continued, a.outputs) for a in run.attempts][1:] == [("node-b", "failed", True, 0)]
     assert run.attempts[0].outcome == "node_lost"
 
 
