@@ -150,6 +150,7 @@ def _runs_show(args: argparse.Namespace) -> int:
 
 
 def _ops(args: argparse.Namespace) -> int:
+    _defer_unused_protobuf()
     from iop_cli import ops
 
     action = getattr(ops, args.ops_action)
@@ -158,6 +159,7 @@ def _ops(args: argparse.Namespace) -> int:
 
 
 def _batches(args: argparse.Namespace) -> int:
+    _defer_unused_protobuf()
     from iop_cli import batches
 
     action = getattr(batches, args.batches_action)
@@ -166,11 +168,19 @@ def _batches(args: argparse.Namespace) -> int:
 
 
 def _tokens(args: argparse.Namespace) -> int:
+    _defer_unused_protobuf()
     from iop_cli import tokens
 
     action = getattr(tokens, args.tokens_action)
     code: int = action(args)
     return code
+
+
+def _defer_unused_protobuf() -> None:
+    """Before an admin request's first protobuf import: its pure-Python half stays unloaded (iop_cli.lazy_protobuf)."""
+    from iop_cli.lazy_protobuf import defer_pure_python_protobuf
+
+    defer_pure_python_protobuf()
 
 
 def _join(args: argparse.Namespace) -> int:
