@@ -104,7 +104,7 @@ async def _nodes(cp: ControlPlane) -> dict[str, dict[str, object]]:
 
 def _without_pure_python_protobuf(modules: set[str]) -> None:
     """What upb serves was loaded, protobuf's pure-Python message module and its imports were not
-    (iop_cli.lazy_protobuf leaves it unexecuted; run, it would bring text_format and the decoder)."""
+    (iop_cli.oneshot leaves it unexecuted; run, it would bring text_format and the decoder)."""
     assert {"google.protobuf.timestamp_pb2", "google.protobuf.internal.well_known_types"} <= modules
     pure_python = {
         "google.protobuf.internal.python_message",
@@ -371,3 +371,21 @@ def test_help_starts_without_the_wire_the_services_or_the_package_metadata() -> 
         assert "iop_cli" in modules
         unwanted = _SERVICES | {"iop_wire", "structlog", "google", "importlib.metadata"}
         assert not modules & unwanted, modules & unwanted
+
+
+_GC_AT_EXIT = (
+    "import atexit, gc, sys; from iop_cli.main import console;"
+    " atexit.register(lambda: print('collector', gc.isenabled(), gc.get_freeze_count() > 0, file=sys.stderr));"
+    " sys.argv[0] = 'iop'; console()"
+)
+
+
+async def test_an_admin_request_leaves_its_objects_to_the_exit_and_other_commands_do_not(cp: ControlPlane) -> None:
+    """``iop nodes ls`` runs without the cyclic collector and freezes what it made (iop_cli.oneshot);
+    ``iop version``, like the services, keeps it."""
+    where = ["--control-plane", f"127.0.0.1:{cp.port}", "--dir", str(cp.state)]
+    for args, expected in ((["nodes", "ls", *where], "collector False True"), (["version"], "collector True False")):
+        command = [sys.executable, "-c", _GC_AT_EXIT, *args]
+        done = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0 and done.stdout, done.stderr[-500:]
+        assert done.stderr.splitlines()[-1] == expected, (args, done.stderr[-500:])
