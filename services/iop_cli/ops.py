@@ -257,8 +257,9 @@ def _nodes_table(nodes: Sequence[pb.NodeInfo], now: float) -> str:
     making them took 1,000 nodes longer than the rest of the listing."""
     rows = [("NODE", "STATE", "MODELS", "IN-FLIGHT", "HEARTBEAT", "ADDRESS", "REASON")]
     for node in nodes:
-        models = ",".join(m.model + ("" if m.available else "(unavailable)") for m in node.models)
-        heartbeat = now - node.last_heartbeat.ToNanoseconds() / 1e9 if node.HasField("last_heartbeat") else None
+        models = ",".join([m.model if m.available else f"{m.model}(unavailable)" for m in node.models])
+        beat = node.last_heartbeat  # its fields, not ToNanoseconds(): that checks the range in Python, per node
+        heartbeat = now - (beat.seconds + beat.nanos / 1e9) if node.HasField("last_heartbeat") else None
         rows.append(
             (
                 node.node_id,
