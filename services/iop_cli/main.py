@@ -38,6 +38,8 @@ from iop_cli.output import CliError
 __all__ = ["console", "main"]
 
 _LEVELS = ("debug", "info", "warning", "error")
+_ONE_REQUEST = ("nodes", "policy", "join-token", "batches")
+"""Commands that send one request and exit: run as such (iop_cli.oneshot)."""
 
 
 def _certs_init(args: argparse.Namespace) -> int:
@@ -150,6 +152,7 @@ def _runs_show(args: argparse.Namespace) -> int:
 
 
 def _ops(args: argparse.Namespace) -> int:
+    _defer_unused_protobuf()
     from iop_cli import ops
 
     action = getattr(ops, args.ops_action)
@@ -158,6 +161,7 @@ def _ops(args: argparse.Namespace) -> int:
 
 
 def _batches(args: argparse.Namespace) -> int:
+    _defer_unused_protobuf()
     from iop_cli import batches
 
     action = getattr(batches, args.batches_action)
@@ -166,11 +170,19 @@ def _batches(args: argparse.Namespace) -> int:
 
 
 def _tokens(args: argparse.Namespace) -> int:
+    _defer_unused_protobuf()
     from iop_cli import tokens
 
     action = getattr(tokens, args.tokens_action)
     code: int = action(args)
     return code
+
+
+def _defer_unused_protobuf() -> None:
+    """Before an admin request's first protobuf import: its pure-Python half stays unloaded (iop_cli.oneshot)."""
+    from iop_cli.oneshot import defer_pure_python_protobuf
+
+    defer_pure_python_protobuf()
 
 
 def _join(args: argparse.Namespace) -> int:
@@ -537,7 +549,11 @@ def console() -> None:
     # command starts as it does where IOP is installed alone (rich, pygments and attrs were a quarter of
     # what `iop nodes ls` imported, by `python -X importtime`).
     sys.modules.setdefault("rich", None)  # type: ignore[arg-type]  # None: "import rich" raises ImportError
-    sys.exit(main())
+    if _command(sys.argv[1:]) not in _ONE_REQUEST:
+        sys.exit(main())
+    from iop_cli.oneshot import run_without_collector
+
+    sys.exit(run_without_collector(main))
 
 
 if __name__ == "__main__":

@@ -37,9 +37,9 @@ def warn(command: str, message: str) -> None:
 
 def table(rows: Sequence[Sequence[str]], *, last_free: bool = False) -> str:
     """``rows`` (the header first) in columns two spaces apart; ``last_free``: the last column is not padded."""
-    padded = len(rows[0]) - 1 if last_free else len(rows[0])
-    widths = [max(len(row[column]) for row in rows) for column in range(padded)]
-    return "\n".join(
-        "  ".join([*(cell.ljust(width) for cell, width in zip(row, widths, strict=False)), *row[padded:]]).rstrip()
-        for row in rows
-    )
+    columns = list(zip(*rows, strict=True))
+    fields = [f"{{:{max(map(len, column))}}}" for column in columns]
+    if last_free:
+        fields[-1] = "{}"
+    line = "  ".join(fields)  # one format for every row: `iop nodes ls` lays out a row per node, 1,000 of them
+    return "\n".join([line.format(*row).rstrip() for row in rows])

@@ -36,6 +36,7 @@ from iop_wire.settings import ConfigError
 
 if TYPE_CHECKING:
     from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
+    from google.protobuf.timestamp_pb2 import Timestamp
 
 __all__ = ["Operations", "PolicyInForce"]
 
@@ -239,12 +240,13 @@ class Operations:
             node_id=node.node_id,
             state=_STATES[node.state],
             reason=node.reason,
-            labels=node.labels,
             in_flight=sum(in_flight for _, in_flight in loads),
             capacity=sum(view.capacity for view, _ in loads),
             address=sessions.addresses.get(node.node_id, ""),
             shared_certificate=node.node_id in sessions.shared,
         )
+        if node.labels:  # a map given to add() is copied through Python's MutableMapping.update, even empty
+            info.labels.update(node.labels)
         for view, in_flight in loads:
             info.models.add(
                 model=view.model,
@@ -257,11 +259,18 @@ class Operations:
         if connection is not None and connection.peer.serial:
             info.certificate_serial = connection.peer.serial
             if connection.peer.not_after is not None:
-                info.certificate_not_after.FromNanoseconds(int(connection.peer.not_after * 1e9))
+                _set_time(info.certificate_not_after, connection.peer.not_after)
         if (seen := sessions.last_seen.get(node.node_id)) is not None:
-            info.last_heartbeat.FromNanoseconds(int(seen * 1e9))
+            _set_time(info.last_heartbeat, seen)
         if (first := sessions.store.first_seen.get(node.node_id)) is not None:
-            info.first_seen.FromNanoseconds(int(first * 1e9))
+            _set_time(info.first_seen, first)
+
+
+def _set_time(timestamp: Timestamp, seconds: float) -> None:
+    """``timestamp`` set to ``seconds`` since the epoch, field by field: FromNanoseconds checks its range in
+    Python, three times per node of a listing."""
+    whole = int(seconds)
+    timestamp.seconds, timestamp.nanos = whole, int((seconds - whole) * 1e9)
 
 
 async def _stored(write: Awaitable[_T], what: str) -> _T:

@@ -16,6 +16,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import cast
 
+from iop_wire.contexts import mutual_tls_context
+
 __all__ = [
     "ANONYMOUS",
     "CERTLESS",
@@ -99,25 +101,17 @@ def acting_caller(peer: PeerIdentity, named: str) -> str:
     return peer.name
 
 
-def _context(purpose: ssl.Purpose, config: TlsConfig) -> ssl.SSLContext:
-    cert, key, ca = config.files()
-    context = ssl.create_default_context(purpose, cafile=str(ca))
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_cert_chain(str(cert), str(key))
-    return context
-
-
 def server_context(config: TlsConfig, *, certless: bool = False) -> ssl.SSLContext:
     """A listener's context: client certificates required and verified against the CA (with
     ``certless``, asked for and verified when presented, but not required)."""
-    context = _context(ssl.Purpose.CLIENT_AUTH, config)
+    context = mutual_tls_context(ssl.Purpose.CLIENT_AUTH, *config.files())
     context.verify_mode = ssl.CERT_OPTIONAL if certless else ssl.CERT_REQUIRED
     return context
 
 
 def client_context(config: TlsConfig) -> ssl.SSLContext:
     """A dialer's context: presents its certificate and verifies the server's name and CA."""
-    return _context(ssl.Purpose.SERVER_AUTH, config)
+    return mutual_tls_context(ssl.Purpose.SERVER_AUTH, *config.files())
 
 
 def certless_context(ca_pem: bytes | None = None) -> ssl.SSLContext:

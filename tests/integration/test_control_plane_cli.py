@@ -9,7 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,12 +80,15 @@ async def cp(pki: Pki, tmp_path: Path) -> AsyncIterator[ControlPlane]:
             assert process.wait(timeout=15) == 0
 
 
-async def _iop(cp: ControlPlane | None, *args: str, port: int | None = None) -> tuple[int, str, str]:
-    """Run `iop ARGS` against the control-plane; (exit code, stdout, stderr)."""
+async def _iop(
+    cp: ControlPlane | None, *args: str, port: int | None = None, python: Sequence[str] = ()
+) -> tuple[int, str, str]:
+    """Run `iop ARGS` (the interpreter given ``python``'s options) against the control-plane; (exit code,
+    stdout, stderr)."""
     where = ["--control-plane", f"127.0.0.1:{port or (cp.port if cp else 1)}"]
     state = ["--dir", str(cp.state)] if cp else []
     process = await asyncio.create_subprocess_exec(
-        *IOP, *args, *where, *state, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        IOP[0], *python, *IOP[1:], *args, *where, *state, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
     out, err = await asyncio.wait_for(process.communicate(), 30)
     assert process.returncode is not None
@@ -93,9 +96,22 @@ async def _iop(cp: ControlPlane | None, *args: str, port: int | None = None) -> 
 
 
 async def _nodes(cp: ControlPlane) -> dict[str, dict[str, object]]:
-    code, out, err = await _iop(cp, "nodes", "ls", "--json")
-    assert code == 0, err
+    code, out, err = await _iop(cp, "nodes", "ls", "--json", python=["-X", "importtime"])
+    assert code == 0, err[-500:]
+    _without_pure_python_protobuf(imported(err))
     return {node["node_id"]: node for node in json.loads(out)}
+
+
+def _without_pure_python_protobuf(modules: set[str]) -> None:
+    """What upb serves was loaded, protobuf's pure-Python message module and its imports were not
+    (iop_cli.oneshot leaves it unexecuted; run, it would bring text_format and the decoder)."""
+    assert {"google.protobuf.timestamp_pb2", "google.protobuf.internal.well_known_types"} <= modules
+    pure_python = {
+        "google.protobuf.internal.python_message",
+        "google.protobuf.text_format",
+        "google.protobuf.internal.decoder",
+    }
+    assert not modules & pure_python, modules & pure_python
 
 
 async def _version_in_force(cp: ControlPlane, pki: Pki) -> str:
@@ -117,8 +133,9 @@ async def test_nodes_ls_drain_undrain(cp: ControlPlane, pki: Pki, tmp_path: Path
                 if [node.state for node in listed.nodes] == [pb.NODE_STATE_READY]:
                     break
                 await asyncio.sleep(0.05)
-        code, out, err = await _iop(cp, "nodes", "ls")
-        assert code == 0, err
+        code, out, err = await _iop(cp, "nodes", "ls", python=["-X", "importtime"])
+        assert code == 0, err[-500:]
+        _without_pure_python_protobuf(imported(err))
         header, row = out.splitlines()
         assert header.split()[:6] == ["NODE", "STATE", "MODELS", "IN-FLIGHT", "HEARTBEAT", "ADDRESS"]
         assert row.startswith("node-a") and " ready " in row and "mock-small" in row and "127.0.0.1:" in row
@@ -338,6 +355,8 @@ async def test_nodes_ls_starts_without_the_services_asyncio_logging_or_metrics(c
     # most of the command's time. rich: `iop` refuses it (an attempt shows as "rich").
     unwanted = _SERVICES | {"asyncio", "structlog", "prometheus_client", "iop_wire.connection", "rich.console"}
     unwanted |= {"pygments"}
+    # dataclasses (iop_wire.tls's types) imports inspect, ast and tokenize: a tenth of the command's start.
+    unwanted |= {"dataclasses", "inspect"}
     assert not modules & unwanted, modules & unwanted
 
 
@@ -354,3 +373,21 @@ def test_help_starts_without_the_wire_the_services_or_the_package_metadata() -> 
         assert "iop_cli" in modules
         unwanted = _SERVICES | {"iop_wire", "structlog", "google", "importlib.metadata"}
         assert not modules & unwanted, modules & unwanted
+
+
+_GC_AT_EXIT = (
+    "import atexit, gc, sys; from iop_cli.main import console;"
+    " atexit.register(lambda: print('collector', gc.isenabled(), gc.get_freeze_count() > 0, file=sys.stderr));"
+    " sys.argv[0] = 'iop'; console()"
+)
+
+
+async def test_an_admin_request_leaves_its_objects_to_the_exit_and_other_commands_do_not(cp: ControlPlane) -> None:
+    """``iop nodes ls`` runs without the cyclic collector and freezes what it made (iop_cli.oneshot);
+    ``iop version``, like the services, keeps it."""
+    where = ["--control-plane", f"127.0.0.1:{cp.port}", "--dir", str(cp.state)]
+    for args, expected in ((["nodes", "ls", *where], "collector False True"), (["version"], "collector True False")):
+        command = [sys.executable, "-c", _GC_AT_EXIT, *args]
+        done = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0 and done.stdout, done.stderr[-500:]
+        assert done.stderr.splitlines()[-1] == expected, (args, done.stderr[-500:])
