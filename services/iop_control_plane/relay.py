@@ -53,6 +53,7 @@ from iop_wire.continuation import Delivered
 from iop_wire.errors import Reason
 from iop_wire.logs import RateLimitedLog
 from iop_wire.messages import error_message
+from iop_wire.tls import TRUSTED_ROLES
 
 __all__ = ["RunRelay"]
 
@@ -131,6 +132,8 @@ class _Output:
             resumed, self.resumed = self.resumed, None
             resumed(now - self.last_at)
         self.last_at = now
+        if self.delivered.why_not:  # it cannot be continued: nothing more to keep
+            return
         if not body:  # a codec other than protobuf: the event is all there is
             self._fold()
             self.delivered.add(event.delta)
@@ -239,6 +242,11 @@ class RunRelay:
         try:
             if (over_long := _over_long(request, caller)) is not None:
                 terminal = await self._refuse_over_long(sink, *over_long)
+            elif request.HasField("continuation") and sink.peer.role not in TRUSTED_ROLES:
+                # Output delivered elsewhere is vouched for only by a peer that relays runs: from
+                # anyone else it would be prompt text that bypasses the estimate and the charge.
+                message = "only an edge, worker or control-plane may send a run with a continuation"
+                terminal = await _refuse(sink, IopError(pb.ERROR_CODE_PERMISSION_DENIED, message, param="continuation"))
             else:
                 terminal = await self._run(self._prepared(request, sink, caller, entry))
         finally:
@@ -497,7 +505,10 @@ class RunRelay:
             if sink.outputs:
                 # A continuing node that fails before its own first output (it refused the
                 # continuation, or was full) did not cut the run: another node may continue it.
-                refused = not run.entry.attempts[-1].outputs and error.code not in _ENDS_THE_RUN
+                # A node stopping (its drain's grace ran out, SIGTERM) ends its runs SHUTTING_DOWN
+                # over a connection still open: as good as lost for the run.
+                lost = lost or (error.retryable and error.code in _STOPPING)
+                refused = not lost and not run.entry.attempts[-1].outputs and error.code not in _ENDS_THE_RUN
                 if not (lost or refused):
                     await sink.forward(*terminal)
                     return terminal[0]
@@ -505,8 +516,8 @@ class RunRelay:
                 if refused:
                     refusal = f"{code_name(error.code)}: {error.message}"
                     run.log.info("continuation refused", node_id=node_id, reason=refusal)
-                    assert run.output is not None  # a continued attempt had its output kept
-                    run.output.delivered.refused()
+                    if run.output is not None:  # always, for a continued attempt
+                        run.output.delivered.refused()
                 moved = await self._migrate(run, decision, tried, refusal=refusal)
                 if isinstance(moved, IopError):
                     await sink.error(moved)
@@ -653,6 +664,8 @@ class RunRelay:
         return terminal, lost
 
 
+_STOPPING = frozenset({pb.ERROR_CODE_SHUTTING_DOWN, pb.ERROR_CODE_UNAVAILABLE})
+"""Retryable errors after output that say the node (or its backend) stopped serving: the run is continued."""
 _ENDS_THE_RUN = frozenset({pb.ERROR_CODE_DEADLINE_EXCEEDED, pb.ERROR_CODE_CANCELLED})
 """Errors of a continued attempt before its own output that end the run rather than send it to another node."""
 

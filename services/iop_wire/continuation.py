@@ -20,8 +20,21 @@ from iop_gen.pb.iop import runtime_pb2 as pb
 
 __all__ = ["DEFAULT_LIMIT", "Delivered"]
 
-DEFAULT_LIMIT = 4 * 1024 * 1024
-"""Characters of delivered text kept per run: a longer run ends NODE_LOST rather than hold more."""
+DEFAULT_LIMIT = 512 * 1024
+"""Characters of delivered text kept per run (about 128,000 tokens): a longer run ends NODE_LOST
+rather than hold more. At most 2 MiB of UTF-8, so a continuation fits the 4 MiB frame beside its
+prompt."""
+
+_MAX_COUNT = 2**32 - 1
+"""Largest token count a Continuation carries (uint32)."""
+
+_IDS_OVER_CHARS = 64
+"""Token ids held beyond one per delivered character (tokens of no text: special tokens, a character
+split over several): more, and the ids are dropped and the count becomes an estimate."""
+
+_STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "format")
+"""Request fields that constrain the output's shape: the backend would start a new document after the
+delivered half of one, so such runs are not continued."""
 
 
 class Delivered:
@@ -46,12 +59,17 @@ class Delivered:
         # tool calls are not read (a microsecond a delta); deltas without text are checked always.
         fields = request.openai_fields.fields
         self._tools = "tools" in fields or "functions" in fields
+        if not self.why_not and (shaped := _structured(request)):
+            self.why_not = f"output constrained by {shaped} is not continued (it would start anew)"
         if request.HasField("continuation"):
             base = request.continuation
             self._last = base
             self._texts.append(base.text)
             self._chars, self._count = len(base.text), base.completion_tokens
-            self._ids = list(base.token_ids) if len(base.token_ids) == base.completion_tokens else None
+            ids_cover_text = bool(base.token_ids) or not base.text
+            self._ids = (
+                list(base.token_ids) if ids_cover_text and len(base.token_ids) == base.completion_tokens else None
+            )
 
     def add(self, delta: pb.RunDelta) -> None:
         """Keep ``delta``, forwarded to the requester."""
@@ -71,7 +89,9 @@ class Delivered:
         self._texts.append(text)
         if self._ids is not None:  # once one delta came without ids, the count is an estimate: not read again
             ids = delta.token_ids
-            if ids:
+            if len(self._ids) + len(ids) > self._chars + _IDS_OVER_CHARS:  # a peer's ids are not held unbounded
+                self._ids = None
+            elif ids:
                 self._count += len(ids)
                 self._ids.extend(ids)
                 return
@@ -93,10 +113,12 @@ class Delivered:
         return pb.Continuation(
             text=self.text,
             token_ids=self._ids or [],
-            completion_tokens=self._count,
+            completion_tokens=min(self._count, _MAX_COUNT),
             migration=last.migration + 1 if last is not None else 1,
             # the lost attempt re-read what it was sent: about its delivered tokens
-            continuation_prompt_tokens=last.continuation_prompt_tokens + last.completion_tokens if last else 0,
+            continuation_prompt_tokens=min(last.continuation_prompt_tokens + last.completion_tokens, _MAX_COUNT)
+            if last
+            else 0,
         )
 
     def sent(self, continuation: pb.Continuation) -> None:
@@ -114,3 +136,17 @@ class Delivered:
         self.why_not = why
         self._texts.clear()
         self._ids = None
+
+
+def _structured(request: pb.RunRequest) -> str:
+    """The field that constrains the run's output to a shape, if one does ("" for plain text)."""
+    fields = request.openai_fields.fields
+    for name in _STRUCTURED:
+        if name not in fields:
+            continue
+        value = fields[name]
+        if name == "response_format" and value.struct_value.fields["type"].string_value in ("", "text"):
+            continue
+        if value.WhichOneof("kind") != "null_value":
+            return name
+    return ""

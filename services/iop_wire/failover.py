@@ -101,7 +101,8 @@ class FailoverStream(RunStream):
         self._tried = {*tried, address}
         self._held: _Event | None = None
         self._started = False
-        self._delivered = Delivered(request)
+        self._delivered = Delivered(request) if migrations else None  # nothing kept for a run never continued
+        self._cut = False  # the current attempt ended by its control-plane's loss or stop, not a refusal
         self._attempt_outputs = 0
         self._sequence = 0  # the number of the next event passed to the reader
         self._renumber = False  # an attempt after the first numbers from 0 again
@@ -155,7 +156,8 @@ class FailoverStream(RunStream):
         if kind == "delta":
             self.outputs += 1
             self._attempt_outputs += 1
-            self._delivered.add(event.delta)
+            if self._delivered is not None:
+                self._delivered.add(event.delta)
             return self._numbered(item)
         if kind == "start":
             if self._started:
@@ -164,8 +166,10 @@ class FailoverStream(RunStream):
             return self._numbered(item)
         if kind == "error" and not self.cancelled:
             lost = not body and self._connection.closed
-            refused = not self._attempt_outputs and event.error.retryable and event.error.code in REOPEN_CODES
-            if lost or refused:
+            # UNAVAILABLE or SHUTTING_DOWN: the control-plane is stopping (or refuses before output)
+            stopping = event.error.retryable and event.error.code in REOPEN_CODES
+            self._cut = lost or (stopping and self._attempt_outputs > 0)
+            if lost or stopping:
                 return None
             if self.migrated and not self._attempt_outputs:  # the continued attempt failed before its own output
                 return self._deliver(self._not_continued(f"the control-plane at {self.address} {_answered(event)}"))
@@ -198,14 +202,17 @@ class FailoverStream(RunStream):
                 FAILOVERS.labels("none_left").inc()
             return failed
         lost_at = time.monotonic()
-        if not failed[1]:  # lost, not refused by a continued attempt's control-plane
+        if self._cut:  # lost or stopped, not refused by a continued attempt's control-plane
             self._lost_from = self.address
+        elif self.migrated and self._delivered is not None:  # the refused continuation was not read
+            self._delivered.refused()
         continuation, why = self._continuation()
         if continuation is not None:
             request = pb.RunRequest()
             request.CopyFrom(self._request)
             request.continuation.CopyFrom(continuation)
             if await self._open_elsewhere(request):
+                assert self._delivered is not None  # a continuation was made from it
                 self._delivered.sent(continuation)
                 self.migrated += 1
                 FAILOVERS.labels("continued").inc()
@@ -220,7 +227,7 @@ class FailoverStream(RunStream):
                 )
                 return None
             why = "no other control-plane could take it"
-            if failed[1]:  # the attempt was refused, not lost: say by what
+            if not self._cut:  # the attempt was refused, not lost: say by what
                 why += f" (the last one {_answered(failed[0])})"
         return failed if self.cancelled else self._not_continued(why)
 
@@ -240,6 +247,8 @@ class FailoverStream(RunStream):
     def _continuation(self) -> tuple[pb.Continuation | None, str]:
         """The next attempt's continuation, or None and why the run is not continued."""
         delivered = self._delivered
+        if delivered is None:
+            return None, "its limit is 0 (migrations: 0)"
         if delivered.why_not:
             return None, delivered.why_not
         if self.migrated >= self._migrations:

@@ -110,13 +110,14 @@ async def with_node(
 
 @contextmanager
 def node_processes(
-    pki: Pki, tmp_path: Path, port: int, *node_ids: str, routes: list[dict[str, Any]] | None = None
+    pki: Pki, tmp_path: Path, port: int, *node_ids: str, routes: list[dict[str, Any]] | None = None, **settings: Any
 ) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
-    """`iop node` processes by id, serving ``routes`` (default: ROUTES); killed (if still running) on the way out."""
+    """`iop node` processes by id, serving ``routes`` (default: ROUTES), ``settings`` over their configs; killed
+    (if still running) on the way out."""
     processes: dict[str, subprocess.Popen[bytes]] = {}
     try:
         for node_id in node_ids:
-            config = node_config(pki, tmp_path, node_id, port, routes)
+            config = node_config(pki, tmp_path, node_id, port, routes, **settings)
             command = [*IOP, "node", "--config", str(config)]
             processes[node_id] = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         yield processes

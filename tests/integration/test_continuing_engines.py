@@ -211,6 +211,14 @@ async def test_vllm_refuses_to_continue_what_its_route_does_not(
     assert not info.continuable_kinds
     with pytest.raises(IopError, match="cannot continue"):
         await _run(nothing, _spec(pb.RUN_KIND_COMPLETION, "Tell me", continuation=_EARLIER))
+    shaped = _spec(
+        pb.RUN_KIND_COMPLETION,
+        "Tell me",
+        continuation=_EARLIER,
+        openai_fields={"response_format": {"type": "json_object"}},
+    )
+    with pytest.raises(IopError, match="constrained by response_format"):
+        await _run(adapter, shaped)
     assert server.bodies == []
 
 

@@ -247,6 +247,41 @@ async def test_a_node_that_refuses_the_continuation_is_not_the_runs_end(
     assert run.attempts[0].outcome == "node_lost"
 
 
+async def test_a_node_stopping_mid_stream_has_its_runs_continued(cp: ControlPlaneApp, pki: Pki, tmp_path: Path) -> None:
+    """SIGTERM: the node drains, and past its grace ends its runs SHUTTING_DOWN over a connection still
+    open; that cuts the run as a lost node does, and it is continued."""
+    routes = [PACED]
+    with node_processes(pki, tmp_path, listening_port(cp), "node-a", "node-b", routes=routes, shutdown_grace=0.2) as ps:
+        await all_ready(cp, "node-a", "node-b")
+        edge = await client(cp, pki)
+        whole = await collect(await edge.open_run(chat("paced")))
+        stream = await edge.open_run(chat("paced"))
+        events = await _deltas(stream, 5)
+        ps[events[0].start.node_id].send_signal(signal.SIGTERM)
+        events += await collect(stream)
+    one_stream(events)
+    assert kinds(events)[-1] == "complete", events[-1]
+    assert text(events) == text(whole)
+    assert _metric(cp, "iop_control_plane_migrations_total", outcome="continued") == 1
+
+
+async def test_a_continuation_from_a_peer_that_does_not_relay_runs_is_refused(
+    cp: ControlPlaneApp, pki: Pki, tmp_path: Path
+) -> None:
+    with node_processes(pki, tmp_path, listening_port(cp), "node-a", routes=[PACED]):
+        await all_ready(cp, "node-a")
+        admin = await client(cp, pki, "ops", Role.ADMIN)
+        request = chat("paced")
+        request.continuation.text, request.continuation.completion_tokens = "a long text " * 100, 1
+        events = await collect(await admin.open_run(request))
+        error = events[-1].error
+        assert (error.code, error.param) == (pb.ERROR_CODE_PERMISSION_DENIED, "continuation"), events
+        assert kinds(events) == ["error"]
+        assert (
+            kinds(await collect(await admin.open_run(chat("paced", metadata={"mock.tokens": "2"}))))[-1] == "complete"
+        )
+
+
 async def test_a_run_arriving_with_a_continuation_goes_only_to_a_node_that_can_continue(
     cp: ControlPlaneApp, pki: Pki, tmp_path: Path
 ) -> None:

@@ -239,6 +239,32 @@ async def test_a_run_cut_after_output_is_continued_on_another_peer_as_one_stream
     assert len(first.runs) == len(second.runs) == 1 and len(first.continued + second.continued) == 1
 
 
+def _stop_after(outputs: int) -> Serve:
+    """A peer that stops gracefully after ``outputs`` words (SHUTTING_DOWN over its open connection), and
+    serves the rest of a continuation."""
+    cut = _cut_after(len(_WORDS))
+
+    async def serve(request: pb.RunRequest, sink: EventSink, listener: Listener) -> None:
+        if request.HasField("continuation"):
+            await cut(request, sink, listener)
+            return
+        await sink.start(node_id="n", model=request.model, adapter="fake")
+        for word in _WORDS[:outputs]:
+            await sink.delta(word)
+        await sink.error(IopError(pb.ERROR_CODE_SHUTTING_DOWN, "the control-plane is stopping", retryable=True))
+
+    return serve
+
+
+async def test_a_run_whose_control_plane_stops_after_output_is_continued(pki: Pki) -> None:
+    first, second = await Peer(pki, _stop_after(2)).start(), await Peer(pki, _stop_after(2)).start()
+    async with _links(pki, first, second) as links:
+        events, moved = await _read(links, chat())
+    assert kinds(events)[-1] == "complete", events[-1]
+    assert text(events) == "".join(_WORDS) and [event.sequence for event in events] == list(range(7))
+    assert moved == 1 and events[-1].complete.usage.continuation_prompt_tokens == 2
+
+
 async def test_a_run_is_continued_at_most_migrations_times(pki: Pki) -> None:
     peers = [await Peer(pki, _cut_after(1)).start() for _ in range(3)]
     async with _links(pki, *peers) as links:

@@ -72,3 +72,31 @@ def test_a_refused_continuation_costs_nothing_and_keeps_its_number_free() -> Non
     delivered.sent(first)
     second = delivered.continuation()
     assert second is not None and (second.migration, second.continuation_prompt_tokens) == (2, 2)
+
+
+def test_a_peer_flooding_token_ids_gets_them_dropped_not_held() -> None:
+    delivered = Delivered(_chat())
+    delivered.add(pb.RunDelta(text="a", token_ids=[1]))
+    delivered.add(pb.RunDelta(text="b", token_ids=list(range(100_000))))  # a lying node: 100,000 ids for one letter
+    continuation = delivered.continuation()
+    assert continuation is not None
+    assert (continuation.text, list(continuation.token_ids), continuation.completion_tokens) == ("ab", [], 2)
+
+
+def test_output_of_a_constrained_shape_is_not_continued_and_plain_text_is() -> None:
+    json_schema = _chat()
+    json_schema.openai_fields.update({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})
+    assert "response_format" in Delivered(json_schema).why_not
+    guided = _chat()
+    guided.openai_fields.update({"guided_regex": "[a-z]+"})
+    assert "guided_regex" in Delivered(guided).why_not
+    plain = _chat()
+    plain.openai_fields.update({"response_format": {"type": "text"}, "guided_json": None})
+    assert Delivered(plain).why_not == ""
+
+
+def test_ids_after_a_continuation_given_without_ids_are_not_taken_for_the_whole_text() -> None:
+    delivered = Delivered(_chat(continuation=pb.Continuation(text="given ", completion_tokens=0)))
+    delivered.add(pb.RunDelta(text="more", token_ids=[5]))
+    continuation = delivered.continuation()
+    assert continuation is not None and continuation.text == "given more" and list(continuation.token_ids) == []

@@ -33,6 +33,13 @@ def check_continuable(spec: ExecutionSpec, continued: Iterable[str]) -> None:
     kind = _KIND_NAMES.get(spec.kind, "unknown")
     if kind not in continued:
         refuse_continuation(spec, f"its route continues {', '.join(continued) or 'no'} runs, not {kind}")
+    shaped = [name for name in _SHAPED if spec.openai_fields.get(name) not in (None, {"type": "text"})]
+    if shaped:  # a grammar or schema constrains only what the backend generates: it would start a new document
+        refuse_continuation(spec, f"output constrained by {shaped[0]} cannot be continued")
+
+
+_SHAPED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "format")
+"""Request fields that constrain the output's shape (as iop_wire.continuation's relays see them)."""
 
 
 def remaining_tokens(spec: ExecutionSpec) -> int | None:
