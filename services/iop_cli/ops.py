@@ -319,8 +319,9 @@ def _run_dict(run: pb.LedgerRun) -> dict[str, Any]:
 def _runs_table(runs: list[dict[str, Any]]) -> str:
     if not runs:
         return "no runs"
-    header = ("RECEIVED", "RUN", "CALLER", "MODEL", "NODE", "STATUS", "TRIES", "TTFT-MS", "MS", "TOKENS", "ERROR")
-    rows = [header]
+    # MOVED: times the run was continued on another node after output (a migration)
+    header = ("RECEIVED", "RUN", "CALLER", "MODEL", "NODE", "STATUS", "TRIES", "MOVED", "TTFT-MS", "MS", "TOKENS")
+    rows = [(*header, "ERROR")]
     for run in runs:
         tokens = f"{run['prompt_tokens']}/{run['completion_tokens']}" + ("~" if run["usage_estimated"] else "")
         rows.append(
@@ -332,6 +333,7 @@ def _runs_table(runs: list[dict[str, Any]]) -> str:
                 run["node_id"] or "-",
                 run["status"],
                 str(len(run["attempts"])),
+                str(run["migrations"]),
                 _text(run["ttft_ms"]),
                 _text(run["duration_ms"]),
                 tokens,

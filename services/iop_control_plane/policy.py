@@ -147,6 +147,13 @@ class Policy(Section):
         settings = self.models.get(model)
         return settings.migrations if settings and settings.migrations is not None else self.defaults.migrations
 
+    def may_migrate(self, name: str) -> bool:
+        """Whether a run of ``name`` (a model, an alias or a route) may be continued on any model it can be
+        placed on: only then does the relay keep its output."""
+        if (alias := self.aliases.get(name)) is not None:
+            return self.migrations_for(alias) > 0
+        return any(self.migrations_for(target) > 0 for target in self.routes.get(name) or (name,))
+
     def caller_limit(self, caller: str) -> int | None:
         """Runs ``caller`` may have in progress; None: no limit."""
         settings = self.callers.get(caller)

@@ -266,7 +266,7 @@ class RunRelay:
         )
         if request.HasField("continuation"):
             run.continuing, run.continuation = _kind(request), request.continuation
-        if policy.migrations_for(policy.aliases.get(request.model, request.model)):
+        if policy.may_migrate(request.model):
             run.output = _Output(request)  # kept only for a run that may be continued
         return run
 

@@ -282,9 +282,12 @@ async def test_a_client_asking_logprobs_gets_them_as_text_not_token_ids(
     await adapter.execute(_spec(pb.RUN_KIND_CHAT, "tell me", openai_fields={"logprobs": True}), OutputSink())
     [body] = server.bodies
     assert "return_tokens_as_token_ids" not in body
+    # logprobs 0 on a completion asks for the chosen tokens' logprobs: not a "no" either
+    await adapter.execute(_spec(pb.RUN_KIND_COMPLETION, "tell me", openai_fields={"logprobs": 0}), OutputSink())
+    assert "return_tokens_as_token_ids" not in server.bodies[1]
     plain = await stack.enter_async_context(_vllm(url))  # the default: no ids asked
     await plain.execute(_spec(pb.RUN_KIND_CHAT, "tell me"), OutputSink())
-    assert "return_tokens_as_token_ids" not in server.bodies[1] and "logprobs" not in server.bodies[1]
+    assert "return_tokens_as_token_ids" not in server.bodies[2] and "logprobs" not in server.bodies[2]
 
 
 # -- llama-cpp-python: a completion cut after k tokens on server A goes on on server B ------------------

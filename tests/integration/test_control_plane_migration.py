@@ -165,6 +165,11 @@ async def _runs_show(app: ControlPlaneApp, pki: Pki, tmp_path: Path, run_id: str
             lines = out.decode().splitlines()
             assert "migrations: 1" in lines
             assert any(line.startswith(f"  2. node_id={to}, ") and "continued=True" in line for line in lines)
+    process = await asyncio.create_subprocess_exec(*IOP, "runs", "ls", *where, stdout=subprocess.PIPE)
+    out, _ = await asyncio.wait_for(process.communicate(), 30)
+    header, *rows = (line.split() for line in out.decode().splitlines())
+    (row,) = [row for row in rows if row[1] == run_id]
+    assert (row[header.index("TRIES")], row[header.index("MOVED")]) == ("2", "1"), "the table shows the migration"
 
 
 async def test_a_run_lost_again_past_the_migrations_limit_ends_node_lost_naming_it(

@@ -264,6 +264,39 @@ async def test_a_sqlite_file_of_an_earlier_version_migrates_forward(tmp_path: Pa
         assert db.execute("SELECT version FROM control_plane_schema").fetchall() == [(SCHEMA_VERSION,)]
 
 
+async def test_a_postgresql_database_of_version_2_with_runs_migrates_forward(postgres: PgServer) -> None:  # noqa: F811
+    """Version 3 added the migration columns to a ledger that may hold millions of runs: they come with
+    their defaults, and the runs read as runs never continued."""
+    url = await fresh_database(postgres)
+    store = PgStore(url)
+    await store.open("cp-a")
+    await store.commit([_ended("before", "node-a", "node-b")], {})
+    await store.aclose()
+    connection = await asyncpg.connect(url)
+    try:  # back to version 2, as a control-plane of the last release left it
+        await connection.execute("ALTER TABLE runs DROP COLUMN migrations")
+        for column in ("outputs", "continued", "continuation_prompt_tokens", "gap"):
+            await connection.execute(f"ALTER TABLE run_attempts DROP COLUMN {column}")
+        await connection.execute("UPDATE control_plane_schema SET version = 2")
+    finally:
+        await connection.close()
+    again = PgStore(url)
+    await again.open("cp-b")
+    try:
+        (run,) = (await again.runs(pb.RunsList())).runs
+        assert (run.run_id, run.migrations, [a.node_id for a in run.attempts]) == ("before", 0, ["node-a", "node-b"])
+        assert all(not a.continued and a.outputs == 0 and not a.HasField("gap") for a in run.attempts)
+        await again.commit([_ended("after", "node-c")], {})
+        assert [r.run_id for r in (await again.runs(pb.RunsList())).runs] == ["after", "before"]
+    finally:
+        await again.aclose()
+    connection = await asyncpg.connect(url)
+    try:
+        assert await connection.fetchval("SELECT max(version) FROM control_plane_schema") == SCHEMA_VERSION
+    finally:
+        await connection.close()
+
+
 async def test_control_planes_opening_one_database_together_migrate_it_once(postgres: PgServer) -> None:  # noqa: F811
     url = await fresh_database(postgres)
     stores = [PgStore(url) for _ in range(3)]

@@ -39,6 +39,15 @@ def test_the_example_loads_and_answers_per_model_and_caller() -> None:
     assert [policy.caller_limit(caller) for caller in ("batch-worker", "vip", "someone")] == [64, 1000, 100]
 
 
+def test_a_route_or_alias_may_migrate_when_a_model_it_names_does() -> None:
+    policy = load_policy(
+        "defaults: {migrations: 0}\nmodels: {big: {migrations: 2}}\n"
+        "aliases: {a-big: big, a-small: small}\nroutes: {mixed: {big: 1, small: 1}, smalls: {small: 1}}\n"
+    )
+    allowed = {name: policy.may_migrate(name) for name in ("big", "small", "a-big", "a-small", "mixed", "smalls")}
+    assert allowed == {"big": True, "small": False, "a-big": True, "a-small": False, "mixed": True, "smalls": False}
+
+
 @pytest.mark.parametrize("text", ["", "# nothing but a comment\n", "{}"])
 def test_an_empty_policy_is_the_defaults(text: str) -> None:
     policy = load_policy(text)

@@ -190,7 +190,8 @@ async def _embed(endpoint: Endpoint, spec: ExecutionSpec, sink: EventSink) -> No
 def _streams_token_ids(spec: ExecutionSpec, options: VllmOptions) -> bool:
     """Whether this run's stream asks for token ids: the route says the server gives them, and the
     client asked no logprobs (which would then come back as "token_id:N" instead of text)."""
-    return options.token_ids and spec.request.stream and spec.openai_fields.get("logprobs") in (None, False)
+    asked = spec.openai_fields.get("logprobs")
+    return options.token_ids and spec.request.stream and (asked is None or asked is False)  # 0 asks, for completions
 
 
 async def _token_prompt(endpoint: Endpoint, spec: ExecutionSpec, options: VllmOptions) -> list[int] | None:
