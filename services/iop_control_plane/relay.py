@@ -49,7 +49,7 @@ from iop_control_plane.settings import FairnessSettings
 from iop_control_plane.text import NAME_CHARS, clip
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import EventSink, IopError, acting_caller, code_name, relay
-from iop_wire.continuation import Delivered
+from iop_wire.continuation import STOPPED_CODES, Delivered
 from iop_wire.errors import Reason
 from iop_wire.logs import RateLimitedLog
 from iop_wire.messages import error_message
@@ -507,7 +507,7 @@ class RunRelay:
                 # continuation, or was full) did not cut the run: another node may continue it.
                 # A node stopping (its drain's grace ran out, SIGTERM) ends its runs SHUTTING_DOWN
                 # over a connection still open: as good as lost for the run.
-                lost = lost or (error.retryable and error.code in _STOPPING)
+                lost = lost or (error.retryable and error.code in STOPPED_CODES)
                 refused = not lost and not run.entry.attempts[-1].outputs and error.code not in _ENDS_THE_RUN
                 if not (lost or refused):
                     await sink.forward(*terminal)
@@ -664,8 +664,6 @@ class RunRelay:
         return terminal, lost
 
 
-_STOPPING = frozenset({pb.ERROR_CODE_SHUTTING_DOWN, pb.ERROR_CODE_UNAVAILABLE})
-"""Retryable errors after output that say the node (or its backend) stopped serving: the run is continued."""
 _ENDS_THE_RUN = frozenset({pb.ERROR_CODE_DEADLINE_EXCEEDED, pb.ERROR_CODE_CANCELLED})
 """Errors of a continued attempt before its own output that end the run rather than send it to another node."""
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 
 import structlog
+from google.protobuf.descriptor import EnumDescriptor
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.core import Node
@@ -74,10 +75,12 @@ def ledger_run(record: RunRecord) -> pb.LedgerRun:
         model=record.model,
         node_id=record.node_id,
         status=record.status.value,
-        error_code=_error_code(record.error_code),
+        error_code=pb.ErrorCode.ValueType(_named(pb.ErrorCode.DESCRIPTOR, "ERROR_CODE_", record.error_code)),
         error_message=record.error_message,
         usage=usage,
-        finish_reason=_finish_reason(record.finish_reason),
+        finish_reason=pb.FinishReason.ValueType(
+            _named(pb.FinishReason.DESCRIPTOR, "FINISH_REASON_", record.finish_reason)
+        ),
     )
     if record.received_at is not None:
         run.received_at.FromDatetime(record.received_at)
@@ -88,20 +91,10 @@ def ledger_run(record: RunRecord) -> pb.LedgerRun:
     return run
 
 
-def _error_code(name: str) -> pb.ErrorCode.ValueType:
-    """The code a record names (``UNAVAILABLE``); unspecified for none."""
-    full = f"ERROR_CODE_{name.upper()}"
-    return pb.ErrorCode.Value(full) if full in pb.ErrorCode.DESCRIPTOR.values_by_name else pb.ERROR_CODE_UNSPECIFIED
-
-
-def _finish_reason(name: str) -> pb.FinishReason.ValueType:
-    """The finish reason a record names (``stop``); unspecified for none."""
-    full = f"FINISH_REASON_{name.upper()}"
-    return (
-        pb.FinishReason.Value(full)
-        if full in pb.FinishReason.DESCRIPTOR.values_by_name
-        else pb.FINISH_REASON_UNSPECIFIED
-    )
+def _named(enum: EnumDescriptor, prefix: str, name: str) -> int:
+    """The value a record names by its short name (``UNAVAILABLE``, ``stop``); 0 (unspecified) for none."""
+    value = enum.values_by_name.get(prefix + name.upper())
+    return value.number if value is not None else 0
 
 
 class Registration:

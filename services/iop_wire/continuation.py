@@ -18,12 +18,16 @@ from __future__ import annotations
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 
-__all__ = ["DEFAULT_LIMIT", "Delivered"]
+__all__ = ["DEFAULT_LIMIT", "SHAPING_FIELDS", "STOPPED_CODES", "Delivered"]
 
 DEFAULT_LIMIT = 512 * 1024
 """Characters of delivered text kept per run (about 128,000 tokens): a longer run ends NODE_LOST
 rather than hold more. At most 2 MiB of UTF-8, so a continuation fits the 4 MiB frame beside its
 prompt."""
+
+STOPPED_CODES = frozenset({pb.ERROR_CODE_UNAVAILABLE, pb.ERROR_CODE_SHUTTING_DOWN})
+"""Retryable errors by which a source (a node, a control-plane) says it stopped serving a run: a relay
+opens the run elsewhere before its output, and continues it after, as for a lost connection."""
 
 _MAX_COUNT = 2**32 - 1
 """Largest token count a Continuation carries (uint32)."""
@@ -32,7 +36,7 @@ _IDS_OVER_CHARS = 64
 """Token ids held beyond one per delivered character (tokens of no text: special tokens, a character
 split over several): more, and the ids are dropped and the count becomes an estimate."""
 
-_STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "format")
+SHAPING_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "format")
 """Request fields that constrain the output's shape: the backend would start a new document after the
 delivered half of one, so such runs are not continued."""
 
@@ -141,7 +145,7 @@ class Delivered:
 def _structured(request: pb.RunRequest) -> str:
     """The field that constrains the run's output to a shape, if one does ("" for plain text)."""
     fields = request.openai_fields.fields
-    for name in _STRUCTURED:
+    for name in SHAPING_FIELDS:
         if name not in fields:
             continue
         value = fields[name]

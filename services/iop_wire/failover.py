@@ -31,7 +31,7 @@ from collections.abc import Collection
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.connection import Connection
-from iop_wire.continuation import Delivered
+from iop_wire.continuation import STOPPED_CODES, Delivered
 from iop_wire.dialer import Links
 from iop_wire.errors import ConnectionClosed, IopError
 from iop_wire.logs import library_logger
@@ -39,12 +39,9 @@ from iop_wire.messages import error_message
 from iop_wire.metrics import FAILOVERS
 from iop_wire.runs import TERMINAL_EVENTS, RunStream
 
-__all__ = ["DEFAULT_MIGRATIONS", "REOPEN_CODES", "FailoverStream", "open_run_anywhere"]
+__all__ = ["DEFAULT_MIGRATIONS", "FailoverStream", "open_run_anywhere"]
 
 _log = library_logger("iop.wire")
-
-REOPEN_CODES = frozenset({pb.ERROR_CODE_UNAVAILABLE, pb.ERROR_CODE_SHUTTING_DOWN})
-"""Retryable errors before any output that send a run to another peer."""
 
 DEFAULT_MIGRATIONS = 2
 """Times a run is continued on another peer after output; the control-plane's policy ``migrations`` default."""
@@ -167,7 +164,7 @@ class FailoverStream(RunStream):
         if kind == "error" and not self.cancelled:
             lost = not body and self._connection.closed
             # UNAVAILABLE or SHUTTING_DOWN: the control-plane is stopping (or refuses before output)
-            stopping = event.error.retryable and event.error.code in REOPEN_CODES
+            stopping = event.error.retryable and event.error.code in STOPPED_CODES
             self._cut = lost or (stopping and self._attempt_outputs > 0)
             if lost or stopping:
                 return None

@@ -16,6 +16,7 @@ from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.adapters.http import KINDS
 from iop_node.adapters.shapes import estimated_usage
 from iop_node.domain import ExecutionSpec, refuse_continuation
+from iop_wire.continuation import SHAPING_FIELDS
 
 __all__ = ["check_continuable", "continuable_kinds", "limit_reached", "remaining_tokens", "whole_run_usage"]
 
@@ -33,13 +34,9 @@ def check_continuable(spec: ExecutionSpec, continued: Iterable[str]) -> None:
     kind = _KIND_NAMES.get(spec.kind, "unknown")
     if kind not in continued:
         refuse_continuation(spec, f"its route continues {', '.join(continued) or 'no'} runs, not {kind}")
-    shaped = [name for name in _SHAPED if spec.openai_fields.get(name) not in (None, {"type": "text"})]
+    shaped = [name for name in SHAPING_FIELDS if spec.openai_fields.get(name) not in (None, {"type": "text"})]
     if shaped:  # a grammar or schema constrains only what the backend generates: it would start a new document
         refuse_continuation(spec, f"output constrained by {shaped[0]} cannot be continued")
-
-
-_SHAPED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "format")
-"""Request fields that constrain the output's shape (as iop_wire.continuation's relays see them)."""
 
 
 def remaining_tokens(spec: ExecutionSpec) -> int | None:
