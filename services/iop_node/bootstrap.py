@@ -103,6 +103,7 @@ class NodeApp:
         try:
             for adapter in self.node.adapters.values():  # built already: closed even if nothing else starts
                 self._stack.push_async_callback(adapter.aclose)
+                await adapter.start()  # an engine's server starts; its model is unavailable until ready
             await self._open_store()
             tasks = await self._stack.enter_async_context(asyncio.TaskGroup())
             if self.settings.listen.enabled:

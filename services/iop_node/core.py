@@ -296,6 +296,7 @@ class Node:
                 queued=a.queued,
                 capacity=a.capacity,
                 available=self._adapter_of[a.model].available(a.model),
+                served=self._adapter_of[a.model].served(a.model),
             )
             for a in self.admissions.values()
         ]

@@ -1,7 +1,7 @@
 """The node's ports: small Protocols its core depends on. Adapters and stores conform; none inherit.
 
-Lifecycle is part of each port: the composition root (``bootstrap.NodeApp``) opens a store and
-closes stores and adapters (``aclose``) once, in reverse order of opening.
+Lifecycle is part of each port: the composition root (``bootstrap.NodeApp``) opens a store, starts
+adapters (``start``), and closes stores and adapters (``aclose``) once, in reverse order of opening.
 """
 
 from __future__ import annotations
@@ -60,12 +60,23 @@ class Adapter(Protocol):
         """Whether ``model``'s backend is up, as last seen (no I/O: node.status asks often)."""
         ...
 
+    def served(self, model: str) -> pb.ServedModel | None:
+        """The state of the server the node runs for ``model`` (a route with an engine); None for a
+        backend someone else runs. No I/O: node.status asks often."""
+        ...
+
     async def execute(self, spec: ExecutionSpec, sink: EventSink) -> None:
         """Run ``spec``, writing output to ``sink``; cancelled (CancelledError) when the run is."""
         ...
 
+    async def start(self) -> None:
+        """Start what the adapter runs (an engine's server), without waiting for it to be ready;
+        called once, before the first run."""
+        ...
+
     async def aclose(self) -> None:
-        """Release what the adapter holds (connection pools, probes); called once, after the last run."""
+        """Release what the adapter holds (connection pools, probes, the servers it started); called
+        once, after the last run."""
         ...
 
 

@@ -68,8 +68,16 @@ class RouteSettings(_Section):
 
     model: str = Field(min_length=1)
     """The name clients ask for."""
-    adapter: str = Field(min_length=1)
-    """Adapter that serves it: mock, cli, ..."""
+    adapter: str = ""
+    """Adapter that serves it: mock, cli, vllm, ollama. A route with an ``engine`` may leave it out
+    (llama.cpp, vllm and command servers are spoken to by the vllm adapter, ollama by the ollama one)."""
+    engine: Literal["llama.cpp", "vllm", "ollama", "command"] | None = None
+    """A model server the node runs, watches and restarts itself instead of one at a ``base_url``:
+    llama.cpp (llama-cpp-python's server), vllm (``vllm serve``), ollama (``ollama serve``) or
+    command (any command line serving an OpenAI-compatible API on the port the node gives it)."""
+    serve: dict[str, Any] = Field(default_factory=dict)
+    """The engine's settings (model file, threads, arguments, start timeout, probe, restarts, logs),
+    checked by the engine's settings model at start-up; only with ``engine``."""
     target: str | None = None
     """The backend's name for the model; defaults to ``model``."""
     max_concurrency: int = Field(4, ge=1)
@@ -79,7 +87,29 @@ class RouteSettings(_Section):
     defaults: SamplingDefaults = SamplingDefaults()
     """Sampling defaults."""
     options: dict[str, Any] = Field(default_factory=dict)
-    """Adapter options, checked by the adapter's options model at start-up."""
+    """Adapter options, checked by the adapter's options model at start-up (with an ``engine``, the
+    node sets ``base_url`` to the server it runs)."""
+
+    @model_validator(mode="after")
+    def _adapter_or_engine(self) -> RouteSettings:
+        if self.engine is None:
+            if not self.adapter:
+                raise SettingError(("adapter", "every route needs an adapter (mock, cli, vllm, ollama) or an engine"))
+            if self.serve:
+                raise SettingError(("serve", "is for routes with an engine; this route has none"))
+            return self
+        spoken_by = ENGINE_ADAPTERS[self.engine]
+        if self.adapter and self.adapter != spoken_by:
+            message = f"a {self.engine} engine is spoken to by the {spoken_by} adapter, not {self.adapter!r}"
+            raise SettingError(("adapter", message))
+        if "base_url" in self.options:
+            raise SettingError(("options.base_url", "the node sets it to the engine it runs; leave it out"))
+        object.__setattr__(self, "adapter", spoken_by)  # frozen: set once, while validating
+        return self
+
+
+ENGINE_ADAPTERS = {"llama.cpp": "vllm", "vllm": "vllm", "command": "vllm", "ollama": "ollama"}
+"""The adapter that speaks to each engine's server."""
 
 
 class ControlPlaneSettings(ControlPlaneAddress):

@@ -129,7 +129,10 @@ export declare type Envelope = Message<"iop.Envelope"> & {
     case: "capabilityRequest";
   } | {
     /**
-     * capability.response: the answer to capability.request.
+     * capability.response: the answer to capability.request; a node also
+     * sends it unasked on its registration connection when its routes
+     * changed (a reload), and the control-plane takes it as the node's
+     * capabilities from then on.
      *
      * @generated from field: iop.CapabilityResponse capability_response = 15;
      */
@@ -502,6 +505,16 @@ export declare type Envelope = Message<"iop.Envelope"> & {
      */
     value: NodesRemove;
     case: "nodesRemove";
+  } | {
+    /**
+     * nodes.reload: an admin asks a node, through the control-plane, to read
+     * its routes again (answered by operation.done); the control-plane sends
+     * the same message on to the node.
+     *
+     * @generated from field: iop.NodesReload nodes_reload = 61;
+     */
+    value: NodesReload;
+    case: "nodesReload";
   } | { case: undefined; value?: undefined };
 };
 
@@ -1584,6 +1597,14 @@ export declare type ModelInfo = Message<"iop.ModelInfo"> & {
    * @generated from field: repeated iop.RunKind continuable_kinds = 6;
    */
   continuableKinds: RunKind[];
+
+  /**
+   * Set when the node runs this model's server itself (a route with an
+   * engine): the server's state now.
+   *
+   * @generated from field: iop.ServedModel served = 7;
+   */
+  served?: ServedModel | undefined;
 };
 
 /**
@@ -1591,6 +1612,79 @@ export declare type ModelInfo = Message<"iop.ModelInfo"> & {
  * Use `create(ModelInfoSchema)` to create a new message.
  */
 export declare const ModelInfoSchema: GenMessage<ModelInfo>;
+
+/**
+ * A model server a node runs, watches and restarts itself (a route with an
+ * engine: llama.cpp, vllm, ollama or command).
+ *
+ * @generated from message iop.ServedModel
+ */
+export declare type ServedModel = Message<"iop.ServedModel"> & {
+  /**
+   * The engine: llama.cpp, vllm, ollama or command.
+   *
+   * @generated from field: string engine = 1;
+   */
+  engine: string;
+
+  /**
+   * Where it is in its life.
+   *
+   * @generated from field: iop.ServedState state = 2;
+   */
+  state: ServedState;
+
+  /**
+   * Why it is not ready, for the operator: the exit status and the last
+   * lines of its log, a failed probe, the start timeout. Empty when ready.
+   *
+   * @generated from field: string reason = 3;
+   */
+  reason: string;
+
+  /**
+   * Times it was restarted since the node started it (after an exit or a
+   * hang).
+   *
+   * @generated from field: uint32 restarts = 4;
+   */
+  restarts: number;
+
+  /**
+   * When it entered this state (when ready: the uptime's start).
+   *
+   * @generated from field: google.protobuf.Timestamp since = 5;
+   */
+  since?: Timestamp | undefined;
+
+  /**
+   * Its process id while it runs; 0 when it does not.
+   *
+   * @generated from field: uint32 pid = 6;
+   */
+  pid: number;
+
+  /**
+   * The loopback port it serves on; 0 before its first start.
+   *
+   * @generated from field: uint32 port = 7;
+   */
+  port: number;
+
+  /**
+   * Starts in a row that did not become ready; at the limit the state is
+   * FAILED until the routes are reloaded.
+   *
+   * @generated from field: uint32 failed_starts = 8;
+   */
+  failedStarts: number;
+};
+
+/**
+ * Describes the message iop.ServedModel.
+ * Use `create(ServedModelSchema)` to create a new message.
+ */
+export declare const ServedModelSchema: GenMessage<ServedModel>;
 
 /**
  * error: a failure. As a run.event it ends that run; as an envelope body it
@@ -1820,6 +1914,14 @@ export declare type ModelLoad = Message<"iop.ModelLoad"> & {
    * @generated from field: bool available = 5;
    */
   available: boolean;
+
+  /**
+   * Set when the node runs this model's server itself: the server's state
+   * (sent again when it changes, at the next heartbeat interval).
+   *
+   * @generated from field: iop.ServedModel served = 6;
+   */
+  served?: ServedModel | undefined;
 };
 
 /**
@@ -3620,6 +3722,34 @@ export declare type NodesRemove = Message<"iop.NodesRemove"> & {
 export declare const NodesRemoveSchema: GenMessage<NodesRemove>;
 
 /**
+ * nodes.reload: the node reads its config file's routes again, as on SIGHUP:
+ * new served models start, removed ones stop taking runs and stop once their
+ * runs finished (within a grace), changed ones are replaced; the others keep
+ * serving throughout. Sent by an admin to the control-plane, which sends it on
+ * to the node on the node's registration connection and relays the node's
+ * answer: operation.done saying what changed, or an error (a config that
+ * does not load: ERROR_CODE_INVALID_ARGUMENT naming the key; the old routes
+ * stay). An unknown or unconnected node: ERROR_CODE_INVALID_ARGUMENT /
+ * ERROR_CODE_UNAVAILABLE.
+ *
+ * @generated from message iop.NodesReload
+ */
+export declare type NodesReload = Message<"iop.NodesReload"> & {
+  /**
+   * The node to reload.
+   *
+   * @generated from field: string node_id = 1;
+   */
+  nodeId: string;
+};
+
+/**
+ * Describes the message iop.NodesReload.
+ * Use `create(NodesReloadSchema)` to create a new message.
+ */
+export declare const NodesReloadSchema: GenMessage<NodesReload>;
+
+/**
  * The kinds of run a node can execute.
  *
  * @generated from enum iop.RunKind
@@ -3759,6 +3889,62 @@ export enum FinishReason {
  * Describes the enum iop.FinishReason.
  */
 export declare const FinishReasonSchema: GenEnum<FinishReason>;
+
+/**
+ * A served model's state.
+ *
+ * @generated from enum iop.ServedState
+ */
+export enum ServedState {
+  /**
+   * Not sent.
+   *
+   * @generated from enum value: SERVED_STATE_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * Started; waiting for it to answer with its model list.
+   *
+   * @generated from enum value: SERVED_STATE_STARTING = 1;
+   */
+  STARTING = 1,
+
+  /**
+   * Answering: runs are sent to it.
+   *
+   * @generated from enum value: SERVED_STATE_READY = 2;
+   */
+  READY = 2,
+
+  /**
+   * It exited or stopped answering; waiting for the backoff before the
+   * next start.
+   *
+   * @generated from enum value: SERVED_STATE_RESTARTING = 3;
+   */
+  RESTARTING = 3,
+
+  /**
+   * Too many starts in a row failed; not started again until a reload.
+   *
+   * @generated from enum value: SERVED_STATE_FAILED = 4;
+   */
+  FAILED = 4,
+
+  /**
+   * Being stopped (the node stops, or a reload removed its route); its runs
+   * finish within a grace.
+   *
+   * @generated from enum value: SERVED_STATE_STOPPING = 5;
+   */
+  STOPPING = 5,
+}
+
+/**
+ * Describes the enum iop.ServedState.
+ */
+export declare const ServedStateSchema: GenEnum<ServedState>;
 
 /**
  * The cases within an error code that callers tell apart. Decide by code and

@@ -87,6 +87,13 @@ class CliAdapter:
     async def aclose(self) -> None:
         """Nothing to release: each run stops its own process group."""
 
+    def served(self, model: str) -> pb.ServedModel | None:
+        """None: each run's program is started by the run."""
+        return None
+
+    async def start(self) -> None:
+        """Nothing to start: each run starts its own program."""
+
     async def capabilities(self) -> list[pb.ModelInfo]:
         """Every configured model; available while its program can be found (looked up again now)."""
         self._found = {model: _resolvable(options) for model, options in self._models.items()}

@@ -126,6 +126,13 @@ class MockAdapter:
     async def aclose(self) -> None:
         """Nothing to release: runs end with their tasks."""
 
+    def served(self, model: str) -> pb.ServedModel | None:
+        """None: the mock model runs in the node."""
+        return None
+
+    async def start(self) -> None:
+        """Nothing to start: the mock model runs in the node."""
+
     async def capabilities(self) -> list[pb.ModelInfo]:
         kinds = [pb.RUN_KIND_CHAT, pb.RUN_KIND_COMPLETION, pb.RUN_KIND_EMBEDDING]
         continuable = [pb.RUN_KIND_CHAT, pb.RUN_KIND_COMPLETION]

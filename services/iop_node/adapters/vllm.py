@@ -81,6 +81,13 @@ class VllmAdapter:
         self.available = self._backends.available
         self.aclose = self._backends.aclose
 
+    def served(self, model: str) -> pb.ServedModel | None:
+        """None: the server is run by someone else (a route with an engine wraps this adapter)."""
+        return None
+
+    async def start(self) -> None:
+        """Nothing to start: the server is someone else's."""
+
     async def capabilities(self) -> list[pb.ModelInfo]:
         infos = []
         for model, options in self._options.items():

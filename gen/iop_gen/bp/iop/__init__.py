@@ -67,6 +67,7 @@ __all__ = (
     "NodesDrain",
     "NodesList",
     "NodesListed",
+    "NodesReload",
     "NodesRemove",
     "NodesUndrain",
     "OperationDone",
@@ -84,6 +85,8 @@ __all__ = (
     "RunsList",
     "RunsListed",
     "Sampling",
+    "ServedModel",
+    "ServedState",
     "Timings",
     "TokenLogprob",
     "ToolCall",
@@ -665,6 +668,66 @@ class RunKind(betterproto2.Enum):
             "RUN_KIND_CHAT": 1,
             "RUN_KIND_COMPLETION": 2,
             "RUN_KIND_EMBEDDING": 3,
+        }
+
+
+class ServedState(betterproto2.Enum):
+    """
+    A served model's state.
+    """
+
+    UNSPECIFIED = 0
+    """
+    Not sent.
+    """
+
+    STARTING = 1
+    """
+    Started; waiting for it to answer with its model list.
+    """
+
+    READY = 2
+    """
+    Answering: runs are sent to it.
+    """
+
+    RESTARTING = 3
+    """
+    It exited or stopped answering; waiting for the backoff before the
+    next start.
+    """
+
+    FAILED = 4
+    """
+    Too many starts in a row failed; not started again until a reload.
+    """
+
+    STOPPING = 5
+    """
+    Being stopped (the node stops, or a reload removed its route); its runs
+    finish within a grace.
+    """
+
+    @classmethod
+    def betterproto_value_to_renamed_proto_names(cls) -> dict[int, str]:
+        return {
+            0: "SERVED_STATE_UNSPECIFIED",
+            1: "SERVED_STATE_STARTING",
+            2: "SERVED_STATE_READY",
+            3: "SERVED_STATE_RESTARTING",
+            4: "SERVED_STATE_FAILED",
+            5: "SERVED_STATE_STOPPING",
+        }
+
+    @classmethod
+    def betterproto_renamed_proto_names_to_value(cls) -> dict[str, int]:
+        return {
+            "SERVED_STATE_UNSPECIFIED": 0,
+            "SERVED_STATE_STARTING": 1,
+            "SERVED_STATE_READY": 2,
+            "SERVED_STATE_RESTARTING": 3,
+            "SERVED_STATE_FAILED": 4,
+            "SERVED_STATE_STOPPING": 5,
         }
 
 
@@ -1326,7 +1389,10 @@ class Envelope(betterproto2.Message):
         15, betterproto2.TYPE_MESSAGE, optional=True, group="body"
     )
     """
-    capability.response: the answer to capability.request.
+    capability.response: the answer to capability.request; a node also
+    sends it unasked on its registration connection when its routes
+    changed (a reload), and the control-plane takes it as the node's
+    capabilities from then on.
     """
 
     error: "Error | None" = betterproto2.field(16, betterproto2.TYPE_MESSAGE, optional=True, group="body")
@@ -1585,6 +1651,13 @@ class Envelope(betterproto2.Message):
     """
     nodes.remove: an admin removes a node and revokes its certificate
     (answered by operation.done).
+    """
+
+    nodes_reload: "NodesReload | None" = betterproto2.field(61, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    nodes.reload: an admin asks a node, through the control-plane, to read
+    its routes again (answered by operation.done); the control-plane sends
+    the same message on to the node.
     """
 
 
@@ -2449,6 +2522,12 @@ class ModelInfo(betterproto2.Message):
     with a continuation); empty when its adapter cannot continue.
     """
 
+    served: "ServedModel | None" = betterproto2.field(7, betterproto2.TYPE_MESSAGE, optional=True)
+    """
+    Set when the node runs this model's server itself (a route with an
+    engine): the server's state now.
+    """
+
 
 default_message_pool.register_message("iop", "ModelInfo", ModelInfo)
 
@@ -2482,6 +2561,12 @@ class ModelLoad(betterproto2.Message):
     available: "bool" = betterproto2.field(5, betterproto2.TYPE_BOOL)
     """
     False while the backend serving it is down.
+    """
+
+    served: "ServedModel | None" = betterproto2.field(6, betterproto2.TYPE_MESSAGE, optional=True)
+    """
+    Set when the node runs this model's server itself: the server's state
+    (sent again when it changes, at the next heartbeat interval).
     """
 
 
@@ -2714,6 +2799,29 @@ class NodesListed(betterproto2.Message):
 
 
 default_message_pool.register_message("iop", "NodesListed", NodesListed)
+
+
+@dataclass(eq=False, repr=False)
+class NodesReload(betterproto2.Message):
+    """
+    nodes.reload: the node reads its config file's routes again, as on SIGHUP:
+    new served models start, removed ones stop taking runs and stop once their
+    runs finished (within a grace), changed ones are replaced; the others keep
+    serving throughout. Sent by an admin to the control-plane, which sends it on
+    to the node on the node's registration connection and relays the node's
+    answer: operation.done saying what changed, or an error (a config that
+    does not load: ERROR_CODE_INVALID_ARGUMENT naming the key; the old routes
+    stay). An unknown or unconnected node: ERROR_CODE_INVALID_ARGUMENT /
+    ERROR_CODE_UNAVAILABLE.
+    """
+
+    node_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The node to reload.
+    """
+
+
+default_message_pool.register_message("iop", "NodesReload", NodesReload)
 
 
 @dataclass(eq=False, repr=False)
@@ -3248,6 +3356,62 @@ class Sampling(betterproto2.Message):
 
 
 default_message_pool.register_message("iop", "Sampling", Sampling)
+
+
+@dataclass(eq=False, repr=False)
+class ServedModel(betterproto2.Message):
+    """
+    A model server a node runs, watches and restarts itself (a route with an
+    engine: llama.cpp, vllm, ollama or command).
+    """
+
+    engine: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The engine: llama.cpp, vllm, ollama or command.
+    """
+
+    state: "ServedState" = betterproto2.field(2, betterproto2.TYPE_ENUM, default_factory=lambda: ServedState(0))
+    """
+    Where it is in its life.
+    """
+
+    reason: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    Why it is not ready, for the operator: the exit status and the last
+    lines of its log, a failed probe, the start timeout. Empty when ready.
+    """
+
+    restarts: "int" = betterproto2.field(4, betterproto2.TYPE_UINT32)
+    """
+    Times it was restarted since the node started it (after an exit or a
+    hang).
+    """
+
+    since: "datetime.datetime | None" = betterproto2.field(
+        5, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
+    )
+    """
+    When it entered this state (when ready: the uptime's start).
+    """
+
+    pid: "int" = betterproto2.field(6, betterproto2.TYPE_UINT32)
+    """
+    Its process id while it runs; 0 when it does not.
+    """
+
+    port: "int" = betterproto2.field(7, betterproto2.TYPE_UINT32)
+    """
+    The loopback port it serves on; 0 before its first start.
+    """
+
+    failed_starts: "int" = betterproto2.field(8, betterproto2.TYPE_UINT32)
+    """
+    Starts in a row that did not become ready; at the limit the state is
+    FAILED until the routes are reloaded.
+    """
+
+
+default_message_pool.register_message("iop", "ServedModel", ServedModel)
 
 
 @dataclass(eq=False, repr=False)

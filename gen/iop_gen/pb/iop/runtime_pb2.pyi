@@ -126,6 +126,50 @@ FINISH_REASON_CONTENT_FILTER: FinishReason.ValueType  # 4
 """Content was filtered ("content_filter")."""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
+class _ServedState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ServedStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ServedState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SERVED_STATE_UNSPECIFIED: _ServedState.ValueType  # 0
+    """Not sent."""
+    SERVED_STATE_STARTING: _ServedState.ValueType  # 1
+    """Started; waiting for it to answer with its model list."""
+    SERVED_STATE_READY: _ServedState.ValueType  # 2
+    """Answering: runs are sent to it."""
+    SERVED_STATE_RESTARTING: _ServedState.ValueType  # 3
+    """It exited or stopped answering; waiting for the backoff before the
+    next start.
+    """
+    SERVED_STATE_FAILED: _ServedState.ValueType  # 4
+    """Too many starts in a row failed; not started again until a reload."""
+    SERVED_STATE_STOPPING: _ServedState.ValueType  # 5
+    """Being stopped (the node stops, or a reload removed its route); its runs
+    finish within a grace.
+    """
+
+class ServedState(_ServedState, metaclass=_ServedStateEnumTypeWrapper):
+    """A served model's state."""
+
+SERVED_STATE_UNSPECIFIED: ServedState.ValueType  # 0
+"""Not sent."""
+SERVED_STATE_STARTING: ServedState.ValueType  # 1
+"""Started; waiting for it to answer with its model list."""
+SERVED_STATE_READY: ServedState.ValueType  # 2
+"""Answering: runs are sent to it."""
+SERVED_STATE_RESTARTING: ServedState.ValueType  # 3
+"""It exited or stopped answering; waiting for the backoff before the
+next start.
+"""
+SERVED_STATE_FAILED: ServedState.ValueType  # 4
+"""Too many starts in a row failed; not started again until a reload."""
+SERVED_STATE_STOPPING: ServedState.ValueType  # 5
+"""Being stopped (the node stops, or a reload removed its route); its runs
+finish within a grace.
+"""
+Global___ServedState: _TypeAlias = ServedState  # noqa: Y015
+
 class _ErrorReason:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -496,6 +540,7 @@ class Envelope(_message.Message):
     JOIN_TOKENS_LISTED_FIELD_NUMBER: _builtins.int
     JOIN_TOKEN_REVOKE_FIELD_NUMBER: _builtins.int
     NODES_REMOVE_FIELD_NUMBER: _builtins.int
+    NODES_RELOAD_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Unique id of this envelope, chosen by its sender (a UUID or a counter
     unique within the connection).
@@ -550,7 +595,11 @@ class Envelope(_message.Message):
 
     @_builtins.property
     def capability_response(self) -> Global___CapabilityResponse:
-        """capability.response: the answer to capability.request."""
+        """capability.response: the answer to capability.request; a node also
+        sends it unasked on its registration connection when its routes
+        changed (a reload), and the control-plane takes it as the node's
+        capabilities from then on.
+        """
 
     @_builtins.property
     def error(self) -> Global___Error:
@@ -745,6 +794,13 @@ class Envelope(_message.Message):
         (answered by operation.done).
         """
 
+    @_builtins.property
+    def nodes_reload(self) -> Global___NodesReload:
+        """nodes.reload: an admin asks a node, through the control-plane, to read
+        its routes again (answered by operation.done); the control-plane sends
+        the same message on to the node.
+        """
+
     def __init__(
         self,
         *,
@@ -804,12 +860,13 @@ class Envelope(_message.Message):
         join_tokens_listed: Global___JoinTokensListed | None = ...,
         join_token_revoke: Global___JoinTokenRevoke | None = ...,
         nodes_remove: Global___NodesRemove | None = ...,
+        nodes_reload: Global___NodesReload | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["batch_cancel", b"batch_cancel", "batch_create", b"batch_create", "batch_get", b"batch_get", "batch_info", b"batch_info", "batches_list", b"batches_list", "batches_listed", b"batches_listed", "body", b"body", "cancel_request", b"cancel_request", "capability_request", b"capability_request", "capability_response", b"capability_response", "cert_renew", b"cert_renew", "cert_renewed", b"cert_renewed", "error", b"error", "file_chunk", b"file_chunk", "file_create", b"file_create", "file_data", b"file_data", "file_delete", b"file_delete", "file_deleted", b"file_deleted", "file_get", b"file_get", "file_info", b"file_info", "file_read", b"file_read", "file_upload_progress", b"file_upload_progress", "files_list", b"files_list", "files_listed", b"files_listed", "heartbeat", b"heartbeat", "join_accepted", b"join_accepted", "join_hello", b"join_hello", "join_request", b"join_request", "join_token_create", b"join_token_create", "join_token_created", b"join_token_created", "join_token_revoke", b"join_token_revoke", "join_tokens_list", b"join_tokens_list", "join_tokens_listed", b"join_tokens_listed", "join_welcome", b"join_welcome", "node_drain", b"node_drain", "node_register", b"node_register", "node_registered", b"node_registered", "node_status", b"node_status", "nodes_drain", b"nodes_drain", "nodes_list", b"nodes_list", "nodes_listed", b"nodes_listed", "nodes_remove", b"nodes_remove", "nodes_undrain", b"nodes_undrain", "operation_done", b"operation_done", "policy_applied", b"policy_applied", "policy_apply", b"policy_apply", "policy_show", b"policy_show", "policy_shown", b"policy_shown", "run_event", b"run_event", "run_request", b"run_request", "runs_list", b"runs_list", "runs_listed", b"runs_listed", "sent_at", b"sent_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch_cancel", b"batch_cancel", "batch_create", b"batch_create", "batch_get", b"batch_get", "batch_info", b"batch_info", "batches_list", b"batches_list", "batches_listed", b"batches_listed", "body", b"body", "cancel_request", b"cancel_request", "capability_request", b"capability_request", "capability_response", b"capability_response", "cert_renew", b"cert_renew", "cert_renewed", b"cert_renewed", "error", b"error", "file_chunk", b"file_chunk", "file_create", b"file_create", "file_data", b"file_data", "file_delete", b"file_delete", "file_deleted", b"file_deleted", "file_get", b"file_get", "file_info", b"file_info", "file_read", b"file_read", "file_upload_progress", b"file_upload_progress", "files_list", b"files_list", "files_listed", b"files_listed", "heartbeat", b"heartbeat", "join_accepted", b"join_accepted", "join_hello", b"join_hello", "join_request", b"join_request", "join_token_create", b"join_token_create", "join_token_created", b"join_token_created", "join_token_revoke", b"join_token_revoke", "join_tokens_list", b"join_tokens_list", "join_tokens_listed", b"join_tokens_listed", "join_welcome", b"join_welcome", "node_drain", b"node_drain", "node_register", b"node_register", "node_registered", b"node_registered", "node_status", b"node_status", "nodes_drain", b"nodes_drain", "nodes_list", b"nodes_list", "nodes_listed", b"nodes_listed", "nodes_reload", b"nodes_reload", "nodes_remove", b"nodes_remove", "nodes_undrain", b"nodes_undrain", "operation_done", b"operation_done", "policy_applied", b"policy_applied", "policy_apply", b"policy_apply", "policy_show", b"policy_show", "policy_shown", b"policy_shown", "run_event", b"run_event", "run_request", b"run_request", "runs_list", b"runs_list", "runs_listed", b"runs_listed", "sent_at", b"sent_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_cancel", b"batch_cancel", "batch_create", b"batch_create", "batch_get", b"batch_get", "batch_info", b"batch_info", "batches_list", b"batches_list", "batches_listed", b"batches_listed", "body", b"body", "caller", b"caller", "cancel_request", b"cancel_request", "capability_request", b"capability_request", "capability_response", b"capability_response", "cert_renew", b"cert_renew", "cert_renewed", b"cert_renewed", "error", b"error", "file_chunk", b"file_chunk", "file_create", b"file_create", "file_data", b"file_data", "file_delete", b"file_delete", "file_deleted", b"file_deleted", "file_get", b"file_get", "file_info", b"file_info", "file_read", b"file_read", "file_upload_progress", b"file_upload_progress", "files_list", b"files_list", "files_listed", b"files_listed", "heartbeat", b"heartbeat", "id", b"id", "in_reply_to", b"in_reply_to", "join_accepted", b"join_accepted", "join_hello", b"join_hello", "join_request", b"join_request", "join_token_create", b"join_token_create", "join_token_created", b"join_token_created", "join_token_revoke", b"join_token_revoke", "join_tokens_list", b"join_tokens_list", "join_tokens_listed", b"join_tokens_listed", "join_welcome", b"join_welcome", "node_drain", b"node_drain", "node_register", b"node_register", "node_registered", b"node_registered", "node_status", b"node_status", "nodes_drain", b"nodes_drain", "nodes_list", b"nodes_list", "nodes_listed", b"nodes_listed", "nodes_remove", b"nodes_remove", "nodes_undrain", b"nodes_undrain", "operation_done", b"operation_done", "policy_applied", b"policy_applied", "policy_apply", b"policy_apply", "policy_show", b"policy_show", "policy_shown", b"policy_shown", "run_event", b"run_event", "run_id", b"run_id", "run_request", b"run_request", "runs_list", b"runs_list", "runs_listed", b"runs_listed", "sent_at", b"sent_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_cancel", b"batch_cancel", "batch_create", b"batch_create", "batch_get", b"batch_get", "batch_info", b"batch_info", "batches_list", b"batches_list", "batches_listed", b"batches_listed", "body", b"body", "caller", b"caller", "cancel_request", b"cancel_request", "capability_request", b"capability_request", "capability_response", b"capability_response", "cert_renew", b"cert_renew", "cert_renewed", b"cert_renewed", "error", b"error", "file_chunk", b"file_chunk", "file_create", b"file_create", "file_data", b"file_data", "file_delete", b"file_delete", "file_deleted", b"file_deleted", "file_get", b"file_get", "file_info", b"file_info", "file_read", b"file_read", "file_upload_progress", b"file_upload_progress", "files_list", b"files_list", "files_listed", b"files_listed", "heartbeat", b"heartbeat", "id", b"id", "in_reply_to", b"in_reply_to", "join_accepted", b"join_accepted", "join_hello", b"join_hello", "join_request", b"join_request", "join_token_create", b"join_token_create", "join_token_created", b"join_token_created", "join_token_revoke", b"join_token_revoke", "join_tokens_list", b"join_tokens_list", "join_tokens_listed", b"join_tokens_listed", "join_welcome", b"join_welcome", "node_drain", b"node_drain", "node_register", b"node_register", "node_registered", b"node_registered", "node_status", b"node_status", "nodes_drain", b"nodes_drain", "nodes_list", b"nodes_list", "nodes_listed", b"nodes_listed", "nodes_reload", b"nodes_reload", "nodes_remove", b"nodes_remove", "nodes_undrain", b"nodes_undrain", "operation_done", b"operation_done", "policy_applied", b"policy_applied", "policy_apply", b"policy_apply", "policy_show", b"policy_show", "policy_shown", b"policy_shown", "run_event", b"run_event", "run_id", b"run_id", "run_request", b"run_request", "runs_list", b"runs_list", "runs_listed", b"runs_listed", "sent_at", b"sent_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["run_request", "run_event", "heartbeat", "cancel_request", "capability_request", "capability_response", "error", "node_register", "node_registered", "node_status", "node_drain", "nodes_list", "nodes_listed", "nodes_drain", "nodes_undrain", "operation_done", "policy_apply", "policy_applied", "policy_show", "policy_shown", "runs_list", "runs_listed", "file_create", "file_chunk", "file_upload_progress", "file_info", "file_get", "files_list", "files_listed", "file_read", "file_data", "file_delete", "file_deleted", "batch_create", "batch_info", "batch_get", "batches_list", "batches_listed", "batch_cancel", "join_hello", "join_welcome", "join_request", "join_accepted", "cert_renew", "cert_renewed", "join_token_create", "join_token_created", "join_tokens_list", "join_tokens_listed", "join_token_revoke", "nodes_remove"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["run_request", "run_event", "heartbeat", "cancel_request", "capability_request", "capability_response", "error", "node_register", "node_registered", "node_status", "node_drain", "nodes_list", "nodes_listed", "nodes_drain", "nodes_undrain", "operation_done", "policy_apply", "policy_applied", "policy_show", "policy_shown", "runs_list", "runs_listed", "file_create", "file_chunk", "file_upload_progress", "file_info", "file_get", "files_list", "files_listed", "file_read", "file_data", "file_delete", "file_deleted", "batch_create", "batch_info", "batch_get", "batches_list", "batches_listed", "batch_cancel", "join_hello", "join_welcome", "join_request", "join_accepted", "cert_renew", "cert_renewed", "join_token_create", "join_token_created", "join_tokens_list", "join_tokens_listed", "join_token_revoke", "nodes_remove", "nodes_reload"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -1825,6 +1882,7 @@ class ModelInfo(_message.Message):
     AVAILABLE_FIELD_NUMBER: _builtins.int
     CONTEXT_LENGTH_FIELD_NUMBER: _builtins.int
     CONTINUABLE_KINDS_FIELD_NUMBER: _builtins.int
+    SERVED_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """The name clients use."""
     max_concurrency: _builtins.int
@@ -1843,6 +1901,12 @@ class ModelInfo(_message.Message):
         with a continuation); empty when its adapter cannot continue.
         """
 
+    @_builtins.property
+    def served(self) -> Global___ServedModel:
+        """Set when the node runs this model's server itself (a route with an
+        engine): the server's state now.
+        """
+
     def __init__(
         self,
         *,
@@ -1852,14 +1916,75 @@ class ModelInfo(_message.Message):
         available: _builtins.bool = ...,
         context_length: _builtins.int = ...,
         continuable_kinds: _abc.Iterable[Global___RunKind.ValueType] | None = ...,
+        served: Global___ServedModel | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["served", b"served"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "context_length", b"context_length", "continuable_kinds", b"continuable_kinds", "kinds", b"kinds", "max_concurrency", b"max_concurrency", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "context_length", b"context_length", "continuable_kinds", b"continuable_kinds", "kinds", b"kinds", "max_concurrency", b"max_concurrency", "name", b"name", "served", b"served"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelInfo: _TypeAlias = ModelInfo  # noqa: Y015
+
+@_typing.final
+class ServedModel(_message.Message):
+    """A model server a node runs, watches and restarts itself (a route with an
+    engine: llama.cpp, vllm, ollama or command).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    RESTARTS_FIELD_NUMBER: _builtins.int
+    SINCE_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    PORT_FIELD_NUMBER: _builtins.int
+    FAILED_STARTS_FIELD_NUMBER: _builtins.int
+    engine: _builtins.str
+    """The engine: llama.cpp, vllm, ollama or command."""
+    state: Global___ServedState.ValueType
+    """Where it is in its life."""
+    reason: _builtins.str
+    """Why it is not ready, for the operator: the exit status and the last
+    lines of its log, a failed probe, the start timeout. Empty when ready.
+    """
+    restarts: _builtins.int
+    """Times it was restarted since the node started it (after an exit or a
+    hang).
+    """
+    pid: _builtins.int
+    """Its process id while it runs; 0 when it does not."""
+    port: _builtins.int
+    """The loopback port it serves on; 0 before its first start."""
+    failed_starts: _builtins.int
+    """Starts in a row that did not become ready; at the limit the state is
+    FAILED until the routes are reloaded.
+    """
+    @_builtins.property
+    def since(self) -> _timestamp_pb2.Timestamp:
+        """When it entered this state (when ready: the uptime's start)."""
+
+    def __init__(
+        self,
+        *,
+        engine: _builtins.str = ...,
+        state: Global___ServedState.ValueType = ...,
+        reason: _builtins.str = ...,
+        restarts: _builtins.int = ...,
+        since: _timestamp_pb2.Timestamp | None = ...,
+        pid: _builtins.int = ...,
+        port: _builtins.int = ...,
+        failed_starts: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["since", b"since"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "failed_starts", b"failed_starts", "pid", b"pid", "port", b"port", "reason", b"reason", "restarts", b"restarts", "since", b"since", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ServedModel: _TypeAlias = ServedModel  # noqa: Y015
 
 @_typing.final
 class Error(_message.Message):
@@ -2042,6 +2167,7 @@ class ModelLoad(_message.Message):
     QUEUED_FIELD_NUMBER: _builtins.int
     CAPACITY_FIELD_NUMBER: _builtins.int
     AVAILABLE_FIELD_NUMBER: _builtins.int
+    SERVED_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model name."""
     in_flight: _builtins.int
@@ -2052,6 +2178,12 @@ class ModelLoad(_message.Message):
     """Runs executed at once."""
     available: _builtins.bool
     """False while the backend serving it is down."""
+    @_builtins.property
+    def served(self) -> Global___ServedModel:
+        """Set when the node runs this model's server itself: the server's state
+        (sent again when it changes, at the next heartbeat interval).
+        """
+
     def __init__(
         self,
         *,
@@ -2060,10 +2192,11 @@ class ModelLoad(_message.Message):
         queued: _builtins.int = ...,
         capacity: _builtins.int = ...,
         available: _builtins.bool = ...,
+        served: Global___ServedModel | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["served", b"served"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "capacity", b"capacity", "in_flight", b"in_flight", "model", b"model", "queued", b"queued"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "capacity", b"capacity", "in_flight", b"in_flight", "model", b"model", "queued", b"queued", "served", b"served"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3813,3 +3946,34 @@ class NodesRemove(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___NodesRemove: _TypeAlias = NodesRemove  # noqa: Y015
+
+@_typing.final
+class NodesReload(_message.Message):
+    """nodes.reload: the node reads its config file's routes again, as on SIGHUP:
+    new served models start, removed ones stop taking runs and stop once their
+    runs finished (within a grace), changed ones are replaced; the others keep
+    serving throughout. Sent by an admin to the control-plane, which sends it on
+    to the node on the node's registration connection and relays the node's
+    answer: operation.done saying what changed, or an error (a config that
+    does not load: ERROR_CODE_INVALID_ARGUMENT naming the key; the old routes
+    stay). An unknown or unconnected node: ERROR_CODE_INVALID_ARGUMENT /
+    ERROR_CODE_UNAVAILABLE.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """The node to reload."""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodesReload: _TypeAlias = NodesReload  # noqa: Y015
