@@ -152,7 +152,7 @@ class Node:
         self._listeners: list[Callable[[], None]] = []
         self._running: dict[asyncio.Task[Any], WireSink] = {}
         self._shutting_down: set[asyncio.Task[Any]] = set()
-        self._adapter_of = {r.model: self.adapters[r.adapter] for r in router.routes}
+        self._adapter_of = {r.model: self.adapters[r.adapter_key] for r in router.routes}
         self.admissions = {
             r.model: Admission(r.model, r.max_concurrency, r.queue_size, self._load_changed) for r in router.routes
         }
@@ -213,7 +213,7 @@ class Node:
         finally:
             await self._store.record_start(record)
         record.adapter = spec.adapter
-        adapter = self.adapters[spec.adapter]
+        adapter = self._adapter_of[request.model]
         seconds = None
         if spec.deadline is not None:
             seconds = (spec.deadline - _now()).total_seconds()
@@ -262,12 +262,12 @@ class Node:
             max_concurrency=sum(a.capacity for a in self.admissions.values()),
             labels=self._labels,
         )
-        for name, adapter in self.adapters.items():
+        for adapter in self.adapters.values():
             models = await adapter.capabilities()
             for model in models:
                 admission = self.admissions.get(model.name)
                 model.max_concurrency = admission.capacity if admission else 0
-            response.adapters.add(name=name, models=models)
+            response.adapters.add(name=adapter.name, models=models)
         return response
 
     def drain(self, grace: float | None = None) -> None:

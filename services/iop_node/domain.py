@@ -37,7 +37,7 @@ class ExecutionSpec:
     request: pb.RunRequest
     """The request as it arrived; adapters must not change it."""
     adapter: str
-    """Name of the adapter that executes it."""
+    """Name of the adapter that executes it; for a route with an engine, the engine (llama.cpp, ...)."""
     target_model: str
     """The backend's name for the model (route ``target``; defaults to ``request.model``)."""
     kind: RunKind

@@ -56,7 +56,7 @@ class Router:
         self._check(request, kind)
         return ExecutionSpec(
             request=request,
-            adapter=route.adapter,
+            adapter=route.engine or route.adapter,
             target_model=route.target or route.model,
             kind=kind,
             sampling=merge_sampling(self._defaults[route.model], request.sampling),

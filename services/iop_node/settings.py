@@ -107,6 +107,12 @@ class RouteSettings(_Section):
         object.__setattr__(self, "adapter", spoken_by)  # frozen: set once, while validating
         return self
 
+    @property
+    def adapter_key(self) -> str:
+        """The key of the adapter instance serving this route: the adapter's name, shared by its routes;
+        ``ENGINE:MODEL`` for a route with an engine, which has an instance (and a server) of its own."""
+        return self.adapter if self.engine is None else f"{self.engine}:{self.model}"
+
 
 ENGINE_ADAPTERS = {"llama.cpp": "vllm", "vllm": "vllm", "command": "vllm", "ollama": "ollama"}
 """The adapter that speaks to each engine's server."""
