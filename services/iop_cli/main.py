@@ -13,6 +13,7 @@
     iop runs show RUN_ID [--json]
     iop runs ls|show ... --control-plane [HOST:PORT]   the control-plane's run ledger (admin cert)
     iop nodes ls [--json] | drain NODE [--reason R] | undrain NODE | remove NODE   operate a control-plane
+    iop nodes reload NODE                 the node reads its config file's routes again (as on SIGHUP)
     iop join-token create [--ttl 1h] [--uses N] [--name-prefix P] | ls [--json] | revoke ID   tokens to join with
     iop join ADDRESS --token T --ca sha256:H [--name NAME] [--backend URL | --mock] [--dir DIR] [--foreground]
     iop policy show | apply FILE          the control-plane's policy in force; replace it
@@ -432,6 +433,11 @@ def _ops_parsers(
         sub.add_argument("node", metavar="NODE")
         sub.add_argument("--reason", help="recorded as the reason of the state change")
         sub.set_defaults(run=_ops, ops_action=action)
+    reload = nodes_commands.add_parser(
+        "reload", parents=[admin], help="NODE reads its config file's routes again (as on SIGHUP): prints what changed"
+    )
+    reload.add_argument("node", metavar="NODE")
+    reload.set_defaults(run=_ops, ops_action="nodes_reload")
 
     tokens = commands.add_parser("join-token", help="tokens other machines join with (admin certificate)")
     tokens_commands = tokens.add_subparsers(dest="tokens_command", required=True)

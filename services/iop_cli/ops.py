@@ -1,4 +1,4 @@
-"""``iop nodes ls|drain|undrain|remove``, ``iop policy show|apply`` and ``iop runs ls|show --control-plane``:
+"""``iop nodes ls|drain|undrain|remove|reload``, ``iop policy show|apply`` and ``iop runs ls|show --control-plane``:
 operate a control-plane over IOP.
 
 Each command dials the control-plane (``--control-plane HOST:PORT``, default
@@ -44,6 +44,7 @@ __all__ = [
     "iso",
     "nodes_drain",
     "nodes_ls",
+    "nodes_reload",
     "nodes_remove",
     "nodes_undrain",
     "policy_apply",
@@ -93,6 +94,13 @@ def nodes_remove(args: argparse.Namespace) -> int:
     """Revoke the node's certificates, close its connection, forget it: it comes back only by joining again."""
     remove = pb.NodesRemove(node_id=args.node, reason=args.reason or "")
     print(ask(args, pb.Envelope(nodes_remove=remove)).operation_done.message)
+    return 0
+
+
+def nodes_reload(args: argparse.Namespace) -> int:
+    """The node reads its config file's routes again: prints what changed (or, exit 1, why nothing did)."""
+    reload = pb.NodesReload(node_id=args.node)
+    print(ask(args, pb.Envelope(nodes_reload=reload)).operation_done.message)
     return 0
 
 

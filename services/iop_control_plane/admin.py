@@ -1,5 +1,8 @@
-"""Operations an admin certificate may ask for: list, drain, undrain and remove nodes; show and
-apply policy; list runs from the ledger.
+"""Operations an admin certificate may ask for: list, drain, undrain, remove and reload nodes; show
+and apply policy; list runs from the ledger.
+
+``nodes.reload`` is sent on to the node over its registration connection (it reads its config
+file's routes again) and its answer relayed: what changed, or why nothing did.
 
 A drain is kept by the control-planes only: no new runs go to the node, its runs in flight
 finish, and ``nodes.undrain`` lifts it (the node is not sent ``node.drain``, which it could not
@@ -42,6 +45,9 @@ __all__ = ["Operations", "PolicyInForce"]
 
 _log = structlog.get_logger("iop.control_plane")
 _T = TypeVar("_T")
+_RELOAD_TIMEOUT = 8.0
+"""Seconds a node has to answer nodes.reload (it starts servers without waiting for them): less than
+``iop``'s 10 s wait for the answer, so the admin hears which node did not answer."""
 _STATES = {
     NodeState.READY: pb.NODE_STATE_READY,
     NodeState.UNAVAILABLE: pb.NODE_STATE_UNAVAILABLE,
@@ -77,6 +83,7 @@ class Operations:
             "nodes_drain": self.nodes_drain,
             "nodes_undrain": self.nodes_undrain,
             "nodes_remove": self.nodes_remove,
+            "nodes_reload": self.nodes_reload,
             "policy_show": self.policy_show,
             "policy_apply": self.policy_apply,
             "runs_list": self.runs_list,
@@ -140,6 +147,27 @@ class Operations:
                 " it can register again"
             )
         await inbound.reply(pb.Envelope(operation_done=pb.OperationDone(message=said)))
+
+    async def nodes_reload(self, inbound: Inbound) -> None:
+        """The node reads its routes again; its answer (what changed, or the config's error) is relayed."""
+        node_id = inbound.envelope.nodes_reload.node_id
+        if node_id not in self.sessions.registry.nodes:
+            raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, f"no node {node_id[:80]!r} is registered")
+        connection = self.sessions.connection(node_id)
+        if connection is None:
+            raise IopError(pb.ERROR_CODE_UNAVAILABLE, f"node {node_id} is not connected: it cannot be asked to reload")
+        _log.info("node reload requested", node_id=node_id, by=inbound.peer.name)
+        try:
+            reload = pb.Envelope(nodes_reload=pb.NodesReload(node_id=node_id))
+            answer = await connection.request(reload, _RELOAD_TIMEOUT)
+        except TimeoutError:
+            raise IopError(
+                pb.ERROR_CODE_UNAVAILABLE, f"node {node_id} did not answer nodes.reload in {_RELOAD_TIMEOUT:g}s"
+            ) from None
+        if answer.WhichOneof("body") != "operation_done":
+            message = f"node {node_id} answered nodes.reload with something else"
+            raise IopError(pb.ERROR_CODE_PROTOCOL_VIOLATION, message)
+        await inbound.reply(pb.Envelope(operation_done=answer.operation_done))
 
     async def runs_list(self, inbound: Inbound) -> None:
         """Runs from the ledger, newest first (what is committed: the writer batches)."""

@@ -49,12 +49,13 @@ __all__ = ["ControlPlaneApp", "build_control_plane", "read_policy"]
 
 _log = structlog.get_logger("iop.control_plane")
 _ROLES = frozenset({Role.NODE, Role.EDGE, Role.WORKER, Role.ADMIN})
-_NODE_MESSAGES = ("node_register", "node_status", "cert_renew")
+_NODE_MESSAGES = ("node_register", "node_status", "capability_response", "cert_renew")
 _ADMIN_MESSAGES = (
     "nodes_list",
     "nodes_drain",
     "nodes_undrain",
     "nodes_remove",
+    "nodes_reload",
     "policy_show",
     "policy_apply",
     "runs_list",
@@ -144,6 +145,7 @@ class ControlPlaneApp:
         node: dict[str, MessageHandler] = {
             "node_register": self.sessions.on_register,
             "node_status": self.sessions.on_status,
+            "capability_response": self.sessions.on_capabilities,
             **joining.node_handlers(),
         }
         admin = self.operations.handlers() | joining.admin_handlers()

@@ -7,7 +7,10 @@ the live one keeps serving. Drains set by an admin hold across the node's reconn
 those set through another control-plane sharing the store are followed (:meth:`NodeSessions.follow_drains`,
 as are its revocations: :meth:`NodeSessions.revoked`). With
 TLS, :attr:`NodeSessions.vet` (the identity rule) decides whether a certificate may register the
-id it names; :meth:`NodeSessions.forget` closes a removed node's connection and drops it.
+id it names; :meth:`NodeSessions.forget` closes a removed node's connection and drops it. A node
+whose routes were reloaded sends ``capability.response`` unasked on its registration connection:
+taken as its capabilities from then on (:meth:`NodeSessions.on_capabilities`), from that
+connection only.
 """
 
 from __future__ import annotations
@@ -153,6 +156,18 @@ class NodeSessions:
         self.registry.report(status(node_id, inbound.envelope.node_status))
         self.store.touched(node_id)
 
+    async def on_capabilities(self, inbound: Inbound) -> None:
+        """An unasked ``capability.response`` (the node's routes were reloaded): its capabilities from now on.
+        Taken only on the connection the node registered on: whose they are is the registration's."""
+        node_id = self._registered_as(inbound.connection, "capability.response")
+        capabilities = pb.CapabilityResponse()
+        capabilities.CopyFrom(inbound.envelope.capability_response)
+        capabilities.node_id = node_id
+        self.capabilities[node_id] = capabilities
+        self.registry.set_continuable(node_id, continuable_kinds(capabilities))
+        models = sorted(model.name for adapter in capabilities.adapters for model in adapter.models)
+        _log.info("node capabilities changed", node_id=node_id, models=models)
+
     def ready_capabilities(self) -> pb.CapabilityResponse:
         """The models available on ready nodes, merged per adapter (``node_id`` "control-plane")."""
         merged: dict[tuple[str, str], pb.ModelInfo] = {}
@@ -216,11 +231,11 @@ class NodeSessions:
             await connection.close(error.message, code=error.code)
         return known
 
-    def _registered_as(self, connection: Connection) -> str:
+    def _registered_as(self, connection: Connection, what: str = "node.status") -> str:
         node_id = self._by_connection.get(connection.id)
         if node_id is not None:
             return node_id
-        raise IopError(pb.ERROR_CODE_PROTOCOL_VIOLATION, "node.status before node.register")
+        raise IopError(pb.ERROR_CODE_PROTOCOL_VIOLATION, f"{what} before node.register")
 
     def _watch(self, node_id: str, connection: Connection) -> None:
         task = asyncio.create_task(self._until_closed(node_id, connection), name="iop-node-session")

@@ -137,6 +137,14 @@ class Registry:
         elif state is NodeState.UNAVAILABLE:
             self._left(node_id)
 
+    def set_continuable(self, node_id: str, continuable: Mapping[str, frozenset[int]]) -> None:
+        """The node's capabilities changed (its routes were reloaded): what each model can continue."""
+        node = self.nodes[node_id]
+        node.continuable = dict(continuable)
+        for view in node.models.values():
+            self._refresh(view)
+        self._more_room()
+
     def sent(self, node_id: str, model: str) -> None:
         """A run of ``model`` was sent to the node."""
         view = self.nodes[node_id].models[model]

@@ -7,6 +7,13 @@ the stack in reverse: metrics, renewal and registrations stop, the listener clos
 task group waits for its loops, the history commits and closes, the adapters close; whatever
 fails, the rest still closes. A part that cannot start raises :class:`StartError` naming its
 setting, after the parts before it closed.
+
+``reload`` reads the config file's routes again (SIGHUP, ``nodes.reload``), one reload at a time:
+it builds and starts adapters for the added and changed routes only, switches the node's route
+table in one step (:meth:`Node.replace_routes`), and tells each control-plane the node's new
+capabilities and status at once. A new route that shares an adapter with routes left unchanged (a
+second ``vllm`` route, say) gets an instance of its own; the old instance keeps serving its routes.
+A config that does not load changes nothing (ConfigError, one line naming the key).
 """
 
 from __future__ import annotations
@@ -26,18 +33,21 @@ import structlog
 from prometheus_client import start_http_server
 from pydantic import ValidationError
 
+from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.adapters import REGISTRY
 from iop_node.core import Node
 from iop_node.metrics import NodeMetrics
 from iop_node.ports import Adapter, RunStore
+from iop_node.reload import ReloadSummary, RouteChanges, diff_routes, renumbered, restart_keys
 from iop_node.renewal import CertificateRenewal
 from iop_node.router import Limits, Router
-from iop_node.settings import ConfigError, Problem, Settings, StartError
+from iop_node.settings import ConfigError, Problem, Settings, StartError, load_settings
 from iop_node.store import SqliteRunStore
 from iop_node.transport import Registration, node_handler
 from iop_wire.connection import ConnectionConfig
 from iop_wire.dialer import Links
 from iop_wire.endpoint import Listener
+from iop_wire.errors import IopError
 from iop_wire.metrics import expose
 from iop_wire.settings import bind_error, problems, resolve_paths
 from iop_wire.tls import Role
@@ -90,7 +100,11 @@ class NodeApp:
     """One per control-plane (``control_plane.address`` or ``addresses``)."""
     renewal: CertificateRenewal | None = None
     metrics_port: int | None = None
+    config_path: Path | None = None
+    """The config file ``reload`` reads again; None for a node started without one (``--dev``)."""
     _stack: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
+    _reloading: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _stopping: bool = False
 
     async def __aenter__(self) -> NodeApp:
         return await self.start()
@@ -101,8 +115,10 @@ class NodeApp:
     async def start(self) -> NodeApp:
         """Open the history, then listen, register and serve metrics; StartError names what could not start."""
         try:
-            for adapter in self.node.adapters.values():  # built already: closed even if nothing else starts
-                self._stack.push_async_callback(adapter.aclose)
+            # Built already: closed even if nothing else starts; at stop, whichever instances serve then.
+            self._stack.push_async_callback(self._close_adapters)
+            self._stack.push_async_callback(self.node.stop_retiring)  # unwound first: closes the retired ones
+            for adapter in self.node.adapters.values():
                 await adapter.start()  # an engine's server starts; its model is unavailable until ready
             await self._open_store()
             tasks = await self._stack.enter_async_context(asyncio.TaskGroup())
@@ -122,6 +138,7 @@ class NodeApp:
     async def stop(self, grace: float | None = None) -> None:
         """Graceful stop: refuse new runs, let in-flight ones finish for ``grace`` s, then close every part."""
         grace = self.settings.shutdown_grace if grace is None else grace
+        self._stopping = True
         try:
             self.node.drain()  # refuse new runs, and say so to the control-plane
             if self.listener is not None:
@@ -131,6 +148,76 @@ class NodeApp:
         finally:  # whatever failed above, every part is closed and the history committed
             await self._stack.aclose()
         _log.info("node stopped", node_id=self.node.node_id)
+
+    async def _close_adapters(self) -> None:
+        for adapter in list(self.node.adapters.values()):
+            try:
+                await adapter.aclose()
+            except Exception:  # noqa: BLE001 - one adapter failing to close must not keep the others open
+                _log.exception("adapter close failed", node_id=self.node.node_id, adapter=adapter.name)
+
+    async def reload(self) -> ReloadSummary:
+        """Read the config file's routes again and serve them, one reload at a time; ConfigError (naming the
+        key) when it does not load, the routes in force staying as they are."""
+        async with self._reloading:
+            if self._stopping:
+                raise IopError(pb.ERROR_CODE_SHUTTING_DOWN, f"node {self.node.node_id} is stopping; not reloaded")
+            try:
+                summary = await self._reload()
+            except ConfigError as exc:
+                self.metrics.reloads.labels("bad_config").inc()
+                _log.error("reload refused; the routes stay as they were", node_id=self.node.node_id, reason=str(exc))
+                raise
+            self.metrics.reloads.labels("applied").inc()
+            changes = summary.changes
+            _log.info(
+                "routes reloaded",
+                node_id=self.node.node_id,
+                added=[route.model for route in changes.added],
+                removed=list(changes.removed),
+                replaced=[route.model for route in changes.replaced],
+                unchanged=len(changes.unchanged),
+                finishing=summary.finishing,
+            )
+            if changes.changed:
+                for registration in self.registrations:
+                    await registration.announce()
+            return summary
+
+    async def _reload(self) -> ReloadSummary:
+        path = self.config_path
+        if path is None:
+            raise ConfigError("this node was started without a config file (--dev): there is nothing to reload")
+        try:
+            read = await asyncio.to_thread(load_settings, path)
+        except ConfigError as exc:
+            raise exc.located(path) from None
+        restart = restart_keys(self.settings, read)
+        if restart:
+            _log.warning("settings that need a restart changed; not applied", node_id=self.node.node_id, keys=restart)
+        changes = diff_routes(self.node.routes, read.routes)
+        built = await self._start_adapters(read, changes, path)
+        finishing = self.node.replace_routes(changes, built, read.reload_grace)
+        self.settings = self.settings.model_copy(update={"routes": read.routes, "reload_grace": read.reload_grace})
+        return ReloadSummary(self.node.node_id, changes, finishing, tuple(restart))
+
+    async def _start_adapters(self, read: Settings, changes: RouteChanges, path: Path) -> dict[str, Adapter]:
+        """Adapters for the added and replaced routes, started; ConfigError naming the route's place in the file."""
+        routes = changes.built
+        try:
+            built = build_adapters(read.model_copy(update={"routes": list(routes)}), base=path.parent)
+        except ConfigError as exc:
+            indices = [read.routes.index(route) for route in routes]
+            raise renumbered(exc, indices).located(path) from None
+        try:
+            for adapter in built.values():
+                await adapter.start()
+        except BaseException:
+            for adapter in built.values():
+                with contextlib.suppress(Exception):  # the error that stopped the start is the one to tell
+                    await adapter.aclose()
+            raise
+        return built
 
     async def _open_store(self) -> None:
         path = self.settings.store_path
@@ -165,6 +252,7 @@ class NodeApp:
                 self.connection_config,
                 address=address,
                 registered=registered,
+                reload=self.reload,
             )
             task = tasks.create_task(registration.run_forever(), name=f"iop-register-{address}")
             self._stack.push_async_callback(_stop_registration, registration, task)
@@ -219,11 +307,16 @@ def build_node(
     adapters: Mapping[str, Adapter] | None = None,
     metrics: NodeMetrics | None = None,
     config_dir: Path | None = None,
+    config_path: Path | None = None,
 ) -> NodeApp:
     """Wire a node from ``settings``; tests pass real or other parts through the same function.
 
-    ``config_dir``: the folder of the config file, which relative paths in route options are taken from.
+    ``config_path``: the config file ``settings`` came from, read again by ``NodeApp.reload``;
+    ``config_dir``: the folder relative paths in route options are taken from (default: ``config_path``'s).
     """
+    if config_path is not None:
+        config_path = config_path.absolute()  # reloads find it, whatever the working folder then
+        config_dir = config_dir or config_path.parent
     if metrics is None:
         metrics = NodeMetrics()
         expose(metrics.registry)  # the wire's limits and connections, served with the node's metrics
@@ -240,4 +333,6 @@ def build_node(
     config = settings.connection.config(
         heartbeat_interval=settings.heartbeat_interval, max_frame_size=settings.max_frame_size
     )
-    return NodeApp(settings=settings, node=node, store=store, metrics=metrics, connection_config=config)
+    return NodeApp(
+        settings=settings, node=node, store=store, metrics=metrics, connection_config=config, config_path=config_path
+    )

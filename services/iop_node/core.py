@@ -3,6 +3,12 @@
 For every run: check and route it, record it, wait for a slot, start it, let the adapter
 execute it through a metered sink, and record how it ended, whatever the ending (completed,
 failed, cancelled in the queue or mid-stream, or cut short by the deadline).
+
+The route table (router, admissions, an adapter per model) is replaced whole by a reload
+(:meth:`Node.replace_routes`), in one step of the event loop: a run takes the route, admission
+and adapter of the table it was resolved in and keeps them to its end. The admissions and adapter
+instances a reload leaves behind *retire*: their runs finish within the reload's grace, the ones
+still going then end retryably (SHUTTING_DOWN), and each instance no route uses is closed.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import structlog
@@ -20,7 +26,9 @@ from iop_node.admission import Admission
 from iop_node.domain import ExecutionSpec, RunRecord, RunStatus
 from iop_node.metrics import ModelMetrics, NodeMetrics
 from iop_node.ports import Adapter, RunStore
+from iop_node.reload import RouteChanges
 from iop_node.router import Router
+from iop_node.settings import RouteSettings
 from iop_wire.errors import IopError, code_name
 from iop_wire.runs import EventSink as WireSink
 from iop_wire.tls import acting_caller
@@ -153,11 +161,21 @@ class Node:
         self._running: dict[asyncio.Task[Any], WireSink] = {}
         self._shutting_down: set[asyncio.Task[Any]] = set()
         self._adapter_of = {r.model: self.adapters[r.adapter_key] for r in router.routes}
-        self.admissions = {
-            r.model: Admission(r.model, r.max_concurrency, r.queue_size, self._load_changed) for r in router.routes
-        }
+        self.admissions = {r.model: self._admission(r) for r in router.routes}
+        self._held: dict[asyncio.Task[Any], Admission] = {}
+        """Run -> the admission of the route it was resolved to (from then to its end)."""
+        self._retiring: set[Admission] = set()
+        """Admissions of routes a reload removed or replaced, while runs hold them."""
+        self._removed: dict[str, float] = {}
+        """Model a reload removed -> until when (loop time) its runs are refused retryably."""
+        self._retirements: set[asyncio.Task[None]] = set()
+        self._released = asyncio.Event()
+        self._reloads = 0
         self._idle = asyncio.Event()
         self._idle.set()
+
+    def _admission(self, route: RouteSettings) -> Admission:
+        return Admission(route.model, route.max_concurrency, route.queue_size, self._load_changed)
 
     # -- the wire Handler --------------------------------------------------------------------
 
@@ -196,12 +214,14 @@ class Node:
         finally:
             self._running.pop(task, None)
             self._shutting_down.discard(task)
+            routed = self._held.pop(task, None) is not None
+            self._released.set()
             record.finished_at = _now()
             try:
                 await self._store.record_end(record)
             except RuntimeError:  # the store closed while this run was still stopping (shutdown)
                 _log.warning("run outcome not recorded", node_id=self.node_id, run_id=record.run_id)
-            label = record.model if record.model in self.admissions else "(unrouted)"  # bounded label values
+            label = record.model if routed else "(unrouted)"  # bounded label values: routed models only
             self._metrics.runs.labels(label, record.status.value).inc()
             _log.debug("run finished", node_id=self.node_id, run_id=record.run_id, status=record.status.value)
 
@@ -209,11 +229,16 @@ class Node:
         try:
             if self.draining:
                 raise IopError(pb.ERROR_CODE_SHUTTING_DOWN, f"node {self.node_id} is draining; send the run elsewhere")
+            self._refuse_removed(request.model)
             spec = self._router.resolve(request)
+            # In the same step as resolving: the run keeps this table's route to its end.
+            adapter, admission = self._adapter_of[request.model], self.admissions[request.model]
+            task = asyncio.current_task()
+            assert task is not None
+            self._held[task] = admission
         finally:
             await self._store.record_start(record)
         record.adapter = spec.adapter
-        adapter = self._adapter_of[request.model]
         seconds = None
         if spec.deadline is not None:
             seconds = (spec.deadline - _now()).total_seconds()
@@ -221,14 +246,15 @@ class Node:
                 raise IopError(pb.ERROR_CODE_DEADLINE_EXCEEDED, "the run's deadline passed before it started")
         try:
             async with asyncio.timeout(seconds) as scope:  # None: no limit
-                await self._execute(spec, adapter, sink, record)
+                await self._execute(spec, adapter, admission, sink, record)
         except TimeoutError:
             if not scope.expired():
                 raise  # a timeout of the adapter's own
             raise IopError(pb.ERROR_CODE_DEADLINE_EXCEEDED, "the run's deadline passed") from None
 
-    async def _execute(self, spec: ExecutionSpec, adapter: Adapter, sink: WireSink, record: RunRecord) -> None:
-        admission = self.admissions[spec.request.model]
+    async def _execute(
+        self, spec: ExecutionSpec, adapter: Adapter, admission: Admission, sink: WireSink, record: RunRecord
+    ) -> None:
         await admission.acquire(spec.request.priority)
         try:
             record.started_at = _now()
@@ -262,8 +288,9 @@ class Node:
             max_concurrency=sum(a.capacity for a in self.admissions.values()),
             labels=self._labels,
         )
-        for adapter in self.adapters.values():
-            models = await adapter.capabilities()
+        for adapter in list(self.adapters.values()):
+            # An instance a reload kept for its other routes still knows the models it no longer serves.
+            models = [model for model in await adapter.capabilities() if self._adapter_of.get(model.name) is adapter]
             for model in models:
                 admission = self.admissions.get(model.name)
                 model.max_concurrency = admission.capacity if admission else 0
@@ -279,11 +306,106 @@ class Node:
                 grace, self._end_running, "the node was drained and its grace ran out"
             )
 
-    def _end_running(self, reason: str) -> None:
+    def _end_running(self, reason: str, holding: Collection[Admission] | None = None) -> int:
+        """End the runs going (only those holding one of ``holding``, when given) retryably; how many."""
+        ended = 0
         for task, sink in list(self._running.items()):
-            sink.cancel_reason = reason
-            self._shutting_down.add(task)
+            if holding is None or self._held.get(task) in holding:
+                sink.cancel_reason = reason
+                self._shutting_down.add(task)
+                task.cancel()
+                ended += 1
+        return ended
+
+    # -- reload ------------------------------------------------------------------------------
+
+    @property
+    def routes(self) -> list[RouteSettings]:
+        """The route table in force."""
+        return self._router.routes
+
+    def replace_routes(self, changes: RouteChanges, built: Mapping[str, Adapter], grace: float) -> int:
+        """Serve ``changes.routes`` from now on, in one step: ``built`` (by adapter key) serves the added and
+        replaced routes, the unchanged ones keep their adapter and admission. Runs of removed and replaced
+        routes finish on their old adapters within ``grace`` seconds, then end retryably; an instance no
+        route uses any more is closed once its runs ended. Returns how many runs are finishing so."""
+        kept = set(changes.unchanged)
+        adapter_of = {
+            route.model: self._adapter_of[route.model] if route.model in kept else built[route.adapter_key]
+            for route in changes.routes
+        }
+        admissions = {
+            route.model: self.admissions[route.model] if route.model in kept else self._admission(route)
+            for route in changes.routes
+        }
+        retired = {admission for model, admission in self.admissions.items() if model not in kept}
+        in_use = {id(adapter) for adapter in adapter_of.values()}
+        unused = [adapter for adapter in self.adapters.values() if id(adapter) not in in_use]
+        self.adapters = {key: adapter for key, adapter in self.adapters.items() if id(adapter) in in_use}
+        self._reloads += 1
+        for key, adapter in built.items():  # an old instance may still hold the key while it retires
+            self.adapters[key if key not in self.adapters else f"{key}@{self._reloads}"] = adapter
+        self._router = Router(changes.routes, self._router.limits)
+        self._adapter_of, self.admissions = adapter_of, admissions
+        self._forget_removed(changes)
+        self._removed.update(dict.fromkeys(changes.removed, asyncio.get_running_loop().time() + grace))
+        self._retiring |= retired
+        finishing = sum(1 for admission in self._held.values() if admission in retired)
+        task = asyncio.create_task(self._retire(frozenset(retired), unused, grace), name="iop-retire-routes")
+        self._retirements.add(task)
+        task.add_done_callback(self._retirements.discard)
+        self._load_changed()
+        return finishing
+
+    def _forget_removed(self, changes: RouteChanges) -> None:
+        """Routed again, or past the time they were refused retryably: unknown from now on, like any model."""
+        now, routed = asyncio.get_running_loop().time(), {route.model for route in changes.routes}
+        for model in [model for model, until in self._removed.items() if model in routed or until <= now]:
+            del self._removed[model]
+
+    def _refuse_removed(self, model: str) -> None:
+        """A run of a model a reload just removed: retryable, so that the control-plane, which may not have
+        seen this node's new status yet, places it on another node."""
+        until = self._removed.get(model)
+        if until is not None and asyncio.get_running_loop().time() < until:
+            raise IopError(
+                pb.ERROR_CODE_UNAVAILABLE,
+                f"model {model!r} is no longer served on node {self.node_id} (removed by a reload);"
+                " send the run elsewhere",
+                retryable=True,
+            )
+
+    async def _retire(self, admissions: frozenset[Admission], adapters: list[Adapter], grace: float) -> None:
+        """Let the runs holding ``admissions`` finish within ``grace``, end the rest, then close ``adapters``."""
+        try:
+            try:
+                await asyncio.wait_for(self._until_released(admissions), grace)
+            except TimeoutError:
+                reason = f"its route was removed or replaced by a reload and the reload's grace ({grace:g}s) ran out"
+                ended = self._end_running(reason, holding=admissions)
+                _log.warning("reload grace ran out", node_id=self.node_id, runs_ended=ended, grace=grace)
+                await self._until_released(admissions)
+        finally:  # also when the node stops meanwhile: the instances are closed once
+            self._retiring -= admissions
+            self._load_changed()
+            for adapter in adapters:
+                try:
+                    await adapter.aclose()
+                except Exception:  # noqa: BLE001 - one adapter failing to close must not keep the others open
+                    _log.exception("adapter close failed", node_id=self.node_id, adapter=adapter.name)
+            if adapters:
+                _log.info("retired adapters closed", node_id=self.node_id, adapters=[a.name for a in adapters])
+
+    async def _until_released(self, admissions: frozenset[Admission]) -> None:
+        while any(admission in admissions for admission in self._held.values()):
+            self._released.clear()
+            await self._released.wait()
+
+    async def stop_retiring(self) -> None:
+        """End the retirements still waiting (the node stops): their adapters are closed."""
+        for task in list(self._retirements):
             task.cancel()
+        await asyncio.gather(*self._retirements, return_exceptions=True)
 
     # -- load --------------------------------------------------------------------------------
 
@@ -311,15 +433,17 @@ class Node:
 
     @property
     def busy(self) -> int:
-        """Runs executing or queued, all models."""
-        return sum(a.in_flight + a.queued for a in self.admissions.values())
+        """Runs executing or queued, all models (also those of routes a reload removed, until they end)."""
+        admissions = [*self.admissions.values(), *self._retiring]
+        return sum(a.in_flight + a.queued for a in admissions)
 
     def on_load_change(self, listener: Callable[[], None]) -> None:
         """Call ``listener`` whenever in-flight or queued counts change."""
         self._listeners.append(listener)
 
     def _load_changed(self, admission: Admission | None = None) -> None:
-        if admission is not None:
+        # A retiring admission's counts are not its model's (a replaced route counts on its new one).
+        if admission is not None and self.admissions.get(admission.model) is admission:
             gauges = self._metrics.model(admission.model)
             gauges.in_flight.set(admission.in_flight)
             gauges.queued.set(admission.queued)

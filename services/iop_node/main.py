@@ -9,11 +9,15 @@ and removed when it stops: how ``iop up`` (or a supervisor) learns that it is re
 A node with a control-plane writes it again once it first registered, with ``registered: true``
 (``iop join`` waits for that).
 ``--dev`` runs without a config file: loopback, TLS off, one mock model, and a warning saying so.
+
+SIGHUP reads the config file's routes again (``NodeApp.reload``); a file that does not load is
+logged, naming the key, and the routes in force stay.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import signal
 import sys
@@ -23,6 +27,7 @@ import structlog
 
 from iop_node.bootstrap import NodeApp, build_node
 from iop_node.settings import ConfigError, RouteSettings, Settings, StartError, load_settings
+from iop_wire.errors import IopError
 from iop_wire.logs import configure
 from iop_wire.settings import loop_factory, write_ready_file
 
@@ -44,7 +49,7 @@ def run(config: Path | None, *, dev: bool = False, ready_file: Path | None = Non
         )
     try:
         settings = _development(load_settings(None)) if config is None else load_settings(config)
-        app = build_node(settings, config_dir=None if config is None else config.absolute().parent)
+        app = build_node(settings, config_path=config)
     except ConfigError as exc:
         return _fail(f"bad config: {_located(exc, config)}")
     configure(log_level or settings.log_level)
@@ -87,6 +92,8 @@ async def _serve(app: NodeApp, ready_file: Path | None) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    reloads: set[asyncio.Task[None]] = set()
+    loop.add_signal_handler(signal.SIGHUP, _reload_soon, app, reloads)
     registered: asyncio.Task[None] | None = None
     async with app:
         if ready_file is not None:
@@ -100,11 +107,25 @@ async def _serve(app: NodeApp, ready_file: Path | None) -> int:
         try:
             await stop.wait()
         finally:  # the node no longer takes runs once it stops: not ready
-            if registered is not None:
-                registered.cancel()
+            loop.remove_signal_handler(signal.SIGHUP)
+            for task in (*reloads, *([registered] if registered else [])):
+                task.cancel()
+            await asyncio.gather(*reloads, return_exceptions=True)
             if ready_file is not None:
                 ready_file.unlink(missing_ok=True)  # noqa: ASYNC240 - one unlink while stopping; nothing waits on it
     return 0
+
+
+def _reload_soon(app: NodeApp, reloads: set[asyncio.Task[None]]) -> None:
+    """SIGHUP: reload in a task of its own (reloads wait for each other in ``NodeApp.reload``)."""
+    task = asyncio.get_running_loop().create_task(_reload(app), name="iop-reload")
+    reloads.add(task)
+    task.add_done_callback(reloads.discard)
+
+
+async def _reload(app: NodeApp) -> None:
+    with contextlib.suppress(ConfigError, IopError):  # logged by reload; the routes in force stay
+        await app.reload()
 
 
 async def _when_registered(app: NodeApp, ready_file: Path) -> None:

@@ -61,6 +61,12 @@ class NodeMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.reloads = Counter(
+            "iop_node_reloads_total",
+            "Reloads of the routes (SIGHUP, nodes.reload), by outcome: applied, bad_config (nothing changed).",
+            ["outcome"],
+            registry=self.registry,
+        )
 
     @cache  # noqa: B019 - one NodeMetrics per node, kept for its life; labels() costs ~3 us a call
     def model(self, model: str) -> ModelMetrics:

@@ -35,7 +35,7 @@ class Router:
         self._defaults = {
             route.model: pb.Sampling(**route.defaults.model_dump(exclude_none=True)) for route in self._routes.values()
         }
-        self._limits = limits
+        self.limits = limits
 
     @property
     def routes(self) -> list[RouteSettings]:
@@ -82,8 +82,8 @@ class Router:
                 raise _invalid("every message needs a role", "messages")
             for part in message.content:
                 size += len(part.text)
-        if size > self._limits.max_prompt_chars:
-            raise _invalid(f"prompt of {size} characters is over this node's limit of {self._limits.max_prompt_chars}")
+        if size > self.limits.max_prompt_chars:
+            raise _invalid(f"prompt of {size} characters is over this node's limit of {self.limits.max_prompt_chars}")
         self._check_sampling(request.sampling)
 
     def _check_sampling(self, sampling: pb.Sampling) -> None:
@@ -93,8 +93,8 @@ class Router:
                 value = getattr(sampling, name)
                 if not low <= value <= high:  # False for NaN too
                     raise _invalid(f"sampling.{name} must be between {low:g} and {high:g}, got {value}", name)
-        if sampling.HasField("max_tokens") and not 0 < sampling.max_tokens <= self._limits.max_tokens:
-            limit = self._limits.max_tokens
+        if sampling.HasField("max_tokens") and not 0 < sampling.max_tokens <= self.limits.max_tokens:
+            limit = self.limits.max_tokens
             message = f"sampling.max_tokens must be between 1 and {limit}, got {sampling.max_tokens}"
             raise _invalid(message, "max_tokens")
         if len(sampling.stop) > _MAX_STOP:

@@ -167,6 +167,9 @@ class Settings(BaseSettings):
     """Largest max_tokens a request may ask for."""
     shutdown_grace: float = Field(30.0, ge=0)
     """On SIGTERM, seconds in-flight runs get to finish before they are cancelled."""
+    reload_grace: float = Field(30.0, ge=0)
+    """On a reload (SIGHUP, ``iop nodes reload``), seconds the runs of a removed or replaced route get to
+    finish on its old adapter before they are cancelled (retryably: SHUTTING_DOWN)."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Lowest level logged."""
     event_loop: EventLoop = "uvloop"

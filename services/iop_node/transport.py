@@ -1,7 +1,9 @@
 """The node's transports: the handler table it serves with, and registration with its control-planes.
 
 Runs arriving either way go to the same ``Node``, so direct and relayed runs are served alike.
-Only a connection this node dialed to a control-plane takes ``node.drain``. With several
+Only a connection this node dialed to a control-plane takes ``node.drain`` and ``nodes.reload``
+(the routes read again; after a reload that changed them, each registration sends the node's
+capabilities unasked, and its status at once). With several
 control-planes (``control_plane.addresses``) the node keeps one :class:`Registration` per
 control-plane, each on its own connection with its own redial backoff, and reports its load to
 each; the node's own admission decides what runs, whichever control-plane sent them.
@@ -14,6 +16,8 @@ the node alive in between, so an idle fleet costs its control-plane one frame pe
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
 
 import structlog
 from google.protobuf.descriptor import EnumDescriptor
@@ -21,17 +25,20 @@ from google.protobuf.descriptor import EnumDescriptor
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.core import Node
 from iop_node.domain import RunRecord
-from iop_node.settings import ControlPlaneSettings
+from iop_node.settings import ConfigError, ControlPlaneSettings
 from iop_wire import ConnectionConfig, Handler, Inbound, IopError, KeepConnected, TlsConfig
 from iop_wire.connection import Connection
+from iop_wire.errors import ConnectionClosed
 
-__all__ = ["Registration", "ledger_run", "node_handler"]
+__all__ = ["Registration", "Reload", "ledger_run", "node_handler"]
 
 _log = structlog.get_logger("iop.node")
+Reload = Callable[[], Awaitable[object]]
+"""Reads the routes again; its result, as text, says what changed (``NodeApp.reload``)."""
 
 
-def node_handler(node: Node, *, control_plane: bool = False) -> Handler:
-    """What the node serves: runs, capabilities, and node.drain on its control-plane connection."""
+def node_handler(node: Node, *, control_plane: bool = False, reload: Reload | None = None) -> Handler:
+    """What the node serves: runs, capabilities, and node.drain and nodes.reload on its control-plane connection."""
 
     async def capabilities(inbound: Inbound) -> None:
         await inbound.reply(pb.Envelope(capability_response=await node.capabilities()))
@@ -58,7 +65,28 @@ def node_handler(node: Node, *, control_plane: bool = False) -> Handler:
         listed = pb.RunsListed(runs=[] if record is None else [ledger_run(record)])
         await inbound.reply(pb.Envelope(runs_listed=listed))
 
-    messages = {"capability_request": capabilities, "node_drain": drain, "runs_list": run_record}
+    async def reload_routes(inbound: Inbound) -> None:
+        message = inbound.envelope.nodes_reload
+        if not control_plane or reload is None:
+            raise IopError(pb.ERROR_CODE_PERMISSION_DENIED, "nodes.reload is taken only from this node's control-plane")
+        if message.node_id and message.node_id != node.node_id:
+            raise IopError(
+                pb.ERROR_CODE_INVALID_ARGUMENT, f"nodes.reload for {message.node_id!r} reached {node.node_id!r}"
+            )
+        _log.info("reload requested", node_id=node.node_id, by=inbound.peer.name)
+        try:
+            said = str(await reload())
+        except ConfigError as exc:
+            message_text = f"node {node.node_id} kept its routes: {exc}"
+            raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, message_text) from None
+        await inbound.reply(pb.Envelope(operation_done=pb.OperationDone(message=said)))
+
+    messages = {
+        "capability_request": capabilities,
+        "node_drain": drain,
+        "runs_list": run_record,
+        "nodes_reload": reload_routes,
+    }
     return Handler(run=node.run, messages=messages)
 
 
@@ -109,13 +137,15 @@ class Registration:
         *,
         address: str | None = None,
         registered: asyncio.Event | None = None,
+        reload: Reload | None = None,
     ) -> None:
         """``address``: which of ``settings.all_addresses`` (default: the first); ``registered``: an
-        event the registrations with the other control-planes share (set by whichever comes first)."""
+        event the registrations with the other control-planes share (set by whichever comes first);
+        ``reload``: what ``nodes.reload`` from the control-plane calls (refused without)."""
         self.link = KeepConnected(
             settings.target(tls, config, address=address),
             self._register,
-            handler=node_handler(node, control_plane=True),
+            handler=node_handler(node, control_plane=True, reload=reload),
             backoff=settings.backoff(),
         )
         self._node, self._settings, self._config = node, settings, config
@@ -141,6 +171,17 @@ class Registration:
     async def stop(self) -> None:
         """Stop reconnecting and close the control-plane connection gracefully."""
         await self.link.stop()
+
+    async def announce(self) -> None:
+        """The routes changed: send the node's capabilities (unasked) and its status at once. Without a
+        connection nothing is sent: the next registration carries both."""
+        connection = self.connection
+        if connection is None or connection.closed:
+            return
+        capabilities = await self._node.capabilities()
+        with contextlib.suppress(ConnectionClosed):  # closed meanwhile: the next registration carries them
+            await connection.send(pb.Envelope(capability_response=capabilities))
+        self._changed.set()
 
     async def _register(self, connection: Connection) -> None:
         register = pb.NodeRegister(
