@@ -62,7 +62,7 @@ def diff_routes(current: Sequence[RouteSettings], new: Sequence[RouteSettings]) 
 def restart_keys(running: Settings, read: Settings) -> list[str]:
     """The top-level settings that differ between the ones running and the ones read, other than those a
     reload applies."""
-    keys = running.model_fields.keys() - _RELOADED
+    keys = type(running).model_fields.keys() - _RELOADED
     return sorted(key for key in keys if getattr(running, key) != getattr(read, key))
 
 
@@ -88,7 +88,7 @@ class ReloadSummary:
     """Settings that changed in the file but wait for a restart."""
 
     def __str__(self) -> str:
-        """``node-2 reloaded: added a, b; removed c; replaced d (2 runs finishing); 3 unchanged``."""
+        """``node-2 reloaded: added a, b; removed c; replaced d; 2 runs finishing on the old routes; 3 unchanged``."""
         changes, parts = self.changes, []
         if changes.added:
             parts.append("added " + ", ".join(route.model for route in changes.added))
@@ -97,7 +97,7 @@ class ReloadSummary:
         if changes.replaced:
             parts.append("replaced " + ", ".join(route.model for route in changes.replaced))
         if self.finishing:
-            parts[-1] += f" ({self.finishing} run{'s' if self.finishing != 1 else ''} finishing)"
+            parts.append(f"{self.finishing} run{'s' if self.finishing != 1 else ''} finishing on the old routes")
         parts.append(f"{len(changes.unchanged)} unchanged")
         if self.restart:
             parts.append("needs a restart: " + ", ".join(self.restart))

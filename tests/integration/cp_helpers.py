@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -78,6 +79,18 @@ def node_config(
     path = tmp_path / f"{node_id}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+def admin_certs(pki: Pki, state: Path) -> Path:
+    """``state``/certs as `iop certs init` leaves it for an admin (admin.crt, admin.key, ca.crt): the
+    state folder `iop nodes ...` reads with ``--dir``."""
+    certs = state / "certs"
+    certs.mkdir(parents=True)
+    tls = pki.config("ops", Role.ADMIN)
+    assert tls.cert and tls.key and tls.ca
+    for source, name in ((tls.cert, "admin.crt"), (tls.key, "admin.key"), (tls.ca, "ca.crt")):
+        shutil.copy(source, certs / name)
+    return state
 
 
 @contextmanager
