@@ -442,8 +442,8 @@ class Node:
         self._listeners.append(listener)
 
     def _load_changed(self, admission: Admission | None = None) -> None:
-        # A retiring admission's counts are not its model's (a replaced route counts on its new one).
-        if admission is not None and self.admissions.get(admission.model) is admission:
+        # A replaced route's old admission is not its model's any more: the new one's counts are shown.
+        if admission is not None and self.admissions.get(admission.model, admission) is admission:
             gauges = self._metrics.model(admission.model)
             gauges.in_flight.set(admission.in_flight)
             gauges.queued.set(admission.queued)
