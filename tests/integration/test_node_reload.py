@@ -3,6 +3,7 @@ a real listener with mTLS, runs streamed by a client while the table changes und
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -148,6 +149,15 @@ async def test_settings_other_than_routes_wait_for_a_restart(node: NodeApp, pki:
     summary = await node.reload()
     assert str(summary) == "node-t reloaded: 3 unchanged; needs a restart: max_prompt_chars"
     assert node.settings.max_prompt_chars == 1_000_000 and node.settings.reload_grace == 3
+
+
+async def test_reloads_run_one_at_a_time(node: NodeApp, pki: Pki, tmp_path: Path) -> None:
+    _write(tmp_path / "node.yaml", pki, [STEADY, OTHER])
+    first, second = await asyncio.gather(node.reload(), node.reload())
+    assert str(first) == "node-t reloaded: removed stalls; 2 unchanged"
+    assert str(second) == "node-t reloaded: 2 unchanged"  # after the first, not beside it
+    samples = {s.labels["outcome"]: s.value for s in node.metrics.reloads.collect()[0].samples if "total" in s.name}
+    assert samples == {"applied": 2.0}
 
 
 async def test_a_node_without_a_config_file_has_nothing_to_reload(pki: Pki, tmp_path: Path) -> None:

@@ -106,6 +106,7 @@ async def test_sighup_adds_and_removes_models_while_the_others_stream_on(cluster
     cluster.process.send_signal(signal.SIGHUP)
     # the control-plane takes the node's new status and its unasked capabilities
     await assert_eventually(lambda: _served(cluster) == ({"keep", "fresh"},) * 2, timeout=10)
+    assert cluster.app.registry.nodes["node-r"].continuable.keys() == {"keep", "fresh"}  # from the capabilities
     assert kinds(await collect(await edge.open_run(chat(model="fresh"))))[-1] == "complete"
     refused = await collect(await edge.open_run(chat(model="gone")))
     assert refused[-1].error.code == pb.ERROR_CODE_MODEL_NOT_FOUND, refused[-1]
