@@ -195,7 +195,8 @@ class NodeApp:
         restart = restart_keys(self.settings, read)
         if restart:
             _log.warning("settings that need a restart changed; not applied", node_id=self.node.node_id, keys=restart)
-        changes = diff_routes(self.node.routes, read.routes)
+        failed = {load.model for load in self.node.status().models if load.served.state == pb.SERVED_STATE_FAILED}
+        changes = diff_routes(self.node.routes, read.routes, again=failed)  # a failed server is started again
         built = await self._start_adapters(read, changes, path)
         finishing = self.node.replace_routes(changes, built, read.reload_grace)
         self.settings = self.settings.model_copy(update={"routes": read.routes, "reload_grace": read.reload_grace})

@@ -3,7 +3,8 @@
 Routes are matched by model name. A route whose every field is the same is *unchanged*: its
 adapter instance, admission and runs are not touched. A route with the same model and any field
 different is *replaced*: a new adapter instance serves it from the switch on, and the runs that
-started before finish on the old one. The others are *added* or *removed*. Every other setting
+started before finish on the old one; so is an unchanged route whose server the node gave up
+on (FAILED: "not started again until a reload"). The others are *added* or *removed*. Every other setting
 is read only at start-up: a reload that finds one changed names it ("needs a restart") and
 leaves it as it was.
 """
@@ -11,7 +12,7 @@ leaves it as it was.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 from iop_node.settings import ConfigError, RouteSettings, Settings
@@ -46,16 +47,22 @@ class RouteChanges:
         return bool(self.added or self.removed or self.replaced)
 
 
-def diff_routes(current: Sequence[RouteSettings], new: Sequence[RouteSettings]) -> RouteChanges:
-    """``new`` against ``current``, by model name."""
+def diff_routes(
+    current: Sequence[RouteSettings], new: Sequence[RouteSettings], *, again: Collection[str] = ()
+) -> RouteChanges:
+    """``new`` against ``current``, by model name; the models in ``again`` are replaced even when unchanged."""
     before = {route.model: route for route in current}
     names = {route.model for route in new}
+
+    def same(route: RouteSettings) -> bool:
+        return before.get(route.model) == route and route.model not in again
+
     return RouteChanges(
         routes=tuple(new),
         added=tuple(route for route in new if route.model not in before),
         removed=tuple(route.model for route in current if route.model not in names),
-        replaced=tuple(route for route in new if route.model in before and before[route.model] != route),
-        unchanged=tuple(route.model for route in new if before.get(route.model) == route),
+        replaced=tuple(route for route in new if route.model in before and not same(route)),
+        unchanged=tuple(route.model for route in new if same(route)),
     )
 
 

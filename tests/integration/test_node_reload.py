@@ -180,3 +180,44 @@ async def test_nodes_reload_is_refused_on_a_client_connection(node: NodeApp, pki
 
 def _closed(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [log for log in logs if log["event"] == "retired adapters closed"]
+
+
+class _GaveUp:
+    """Stands in for an engine route's adapter (the engine supervisor is built elsewhere) whose server failed
+    to start too often: FAILED, "not started again until a reload"."""
+
+    name = "mock"
+
+    async def capabilities(self) -> list[pb.ModelInfo]:
+        return [pb.ModelInfo(name="steady", available=False), pb.ModelInfo(name="other", available=True)]
+
+    def available(self, model: str) -> bool:
+        return model != "steady"
+
+    def served(self, model: str) -> pb.ServedModel | None:
+        failed = pb.ServedModel(engine="command", state=pb.SERVED_STATE_FAILED, reason="exited 1, 3 times")
+        return failed if model == "steady" else None
+
+    async def execute(self, spec: Any, sink: Any) -> None:
+        raise IopError(pb.ERROR_CODE_UNAVAILABLE, "its server failed")
+
+    async def start(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_a_reload_starts_a_failed_model_again_though_its_route_is_unchanged(pki: Pki, tmp_path: Path) -> None:
+    config = _write(tmp_path / "node.yaml", pki, [STEADY, OTHER])
+    gave_up = _GaveUp()
+    app = await build_node(load_settings(config), adapters={"mock": gave_up}, config_path=config).start()
+    try:
+        assert str(await app.reload()) == "node-t reloaded: replaced steady; 1 unchanged"
+        assert app.node.status().models[0].available and gave_up in app.node.adapters.values()  # "other" kept it
+        connection = await client(app, pki)
+        events = await collect(await connection.open_run(chat(model="steady", metadata={"mock.tokens": "2"})))
+        assert kinds(events)[-1] == "complete"
+        await connection.close()
+    finally:
+        await app.stop(grace=0)

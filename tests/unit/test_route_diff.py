@@ -20,6 +20,8 @@ def test_routes_are_matched_by_model_and_any_field_changed_replaces_them() -> No
     assert changes.unchanged == ("a",)
     assert [route.model for route in changes.built] == ["e", "c", "d"]
     assert changes.changed and not diff_routes(current, current).changed
+    again = diff_routes(current, current, again={"a"})  # its server failed: started again
+    assert [route.model for route in again.replaced] == ["a"] and again.unchanged == ("b", "c", "d")
 
 
 def test_summary_says_what_changed() -> None:
