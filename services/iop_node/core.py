@@ -383,6 +383,7 @@ class Node:
             except TimeoutError:
                 reason = f"its route was removed or replaced by a reload and the reload's grace ({grace:g}s) ran out"
                 ended = self._end_running(reason, holding=admissions)
+                self._metrics.reload_grace_ended.inc(ended)
                 _log.warning("reload grace ran out", node_id=self.node_id, runs_ended=ended, grace=grace)
                 await self._until_released(admissions)
         finally:  # also when the node stops meanwhile: the instances are closed once

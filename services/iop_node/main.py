@@ -117,7 +117,12 @@ async def _serve(app: NodeApp, ready_file: Path | None) -> int:
 
 
 def _reload_soon(app: NodeApp, reloads: set[asyncio.Task[None]]) -> None:
-    """SIGHUP: reload in a task of its own (reloads wait for each other in ``NodeApp.reload``)."""
+    """SIGHUP: reload in a task of its own (reloads wait for each other in ``NodeApp.reload``). One running
+    and one waiting at most: the waiting one reads the file as it is by then, so more would read it again
+    for nothing."""
+    if len(reloads) >= 2:
+        _log.info("reload already waiting; this SIGHUP is served by it", node_id=app.node.node_id)
+        return
     task = asyncio.get_running_loop().create_task(_reload(app), name="iop-reload")
     reloads.add(task)
     task.add_done_callback(reloads.discard)

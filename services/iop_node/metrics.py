@@ -67,6 +67,11 @@ class NodeMetrics:
             ["outcome"],
             registry=self.registry,
         )
+        self.reload_grace_ended = Counter(
+            "iop_node_reload_grace_runs_ended_total",
+            "Runs of removed or replaced routes still going when the reload's grace ran out: ended SHUTTING_DOWN.",
+            registry=self.registry,
+        )
 
     @cache  # noqa: B019 - one NodeMetrics per node, kept for its life; labels() costs ~3 us a call
     def model(self, model: str) -> ModelMetrics:
