@@ -181,7 +181,7 @@ class NodeApp:
             )
             if changes.changed:
                 for registration in self.registrations:
-                    await registration.announce()
+                    registration.routes_changed()
             return summary
 
     async def _reload(self) -> ReloadSummary:
@@ -198,7 +198,7 @@ class NodeApp:
         failed = {load.model for load in self.node.status().models if load.served.state == pb.SERVED_STATE_FAILED}
         changes = diff_routes(self.node.routes, read.routes, again=failed)  # a failed server is started again
         built = await self._start_adapters(read, changes, path)
-        finishing = self.node.replace_routes(changes, built, read.reload_grace)
+        finishing = self.node.replace_routes(changes, built, read.reload_grace) if changes.changed else 0
         self.settings = self.settings.model_copy(update={"routes": read.routes, "reload_grace": read.reload_grace})
         return ReloadSummary(self.node.node_id, changes, finishing, tuple(restart))
 

@@ -170,7 +170,8 @@ class Node:
         """Model a reload removed -> until when (loop time) its runs are refused retryably."""
         self._retirements: set[asyncio.Task[None]] = set()
         self._released = asyncio.Event()
-        self._reloads = 0
+        self.generation = 0
+        """Route tables served so far, less one: each reload that switches the table adds one."""
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -342,9 +343,9 @@ class Node:
         in_use = {id(adapter) for adapter in adapter_of.values()}
         unused = [adapter for adapter in self.adapters.values() if id(adapter) not in in_use]
         self.adapters = {key: adapter for key, adapter in self.adapters.items() if id(adapter) in in_use}
-        self._reloads += 1
+        self.generation += 1
         for key, adapter in built.items():  # an old instance may still hold the key while it retires
-            self.adapters[key if key not in self.adapters else f"{key}@{self._reloads}"] = adapter
+            self.adapters[key if key not in self.adapters else f"{key}@{self.generation}"] = adapter
         self._router = Router(changes.routes, self._router.limits)
         self._adapter_of, self.admissions = adapter_of, admissions
         self._forget_removed(changes)

@@ -151,6 +151,8 @@ class Registration:
         self._node, self._settings, self._config = node, settings, config
         self._changed = asyncio.Event()
         self._reported = -1
+        self._announced = -1
+        """The node's route generation whose capabilities the control-plane has."""
         self.registrations = 0
         self.registered = registered or asyncio.Event()
         """Set once the node first registered (with any control-plane, when shared)."""
@@ -172,18 +174,13 @@ class Registration:
         """Stop reconnecting and close the control-plane connection gracefully."""
         await self.link.stop()
 
-    async def announce(self) -> None:
-        """The routes changed: send the node's capabilities (unasked) and its status at once. Without a
-        connection nothing is sent: the next registration carries both."""
-        connection = self.connection
-        if connection is None or connection.closed:
-            return
-        capabilities = await self._node.capabilities()
-        with contextlib.suppress(ConnectionClosed):  # closed meanwhile: the next registration carries them
-            await connection.send(pb.Envelope(capability_response=capabilities))
+    def routes_changed(self) -> None:
+        """The routes were reloaded: send the node's capabilities (unasked) and its status at once, once
+        registered (a registration under way may carry the old ones: they are sent after it)."""
         self._changed.set()
 
     async def _register(self, connection: Connection) -> None:
+        generation = self._node.generation  # the route table these capabilities describe
         register = pb.NodeRegister(
             node_id=self._node.node_id, capabilities=await self._node.capabilities(), status=self._node.status()
         )
@@ -193,6 +190,7 @@ class Registration:
                 pb.ERROR_CODE_PROTOCOL_VIOLATION, "the control-plane answered node.register with something else"
             )
         self.registrations += 1
+        self._announced = generation
         self.registered.set()
         _log.info("registered", node_id=self._node.node_id, address=self.link.target.address)
 
@@ -202,6 +200,8 @@ class Registration:
         sent, sent_at = None, 0.0
         try:
             while not closed.done():
+                if self._announced != self._node.generation:
+                    await self._announce(connection)
                 self._reported = self._node.busy
                 status = self._node.status()
                 if status != sent or loop.time() - sent_at >= self._settings.status_refresh:
@@ -216,6 +216,15 @@ class Registration:
                 self._changed.clear()
         finally:
             closed.cancel()
+
+    async def _announce(self, connection: Connection) -> None:
+        """The node's capabilities, unasked: its routes changed since the control-plane last heard them."""
+        generation = self._node.generation
+        capabilities = await self._node.capabilities()
+        if not connection.closed:
+            with contextlib.suppress(ConnectionClosed):  # closed meanwhile: the next registration carries them
+                await connection.send(pb.Envelope(capability_response=capabilities))
+        self._announced = generation
 
     def _on_load_change(self) -> None:
         if abs(self._node.busy - self._reported) >= self._settings.status_step or self._node.draining:
