@@ -188,8 +188,10 @@ class NodeApp:
         path = self.config_path
         if path is None:
             raise ConfigError("this node was started without a config file (--dev): there is nothing to reload")
+        renewing = self.renewal.installing if self.renewal is not None else asyncio.Lock()
         try:
-            read = await asyncio.to_thread(load_settings, path)
+            async with renewing:  # the settings' check finishes a renewal it finds half done
+                read = await asyncio.to_thread(load_settings, path)
         except ConfigError as exc:
             raise exc.located(path) from None
         restart = restart_keys(self.settings, read)

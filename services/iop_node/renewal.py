@@ -50,6 +50,9 @@ class CertificateRenewal:
         self.cert, self.key, self._connected = cert, key, connected
         self.renewals = 0
         """Certificates received so far."""
+        self.installing = asyncio.Lock()
+        """Held while the new files are written: reading the settings meanwhile (a reload) would take the
+        half-written renewal for an interrupted one and complete or drop it under the writer."""
         self._expired_said: str | None = None  # the serial whose expiry was logged
 
     async def run_forever(self) -> None:
@@ -96,7 +99,8 @@ class CertificateRenewal:
         facts = certificate_facts(pem)
         if facts.name != name:
             raise ValueError(f"the renewed certificate names {facts.name!r}, not {name!r}")
-        await asyncio.to_thread(_install, self.cert, self.key, pem, key_pem(key))
+        async with self.installing:
+            await asyncio.to_thread(_install, self.cert, self.key, pem, key_pem(key))
         self.renewals += 1
         _log.info("certificate renewed", node_id=name, serial=facts.serial, not_after=facts.not_after.isoformat())
 

@@ -17,6 +17,7 @@ from node_helpers import chat, client, collect, kinds, text
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.bootstrap import NodeApp, build_node
+from iop_node.renewal import CertificateRenewal
 from iop_node.settings import ConfigError, load_settings
 from iop_wire.connection import Connection
 from iop_wire.errors import IopError
@@ -228,3 +229,21 @@ async def test_a_reload_starts_a_failed_model_again_though_its_route_is_unchange
         await connection.close()
     finally:
         await app.stop(grace=0)
+
+
+async def test_a_reload_reads_the_settings_only_between_certificate_renewals(node: NodeApp, tmp_path: Path) -> None:
+    """The settings' check completes or drops a renewal it finds half written: not while one is written."""
+
+    async def never() -> Connection:
+        raise AssertionError("not asked")
+
+    key = node.settings.tls.key
+    assert key is not None
+    draft = key.with_name(key.name + ".new")  # the renewal writes the key's draft first
+    node.renewal = CertificateRenewal(tmp_path / "node.crt", key, never)
+    async with node.renewal.installing:
+        draft.write_bytes(key.read_bytes())
+        reload = asyncio.create_task(node.reload())
+        await asyncio.wait({reload}, timeout=1)  # a reload takes milliseconds: this one waits for the writer
+        assert not reload.done() and draft.exists()
+    assert str(await reload) == "node-t reloaded: 3 unchanged"
