@@ -17,7 +17,6 @@ logged, naming the key, and the routes in force stay.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import signal
 import sys
@@ -129,8 +128,12 @@ def _reload_soon(app: NodeApp, reloads: set[asyncio.Task[None]]) -> None:
 
 
 async def _reload(app: NodeApp) -> None:
-    with contextlib.suppress(ConfigError, IopError):  # logged by reload; the routes in force stay
+    try:
         await app.reload()
+    except (ConfigError, IopError):
+        pass  # logged by reload; the routes in force stay
+    except Exception:  # noqa: BLE001 - a bug in one reload must not go unsaid, nor stop the node
+        _log.exception("reload failed; the routes stay as they were", node_id=app.node.node_id)
 
 
 async def _when_registered(app: NodeApp, ready_file: Path) -> None:
