@@ -28,6 +28,7 @@ from pydantic import ValidationError
 
 from iop_node.adapters import REGISTRY
 from iop_node.core import Node
+from iop_node.engines import kill_leftovers, served_adapter
 from iop_node.metrics import NodeMetrics
 from iop_node.ports import Adapter, RunStore
 from iop_node.renewal import CertificateRenewal
@@ -48,13 +49,17 @@ _log = structlog.get_logger("iop.node")
 _CLIENT_ROLES = frozenset({Role.EDGE, Role.CONTROL_PLANE, Role.WORKER, Role.ADMIN})
 
 
-def build_adapters(settings: Settings, *, base: Path | None = None) -> dict[str, Adapter]:
-    """One adapter per adapter name in the route table, each given its routes' checked options.
+def build_adapters(
+    settings: Settings, *, base: Path | None = None, metrics: NodeMetrics | None = None
+) -> dict[str, Adapter]:
+    """One adapter per adapter name in the route table, each given its routes' checked options, and
+    one per route with an engine (its server's supervisor), keyed by ``route.adapter_key``.
 
-    Relative paths in the options are taken from ``base`` (the config file's folder) when given.
-    ConfigError lists every bad route at once.
+    Relative paths in the options (and an engine's ``serve``) are taken from ``base`` (the config
+    file's folder) when given. ConfigError lists every bad route at once.
     """
     per_adapter: dict[str, dict[str, Any]] = {}
+    served: dict[str, Adapter] = {}
     found: list[Problem] = []
     for index, route in enumerate(settings.routes):
         if route.adapter not in REGISTRY:
@@ -62,6 +67,15 @@ def build_adapters(settings: Settings, *, base: Path | None = None) -> dict[str,
             found.append(Problem(f"routes.{index}.adapter", f"unknown adapter {route.adapter!r} (known: {known})"))
             continue
         options_model, _ = REGISTRY[route.adapter]
+        if route.engine is not None:
+            try:
+                served[route.adapter_key] = served_adapter(
+                    route, index, speaker=REGISTRY[route.adapter], engines_dir=settings.engines_dir, base=base,
+                    metrics=metrics or NodeMetrics(),
+                )  # fmt: skip
+            except ConfigError as exc:
+                found += exc.problems
+            continue
         data = dict(route.options) if base is None else resolve_paths(options_model, route.options, base)
         if "target" in options_model.model_fields:  # adapters that check their backend's model list
             data["target"] = route.target or route.model
@@ -71,7 +85,7 @@ def build_adapters(settings: Settings, *, base: Path | None = None) -> dict[str,
             found += problems(exc, f"routes.{index}.options")
     if found:
         raise ConfigError(found)
-    return {name: REGISTRY[name][1](models) for name, models in per_adapter.items()}
+    return {**{name: REGISTRY[name][1](models) for name, models in per_adapter.items()}, **served}
 
 
 @dataclass
@@ -101,6 +115,8 @@ class NodeApp:
     async def start(self) -> NodeApp:
         """Open the history, then listen, register and serve metrics; StartError names what could not start."""
         try:
+            if any(route.engine for route in self.settings.routes):  # what a killed node left running
+                await asyncio.to_thread(kill_leftovers, self.settings.engines_dir)
             for adapter in self.node.adapters.values():  # built already: closed even if nothing else starts
                 self._stack.push_async_callback(adapter.aclose)
                 await adapter.start()  # an engine's server starts; its model is unavailable until ready
@@ -232,7 +248,7 @@ def build_node(
     node = Node(
         node_id=settings.node_id,
         router=router,
-        adapters=adapters or build_adapters(settings, base=config_dir),
+        adapters=adapters or build_adapters(settings, base=config_dir, metrics=metrics),
         store=store,
         metrics=metrics,
         version=version("iop"),
