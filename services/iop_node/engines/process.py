@@ -210,7 +210,8 @@ def describe_exit(status: int) -> str:
 
 
 def _stat(pid: int | str) -> list[str] | None:
-    """/proc/PID/stat's fields after the command name (index 0 is the state), None when it is gone."""
+    """/proc/PID/stat's fields after the command name (0: state, 2: process group, 3: session, 19: start
+    time), None when it is gone."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -226,7 +227,7 @@ def _start_time(pid: int) -> int | None:
 def _session_members(session: int) -> list[int]:
     """Pids of the processes in session ``session`` (ours lead their own, so session = group = leader)."""
     pids = [entry.name for entry in Path("/proc").iterdir() if entry.name.isdigit()]
-    return [int(pid) for pid in pids if (fields := _stat(pid)) and int(fields[4]) == session]
+    return [int(pid) for pid in pids if (fields := _stat(pid)) and int(fields[3]) == session]
 
 
 def kill_leftovers(directory: Path) -> int:
