@@ -21,7 +21,7 @@ WORDS = ["hello", " from", " engine"]
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
+    def log_message(self, format: str, *args: object) -> None:
         pass
 
     def _send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
@@ -42,7 +42,8 @@ class Handler(BaseHTTPRequestHandler):
         if not request.get("stream"):
             message = {"role": "assistant", "content": "".join(WORDS)}
             choice = {"index": 0, "message": message, "finish_reason": "stop"}
-            self._send(200, json.dumps({"choices": [choice], "usage": {"prompt_tokens": 3, "completion_tokens": 3}}).encode())
+            usage = {"prompt_tokens": 3, "completion_tokens": 3}
+            self._send(200, json.dumps({"choices": [choice], "usage": usage}).encode())
             return
         chunks = [{"choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}]} for word in WORDS]
         chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})

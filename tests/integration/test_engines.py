@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 from backends.fixtures import require
 from backends.servers import venv
@@ -28,6 +27,7 @@ from node_helpers import chat, client, collect, kinds, node_settings, running_no
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.bootstrap import NodeApp
+from iop_node.engines import kill_leftovers
 from iop_wire.tls import Role
 
 HERE = Path(__file__).resolve().parent
@@ -109,7 +109,9 @@ async def test_llama_engine_serves_a_long_stream_and_restarts_after_kill_9(
     assert not _alive(again.pid) and not (tmp_path / "engines" / "tiny.pid").exists()  # stopped with the node
 
 
-async def test_llama_engine_stopped_by_sigstop_is_killed_and_restarted(pki: Pki, tmp_path: Path, tiny_gguf: Path) -> None:
+async def test_llama_engine_stopped_by_sigstop_is_killed_and_restarted(
+    pki: Pki, tmp_path: Path, tiny_gguf: Path
+) -> None:
     route = _llama_route("tiny", tiny_gguf, hang_timeout=1.0, probe_timeout=0.3)
     async with running_node(node_settings(pki, tmp_path, [route], engines_dir=tmp_path / "engines")) as app:
         await assert_eventually(lambda: _ready(app, "tiny"), timeout=30)
@@ -119,8 +121,8 @@ async def test_llama_engine_stopped_by_sigstop_is_killed_and_restarted(pki: Pki,
         assert not _alive(frozen)  # SIGKILLed, not left stopped
         await assert_eventually(lambda: _ready(app, "tiny"), timeout=30)
         assert await _chat_text(app, pki, "tiny")
-        hung = app.metrics.registry.get_sample_value("iop_node_engine_restarts_total", {"model": "tiny", "reason": "hung"})
-        assert hung == 1
+        hung = {"model": "tiny", "reason": "hung"}
+        assert app.metrics.registry.get_sample_value("iop_node_engine_restarts_total", hung) == 1
 
 
 async def test_a_missing_or_broken_model_file_ends_failed_with_the_servers_words(
@@ -205,6 +207,7 @@ async def test_kill_9_of_the_node_leaves_no_server_running(pki: Pki, tmp_path: P
     config = _node_config(pki, tmp_path, [_command_route("echo", "--child")])
     engines = tmp_path / "engines"
     node = _start_node(config)
+    server = child = 0
     try:
         await assert_eventually(lambda: _server_and_child(engines) is not None, timeout=20)
         found = _server_and_child(engines)
@@ -224,4 +227,28 @@ async def test_kill_9_of_the_node_leaves_no_server_running(pki: Pki, tmp_path: P
     finally:
         node.send_signal(signal.SIGTERM)
         node.wait(timeout=15)
+        for pid in (server, child):  # when the test failed: nothing of it left running
+            if pid and _alive(pid):
+                os.kill(pid, signal.SIGKILL)
     assert not (engines / "echo.pid").exists()
+
+
+def test_a_pid_file_whose_process_started_at_another_time_kills_nothing(tmp_path: Path) -> None:
+    with subprocess.Popen(["sleep", "20"], start_new_session=True) as stranger:
+        started = int(Path(f"/proc/{stranger.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        record = {"pid": stranger.pid, "pgid": stranger.pid, "argv": ["sleep", "20"], "node_pid": 1 << 30}
+        (tmp_path / "recycled.pid").write_text(json.dumps({**record, "start_time": started - 1}))
+        assert kill_leftovers(tmp_path) == 0
+        assert stranger.poll() is None and not (tmp_path / "recycled.pid").exists()
+        (tmp_path / "ours.pid").write_text(json.dumps({**record, "start_time": started}))
+        assert kill_leftovers(tmp_path) == 1
+        assert stranger.wait(timeout=5) == -signal.SIGKILL
+        # a node that runs still (this test's process) keeps its servers, even in a shared folder
+        with subprocess.Popen(["sleep", "20"], start_new_session=True) as kept:
+            started = int(Path(f"/proc/{kept.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+            node = int(Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()[19])
+            shared = {"pid": kept.pid, "pgid": kept.pid, "start_time": started, "node_pid": os.getppid()}
+            (tmp_path / "kept.pid").write_text(json.dumps({**shared, "node_start_time": node}))
+            assert kill_leftovers(tmp_path) == 0
+            assert kept.poll() is None
+            kept.kill()

@@ -262,8 +262,10 @@ def _ours(record: dict[str, Any]) -> bool:
     While the leader's pid is in use its start time must match; once it is gone, the kernel does not
     give its pid to another process while a group or session of that id exists, so members are ours."""
     node = record.get("node_pid")
-    if isinstance(node, int) and node != os.getpid() and _start_time(node) == record.get("node_start_time"):
-        return False
+    if isinstance(node, int) and node != os.getpid():
+        node_started = _start_time(node)
+        if node_started is not None and node_started == record.get("node_start_time"):
+            return False
     started = _start_time(record["pid"])
     if started is not None:
         return started == record.get("start_time")

@@ -17,6 +17,7 @@ from iop_node.engines.settings import EngineSettings
 from iop_node.engines.supervisor import Supervisor
 from iop_node.metrics import NodeMetrics
 from iop_node.ports import Adapter, EventSink
+from iop_node.settings import Problem, StartError
 from iop_wire.errors import IopError
 
 __all__ = ["ServedAdapter"]
@@ -79,8 +80,13 @@ class ServedAdapter:
         await inner.execute(spec, sink)
 
     async def start(self) -> None:
-        """Start the server (in the background: the model is unavailable until it is ready)."""
-        self.supervisor.start()
+        """Start the server (in the background: the model is unavailable until it is ready);
+        StartError naming ``engines_dir`` when its log cannot be written there."""
+        try:
+            self.supervisor.start()
+        except OSError as exc:
+            where = exc.filename or self.supervisor.files.log
+            raise StartError([Problem("engines_dir", f"cannot write {where}: {exc.strerror or exc}")]) from None
 
     async def aclose(self) -> None:
         """Stop the server (SIGTERM, SIGKILL after its grace) and close the speaking adapter."""

@@ -86,7 +86,7 @@ class Supervisor:
         self._server: ServerProcess | None = None
         self._launch: Launch | None = None
         self._task: asyncio.Task[None] | None = None
-        self._log = RotatingLog(files.log, max_bytes=settings.log_max_bytes, backups=settings.log_backups)
+        self._log: RotatingLog | None = None
         self._set(pb.SERVED_STATE_STARTING)
 
     @property
@@ -102,6 +102,8 @@ class Supervisor:
 
     def start(self) -> None:
         """Start the server in the background (returns at once)."""
+        settings = self.settings
+        self._log = RotatingLog(self.files.log, max_bytes=settings.log_max_bytes, backups=settings.log_backups)
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"iop-engine-{self.model}")
 
     async def stop(self) -> None:
@@ -116,8 +118,9 @@ class Supervisor:
             status = await server.stop(self.settings.stop_grace)
             _log.info("engine stopped", model=self.model, engine=self.engine, status=describe_exit(status))
         elif server is not None:
-            await server.kill()  # reaped already: release its log and pid file
-        self._log.close()
+            await server.kill()  # reaped already: its output read, its pid file removed
+        if self._log is not None:
+            self._log.close()
 
     async def _run(self) -> None:
         try:
@@ -157,6 +160,7 @@ class Supervisor:
         self._launch, self.served.port = launch, port
         self._set(pb.SERVED_STATE_STARTING, pid=0)
         started = time.monotonic()
+        assert self._log is not None
         spawning = asyncio.ensure_future(spawn(launch.argv, env=launch.env, files=self.files, log=self._log))
         try:
             self._server = await asyncio.shield(spawning)
