@@ -21,7 +21,8 @@ from typing import Any
 
 import yaml
 from backends.fixtures import require
-from backends.servers import venv
+from backends.servers import OLLAMA_MODELFILE, ollama_binary, venv
+from backends.tiny_model import OLLAMA_TEMPLATE
 from conftest import Pki, assert_eventually
 from node_helpers import chat, client, collect, kinds, node_settings, running_node, text
 
@@ -170,6 +171,30 @@ async def test_command_engine_is_started_served_killed_and_restarted(pki: Pki, t
         assert await _chat_text(app, pki, "echo") == "hello from engine"
         log = (tmp_path / "engines" / "echo.log").read_text()
         assert log.count("serving echo on") == 2  # both starts' output, in the model's log
+
+
+async def test_ollama_engine_creates_its_model_serves_and_restarts(pki: Pki, tmp_path: Path, tiny_gguf: Path) -> None:
+    require("ollama")
+    modelfile = tmp_path / "tiny.Modelfile"
+    modelfile.write_text(OLLAMA_MODELFILE.format(model=tiny_gguf, template=OLLAMA_TEMPLATE))
+    (tmp_path / "home").mkdir()
+    env = {  # what the Ollama build CI has needs (tests/backends/servers.py)
+        "HOME": str(tmp_path / "home"),
+        "LD_LIBRARY_PATH": str(venv("ollama") / "lib"),
+        "OMP_NUM_THREADS": "1",
+        "KMP_BLOCKTIME": "0",
+    }
+    serve = {"executable": str(ollama_binary()), "env": env, "create": [{"name": "tiny", "modelfile": str(modelfile)}]}
+    route = {"model": "tiny", "engine": "ollama", "serve": {**FAST, **serve}}
+    async with running_node(node_settings(pki, tmp_path, [route], engines_dir=tmp_path / "engines")) as app:
+        await assert_eventually(lambda: _ready(app, "tiny"), timeout=40)
+        assert (tmp_path / "engines" / "tiny" / "models").is_dir()  # OLLAMA_MODELS: the model's own folder
+        assert await _chat_text(app, pki, "tiny")
+        first = _served(app, "tiny")
+        os.kill(first.pid, signal.SIGKILL)
+        await assert_eventually(lambda: _ready(app, "tiny") and _served(app, "tiny").restarts == 1, timeout=40)
+        assert await _chat_text(app, pki, "tiny")
+        assert "iop: " in (tmp_path / "engines" / "tiny.log").read_text()  # its create, logged with the server
 
 
 def _node_config(pki: Pki, folder: Path, routes: list[dict[str, Any]]) -> Path:

@@ -78,7 +78,8 @@ def test_vllm_ollama_and_command_lines(tmp_path: Path) -> None:
     assert (vllm.ready_path, vllm.health_path) == ("/v1/models", "/health")
     assert VllmSettings(model="org/m").start_timeout == 900
 
-    ollama = OllamaSettings.model_validate({"create": {"tiny": "/m/Modelfile"}, "pull": ["qwen2.5:0.5b"]})
+    create = [{"name": "tiny", "modelfile": "/m/Modelfile"}]
+    ollama = OllamaSettings.model_validate({"create": create, "pull": ["qwen2.5:0.5b"]})
     launch = ollama.launch(target="tiny", port=9, workdir=tmp_path)
     assert launch.argv == ["ollama", "serve"]
     assert launch.env == {"OLLAMA_MODELS": str(tmp_path / "models"), "OLLAMA_HOST": "127.0.0.1:9"}

@@ -137,6 +137,17 @@ class VllmSettings(EngineSettings):
         return Launch([*argv, *self.args], "/v1/models", "/health", ready_model=target, env=dict(self.env))
 
 
+class OllamaModel(BaseModel):
+    """A model ``ollama create`` makes from a Modelfile."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    name: str = Field(min_length=1)
+    """Its name in Ollama (the route's target, or another route's)."""
+    modelfile: Path
+    """The Modelfile (relative to the config file's folder)."""
+
+
 class OllamaSettings(EngineSettings):
     """An ``ollama serve`` of the node's own, with the models it should have pulled or created."""
 
@@ -146,14 +157,14 @@ class OllamaSettings(EngineSettings):
     """OLLAMA_MODELS: where its models are kept; by default the engine's folder under engines_dir."""
     pull: list[str] = Field(default_factory=list)
     """Models to ``ollama pull`` once it serves (needs the registry: not in CI)."""
-    create: dict[str, Path] = Field(default_factory=dict)
-    """Models to ``ollama create NAME -f MODELFILE`` once it serves (Modelfile paths relative to the config)."""
+    create: list[OllamaModel] = Field(default_factory=list)
+    """Models to ``ollama create NAME -f MODELFILE`` once it serves."""
 
     def launch(self, *, target: str, port: int, workdir: Path) -> Launch:
         env = {"OLLAMA_MODELS": str(self.models_dir or workdir / "models"), **self.env}
         env["OLLAMA_HOST"] = f"{LOOPBACK}:{port}"
         setup = [[self.executable, "pull", name] for name in self.pull]
-        setup += [[self.executable, "create", name, "-f", str(path)] for name, path in self.create.items()]
+        setup += [[self.executable, "create", model.name, "-f", str(model.modelfile)] for model in self.create]
         return Launch([self.executable, "serve"], "/api/tags", "/api/version", ready_model=target, env=env, setup=setup)
 
 
