@@ -80,14 +80,13 @@ class Supervisor:
         self.target = target
         self.settings = settings
         self.files = files
-        self.served = pb.ServedModel(engine=engine)
+        self.served = pb.ServedModel(engine=engine, state=pb.SERVED_STATE_STARTING)  # said once it starts
         self._metrics = metrics
         self._on_port = on_port
         self._server: ServerProcess | None = None
         self._launch: Launch | None = None
         self._task: asyncio.Task[None] | None = None
         self._log: RotatingLog | None = None
-        self._set(pb.SERVED_STATE_STARTING)
 
     @property
     def ready(self) -> bool:
@@ -121,6 +120,9 @@ class Supervisor:
             await server.kill()  # reaped already: its output read, its pid file removed
         if self._log is not None:
             self._log.close()
+        for name in STATE_NAMES.values():  # a removed route leaves no series behind
+            with contextlib.suppress(KeyError):
+                self._metrics.engine_state.remove(self.model, name)
 
     async def _run(self) -> None:
         try:
