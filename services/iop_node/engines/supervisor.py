@@ -42,6 +42,7 @@ STATE_NAMES = {
 _READY_POLL = 0.1  # seconds between two ready probes while starting (a llama.cpp server is ready in ~1 s)
 _MAX_PROBE_BODY = 4 * 1024 * 1024  # bytes of a model list read
 _REASON_LINES = 5  # log lines in a reason
+_READ_CHUNK = 64 * 1024
 
 
 def _free_port() -> int:
@@ -134,21 +135,19 @@ class Supervisor:
             self._set(pb.SERVED_STATE_FAILED, reason=f"the node could not run it: {exc}")
 
     async def _keep_running(self) -> None:
-        failed_starts = 0
+        served, settings = self.served, self.settings
         while True:
             reason = await self._start_once()
             if reason is None:  # it was ready, then exited or hung: restart it after the first backoff
-                failed_starts = 0
                 reason, why = await self._watch()
-                self.served.restarts += 1
-                delay = self.settings.backoff
+                served.restarts += 1
+                delay = settings.backoff
             else:
-                failed_starts += 1
-                self.served.failed_starts = failed_starts
+                served.failed_starts += 1
                 why = "start_failed"
-                delay = min(self.settings.backoff * 2 ** (failed_starts - 1), self.settings.max_backoff)
+                delay = min(settings.backoff * 2 ** (served.failed_starts - 1), settings.max_backoff)
             self._metrics.engine_restarts.labels(self.model, why).inc()
-            if failed_starts >= self.settings.max_failed_starts:
+            if served.failed_starts >= settings.max_failed_starts:
                 self._set(pb.SERVED_STATE_FAILED, reason=reason)
                 return
             self._set(pb.SERVED_STATE_RESTARTING, reason=reason, backoff=delay)
@@ -180,6 +179,7 @@ class Supervisor:
             await self._server.kill()
             return reason
         self._metrics.engine_ready.labels(self.model).observe(time.monotonic() - started)
+        self.served.failed_starts = 0
         self._set(pb.SERVED_STATE_READY, pid=self._server.pid)
         return None
 
@@ -214,14 +214,13 @@ class Supervisor:
             return f"cannot run {command[0]}: {exc}"
         try:
             async with asyncio.timeout(max(deadline - time.monotonic(), 0.1)):
-                output, _ = await process.communicate()
+                status = await _copied(process, server)
         except TimeoutError:
             process.kill()
             await process.wait()
             return f"{' '.join(command[1:3])} not done within start_timeout ({self.settings.start_timeout:g} s)"
-        server.note(output)
-        if process.returncode:
-            return f"{' '.join(command[1:3])} {describe_exit(process.returncode)}: {server.last_lines(_REASON_LINES)}"
+        if status:
+            return f"{' '.join(command[1:3])} {describe_exit(status)}: {server.last_lines(_REASON_LINES)}"
         return None
 
     async def _watch(self) -> tuple[str, str]:
@@ -265,6 +264,14 @@ class Supervisor:
             pid=served.pid or None, port=served.port or None, restarts=served.restarts,
             failed_starts=served.failed_starts, **fields,
         )  # fmt: skip
+
+
+async def _copied(process: asyncio.subprocess.Process, server: ServerProcess) -> int:
+    """Copy a setup command's output into the server's log as it comes (a pull's progress is long); its status."""
+    assert process.stdout is not None
+    while chunk := await process.stdout.read(_READ_CHUNK):
+        server.note(chunk)
+    return await process.wait()
 
 
 class _Prober:
