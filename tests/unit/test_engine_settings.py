@@ -93,14 +93,16 @@ def test_vllm_ollama_and_command_lines(tmp_path: Path) -> None:
 
 
 def test_log_rotation_keeps_the_bound(tmp_path: Path) -> None:
+    assert EngineFiles(tmp_path, "tiny-1.5b_q4").log.name == "tiny-1.5b_q4.log"
     files = EngineFiles(tmp_path, "org/model:7b")
-    assert files.log.name == "org_model_7b.log" and files.pid.name == "org_model_7b.pid"
+    assert files.log.name.startswith("org_model_7b-") and files.pid.name == files.log.name.replace(".log", ".pid")
+    assert files.log != EngineFiles(tmp_path, "org_model:7b").log
     log = RotatingLog(files.log, max_bytes=1024, backups=2)
     for number in range(40):
         log.write(f"line {number:03d} ".encode() + b"x" * 90 + b"\n")
     log.close()
     kept = sorted(path.name for path in tmp_path.iterdir())
-    assert kept == ["org_model_7b.log", "org_model_7b.log.1", "org_model_7b.log.2"]
+    assert kept == [files.log.name, f"{files.log.name}.1", f"{files.log.name}.2"]
     assert all(path.stat().st_size <= 1024 for path in tmp_path.iterdir())
     assert files.log.read_text().splitlines()[-1].startswith("line 039")
     assert "line 000" not in "".join(path.read_text() for path in tmp_path.iterdir())  # the oldest dropped

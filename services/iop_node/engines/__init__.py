@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_node.adapters import AdapterEntry
 from iop_node.adapters.http import KINDS
 from iop_node.engines.process import EngineFiles, kill_leftovers
 from iop_node.engines.served import ServedAdapter
@@ -35,7 +36,7 @@ def served_adapter(
     route: RouteSettings,
     index: int,
     *,
-    speaker: tuple[type[BaseModel], Any],
+    speaker: AdapterEntry,
     engines_dir: Path,
     base: Path | None,
     metrics: NodeMetrics,

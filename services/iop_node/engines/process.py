@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -49,8 +50,12 @@ _EXIT_POLL = 0.05  # seconds between two looks at whether the server exited
 
 
 def _file_name(model: str) -> str:
-    """``model`` as a file name: anything but letters, digits, dot, dash and underscore becomes _."""
-    return re.sub(r"[^A-Za-z0-9._-]", "_", model).lstrip(".") or "_"
+    """``model`` as a file name: anything but letters, digits, dot, dash and underscore becomes _,
+    and a name so changed gets a short hash of the original (``a/b`` and ``a_b`` stay apart)."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", model).lstrip(".")
+    if name == model:
+        return name
+    return f"{name}-{hashlib.sha256(model.encode()).hexdigest()[:8]}"
 
 
 @dataclass(frozen=True)
