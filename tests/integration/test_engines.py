@@ -174,6 +174,33 @@ async def test_command_engine_is_started_served_killed_and_restarted(pki: Pki, t
         assert log.count("serving echo on") == 2  # both starts' output, in the model's log
 
 
+async def test_failed_starts_say_why_each_way(pki: Pki, tmp_path: Path) -> None:
+    once = {**FAST, "max_failed_starts": 1}
+    routes = [
+        {
+            "model": "silent",
+            "engine": "command",
+            "serve": {**once, "command": ["sleep", "30", "{port}"], "start_timeout": 0.5},
+        },
+        {
+            "model": "exits",
+            "engine": "command",
+            "serve": {**once, "command": ["sh", "-c", "echo boom; exit 3", "{port}"]},
+        },
+        {"model": "absent", "engine": "command", "serve": {**once, "command": ["no-such-program-iop", "{port}"]}},
+    ]
+    async with running_node(node_settings(pki, tmp_path, routes, engines_dir=tmp_path / "engines")) as app:
+        failed = pb.SERVED_STATE_FAILED
+        await assert_eventually(lambda: all(load.served.state == failed for load in app.node.status().models), 10)
+        assert _served(app, "silent").reason == "not ready after 0.5 s"
+        assert _served(app, "exits").reason == "exited with status 3; last log lines: boom"
+        absent = _served(app, "absent").reason
+        assert absent.startswith(
+            "exited with status 1; last log lines: iop engine shim: cannot run no-such-program-iop"
+        )
+        assert not list((tmp_path / "engines").glob("*.pid"))  # each one stopped, its pid file gone
+
+
 async def test_ollama_engine_creates_its_model_serves_and_restarts(pki: Pki, tmp_path: Path, tiny_gguf: Path) -> None:
     require("ollama")
     modelfile = tmp_path / "tiny.Modelfile"
