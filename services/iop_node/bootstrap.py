@@ -1,8 +1,9 @@
 """The node's composition root: settings in, a running node out. Nothing is built at import time.
 
 :class:`NodeApp` owns the lifecycle. ``start`` puts every part onto one ``AsyncExitStack`` in
-order (adapters, run history, the task group of background loops, listener, a registration per
-control-plane and the certificate's renewal, metrics); ``stop`` drains the node, then unwinds
+order (what a killed node left running in engines_dir is killed; adapters, run history, the task
+group of background loops, listener, a registration per control-plane and the certificate's
+renewal, metrics); ``stop`` drains the node, then unwinds
 the stack in reverse: metrics, renewal and registrations stop, the listener closes (ending its runs), the
 task group waits for its loops, the history commits and closes, the adapters close; whatever
 fails, the rest still closes. A part that cannot start raises :class:`StartError` naming its
@@ -115,8 +116,8 @@ class NodeApp:
     async def start(self) -> NodeApp:
         """Open the history, then listen, register and serve metrics; StartError names what could not start."""
         try:
-            if any(route.engine for route in self.settings.routes):  # what a killed node left running
-                await asyncio.to_thread(kill_leftovers, self.settings.engines_dir)
+            # servers a killed node left running (also before a reload adds the first engine)
+            await asyncio.to_thread(kill_leftovers, self.settings.engines_dir)
             for adapter in self.node.adapters.values():  # built already: closed even if nothing else starts
                 self._stack.push_async_callback(adapter.aclose)
                 await adapter.start()  # an engine's server starts; its model is unavailable until ready
