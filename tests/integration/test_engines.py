@@ -24,8 +24,11 @@ from backends.fixtures import require
 from backends.servers import OLLAMA_MODELFILE, ollama_binary, venv
 from backends.tiny_model import OLLAMA_TEMPLATE
 from conftest import Pki, assert_eventually
+from cp_helpers import client as cp_client
+from cp_helpers import cp_settings, node_process
 from node_helpers import chat, client, collect, kinds, node_settings, running_node, text
 
+from iop_control_plane.bootstrap import build_control_plane
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.bootstrap import NodeApp
 from iop_node.engines import kill_leftovers
@@ -223,6 +226,32 @@ async def test_ollama_engine_creates_its_model_serves_and_restarts(pki: Pki, tmp
         await assert_eventually(lambda: _ready(app, "tiny") and _served(app, "tiny").restarts == 1, timeout=40)
         assert await _chat_text(app, pki, "tiny")
         assert "iop: " in (tmp_path / "engines" / "tiny.log").read_text()  # its create, logged with the server
+
+
+async def test_the_control_plane_sends_runs_past_a_node_whose_server_is_down(pki: Pki, tmp_path: Path) -> None:
+    route = _command_route("echo", backoff=30)  # once killed, node-a's server stays down for the test
+    async with build_control_plane(cp_settings(pki, tmp_path)) as control_plane:
+        assert control_plane.listener is not None
+        port = control_plane.listener.port
+
+        def available(node_id: str) -> bool:
+            node = control_plane.registry.nodes.get(node_id)
+            return node is not None and "echo" in node.models and node.models["echo"].available
+
+        with (
+            node_process(pki, tmp_path, port, "node-a", [route], engines_dir=str(tmp_path / "a")),
+            node_process(pki, tmp_path, port, "node-b", [route], engines_dir=str(tmp_path / "b")),
+        ):
+            await assert_eventually(lambda: available("node-a") and available("node-b"), timeout=20)
+            connection = await cp_client(control_plane, pki)
+            os.kill(json.loads((tmp_path / "a" / "echo.pid").read_text())["pid"], signal.SIGKILL)
+            for _ in range(3):  # at once: one sent to node-a before it says so fails over before its output
+                assert text(await collect(await connection.open_run(chat(model="echo")))) == "hello from engine"
+            await assert_eventually(lambda: not available("node-a"), timeout=5)  # its next status says so
+            for _ in range(3):
+                events = await collect(await connection.open_run(chat(model="echo")))
+                assert events[0].start.node_id == "node-b" and text(events) == "hello from engine"
+            await connection.close()
 
 
 def _node_config(pki: Pki, folder: Path, routes: list[dict[str, Any]]) -> Path:
