@@ -159,7 +159,7 @@ class Supervisor:
         launch = self.settings.launch(target=self.target, port=port, workdir=self.files.workdir)
         await self._on_port(port)
         self._launch, self.served.port = launch, port
-        self._set(pb.SERVED_STATE_STARTING, pid=0)
+        self._set(pb.SERVED_STATE_STARTING, pid=0, reason=self.served.reason)  # why the last one ended, kept
         started = time.monotonic()
         assert self._log is not None
         spawning = asyncio.ensure_future(spawn(launch.argv, env=launch.env, files=self.files, log=self._log))
