@@ -30,7 +30,7 @@ from node_helpers import chat, client, collect, kinds, node_settings, running_no
 
 from iop_control_plane.bootstrap import build_control_plane
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_node.bootstrap import NodeApp
+from iop_node.bootstrap import NodeApp, build_node
 from iop_node.engines import kill_leftovers
 from iop_wire.tls import Role
 
@@ -175,6 +175,21 @@ async def test_command_engine_is_started_served_killed_and_restarted(pki: Pki, t
         assert await _chat_text(app, pki, "echo") == "hello from engine"
         log = (tmp_path / "engines" / "echo.log").read_text()
         assert log.count("serving echo on") == 2  # both starts' output, in the model's log
+
+
+async def test_a_server_ignoring_sigterm_is_killed_after_stop_grace(pki: Pki, tmp_path: Path) -> None:
+    server = f"trap '' TERM; exec {sys.executable} {HERE / 'engine_server.py'} $0 deaf"  # SIG_IGN survives exec
+    route = {"model": "deaf", "engine": "command", "serve": {**FAST, "command": ["sh", "-c", server, "{port}"]}}
+    route["serve"]["stop_grace"] = 0.5
+    app = await build_node(node_settings(pki, tmp_path, [route], engines_dir=tmp_path / "engines")).start()
+    try:
+        await assert_eventually(lambda: _ready(app, "deaf"), timeout=20)
+        pid = _served(app, "deaf").pid
+    finally:
+        started = time.monotonic()
+        await app.stop(grace=0)
+    assert time.monotonic() - started >= 0.5 and not _alive(pid)
+    assert not (tmp_path / "engines" / "deaf.pid").exists()
 
 
 async def test_failed_starts_say_why_each_way(pki: Pki, tmp_path: Path) -> None:
