@@ -1,8 +1,9 @@
 """The node's composition root: settings in, a running node out. Nothing is built at import time.
 
 :class:`NodeApp` owns the lifecycle. ``start`` puts every part onto one ``AsyncExitStack`` in
-order (adapters, run history, the task group of background loops, listener, a registration per
-control-plane and the certificate's renewal, metrics); ``stop`` drains the node, then unwinds
+order (what a killed node left running in engines_dir is killed; adapters, run history, the task
+group of background loops, listener, a registration per control-plane and the certificate's
+renewal, metrics); ``stop`` drains the node, then unwinds
 the stack in reverse: metrics, renewal and registrations stop, the listener closes (ending its runs), the
 task group waits for its loops, the history commits and closes, the adapters close; whatever
 fails, the rest still closes. A part that cannot start raises :class:`StartError` naming its
@@ -36,6 +37,7 @@ from pydantic import ValidationError
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.adapters import REGISTRY
 from iop_node.core import Node
+from iop_node.engines import kill_leftovers, served_adapter
 from iop_node.metrics import NodeMetrics
 from iop_node.ports import Adapter, RunStore
 from iop_node.reload import ReloadSummary, RouteChanges, diff_routes, renumbered, restart_keys
@@ -58,13 +60,17 @@ _log = structlog.get_logger("iop.node")
 _CLIENT_ROLES = frozenset({Role.EDGE, Role.CONTROL_PLANE, Role.WORKER, Role.ADMIN})
 
 
-def build_adapters(settings: Settings, *, base: Path | None = None) -> dict[str, Adapter]:
-    """One adapter per adapter name in the route table, each given its routes' checked options.
+def build_adapters(
+    settings: Settings, *, base: Path | None = None, metrics: NodeMetrics | None = None
+) -> dict[str, Adapter]:
+    """One adapter per adapter name in the route table, each given its routes' checked options, and
+    one per route with an engine (its server's supervisor), keyed by ``route.adapter_key``.
 
-    Relative paths in the options are taken from ``base`` (the config file's folder) when given.
-    ConfigError lists every bad route at once.
+    Relative paths in the options (and an engine's ``serve``) are taken from ``base`` (the config
+    file's folder) when given. ConfigError lists every bad route at once.
     """
     per_adapter: dict[str, dict[str, Any]] = {}
+    served: dict[str, Adapter] = {}
     found: list[Problem] = []
     for index, route in enumerate(settings.routes):
         if route.adapter not in REGISTRY:
@@ -72,6 +78,15 @@ def build_adapters(settings: Settings, *, base: Path | None = None) -> dict[str,
             found.append(Problem(f"routes.{index}.adapter", f"unknown adapter {route.adapter!r} (known: {known})"))
             continue
         options_model, _ = REGISTRY[route.adapter]
+        if route.engine is not None:
+            try:
+                served[route.adapter_key] = served_adapter(
+                    route, index, speaker=REGISTRY[route.adapter], engines_dir=settings.engines_dir, base=base,
+                    metrics=metrics or NodeMetrics(),
+                )  # fmt: skip
+            except ConfigError as exc:
+                found += exc.problems
+            continue
         data = dict(route.options) if base is None else resolve_paths(options_model, route.options, base)
         if "target" in options_model.model_fields:  # adapters that check their backend's model list
             data["target"] = route.target or route.model
@@ -81,7 +96,7 @@ def build_adapters(settings: Settings, *, base: Path | None = None) -> dict[str,
             found += problems(exc, f"routes.{index}.options")
     if found:
         raise ConfigError(found)
-    return {name: REGISTRY[name][1](models) for name, models in per_adapter.items()}
+    return {**{name: REGISTRY[name][1](models) for name, models in per_adapter.items()}, **served}
 
 
 @dataclass
@@ -115,6 +130,8 @@ class NodeApp:
     async def start(self) -> NodeApp:
         """Open the history, then listen, register and serve metrics; StartError names what could not start."""
         try:
+            # servers a killed node left running (also before a reload adds the first engine)
+            await asyncio.to_thread(kill_leftovers, self.settings.engines_dir)
             # Built already: closed even if nothing else starts; at stop, whichever instances serve then.
             self._stack.push_async_callback(self._close_adapters)
             self._stack.push_async_callback(self.node.stop_retiring)  # unwound first: closes the retired ones
@@ -208,7 +225,8 @@ class NodeApp:
         """Adapters for the added and replaced routes, started; ConfigError naming the route's place in the file."""
         routes = changes.built
         try:
-            built = build_adapters(read.model_copy(update={"routes": list(routes)}), base=path.parent)
+            subset = read.model_copy(update={"routes": list(routes)})
+            built = build_adapters(subset, base=path.parent, metrics=self.metrics)
         except ConfigError as exc:
             indices = [read.routes.index(route) for route in routes]
             raise renumbered(exc, indices).located(path) from None
@@ -328,7 +346,7 @@ def build_node(
     node = Node(
         node_id=settings.node_id,
         router=router,
-        adapters=adapters or build_adapters(settings, base=config_dir),
+        adapters=adapters or build_adapters(settings, base=config_dir, metrics=metrics),
         store=store,
         metrics=metrics,
         version=version("iop"),

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 __all__ = ["ModelMetrics", "NodeMetrics"]
 
+_START_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -70,6 +71,25 @@ class NodeMetrics:
         self.reload_grace_ended = Counter(
             "iop_node_reload_grace_runs_ended_total",
             "Runs of removed or replaced routes still going when the reload's grace ran out: ended SHUTTING_DOWN.",
+            registry=self.registry,
+        )
+        self.engine_state = Gauge(
+            "iop_node_engine_state",
+            "Servers the node runs (routes with an engine): 1 for the state each is in now.",
+            ["model", "state"],
+            registry=self.registry,
+        )
+        self.engine_restarts = Counter(
+            "iop_node_engine_restarts_total",
+            "Server restarts, by why: exited, hung (stopped answering its probe), start_failed.",
+            ["model", "reason"],
+            registry=self.registry,
+        )
+        self.engine_ready = Histogram(
+            "iop_node_engine_ready_seconds",
+            "From a server's start to its first ready answer.",
+            ["model"],
+            buckets=_START_BUCKETS,
             registry=self.registry,
         )
 

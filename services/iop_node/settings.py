@@ -2,7 +2,7 @@
 
 Nested keys use ``__`` in the environment: ``IOP_LISTEN__PORT=7500`` overrides ``listen.port``.
 A bad value raises :class:`ConfigError` whose message is one line naming every bad key.
-Relative paths in the file (``tls.*``, ``store_path``) are taken from the file's folder.
+Relative paths in the file (``tls.*``, ``store_path``, ``engines_dir``) are taken from the file's folder.
 """
 
 from __future__ import annotations
@@ -155,6 +155,10 @@ class Settings(BaseSettings):
     metrics: MetricsSettings = MetricsSettings()
     store_path: Path = Path(".iop/node-runs.db")
     """SQLite file of the run history."""
+    engines_dir: Path = Path(".iop/engines")
+    """Folder of the servers this node runs (routes with an ``engine``): MODEL.log (rotated: .1 ..
+    .N), MODEL.pid (what the next start kills if this node died without stopping them) and a
+    folder per model. One node's own: another node's servers found there are killed at start."""
     heartbeat_interval: float = Field(1.0, gt=0)
     """Seconds between heartbeats on every connection (and between two looks at whether the load
     changed, for node.status): the control-plane judges the node by it, so a frozen node is out

@@ -1,0 +1,278 @@
+"""A server process of the node's own: started in its own session through an exec shim that
+makes it die with the node, its output copied into a rotating log, its pid file, and the clean-up
+of what an earlier node left running.
+
+Two ways keep a server from outliving its node. The shim sets ``PR_SET_PDEATHSIG`` (SIGKILL) in
+the child before it execs the server (not ``preexec_fn``: the node has threads), so the kernel
+kills the server when the node dies, even by SIGKILL. Processes the server started itself
+(Ollama's runners) do not inherit that; the pid file (pid, process group, start time, argv) lets
+the next node start kill the whole group, checking the start time so that a recycled pid is
+never taken for the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import hashlib
+import json
+import os
+import re
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+__all__ = ["EngineFiles", "RotatingLog", "ServerProcess", "describe_exit", "kill_leftovers", "spawn"]
+
+_log = structlog.get_logger("iop.node.engine")
+
+# argv: SHIM NODE_PID COMMAND...: dies with its parent (SIGKILL), in case it is gone already, then execs.
+_SHIM = """\
+import ctypes, os, signal, sys
+if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL) != 0:  # PR_SET_PDEATHSIG
+    sys.exit("iop engine shim: prctl(PR_SET_PDEATHSIG) failed: " + os.strerror(ctypes.get_errno()))
+if os.getppid() != int(sys.argv[1]):
+    sys.exit("iop engine shim: the node is gone")
+try:
+    os.execvp(sys.argv[2], sys.argv[2:])
+except OSError as exc:
+    sys.exit("iop engine shim: cannot run " + sys.argv[2] + ": " + exc.strerror)
+"""
+_TAIL_LINES = 40
+_TAIL_LINE_CHARS = 400
+_READ_CHUNK = 64 * 1024
+_EXIT_POLL = 0.05  # seconds between two looks at whether the server exited
+
+
+def _file_name(model: str) -> str:
+    """``model`` as a file name: anything but letters, digits, dot, dash and underscore becomes _,
+    and a name so changed gets a short hash of the original (``a/b`` and ``a_b`` stay apart)."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", model).lstrip(".")
+    if name == model:
+        return name
+    return f"{name}-{hashlib.sha256(model.encode()).hexdigest()[:8]}"
+
+
+@dataclass(frozen=True)
+class EngineFiles:
+    """A served model's files in engines_dir: MODEL.log (+ .1 .. .N), MODEL.PID.pid per running server
+    (a reload that replaces a route starts the new server while the old one finishes its runs), and a
+    folder MODEL/."""
+
+    directory: Path
+    model: str
+
+    @property
+    def log(self) -> Path:
+        return self.directory / f"{_file_name(self.model)}.log"
+
+    def pid_file(self, pid: int) -> Path:
+        return self.directory / f"{_file_name(self.model)}.{pid}.pid"
+
+    @property
+    def workdir(self) -> Path:
+        """The engine's own folder (Ollama's models, by default)."""
+        return self.directory / _file_name(self.model)
+
+
+class RotatingLog:
+    """A log file rotated at ``max_bytes`` (MODEL.log -> .1 -> ... -> .N, the oldest dropped)."""
+
+    def __init__(self, path: Path, *, max_bytes: int, backups: int) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self.backups = backups
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("ab")
+        self._size = self._file.tell()
+
+    def write(self, data: bytes) -> None:
+        """Append ``data``, rotating first when it would pass ``max_bytes`` (a chunk is never split)."""
+        if self._size and self._size + len(data) > self.max_bytes:
+            self._rotate()
+        self._file.write(data)
+        self._file.flush()
+        self._size += len(data)
+
+    def _rotate(self) -> None:
+        self._file.close()
+        if self.backups == 0:
+            self.path.unlink(missing_ok=True)
+        for number in range(self.backups, 0, -1):
+            older = self.path.with_name(f"{self.path.name}.{number - 1}") if number > 1 else self.path
+            if older.exists():
+                older.replace(self.path.with_name(f"{self.path.name}.{number}"))
+        self._file = self.path.open("ab")
+        self._size = 0
+        _log.debug("engine log rotated", path=str(self.path), max_bytes=self.max_bytes, backups=self.backups)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class ServerProcess:
+    """A started server: its process, the task copying its output, the last lines of it."""
+
+    def __init__(self, process: asyncio.subprocess.Process, log: RotatingLog, files: EngineFiles) -> None:
+        self.process = process
+        self.pid = process.pid
+        self.files = files
+        self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        self._log = log
+        self._partial = b""
+        self._copying = asyncio.get_running_loop().create_task(self._copy(), name=f"iop-engine-log-{files.model}")
+
+    async def _copy(self) -> None:
+        """Copy the server's output into its log until the pipe closes; keep the last lines."""
+        stdout = self.process.stdout
+        assert stdout is not None
+        try:
+            while chunk := await stdout.read(_READ_CHUNK):
+                self._log.write(chunk)
+                lines = (self._partial + chunk).split(b"\n")
+                self._partial = lines.pop()[-_TAIL_LINE_CHARS:]
+                self.tail.extend(line.decode(errors="replace").rstrip()[:_TAIL_LINE_CHARS] for line in lines)
+        except OSError as exc:  # the log file (disk full, removed folder): the server keeps running
+            _log.warning("engine log not written", model=self.files.model, error=str(exc))
+            with contextlib.suppress(OSError):
+                while await stdout.read(_READ_CHUNK):
+                    pass
+
+    def note(self, data: bytes) -> None:
+        """Write ``data`` into its log and tail as if it had said it (the output of its setup commands)."""
+        with contextlib.suppress(OSError):
+            self._log.write(data)
+        self.tail.extend(line.decode(errors="replace")[:_TAIL_LINE_CHARS] for line in data.splitlines())
+
+    def last_lines(self, count: int = 5) -> str:
+        """The end of its output, for a reason: the last ``count`` lines that are not empty."""
+        lines = [line for line in [*self.tail, self._partial.decode(errors="replace")] if line.strip()]
+        return " | ".join(lines[-count:])
+
+    def signal_group(self, signum: signal.Signals) -> None:
+        """Send ``signum`` to its process group (the server and whatever it started)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signum)
+
+    async def exited(self) -> int:
+        """Its exit status once it exited. Polled: asyncio's ``wait()`` also waits for the output
+        pipe to close, which a process the server started (and left running) may hold open."""
+        while (status := self.process.returncode) is None:  # noqa: ASYNC110 - no event is set at exit alone
+            await asyncio.sleep(_EXIT_POLL)
+        return status
+
+    async def wait_output(self, timeout: float = 1.0) -> None:
+        """Give the copy task a moment to read what the server wrote before it exited."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._copying), timeout)
+
+    async def stop(self, grace: float) -> int:
+        """SIGTERM to its group, SIGKILL after ``grace`` s (and to stragglers); its pid file removed."""
+        if self.process.returncode is None:
+            self.signal_group(signal.SIGTERM)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.exited(), grace)
+        return await self.kill()
+
+    async def kill(self) -> int:
+        """SIGKILL its group now; the exit status once reaped and its output read. Removes its pid file."""
+        self.signal_group(signal.SIGKILL)
+        status = await self.exited()
+        await self.wait_output()
+        self._copying.cancel()
+        self.files.pid_file(self.pid).unlink(missing_ok=True)
+        return status
+
+
+async def spawn(argv: list[str], *, env: dict[str, str], files: EngineFiles, log: RotatingLog) -> ServerProcess:
+    """Start ``argv`` in a session of its own (it leads its process group), through the shim, with
+    its output going to ``log``; write its pid file. OSError when the shim cannot start."""
+    files.workdir.mkdir(parents=True, exist_ok=True)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _SHIM, str(os.getpid()), *argv,
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, **env}, cwd=files.workdir, start_new_session=True,
+    )  # fmt: skip
+    record = {
+        "pid": process.pid, "pgid": process.pid, "start_time": _start_time(process.pid), "argv": argv,
+        "node_pid": os.getpid(), "node_start_time": _start_time(os.getpid()),
+    }  # fmt: skip
+    files.pid_file(process.pid).write_text(json.dumps(record))
+    return ServerProcess(process, log, files)
+
+
+def describe_exit(status: int) -> str:
+    """ "exited with status 1" or "signal 9 (SIGKILL)" from an asyncio return code."""
+    if status >= 0:
+        return f"exited with status {status}"
+    with contextlib.suppress(ValueError):
+        return f"signal {-status} ({signal.Signals(-status).name})"
+    return f"signal {-status}"
+
+
+def _stat(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (0: state, 2: process group, 3: session, 19: start
+    time), None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rfind(")") + 2 :].split()
+
+
+def _start_time(pid: int) -> int | None:
+    fields = _stat(pid)
+    return int(fields[19]) if fields else None  # field 22 of stat: start time in clock ticks after boot
+
+
+def _session_members(session: int) -> list[int]:
+    """Pids of the processes in session ``session`` (ours lead their own, so session = group = leader)."""
+    pids = [entry.name for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+    return [int(pid) for pid in pids if (fields := _stat(pid)) and int(fields[3]) == session]
+
+
+def kill_leftovers(directory: Path) -> int:
+    """Kill what a node before this one left running, by the pid files in ``directory``; how many
+    process groups were killed. A pid whose process started at another time is not ours (recycled)."""
+    killed = 0
+    for path in sorted(directory.glob("*.pid")) if directory.is_dir() else ():
+        record = _read_record(path)
+        if record is not None and _ours(record):
+            members = _session_members(record["pgid"])
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(record["pgid"], signal.SIGKILL)
+                killed += 1
+                _log.warning("engine left running by an earlier node killed", pid=record["pid"], processes=members,
+                             argv=record.get("argv"))  # fmt: skip
+        path.unlink(missing_ok=True)
+    return killed
+
+
+def _read_record(path: Path) -> dict[str, Any] | None:
+    with contextlib.suppress(OSError, ValueError):
+        record = json.loads(path.read_text())
+        if isinstance(record, dict) and isinstance(record.get("pid"), int) and isinstance(record.get("pgid"), int):
+            return record
+    return None
+
+
+def _ours(record: dict[str, Any]) -> bool:
+    """Whether the recorded server (or a process of its session, which outlives its leader) still
+    runs, left by a node that is gone (a node running still, sharing the folder, keeps its servers).
+
+    While the leader's pid is in use its start time must match; once it is gone, the kernel does not
+    give its pid to another process while a group or session of that id exists, so members are ours."""
+    node = record.get("node_pid")
+    if isinstance(node, int) and node != os.getpid():
+        node_started = _start_time(node)
+        if node_started is not None and node_started == record.get("node_start_time"):
+            return False
+    started = _start_time(record["pid"])
+    if started is not None:
+        return started == record.get("start_time")
+    return bool(_session_members(record["pgid"]))

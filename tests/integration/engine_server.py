@@ -1,0 +1,58 @@
+"""A tiny OpenAI-compatible server for ``engine: command`` tests (standard library only).
+
+``python engine_server.py PORT MODEL [--child]``: GET /v1/models lists MODEL; POST
+/v1/chat/completions answers "hello from engine" (streamed as SSE when asked). ``--child``
+first starts a ``sleep`` in its process group that the node's exec shim does not cover (no
+PR_SET_PDEATHSIG), like Ollama's runners: only the node's pid-file clean-up kills it. Its pid is
+printed as ``child PID``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+PORT, MODEL = int(sys.argv[1]), sys.argv[2]
+WORDS = ["hello", " from", " engine"]
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def _send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        if self.path == "/v1/models":
+            self._send(200, json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode())
+        else:
+            self._send(404, b"{}")
+
+    def do_POST(self) -> None:
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if not request.get("stream"):
+            message = {"role": "assistant", "content": "".join(WORDS)}
+            choice = {"index": 0, "message": message, "finish_reason": "stop"}
+            usage = {"prompt_tokens": 3, "completion_tokens": 3}
+            self._send(200, json.dumps({"choices": [choice], "usage": usage}).encode())
+            return
+        chunks = [{"choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}]} for word in WORDS]
+        chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+        body = b"".join(b"data: " + json.dumps(chunk).encode() + b"\n\n" for chunk in chunks) + b"data: [DONE]\n\n"
+        self._send(200, body, "text/event-stream")
+
+
+if "--child" in sys.argv:
+    child = subprocess.Popen(["sleep", "300"])
+    print(f"child {child.pid}", flush=True)
+print(f"serving {MODEL} on {PORT}", flush=True)
+ThreadingHTTPServer(("127.0.0.1", PORT), Handler).serve_forever()

@@ -1,0 +1,357 @@
+"""Servers the node runs itself (routes with an ``engine``), with real processes: llama-cpp-python
+serving the tiny model, and a small OpenAI-compatible server of the tests' own (``engine: command``).
+
+The node starts the server and serves chat through it; kill -9 of the server: restarted, serving
+again, a run in progress ends with a retryable error; SIGSTOP: taken as hung and restarted, while
+a long stream is not; a missing or non-GGUF model file: FAILED with the server's own words, the
+other model still served; kill -9 of the node: its servers die with it (PR_SET_PDEATHSIG), and what
+they started is killed by the next start from the pid files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from backends.fixtures import require
+from backends.servers import OLLAMA_MODELFILE, ollama_binary, venv
+from backends.tiny_model import OLLAMA_TEMPLATE
+from conftest import Pki, assert_eventually
+from cp_helpers import client as cp_client
+from cp_helpers import cp_settings, node_process
+from node_helpers import chat, client, collect, kinds, node_settings, running_node, text
+
+from iop_control_plane.bootstrap import build_control_plane
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_node.bootstrap import NodeApp, build_node
+from iop_node.engines import kill_leftovers
+from iop_wire.tls import Role
+
+HERE = Path(__file__).resolve().parent
+FAST = {"probe_interval": 0.2, "probe_timeout": 1.0, "backoff": 0.1, "stop_grace": 5}
+
+
+def _llama_route(model: str, model_path: Path, **serve: Any) -> dict[str, Any]:
+    require("llama")
+    python = str(venv("llama") / "bin" / "python")
+    settings = {"model_path": str(model_path), "python": python, **FAST, **serve}
+    return {"model": model, "engine": "llama.cpp", "serve": settings, "options": {"kinds": ["chat", "completion"]}}
+
+
+def _command_route(model: str, *extra: str, **serve: Any) -> dict[str, Any]:
+    command = [sys.executable, str(HERE / "engine_server.py"), "{port}", model, *extra]
+    return {"model": model, "engine": "command", "serve": {"command": command, **FAST, **serve}}
+
+
+def _served(app: NodeApp, model: str) -> pb.ServedModel:
+    return next(load.served for load in app.node.status().models if load.model == model)
+
+
+def _ready(app: NodeApp, model: str) -> bool:
+    load = next(load for load in app.node.status().models if load.model == model)
+    return load.available and load.served.state == pb.SERVED_STATE_READY
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+async def _chat_text(app: NodeApp, pki: Pki, model: str, tokens: int = 8) -> str:
+    connection = await client(app, pki)
+    try:
+        events = await collect(await connection.open_run(chat(model=model, sampling=pb.Sampling(max_tokens=tokens))))
+    finally:
+        await connection.close()
+    assert kinds(events)[-1] == "complete", events[-1]
+    return text(events)
+
+
+async def test_llama_engine_serves_a_long_stream_and_restarts_after_kill_9(
+    pki: Pki, tmp_path: Path, tiny_gguf: Path
+) -> None:
+    # hang_timeout well under the long stream's length: a stream in progress is no hang (the
+    # liveness probe is /docs, which the server answers without waiting for the model)
+    route = _llama_route("tiny", tiny_gguf, hang_timeout=0.8)
+    settings = node_settings(pki, tmp_path, [route], engines_dir=tmp_path / "engines")
+    async with running_node(settings) as app:
+        await assert_eventually(lambda: _ready(app, "tiny"), timeout=30)
+        first = _served(app, "tiny")
+        assert first.pid and first.port and first.restarts == 0
+        assert json.loads((tmp_path / "engines" / f"tiny.{first.pid}.pid").read_text())["pid"] == first.pid
+        started = time.monotonic()
+        assert await _chat_text(app, pki, "tiny", tokens=2000)
+        assert time.monotonic() - started > 1.6  # twice hang_timeout: the probe ran during it
+        assert _served(app, "tiny").restarts == 0 and _served(app, "tiny").pid == first.pid
+
+        connection = await client(app, pki)
+        stream = await connection.open_run(chat(model="tiny", sampling=pb.Sampling(max_tokens=20000)))
+        assert kinds([await anext(stream), await anext(stream)]) == ["start", "delta"]
+        os.kill(first.pid, signal.SIGKILL)
+        final = (await collect(stream))[-1]  # ends, with a retryable error (not a hang)
+        assert final.error.code == pb.ERROR_CODE_UNAVAILABLE and final.error.retryable
+        await assert_eventually(lambda: _served(app, "tiny").restarts == 1, timeout=10)
+        await assert_eventually(lambda: _ready(app, "tiny"), timeout=30)
+        again = _served(app, "tiny")
+        assert again.pid != first.pid and again.failed_starts == 0
+        assert await _chat_text(app, pki, "tiny")
+        await connection.close()
+        metrics = app.metrics.registry
+        assert metrics.get_sample_value("iop_node_engine_restarts_total", {"model": "tiny", "reason": "exited"}) == 1
+        assert metrics.get_sample_value("iop_node_engine_state", {"model": "tiny", "state": "ready"}) == 1
+        assert metrics.get_sample_value("iop_node_engine_ready_seconds_count", {"model": "tiny"}) == 2
+    assert not _alive(again.pid) and not list((tmp_path / "engines").glob("tiny.*.pid"))  # stopped with the node
+    assert metrics.get_sample_value("iop_node_engine_state", {"model": "tiny", "state": "stopping"}) is None
+
+
+async def test_llama_engine_stopped_by_sigstop_is_killed_and_restarted(
+    pki: Pki, tmp_path: Path, tiny_gguf: Path
+) -> None:
+    route = _llama_route("tiny", tiny_gguf, hang_timeout=1.5, probe_timeout=0.5)
+    async with running_node(node_settings(pki, tmp_path, [route], engines_dir=tmp_path / "engines")) as app:
+        await assert_eventually(lambda: _ready(app, "tiny"), timeout=30)
+        frozen = _served(app, "tiny").pid
+        os.kill(frozen, signal.SIGSTOP)
+        await assert_eventually(lambda: _served(app, "tiny").restarts == 1, timeout=10)
+        assert not _alive(frozen)  # SIGKILLed, not left stopped
+        await assert_eventually(lambda: _ready(app, "tiny"), timeout=30)
+        assert await _chat_text(app, pki, "tiny")
+        hung = {"model": "tiny", "reason": "hung"}
+        assert app.metrics.registry.get_sample_value("iop_node_engine_restarts_total", hung) == 1
+
+
+async def test_a_missing_or_broken_model_file_ends_failed_with_the_servers_words(
+    pki: Pki, tmp_path: Path, tiny_gguf: Path
+) -> None:
+    broken = tmp_path / "broken.gguf"
+    broken.write_text("this is not a GGUF file\n")
+    routes = [
+        _llama_route("missing", tmp_path / "no-such.gguf", max_failed_starts=2),
+        _llama_route("broken", broken, max_failed_starts=2),
+        {"model": "mock-small", "adapter": "mock"},
+    ]
+    async with running_node(node_settings(pki, tmp_path, routes, engines_dir=tmp_path / "engines")) as app:
+        failed = pb.SERVED_STATE_FAILED
+        await assert_eventually(lambda: _served(app, "missing").state == failed, timeout=40)
+        await assert_eventually(lambda: _served(app, "broken").state == failed, timeout=40)
+        missing, broken_served = _served(app, "missing"), _served(app, "broken")
+        assert missing.failed_starts == 2 and missing.pid == 0
+        assert "exited with status 1" in missing.reason
+        assert f"Model path does not exist: {tmp_path / 'no-such.gguf'}" in missing.reason
+        assert f"Failed to load model from file: {broken}" in broken_served.reason
+        assert not any(load.available for load in app.node.status().models if load.model != "mock-small")
+        connection = await client(app, pki)
+        refused = (await collect(await connection.open_run(chat(model="missing"))))[-1]
+        assert refused.error.code == pb.ERROR_CODE_UNAVAILABLE and refused.error.retryable
+        assert "failed: exited with status 1" in refused.error.message
+        assert kinds(await collect(await connection.open_run(chat(model="mock-small"))))[-1] == "complete"
+        await connection.close()
+        capabilities = {info.name: info for info in await app.node.adapters["llama.cpp:missing"].capabilities()}
+        assert capabilities["missing"].served.state == failed and not capabilities["missing"].available
+        start_failed = {"model": "missing", "reason": "start_failed"}
+        assert app.metrics.registry.get_sample_value("iop_node_engine_restarts_total", start_failed) == 2
+
+
+async def test_command_engine_is_started_served_killed_and_restarted(pki: Pki, tmp_path: Path) -> None:
+    settings = node_settings(pki, tmp_path, [_command_route("echo")], engines_dir=tmp_path / "engines")
+    async with running_node(settings) as app:
+        await assert_eventually(lambda: _ready(app, "echo"), timeout=20)
+        assert await _chat_text(app, pki, "echo") == "hello from engine"
+        first = _served(app, "echo")
+        os.kill(first.pid, signal.SIGKILL)
+        await assert_eventually(lambda: not app.node.status().models[0].available, timeout=2)  # at once
+        await assert_eventually(lambda: _ready(app, "echo") and _served(app, "echo").restarts == 1, timeout=20)
+        assert _served(app, "echo").pid != first.pid
+        assert await _chat_text(app, pki, "echo") == "hello from engine"
+        log = (tmp_path / "engines" / "echo.log").read_text()
+        assert log.count("serving echo on") == 2  # both starts' output, in the model's log
+
+
+async def test_a_server_ignoring_sigterm_is_killed_after_stop_grace(pki: Pki, tmp_path: Path) -> None:
+    server = f"trap '' TERM; exec {sys.executable} {HERE / 'engine_server.py'} $0 deaf"  # SIG_IGN survives exec
+    route = {"model": "deaf", "engine": "command", "serve": {**FAST, "command": ["sh", "-c", server, "{port}"]}}
+    route["serve"]["stop_grace"] = 0.5
+    app = await build_node(node_settings(pki, tmp_path, [route], engines_dir=tmp_path / "engines")).start()
+    try:
+        await assert_eventually(lambda: _ready(app, "deaf"), timeout=20)
+        pid = _served(app, "deaf").pid
+    finally:
+        started = time.monotonic()
+        await app.stop(grace=0)
+    assert time.monotonic() - started >= 0.5 and not _alive(pid)
+    assert not list((tmp_path / "engines").glob("deaf.*.pid"))
+
+
+async def test_failed_starts_say_why_each_way(pki: Pki, tmp_path: Path) -> None:
+    once = {**FAST, "max_failed_starts": 1}
+    routes = [
+        {
+            "model": "silent",
+            "engine": "command",
+            "serve": {**once, "command": ["sleep", "30", "{port}"], "start_timeout": 0.5},
+        },
+        {
+            "model": "exits",
+            "engine": "command",
+            "serve": {**once, "command": ["sh", "-c", "echo boom; exit 3", "{port}"]},
+        },
+        {"model": "absent", "engine": "command", "serve": {**once, "command": ["no-such-program-iop", "{port}"]}},
+    ]
+    async with running_node(node_settings(pki, tmp_path, routes, engines_dir=tmp_path / "engines")) as app:
+        failed = pb.SERVED_STATE_FAILED
+        await assert_eventually(lambda: all(load.served.state == failed for load in app.node.status().models), 10)
+        assert _served(app, "silent").reason == "not ready after 0.5 s"
+        assert _served(app, "exits").reason == "exited with status 3; last log lines: boom"
+        absent = _served(app, "absent").reason
+        assert absent.startswith(
+            "exited with status 1; last log lines: iop engine shim: cannot run no-such-program-iop"
+        )
+        assert not list((tmp_path / "engines").glob("*.pid"))  # each one stopped, its pid file gone
+
+
+async def test_ollama_engine_creates_its_model_serves_and_restarts(pki: Pki, tmp_path: Path, tiny_gguf: Path) -> None:
+    require("ollama")
+    modelfile = tmp_path / "tiny.Modelfile"
+    modelfile.write_text(OLLAMA_MODELFILE.format(model=tiny_gguf, template=OLLAMA_TEMPLATE))
+    (tmp_path / "home").mkdir()
+    env = {  # what the Ollama build CI has needs (tests/backends/servers.py)
+        "HOME": str(tmp_path / "home"),
+        "LD_LIBRARY_PATH": str(venv("ollama") / "lib"),
+        "OMP_NUM_THREADS": "1",
+        "KMP_BLOCKTIME": "0",
+    }
+    serve = {"executable": str(ollama_binary()), "env": env, "create": [{"name": "tiny", "modelfile": str(modelfile)}]}
+    route = {"model": "tiny", "engine": "ollama", "serve": {**FAST, **serve}}
+    async with running_node(node_settings(pki, tmp_path, [route], engines_dir=tmp_path / "engines")) as app:
+        await assert_eventually(lambda: _ready(app, "tiny"), timeout=40)
+        assert (tmp_path / "engines" / "tiny" / "models").is_dir()  # OLLAMA_MODELS: the model's own folder
+        assert await _chat_text(app, pki, "tiny")
+        first = _served(app, "tiny")
+        os.kill(first.pid, signal.SIGKILL)
+        await assert_eventually(lambda: _ready(app, "tiny") and _served(app, "tiny").restarts == 1, timeout=40)
+        assert await _chat_text(app, pki, "tiny")
+        assert "iop: " in (tmp_path / "engines" / "tiny.log").read_text()  # its create, logged with the server
+
+
+async def test_the_control_plane_sends_runs_past_a_node_whose_server_is_down(pki: Pki, tmp_path: Path) -> None:
+    route = _command_route("echo", backoff=30)  # once killed, node-a's server stays down for the test
+    async with build_control_plane(cp_settings(pki, tmp_path)) as control_plane:
+        assert control_plane.listener is not None
+        port = control_plane.listener.port
+
+        def available(node_id: str) -> bool:
+            node = control_plane.registry.nodes.get(node_id)
+            return node is not None and "echo" in node.models and node.models["echo"].available
+
+        with (
+            node_process(pki, tmp_path, port, "node-a", [route], engines_dir=str(tmp_path / "a")),
+            node_process(pki, tmp_path, port, "node-b", [route], engines_dir=str(tmp_path / "b")),
+        ):
+            await assert_eventually(lambda: available("node-a") and available("node-b"), timeout=20)
+            connection = await cp_client(control_plane, pki)
+            os.kill(json.loads(_one(tmp_path / "a", "echo").read_text())["pid"], signal.SIGKILL)
+            for _ in range(3):  # at once: one sent to node-a before it says so fails over before its output
+                assert text(await collect(await connection.open_run(chat(model="echo")))) == "hello from engine"
+            await assert_eventually(lambda: not available("node-a"), timeout=5)  # its next status says so
+            for _ in range(3):
+                events = await collect(await connection.open_run(chat(model="echo")))
+                assert events[0].start.node_id == "node-b" and text(events) == "hello from engine"
+            await connection.close()
+
+
+def _node_config(pki: Pki, folder: Path, routes: list[dict[str, Any]]) -> Path:
+    tls = pki.config("node-e", Role.NODE)
+    data = {
+        "node_id": "node-e",
+        "listen": {"port": 0},
+        "tls": {"enabled": True, "cert": str(tls.cert), "key": str(tls.key), "ca": str(tls.ca)},
+        "store_path": "runs.db",
+        "engines_dir": "engines",
+        "routes": routes,
+    }
+    path = folder / "node.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _start_node(config: Path) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "iop_cli.main", "node", "--config", str(config)]
+    with (config.parent / "node.log").open("ab") as log:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
+
+
+def _server_and_child(engines: Path) -> tuple[int, int] | None:
+    """The command server's pid (its pid file) and its child's (its log), once both are written."""
+    try:
+        pid = json.loads(_one(engines, "echo").read_text())["pid"]
+        child = int((engines / "echo.log").read_text().split("child ", 1)[1].split()[0])
+    except (OSError, ValueError, IndexError, KeyError):
+        return None
+    return pid, child
+
+
+async def test_kill_9_of_the_node_leaves_no_server_running(pki: Pki, tmp_path: Path) -> None:
+    config = _node_config(pki, tmp_path, [_command_route("echo", "--child")])
+    engines = tmp_path / "engines"
+    node = _start_node(config)
+    server = child = 0
+    try:
+        await assert_eventually(lambda: _server_and_child(engines) is not None, timeout=20)
+        found = _server_and_child(engines)
+        assert found is not None
+        server, child = found
+        assert _alive(server) and _alive(child)
+        node.kill()
+        node.wait(timeout=10)
+        # the server dies with the node (PR_SET_PDEATHSIG); what it started does not ...
+        await assert_eventually(lambda: not _alive(server), timeout=5)
+        assert _alive(child)
+        # ... until the node starts again and kills the rest of the group named in the pid file
+        node = _start_node(config)
+        await assert_eventually(lambda: not _alive(child), timeout=20)
+        assert "engine left running by an earlier node killed" in (tmp_path / "node.log").read_text()
+        await assert_eventually(lambda: (found := _server_and_child(engines)) is not None and found[0] != server, 20)
+    finally:
+        node.send_signal(signal.SIGTERM)
+        node.wait(timeout=15)
+        for pid in (server, child):  # when the test failed: nothing of it left running
+            if pid and _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert not list(engines.glob("echo.*.pid"))
+
+
+def test_a_pid_file_whose_process_started_at_another_time_kills_nothing(tmp_path: Path) -> None:
+    with subprocess.Popen(["sleep", "20"], start_new_session=True) as stranger:
+        started = int(Path(f"/proc/{stranger.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        record = {"pid": stranger.pid, "pgid": stranger.pid, "argv": ["sleep", "20"], "node_pid": 1 << 30}
+        (tmp_path / "recycled.pid").write_text(json.dumps({**record, "start_time": started - 1}))
+        assert kill_leftovers(tmp_path) == 0
+        assert stranger.poll() is None and not (tmp_path / "recycled.pid").exists()
+        (tmp_path / "ours.pid").write_text(json.dumps({**record, "start_time": started}))
+        assert kill_leftovers(tmp_path) == 1
+        assert stranger.wait(timeout=5) == -signal.SIGKILL
+        # a node that runs still (this test's process) keeps its servers, even in a shared folder
+        with subprocess.Popen(["sleep", "20"], start_new_session=True) as kept:
+            started = int(Path(f"/proc/{kept.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+            node = int(Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()[19])
+            shared = {"pid": kept.pid, "pgid": kept.pid, "start_time": started, "node_pid": os.getppid()}
+            (tmp_path / "kept.pid").write_text(json.dumps({**shared, "node_start_time": node}))
+            assert kill_leftovers(tmp_path) == 0
+            assert kept.poll() is None
+            kept.kill()
+
+
+def _one(engines: Path, model: str) -> Path:
+    """The pid file of the one server of ``model`` running from ``engines``."""
+    (found,) = engines.glob(f"{model}.*.pid")
+    return found
