@@ -4,7 +4,8 @@
 /v1/chat/completions answers "hello from engine" (streamed as SSE when asked). ``--child``
 first starts a ``sleep`` in its process group that the node's exec shim does not cover (no
 PR_SET_PDEATHSIG), like Ollama's runners: only the node's pid-file clean-up kills it. Its pid is
-printed as ``child PID``.
+printed as ``child PID``. ``--slow`` streams one event every half second (a run still going when
+its route is removed).
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 PORT, MODEL = int(sys.argv[1]), sys.argv[2]
+SLOW = "--slow" in sys.argv
 WORDS = ["hello", " from", " engine"]
 
 
@@ -47,8 +50,19 @@ class Handler(BaseHTTPRequestHandler):
             return
         chunks = [{"choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}]} for word in WORDS]
         chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
-        body = b"".join(b"data: " + json.dumps(chunk).encode() + b"\n\n" for chunk in chunks) + b"data: [DONE]\n\n"
-        self._send(200, body, "text/event-stream")
+        events = [b"data: " + json.dumps(chunk).encode() + b"\n\n" for chunk in chunks] + [b"data: [DONE]\n\n"]
+        if not SLOW:
+            self._send(200, b"".join(events), "text/event-stream")
+            return
+        self.send_response(200)  # --slow: one event every half second, chunked
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for event in events:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+            self.wfile.flush()
+            time.sleep(0.5)
+        self.wfile.write(b"0\r\n\r\n")
 
 
 if "--child" in sys.argv:
