@@ -110,13 +110,13 @@ def install(state: Path, *, base: Path | None = None, env: dict[str, str] | None
     )
     started = time.monotonic()
     python = own_python(state)
-    steps = (
-        [str(base or sys.executable), "-m", "venv", "--clear", str(target)],
-        [str(python), "-m", "pip", "install", "--disable-pip-version-check", LLAMA_CPP_REQUIREMENT],
-    )
+    steps = {
+        "python -m venv": [str(base or sys.executable), "-m", "venv", "--clear", str(target)],
+        "pip install": [str(python), "-m", "pip", "install", "--disable-pip-version-check", LLAMA_CPP_REQUIREMENT],
+    }
     with log.open("w") as sink:
-        for step in steps:
-            failure = _run(step, sink, {**os.environ, **BUILD_ENV, **(env or {})}, started + INSTALL_TIMEOUT)
+        for what, step in steps.items():
+            failure = _run(what, step, sink, {**os.environ, **BUILD_ENV, **(env or {})}, started + INSTALL_TIMEOUT)
             if failure:
                 raise CliError(_failed(state, failure), 1)
     if (problem := server_missing(python)) is not None:
@@ -132,7 +132,7 @@ def install_command(state: Path) -> str:
     return f"python3 -m venv {target} && {variables} {target}/bin/pip install {shlex.quote(LLAMA_CPP_REQUIREMENT)}"
 
 
-def _run(command: list[str], sink: IO[str], env: dict[str, str], deadline: float) -> str:
+def _run(what: str, command: list[str], sink: IO[str], env: dict[str, str], deadline: float) -> str:
     """Run one install step with its output in ``sink``; "" when it succeeded, else what went wrong.
 
     Its own process group: a timeout or Ctrl-C stops pip's compilers too, not pip alone."""
@@ -143,11 +143,11 @@ def _run(command: list[str], sink: IO[str], env: dict[str, str], deadline: float
         code = process.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         _stop_group(process)
-        return f"{Path(command[0]).name} {command[2]} did not finish within {INSTALL_TIMEOUT:.0f} s"
+        return f"{what} did not finish within {INSTALL_TIMEOUT:.0f} s"
     except BaseException:
         _stop_group(process)
         raise
-    return f"{Path(command[0]).name} {command[2]} exited with code {code}" if code else ""
+    return f"{what} exited with code {code}" if code else ""
 
 
 def _stop_group(process: subprocess.Popen[bytes]) -> None:
