@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from iop_cli.addresses import LOOPBACK, configured_hosts, ensure_sans, listen_hosts
+from iop_cli.ggufs import servers_dir
 from iop_cli.output import CliError
 from iop_wire.certs import init_dir, tls_section
 
@@ -213,13 +214,17 @@ def node_config(
     server_name: str = "localhost",
 ) -> dict[str, object]:
     """A node's config: registered with the control-plane at ``address``, no listener of its own,
-    its history in ``state``, ``routes`` (None: the mock models)."""
+    its history in ``state``, ``routes`` (None: the mock models). With routes whose server the node
+    runs (an ``engine``), their logs, pid files and working folders go to ``state``'s ``models``:
+    the node's default is relative to where it was started, which two state folders may share."""
+    engines = {"engines_dir": str(servers_dir(state))} if any("engine" in route for route in routes or ()) else {}
     return {
         "node_id": node_id,
         "listen": {"enabled": False},
         "control_plane": {"address": address, "server_name": server_name},
         "tls": tls,
         "store_path": str((state / "node-runs.db").resolve()),
+        **engines,
         "metrics": {"host": "127.0.0.1", "port": _NODE_METRICS_PORT if _free(_NODE_METRICS_PORT) else 0},
         "routes": routes
         or [

@@ -19,7 +19,16 @@ import yaml
 
 from iop_cli.output import CliError
 
-__all__ = ["GGUF_MAGIC", "GgufModel", "default_name", "engine_models", "gguf_models", "llama_routes"]
+__all__ = [
+    "GGUF_MAGIC",
+    "GgufModel",
+    "default_name",
+    "engine_logs",
+    "engine_models",
+    "gguf_models",
+    "llama_routes",
+    "servers_dir",
+]
 
 GGUF_MAGIC = b"GGUF"
 """The first four bytes of every GGUF file (llama.cpp's gguf.h: GGUF_MAGIC)."""
@@ -66,6 +75,11 @@ def llama_routes(models: list[GgufModel], python: Path) -> list[dict[str, Any]]:
     ]
 
 
+def servers_dir(state: Path) -> Path:
+    """Where the node of ``state`` keeps its model servers' logs (``NAME.log``), pid files and folders."""
+    return (state / "models").resolve()
+
+
 def engine_models(node_config: Path) -> list[str]:
     """The models of ``node_config``'s routes that the node serves itself (an ``engine``); [] if unreadable."""
     try:
@@ -73,6 +87,18 @@ def engine_models(node_config: Path) -> list[str]:
         return [str(route["model"]) for route in routes if isinstance(route, dict) and route.get("engine")]
     except (OSError, yaml.YAMLError, AttributeError, KeyError, TypeError):
         return []
+
+
+def engine_logs(node_config: Path) -> list[Path]:
+    """The log file of each model server ``node_config``'s node runs, where its ``engines_dir`` says
+    ([] when it sets none: the node's default depends on where it was started)."""
+    try:
+        folder = yaml.safe_load(node_config.read_text()).get("engines_dir")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return []
+    if not isinstance(folder, str):
+        return []
+    return [node_config.parent / folder / f"{model}.log" for model in engine_models(node_config)]
 
 
 def _checked(spec: str) -> GgufModel:

@@ -87,7 +87,8 @@ class ServedWait:
     """``iop up`` waiting for the served models ``models`` of node ``node_id`` to be ready or failed.
 
     ``listed`` asks the control-plane for ``nodes.listed`` (raises when it cannot be asked: tried
-    again); ``report`` gets each model's line once it is ready or failed."""
+    again); ``report`` gets each model's line once it is ready or failed; ``began`` (monotonic
+    seconds, default now): when the platform started, the times reported count from it."""
 
     def __init__(
         self,
@@ -95,8 +96,10 @@ class ServedWait:
         node_id: str,
         models: Iterable[str],
         report: Callable[[str], None] = print,
+        began: float | None = None,
     ) -> None:
         self.listed, self.node_id, self.report = listed, node_id, report
+        self.began = time.monotonic() if began is None else began
         self.waiting = list(models)
         self.last: dict[str, pb.ServedModel] = {}
         self.failed: list[str] = []
@@ -105,7 +108,7 @@ class ServedWait:
         """True once every model is ready; False when one failed or ``timeout`` passed (``pending`` says how)."""
         started = time.monotonic()
         while self.waiting and time.monotonic() - started < timeout:
-            self._look(time.monotonic() - started)
+            self._look(time.monotonic() - self.began)
             if self.waiting:
                 time.sleep(interval)
         return not self.waiting and not self.failed

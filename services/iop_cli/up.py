@@ -45,8 +45,9 @@ supervisor: ``up`` stays attached, prints every service's output prefixed ``cont
 all, exit 0; if one exits by itself the others are stopped, exit 1. When ``node.yaml`` has routes
 with an ``engine`` the edge's ``GET /ready`` is not waited for: ``up`` waits instead (asking the
 control-plane, up to ``_SERVED_WAIT``) until each such model is ready (``model smol: ready
-(llama.cpp, pid 1234, port 40123) in 2.1 s``) or failed (the node's reason); a failed model, or
-one still starting at the limit, is one line on stderr and exit 1, the platform left running.
+(llama.cpp, pid 1234, port 40123) in 6.1 s``, counted from the platform's start) or failed (the
+node's reason); a failed model, or one still starting at the limit, is one line on stderr and
+exit 1, the platform left running.
 
 ``down`` stops the supervisor, which stops the edge, the worker, the node, then the control-plane,
 each waited for; then any service still running (an older ``up``'s, or one whose supervisor was
@@ -77,7 +78,7 @@ from iop_cli.configs import (
     prepare,
     yaml_value,
 )
-from iop_cli.ggufs import engine_models, gguf_models, llama_routes
+from iop_cli.ggufs import engine_logs, engine_models, gguf_models, llama_routes
 from iop_cli.llama import llama_python
 from iop_cli.output import CliError
 from iop_cli.platform import (
@@ -141,17 +142,18 @@ def up(
         prepare(state, port, backend, listen, served=routes)
         if foreground:
             return _foreground(Platform(state, log_level, foreground=True), started=lock.close)
+        began = time.monotonic()
         started = start_supervised(state, log_level)
-        waited = _wait_models(state, started)
+        waited = _wait_models(state, started, began)
         _print_started(state, started, foreground=False)
         if waited:
             raise CliError(waited, 1)
         return 0
 
 
-def _wait_models(state: Path, started: dict[str, dict[str, Any]]) -> str:
+def _wait_models(state: Path, started: dict[str, dict[str, Any]], began: float) -> str:
     """Wait until each model the node runs the server of is ready or failed; "" if all are ready, else
-    the one line to exit with (the platform runs on)."""
+    the one line to exit with (the platform runs on). ``began``: when the services were started."""
     models = engine_models(state / "node.yaml")
     if not models:
         return ""
@@ -162,6 +164,7 @@ def _wait_models(state: Path, started: dict[str, dict[str, Any]]) -> str:
         str(started["node"].get("node_id", "local-node")),
         models,
         report=say,
+        began=began,
     )
     if waiting.wait(_SERVED_WAIT):
         return ""
@@ -178,8 +181,10 @@ def _foreground(platform: Platform, started: Callable[[], None]) -> int:
 
     ``started`` is called once they run (the lock goes: ``iop down`` from elsewhere may stop them)."""
 
+    began = time.monotonic()
+
     def print_started(services: dict[str, dict[str, Any]]) -> None:
-        waited = _wait_models(platform.state, services)
+        waited = _wait_models(platform.state, services, began)
         _print_started(platform.state, services, foreground=True)
         if waited:
             say(f"iop up: {waited}")
@@ -331,11 +336,18 @@ def _print_started(state: Path, started: dict[str, dict[str, Any]], foreground: 
         f"chat: {iop_command('chat', *_dir_args(state), 'hello')}",
         f"status: {iop_command('status', *_dir_args(state))}",
         f"logs: {', '.join(str(state / f'{name}.log') for name in SERVICES)}",
+        *_server_logs(state),
         f"run history: {iop_command('runs', 'ls', *_dir_args(state))}",
         f"batches: {iop_command('batches', 'ls', *_dir_args(state))}",
         "stop: Ctrl-C" if foreground else f"stop: {iop_command('down', *_dir_args(state))}",
     ]
     say("\n".join(lines))
+
+
+def _server_logs(state: Path) -> list[str]:
+    """Where the model servers the node runs write (none: no line)."""
+    logs = engine_logs(state / "node.yaml")
+    return [f"model server logs: {', '.join(map(str, logs))}"] if logs else []
 
 
 def _reachable(state: Path, control_plane: int, edge: int) -> list[str]:

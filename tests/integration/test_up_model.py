@@ -9,6 +9,7 @@ lacks llama-cpp-python.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -16,12 +17,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from backends.fixtures import require
 from backends.servers import HERE as BACKENDS
 from backends.servers import venv
 
 from iop_cli.configs import prepare
-from iop_cli.ggufs import GGUF_MAGIC, gguf_models, llama_routes
+from iop_cli.ggufs import GGUF_MAGIC, engine_logs, gguf_models, llama_routes
 from iop_cli.llama import BUILD_ENV, LLAMA_CPP_REQUIREMENT, LLAMA_CPP_VERSION, install, llama_python
 from iop_cli.output import CliError
 from iop_cli.preflight import check_files
@@ -66,19 +68,46 @@ def test_model_and_backend_are_one_or_the_other(tmp_path: Path) -> None:
     assert result.returncode == 2 and "not allowed with argument" in result.stderr
 
 
-def test_the_node_config_serves_each_file_with_llama_cpp(tmp_path: Path) -> None:
+def _prepared(tmp_path: Path) -> tuple[Path, Path]:
+    """A state folder ``iop up --model FILE --model FILE=smol`` prepares; and the file."""
     model = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
     model.write_bytes(GGUF_MAGIC + bytes(60))
     state = tmp_path / "state"
     python = Path("/opt/llama/bin/python")
     prepare(state, 0, None, served=llama_routes(gguf_models([str(model), f"{model}=smol"]), python))
+    return state, model
+
+
+def test_the_node_config_serves_each_file_with_llama_cpp(tmp_path: Path) -> None:
+    state, model = _prepared(tmp_path)
+    written = yaml.safe_load((state / "node.yaml").read_text())
+    serve = {"model_path": str(model), "python": "/opt/llama/bin/python"}
+    assert written["routes"] == [
+        {"model": "smollm2-135m-instruct", "engine": "llama.cpp", "max_concurrency": 1, "serve": serve},
+        {"model": "smol", "engine": "llama.cpp", "max_concurrency": 1, "serve": serve},
+    ]
+    # the node's own default is relative to where it starts: two state folders would share it
+    assert written["engines_dir"] == str((state / "models").resolve())
+    assert engine_logs(state / "node.yaml") == [
+        (state / "models" / "smollm2-135m-instruct.log").resolve(),
+        (state / "models" / "smol.log").resolve(),
+    ]
+
+
+@pytest.mark.xfail(
+    importlib.util.find_spec("iop_node.engines") is None,
+    reason="engines_dir and engine routes are the node's once issue 23's engines part is merged",
+    strict=True,
+)
+def test_the_node_reads_the_config_up_writes(tmp_path: Path) -> None:
+    state, model = _prepared(tmp_path)
     check_files(state)  # what the next `iop up` checks first: every config by its service's loader
     settings = load_settings(state / "node.yaml")
     assert [(route.model, route.engine, route.adapter, route.adapter_key) for route in settings.routes] == [
         ("smollm2-135m-instruct", "llama.cpp", "vllm", "llama.cpp:smollm2-135m-instruct"),
         ("smol", "llama.cpp", "vllm", "llama.cpp:smol"),
     ]
-    assert settings.routes[0].serve == {"model_path": str(model), "python": str(python)}
+    assert settings.routes[0].serve == {"model_path": str(model), "python": "/opt/llama/bin/python"}
     assert settings.routes[0].max_concurrency == 1
 
 
