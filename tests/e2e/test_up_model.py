@@ -1,7 +1,8 @@
 """``iop up --model tiny.gguf``: the platform serves a GGUF file through the llama-cpp-python server
 its node runs, to the official OpenAI SDK; ``iop models``, ``iop nodes ls`` and ``iop status`` show
 the model ready with its server's pid and port; ``iop down`` leaves no server running. A file that
-is GGUF only in its first bytes: ``iop up`` says the node's reason and exits 1.
+is GGUF only in its first bytes: ``iop up`` says the node's reason and exits 1. ``iop join
+--model`` does the same on a joining machine.
 
 Real processes throughout: ``iop up`` (control-plane, node, worker, edge), the llama backend's
 Python (tests/backends/install.sh) running the tiny model tests/backends makes.
@@ -24,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from backends.fixtures import require
 from backends.servers import venv
 
@@ -120,3 +122,42 @@ def test_a_file_the_server_cannot_load_is_failed_with_the_nodes_reason(state: Pa
     )
     assert started.stderr.startswith("iop up: broken failed (see above); the platform runs on")
     assert re.search(r"^model broken: llama\.cpp: failed", _iop("status", "--dir", str(state)).stdout, re.M)
+
+
+def test_a_joining_machine_serves_a_gguf_file(state: Path, tmp_path: Path, tiny_gguf: Path, llama: str) -> None:
+    """``iop join ... --model tiny.gguf``: the joined node runs the server; the platform's edge serves it."""
+    from openai import OpenAI
+
+    started = _iop("up", "--dir", str(state), "--port", "0", timeout=120)  # the mock models
+    assert started.returncode == 0, started.stdout + started.stderr
+    join_line = _iop("join-token", "create", "--dir", str(state)).stdout.split()
+    machine = tmp_path / "machine"
+    try:
+        joined = _iop(
+            *join_line[1:], "--name", "gguf-b", "--dir", str(machine), "--model", f"{tiny_gguf}=tiny",
+            "--llama-python", llama, timeout=120,
+        )  # fmt: skip
+        assert joined.returncode == 0, joined.stdout + joined.stderr
+        assert "serves: tiny" in joined.stdout and "the node starts the server of tiny" in joined.stdout
+        assert yaml.safe_load((machine / "node.yaml").read_text())["engines_dir"] == str((machine / "models").resolve())
+
+        deadline, served = time.monotonic() + 60, None
+        while time.monotonic() < deadline:
+            nodes = json.loads(_iop("nodes", "ls", "--dir", str(state), "--json").stdout)
+            models = {m["model"]: m for node in nodes if node["node_id"] == "gguf-b" for m in node["models"]}
+            if (served := (models.get("tiny") or {}).get("served")) and served["state"] == "ready":
+                break
+            time.sleep(0.5)
+        assert served and served["state"] == "ready", served
+        client = OpenAI(base_url=_printed(started.stdout, "base URL"), api_key=_printed(started.stdout, "API key"))
+        answer = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8
+        )
+        assert answer.choices[0].message.content
+        client.close()
+    finally:
+        _iop("down", "--dir", str(machine), timeout=300)
+    deadline = time.monotonic() + 30
+    while _alive(served["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(served["pid"]), "the joined node left its llama.cpp server running"
