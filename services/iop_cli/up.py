@@ -322,7 +322,7 @@ def _print_started(state: Path, started: dict[str, dict[str, Any]], foreground: 
         f"node {node.get('node_id', 'local-node')} registered with it, pid {node['pid']}" + _metrics(node),
         f"worker at 127.0.0.1:{worker['port']} (mTLS; files and batches), pid {worker['pid']}" + _metrics(worker),
         f"edge at http://127.0.0.1:{edge['port']}, pid {edge['pid']}, metrics http://127.0.0.1:{edge['port']}/metrics",
-        f"models: {', '.join(models)}",
+        f"models: {', '.join(models) or '(none served yet)'}",
         *_reachable(state, control_plane["port"], edge["port"]),
         "",
         f"base URL: {base}",
