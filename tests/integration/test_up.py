@@ -440,7 +440,10 @@ def test_backend_serves_the_servers_models(
                 for name in ("tiny-a", "tiny-b")
             ]
             listed = _iop("models", "--dir", str(state)).stdout.splitlines()
-            assert [line.split() for line in listed[1:]] == [["tiny-a", str(concurrency)], ["tiny-b", str(concurrency)]]
+            assert [line.split() for line in listed[1:]] == [
+                ["tiny-a", str(concurrency), "-"],
+                ["tiny-b", str(concurrency), "-"],
+            ]
         finally:
             _iop("down", "--dir", str(state))
 
