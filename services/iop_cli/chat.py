@@ -11,7 +11,11 @@ is the words given; with none, stdin when it is not a terminal; with none on a t
 conversation: each line after ``> `` is sent with the whole history so far, until Ctrl-D.
 ``iop models`` prints each model with the runs it takes at once over the platform's nodes (its
 routes' ``max_concurrency``, as the control-plane has them; ``-`` when it cannot be asked, or with
-``--base-url``); ``--json``: the list's objects, each with ``max_concurrency``.
+``--base-url``) and, for a model whose server a node runs (a route with an ``engine``), that
+server's STATE (ready, starting, restarting, failed, stopping; over several nodes each state once,
+``failed,ready``): such a model is listed also while it is not available, which the edge's list
+leaves out; ``--json``: the list's objects, each with ``max_concurrency``, ``state`` and ``served``
+(per node: engine, state, reason, restarts, uptime, pid, port; null for other models).
 
 Errors are one line on stderr: an HTTP error is ``iop chat: <the API's message> (HTTP 404)``,
 exit 1; a platform that cannot be reached names its URL and suggests ``iop up``, exit 2.
@@ -23,14 +27,18 @@ import argparse
 import json
 import os
 import sys
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from iop_cli.output import CliError, emit, table
 from iop_cli.shell import iop_command
+
+if TYPE_CHECKING:
+    from iop_gen.pb.iop import runtime_pb2 as pb
 
 __all__ = ["chat", "models"]
 
@@ -55,29 +63,61 @@ def chat(args: argparse.Namespace) -> int:
 def models(args: argparse.Namespace) -> int:
     """``iop models``: what the platform serves, one id per line or JSON."""
     listed = _Client.of(args).models()
-    served = {} if args.base_url else _concurrency(args.dir)
-    rows = [{**model, "max_concurrency": served.get(str(model["id"]))} for model in listed]
-    text = table([["MODEL", "MAX-CONCURRENCY"], *([str(r["id"]), str(r["max_concurrency"] or "-")] for r in rows)])
-    emit(rows, as_json=args.json, text=text)
+    fleet = _Fleet() if args.base_url else _Fleet.asked(args.dir)
+    names = [str(model["id"]) for model in listed]
+    # A served model that is starting, restarting or failed is in no list the edge gives: shown all the same.
+    unlisted = [{"id": name, "object": "model"} for name in fleet.served if name not in names]
+    rows = [fleet.row(model) for model in [*listed, *unlisted]]
+    cells = ([str(r["id"]), str(r["max_concurrency"] or "-"), r["state"] or "-"] for r in rows)
+    emit(rows, as_json=args.json, text=table([["MODEL", "MAX-CONCURRENCY", "STATE"], *cells]))
     return 0
 
 
-def _concurrency(state: Path) -> dict[str, int]:
-    """Runs at once per model over the platform's nodes, as its control-plane has them; empty if it cannot say."""
-    from iop_cli.up import admin_ask  # the control-plane is asked only here
-    from iop_gen.pb.iop import runtime_pb2 as pb
+class _Fleet:
+    """What the platform's control-plane says of each model: runs at once over its nodes (its routes'
+    ``max_concurrency``) and, for a model a node runs the server of, that server's state per node."""
 
-    ready = _read(state / "control-plane.ready")
-    try:
-        port = int(json.loads(ready or "")["port"])
-        answer = admin_ask(port, state / "certs", pb.Envelope(nodes_list=pb.NodesList()))
-    except Exception:  # noqa: BLE001 - the list is printed without it, whatever kept it from being asked
-        return {}
-    totals: dict[str, int] = {}
-    for node in answer.nodes_listed.nodes:
-        for model in node.models:
-            totals[model.model] = totals.get(model.model, 0) + model.capacity
-    return totals
+    def __init__(self, nodes: Sequence[pb.NodeInfo] = ()) -> None:
+        from iop_cli.served import served_dict, served_state
+
+        self.capacity: dict[str, int] = {}
+        self.served: dict[str, list[dict[str, Any]]] = {}
+        self.states: dict[str, list[str]] = {}
+        now = time.time()
+        for node in nodes:
+            for model in node.models:
+                self.capacity[model.model] = self.capacity.get(model.model, 0) + model.capacity
+                if model.HasField("served"):
+                    self.served.setdefault(model.model, []).append(
+                        {"node_id": node.node_id, **served_dict(model.served, now)}
+                    )
+                    self.states.setdefault(model.model, []).append(served_state(model.served))
+
+    @classmethod
+    def asked(cls, state: Path) -> _Fleet:
+        """The control-plane of the state folder asked; empty when it cannot be."""
+        from iop_cli.status import admin_ask  # the control-plane is asked only here
+        from iop_gen.pb.iop import runtime_pb2 as pb
+
+        ready = _read(state / "control-plane.ready")
+        try:
+            port = int(json.loads(ready or "")["port"])
+            answer = admin_ask(port, state / "certs", pb.Envelope(nodes_list=pb.NodesList()))
+        except Exception:  # noqa: BLE001 - the list is printed without it, whatever kept it from being asked
+            return cls()
+        return cls(answer.nodes_listed.nodes)
+
+    def row(self, model: dict[str, Any]) -> dict[str, Any]:
+        """``model`` (an OpenAI model object) with ``max_concurrency``, ``state`` (a served model's
+        states over its nodes, e.g. ``ready`` or ``failed,ready``; None for others) and ``served``."""
+        name = str(model["id"])
+        states = self.states.get(name)
+        return {
+            **model,
+            "max_concurrency": self.capacity.get(name),
+            "state": ",".join(sorted(set(states))) if states else None,
+            "served": self.served.get(name),
+        }
 
 
 def _converse(client: _Client, model: str) -> int:

@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from iop_cli.addresses import LOOPBACK, configured_hosts, ensure_sans, listen_hosts
+from iop_cli.ggufs import servers_dir
 from iop_cli.output import CliError
 from iop_wire.certs import init_dir, tls_section
 
@@ -45,11 +46,19 @@ DEFAULT_CONCURRENCY = 64
 # --- first start: certificates, configs, the API key --------------------------------------------------
 
 
-def prepare(state: Path, port: int | None, backend: str | None, listen: Sequence[str] = ()) -> None:
+def prepare(
+    state: Path,
+    port: int | None,
+    backend: str | None,
+    listen: Sequence[str] = (),
+    *,
+    served: list[dict[str, Any]] | None = None,
+) -> None:
     """Write what is missing under ``state`` (certificates, configs, API key); CliError if it cannot start.
 
     ``listen``: the addresses of ``--listen``, set as the listen hosts (beside 127.0.0.1) and
-    named in every certificate."""
+    named in every certificate; ``served``: routes of models the node serves itself (``--model``),
+    written into ``node.yaml`` in place of its routes."""
     edge = state / "edge.yaml"
     if port:  # before anything is written
         _check_free(port, _hosts(listen) if listen or not edge.exists() else configured_hosts(edge, "http"))
@@ -60,14 +69,14 @@ def prepare(state: Path, port: int | None, backend: str | None, listen: Sequence
         print(f"minted a development CA and per-role certificates in {certs}")
     else:
         ensure_sans(certs, listen)
-    routes = backend_routes(backend) if backend else None
+    routes = backend_routes(backend) if backend else served
     control_plane = _prepare_control_plane(state, listen)
     node = state / "node.yaml"
     if routes is not None or not node.exists():
         address = f"127.0.0.1:{control_plane}"
         written = node_config(state, node_id="local-node", address=address, tls=_tls(state, "node"), routes=routes)
         node.write_text(yaml.safe_dump(written, sort_keys=False))
-        print(f"wrote {node} ({'models of ' + str(backend) if routes else 'mock models'}; edit it to add routes)")
+        print(f"wrote {node} ({_routes_written(backend, routes)}; edit it to add routes)")
     worker = _prepare_worker(state, control_plane, listen)
     _prepare_edge(state, control_plane, port, worker, listen)
     for config in (node, state / "worker.yaml", state / "edge.yaml"):  # up points them at the control-plane it started
@@ -78,6 +87,14 @@ def prepare(state: Path, port: int | None, backend: str | None, listen: Sequence
                 2,
             )
     _ensure_key(state)
+
+
+def _routes_written(backend: str | None, routes: list[dict[str, Any]] | None) -> str:
+    if backend:
+        return f"models of {backend}"
+    if routes:
+        return f"{', '.join(str(route['model']) for route in routes)} served by llama.cpp"
+    return "mock models"
 
 
 def _prepare_control_plane(state: Path, listen: Sequence[str]) -> int:
@@ -197,13 +214,17 @@ def node_config(
     server_name: str = "localhost",
 ) -> dict[str, object]:
     """A node's config: registered with the control-plane at ``address``, no listener of its own,
-    its history in ``state``, ``routes`` (None: the mock models)."""
+    its history in ``state``, ``routes`` (None: the mock models). With routes whose server the node
+    runs (an ``engine``), their logs, pid files and working folders go to ``state``'s ``models``:
+    the node's default is relative to where it was started, which two state folders may share."""
+    engines = {"engines_dir": str(servers_dir(state))} if any("engine" in route for route in routes or ()) else {}
     return {
         "node_id": node_id,
         "listen": {"enabled": False},
         "control_plane": {"address": address, "server_name": server_name},
         "tls": tls,
         "store_path": str((state / "node-runs.db").resolve()),
+        **engines,
         "metrics": {"host": "127.0.0.1", "port": _NODE_METRICS_PORT if _free(_NODE_METRICS_PORT) else 0},
         "routes": routes
         or [

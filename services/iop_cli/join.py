@@ -13,7 +13,8 @@ What goes over the network, in order:
    (``DIR/certs/node.crt``, beside ``DIR/certs/ca.crt``).
 
 Then ``DIR/node.yaml`` (the node named as its certificate, registered with ADDRESS; routes as
-``iop up --backend`` writes them, or the mock models) and ``DIR/joined.json`` (address, name, CA
+``iop up --backend`` or ``iop up --model`` write them, or the mock models; ``--model``'s Python
+found or installed first, in DIR, before step 1) and ``DIR/joined.json`` (address, name, CA
 hash, time) are written and the node starts as ``iop up`` starts the platform: under ``iop
 supervise`` in the background (``--foreground``: attached), the node alone. ``join`` returns once
 the node registered, printing its name, the control-plane and the models it serves. ``iop down``
@@ -39,6 +40,8 @@ from typing import Any
 import yaml
 
 from iop_cli.configs import backend_routes, node_config
+from iop_cli.ggufs import engine_models, gguf_models, llama_routes
+from iop_cli.llama import llama_python
 from iop_cli.output import CliError
 from iop_cli.platform import JOINED, Platform, is_joined, read_joined
 from iop_cli.preflight import only_up
@@ -69,12 +72,15 @@ def join(args: argparse.Namespace) -> int:
         raise CliError(
             f"--ca must be sha256: and 64 hex digits (as 'iop join-token create' prints it), not {args.ca!r}"
         )
+    ggufs = gguf_models(args.model)  # a missing or non-GGUF file: one line, before anything
     routes = backend_routes(args.backend) if args.backend else None  # before anything is sent: nothing wasted
     created = not state.exists()
     state.mkdir(parents=True, exist_ok=True)
     try:
         with only_up(state, "join"):
             _refuse_taken(state)
+            if ggufs:  # before joining: the token may expire while llama.cpp compiles, the node's certificate not
+                routes = llama_routes(ggufs, llama_python(state, args.llama_python))
             asyncio.run(_join(state, (host, port), name, args.token, args.ca))
             _write_node(state, name, args.address, host, routes)
             (state / JOINED).write_text(json.dumps(_joined(args.address, name, args.ca), indent=2) + "\n")
@@ -238,6 +244,11 @@ def _print_joined(state: Path, node: dict[str, Any]) -> None:
     dir_args = ["--dir", str(state)]
     print(f"joined {joined['address']} as node {joined['name']}, pid {node.get('pid')}")
     print(f"serves: {', '.join(models) or '(no routes)'}")
+    if served := engine_models(state / "node.yaml"):
+        ask = iop_command("nodes", "ls")
+        print(
+            f"the node starts the server of {', '.join(served)}: '{ask}' where the control-plane runs shows its state"
+        )
     print(f"status: {iop_command('status', *dir_args)}")
     print(f"log: {state / 'node.log'}")
     print(f"stop: {iop_command('down', *dir_args)}")

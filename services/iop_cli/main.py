@@ -1,7 +1,8 @@
 """``iop``: the command-line entry point.
 
     iop certs init DIR [--san NAME ...]   a CA and a certificate per role, files 0600
-    iop up [--dir DIR] [--port N] [--listen ADDRESS ...] [--foreground] [--backend URL]   the whole platform
+    iop up [--dir DIR] [--port N] [--listen ADDRESS ...] [--foreground] [--backend URL | --model PATH.gguf ...]
+                                          the whole platform
     iop status                            what iop up started: processes, addresses, health
     iop edge --config edge.yaml           run an edge (the OpenAI-compatible API)
     iop worker --config worker.yaml       run a worker (files and batch jobs)
@@ -15,7 +16,8 @@
     iop nodes ls [--json] | drain NODE [--reason R] | undrain NODE | remove NODE   operate a control-plane
     iop nodes reload NODE                 the node reads its config file's routes again (as on SIGHUP)
     iop join-token create [--ttl 1h] [--uses N] [--name-prefix P] | ls [--json] | revoke ID   tokens to join with
-    iop join ADDRESS --token T --ca sha256:H [--name NAME] [--backend URL | --mock] [--dir DIR] [--foreground]
+    iop join ADDRESS --token T --ca sha256:H [--name NAME] [--backend URL | --mock | --model PATH.gguf ...]
+             [--dir DIR] [--foreground]
     iop policy show | apply FILE          the control-plane's policy in force; replace it
     iop batches ls [--limit N] [--json] | show ID [--json] | cancel ID   a worker's batches (admin cert)
     iop version, iop --version
@@ -64,6 +66,8 @@ def _up(args: argparse.Namespace) -> int:
         foreground=args.foreground,
         backend=args.backend,
         listen=args.listen,
+        models=args.model,
+        python=args.llama_python,
     )
 
 
@@ -80,7 +84,7 @@ def _supervise(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from iop_cli.up import status
+    from iop_cli.status import status
 
     return status(args.dir, as_json=args.json)
 
@@ -295,11 +299,13 @@ def _platform_parsers(
         "--port", type=int, help="the edge's HTTP port, set in DIR/edge.yaml (new: 8000 unless given; 0: any free)"
     )
     up.add_argument("--foreground", action="store_true", help="stay attached: one log stream; Ctrl-C stops it all")
-    up.add_argument(
+    routes = up.add_mutually_exclusive_group()
+    routes.add_argument(
         "--backend",
         metavar="URL",
         help="serve an OpenAI-compatible server's models (URL) or Ollama's (ollama:URL) instead of mock models",
     )
+    _model_options(up, routes)
     up.add_argument(
         "--listen",
         action="append",
@@ -519,9 +525,28 @@ def _join_parser(
         help="serve an OpenAI-compatible server's models (URL) or Ollama's (ollama:URL)",
     )
     backend.add_argument("--mock", action="store_true", help="serve the mock models (the default)")
+    _model_options(join, backend)
     join.add_argument("--dir", type=Path, default=state_dir, help=state_help)
     join.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops the node")
     join.set_defaults(run=_join)
+
+
+def _model_options(command: argparse.ArgumentParser, routes: argparse._MutuallyExclusiveGroup) -> None:
+    """``--model PATH.gguf[=NAME]`` and ``--llama-python PY`` of ``iop up`` and ``iop join``."""
+    routes.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="PATH.gguf[=NAME]",
+        help="serve a GGUF file with llama-cpp-python's server, run by the node (repeatable; NAME default: "
+        "the file's name, lower-case, without .gguf and its quantisation)",
+    )
+    command.add_argument(
+        "--llama-python",
+        metavar="PY",
+        help="with --model: the Python that has llama-cpp-python[server] (default: $IOP_LLAMA_PYTHON, else the "
+        "state folder's engines/llama, else this one's, else installed into the state folder)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -31,6 +31,7 @@ from google.protobuf.duration_pb2 import Duration
 
 from iop_cli.output import CliError, emit, table, warn
 from iop_cli.readyfile import read_ready
+from iop_cli.served import served_dict, served_text
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.blocking import BlockingClient
 from iop_wire.contexts import mutual_tls_context
@@ -244,6 +245,7 @@ def _node_dict(node: pb.NodeInfo, now: float) -> dict[str, Any]:
                 "queued": model.queued,
                 "capacity": model.capacity,
                 "available": model.available,
+                "served": served_dict(model.served, now) if model.HasField("served") else None,
             }
             for model in node.models
         ],
@@ -267,7 +269,7 @@ def _nodes_table(nodes: Sequence[pb.NodeInfo], now: float) -> str:
     making them took 1,000 nodes longer than the rest of the listing."""
     rows = [("NODE", "STATE", "MODELS", "IN-FLIGHT", "HEARTBEAT", "ADDRESS", "REASON")]
     for node in nodes:
-        models = ",".join([m.model if m.available else f"{m.model}(unavailable)" for m in node.models])
+        models = ",".join([_model_cell(model, now) for model in node.models])
         beat = node.last_heartbeat  # its fields, not ToNanoseconds(): that checks the range in Python, per node
         heartbeat = now - (beat.seconds + beat.nanos / 1e9) if node.HasField("last_heartbeat") else None
         rows.append(
@@ -282,6 +284,13 @@ def _nodes_table(nodes: Sequence[pb.NodeInfo], now: float) -> str:
             )
         )
     return table(rows, last_free=True)
+
+
+def _model_cell(model: pb.ModelLoad, now: float) -> str:
+    """A model in the MODELS column: a served one with its server's state, else whether it is available."""
+    if model.HasField("served"):
+        return f"{model.model} ({served_text(model.served, now)})"
+    return model.model if model.available else f"{model.model}(unavailable)"
 
 
 def _run_dict(run: pb.LedgerRun) -> dict[str, Any]:

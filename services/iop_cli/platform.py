@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO, Any, NamedTuple
 
 from iop_cli.configs import HTTP_TIMEOUT, set_value
+from iop_cli.ggufs import engine_models
 from iop_cli.output import CliError
 from iop_cli.readyfile import read_ready
 
@@ -89,7 +90,8 @@ class Platform:
         self.readers: list[threading.Thread] = []
 
     def start(self) -> dict[str, dict[str, Any]]:
-        """Start all four and wait until the edge serves a model; what each wrote to its ready file.
+        """Start all four and wait until the edge serves a model (unless the node runs model servers,
+        which take their time: ``iop up`` waits for those with their states); what each wrote to its ready file.
 
         In a joined folder: start the node and wait until it registered."""
         if is_joined(self.state):
@@ -105,7 +107,8 @@ class Platform:
         self.spawn(edge)
         started["node"] = self._wait(node)
         started["edge"] = self._wait(edge)
-        self._wait_served(edge, int(started["edge"]["port"]))
+        if not engine_models(node.file(".yaml")):  # a model the node runs the server of: up waits for it itself
+            self._wait_served(edge, int(started["edge"]["port"]))
         return started
 
     def _start(self, service: Service) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""``iop up`` / ``iop down`` / ``iop status``: the whole platform on this machine.
+"""``iop up`` / ``iop down``: the whole platform on this machine (``iop status``: ``iop_cli.status``).
 
 ``up`` starts four processes with mTLS between them: ``iop control-plane``, one ``iop node``
 registered with it (no listener of its own), ``iop worker`` (OpenAI's Files and Batches: its
@@ -18,6 +18,10 @@ config (the edge serves them on its HTTP port).
 (``GET URL/v1/models``, adapter ``vllm``), or with ``ollama:URL`` of an Ollama server
 (``GET URL/api/tags``, adapter ``ollama``), each with the ``max_concurrency`` the server takes
 (``iop_cli.configs.backend_concurrency``); a backend that cannot be asked is one line, exit 2.
+``--model PATH.gguf[=NAME]`` (repeatable) rewrites it with one route per GGUF file whose server the
+node runs (``engine: llama.cpp``, ``iop_cli.ggufs``), with the Python that has llama-cpp-python's
+server (``--llama-python``, else found or installed: ``iop_cli.llama``); a missing or non-GGUF file
+is one line, exit 2, before anything else.
 
 Before anything is written or started, ``up`` takes ``DIR/up.lock`` (a second ``up`` or a ``down``
 at work is one line, exit 2) and checks every file that exists (``iop_cli.preflight``: each config
@@ -38,18 +42,19 @@ only part of the platform runs). Once up it prints ``base URL: ...``, ``API key:
 three-line OpenAI SDK example and the commands to go on, then returns; with ``--foreground`` no
 supervisor: ``up`` stays attached, prints every service's output prefixed ``control-plane | ``,
 ``node | ``, ``worker | ``, ``edge | `` (also written to the logs), and Ctrl-C (or SIGTERM) stops
-all, exit 0; if one exits by itself the others are stopped, exit 1.
+all, exit 0; if one exits by itself the others are stopped, exit 1. When ``node.yaml`` has routes
+with an ``engine`` the edge's ``GET /ready`` is not waited for: ``up`` waits instead (asking the
+control-plane, up to ``_SERVED_WAIT``) until each such model is ready (``model smol: ready
+(llama.cpp, pid 1234, port 40123) in 6.1 s``, counted from the platform's start) or failed (the
+node's reason); a failed model, or one still starting at the limit, is one line on stderr and
+exit 1, the platform left running.
 
 ``down`` stops the supervisor, which stops the edge, the worker, the node, then the control-plane,
 each waited for; then any service still running (an older ``up``'s, or one whose supervisor was
 killed), in the same order; it prints each one stopped; pid files of processes that are gone are
-removed with a word. ``status`` prints SERVICE, PID, ADDRESS, HEALTH, RESTARTS, LAST EXIT per
-service (``--json``: a list of objects): the control-plane is healthy once its ready file is
-written, the node when the control-plane (asked over mTLS with the admin certificate) lists it
-ready, the worker when it answers a ``batches.list`` (asked the same way), the edge when ``GET
-/health`` answers 200; restarts and the last exit are the supervisor's; exit 0 if all are up.
+removed with a word (the node stops the model servers it runs).
 
-This module holds the three commands and what they print; the files ``up`` writes are
+This module holds the two commands and what they print; the files ``up`` writes are
 ``iop_cli.configs``'s, the processes it starts and stops ``iop_cli.platform``'s.
 """
 
@@ -69,24 +74,20 @@ from iop_cli.addresses import check_listen, others_use
 from iop_cli.configs import (
     CONTROL_PLANE_PORT,
     EDGE_PORT,
-    HTTP_TIMEOUT,
     get_json,
     prepare,
-    reason,
     yaml_value,
 )
-from iop_cli.ops import NODE_STATES
-from iop_cli.output import CliError, emit, table
+from iop_cli.ggufs import engine_logs, engine_models, gguf_models, llama_routes
+from iop_cli.llama import llama_python
+from iop_cli.output import CliError
 from iop_cli.platform import (
     SERVICES,
     STOP_TIMEOUT,
     Platform,
     Service,
-    http_status,
     is_joined,
     is_ours,
-    last_dial_refused,
-    read_joined,
     read_pid,
     running_pid,
     say,
@@ -96,16 +97,17 @@ from iop_cli.platform import (
 )
 from iop_cli.preflight import check_files, choosing_ports, only_up
 from iop_cli.readyfile import read_ready
+from iop_cli.served import ServedWait
 from iop_cli.shell import iop_command
+from iop_cli.status import admin_ask
 from iop_cli.supervisor import read_state, state_file
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_wire.blocking import BlockingClient
-from iop_wire.tls import TlsConfig, client_context
 
-__all__ = ["CONTROL_PLANE_PORT", "EDGE_PORT", "down", "run_attached", "start_supervised", "status", "up"]
+__all__ = ["CONTROL_PLANE_PORT", "EDGE_PORT", "down", "run_attached", "start_supervised", "up"]
 
 _SUPERVISED_START = 180.0  # the supervisor's Platform.start: 30 s for each service, then the edge's /ready
 _SUPERVISED_STOP = len(SERVICES) * STOP_TIMEOUT + 10  # it stops the services one after the other
+_SERVED_WAIT = 300.0  # loading a large GGUF on a CPU; the node gives up on a server by its own start timeout
 
 
 def up(
@@ -116,26 +118,62 @@ def up(
     foreground: bool = False,
     backend: str | None = None,
     listen: Sequence[str] = (),
+    models: Sequence[str] = (),
+    python: str | None = None,
 ) -> int:
     """Start the platform under ``state``; returns the exit code (CliError: one line, nothing left running).
 
-    ``listen``: addresses of this machine other machines reach it at (``--listen``)."""
+    ``listen``: addresses of this machine other machines reach it at (``--listen``); ``models``: GGUF
+    files to serve (``--model PATH[=NAME]``), run with ``python`` (``--llama-python``)."""
+    ggufs = gguf_models(list(models))  # before anything: a missing or non-GGUF file is one line
     if is_joined(state):
-        options = {"--port": port is not None, "--backend": backend is not None, "--listen": bool(listen)}
-        return _up_joined(state, [option for option, given in options.items() if given], log_level, foreground)
+        given = {"--port": port is not None, "--backend": backend is not None, "--listen": bool(listen)}
+        given["--model"] = bool(models)
+        return _up_joined(state, [option for option, on in given.items() if on], log_level, foreground)
     listen = check_listen(listen)
     with contextlib.ExitStack() as lock:
         lock.enter_context(only_up(state, "up"))
         running = {s.name: pid for s in _watched(state) if (pid := running_pid(s)) is not None}
         if running:
-            return _already_running(state, running, port)
+            return _already_running(state, running, port, serving=bool(ggufs))
         check_files(state)  # before any port check or process: a broken file is named as what it is
+        routes = llama_routes(ggufs, llama_python(state, python)) if ggufs else None  # may install: minutes
         lock.enter_context(choosing_ports())  # until the services listen on the ports chosen
-        prepare(state, port, backend, listen)
+        prepare(state, port, backend, listen, served=routes)
         if foreground:
             return _foreground(Platform(state, log_level, foreground=True), started=lock.close)
-        _print_started(state, start_supervised(state, log_level), foreground=False)
+        began = time.monotonic()
+        started = start_supervised(state, log_level)
+        waited = _wait_models(state, started, began)
+        _print_started(state, started, foreground=False)
+        if waited:
+            raise CliError(waited, 1)
         return 0
+
+
+def _wait_models(state: Path, started: dict[str, dict[str, Any]], began: float) -> str:
+    """Wait until each model the node runs the server of is ready or failed; "" if all are ready, else
+    the one line to exit with (the platform runs on). ``began``: when the services were started."""
+    models = engine_models(state / "node.yaml")
+    if not models:
+        return ""
+    say(f"waiting for {', '.join(models)} to load (the node runs the server of each)")
+    port, certs = int(started["control-plane"]["port"]), state / "certs"
+    waiting = ServedWait(
+        lambda: admin_ask(port, certs, pb.Envelope(nodes_list=pb.NodesList())).nodes_listed,
+        str(started["node"].get("node_id", "local-node")),
+        models,
+        report=say,
+        began=began,
+    )
+    if waiting.wait(_SERVED_WAIT):
+        return ""
+    for line in waiting.pending():
+        say(f"{line} after {_SERVED_WAIT:.0f} s")
+    stop = iop_command("down", *_dir_args(state))
+    what = "failed" if waiting.failed else "not ready"
+    names = ", ".join([*waiting.failed, *waiting.waiting])
+    return f"{names} {what} (see above); the platform runs on: 'iop status' follows it, '{stop}' stops it"
 
 
 def _foreground(platform: Platform, started: Callable[[], None]) -> int:
@@ -143,8 +181,13 @@ def _foreground(platform: Platform, started: Callable[[], None]) -> int:
 
     ``started`` is called once they run (the lock goes: ``iop down`` from elsewhere may stop them)."""
 
+    began = time.monotonic()
+
     def print_started(services: dict[str, dict[str, Any]]) -> None:
+        waited = _wait_models(platform.state, services, began)
         _print_started(platform.state, services, foreground=True)
+        if waited:
+            say(f"iop up: {waited}")
         started()
 
     return run_attached(platform, print_started)
@@ -259,39 +302,6 @@ def _stop_services(state: Path, stopped: dict[str, int | None]) -> int:
     return code
 
 
-def status(state: Path, *, as_json: bool = False) -> int:
-    """What ``up`` started: process, address, health and restarts of each service; 0 if all are up."""
-    supervised = (read_state(state) or {}).get("services", {})
-    rows = [{**_status_row(service), **_restarts(supervised.get(service.name))} for service in services(state)]
-    header = ["SERVICE", "PID", "ADDRESS", "HEALTH", "RESTARTS", "LAST EXIT"]
-    reached = [f"{r['service']} {', '.join(r['others_use'])}" for r in rows if r.get("others_use")]
-    cells = [
-        [
-            r["service"],
-            str(r["pid"] or "-"),
-            r["address"] or "-",
-            r["health"],
-            str(r["restarts"]),
-            r["last_exit"] or "-",
-        ]
-        for r in rows
-    ]
-    text = table([header, *cells]) + (f"\nfrom other machines: {'; '.join(reached)}" if reached else "")
-    emit(rows, as_json=as_json, text=text)
-    return 0 if all(r["up"] for r in rows) else 1
-
-
-def _restarts(supervised: dict[str, Any] | None) -> dict[str, Any]:
-    """What the supervisor counted for a service: restarts, how it last exited, whether it was given up."""
-    seen = supervised or {}
-    row: dict[str, Any] = {"restarts": int(seen.get("restarts", 0)), "last_exit": seen.get("last_exit")}
-    if seen.get("state") == "given up":
-        row["health"] = "given up (crash loop; see its log)"
-    elif seen.get("state") == "restarting":
-        row["health"] = "restarting"
-    return row
-
-
 def _interrupt(signum: int, frame: object) -> None:
     """--foreground: SIGINT and SIGTERM stop the platform."""
     raise KeyboardInterrupt
@@ -305,13 +315,14 @@ def _print_started(state: Path, started: dict[str, dict[str, Any]], foreground: 
     base = f"http://127.0.0.1:{edge['port']}/v1"
     key = _read_key(state)
     models = _served_models(base, key)
+    example = (models or engine_models(state / "node.yaml") or ["mock-small"])[0]
     lines = [
         f"control-plane at 127.0.0.1:{control_plane['port']} (mTLS), pid {control_plane['pid']}"
         + _metrics(control_plane),
         f"node {node.get('node_id', 'local-node')} registered with it, pid {node['pid']}" + _metrics(node),
         f"worker at 127.0.0.1:{worker['port']} (mTLS; files and batches), pid {worker['pid']}" + _metrics(worker),
         f"edge at http://127.0.0.1:{edge['port']}, pid {edge['pid']}, metrics http://127.0.0.1:{edge['port']}/metrics",
-        f"models: {', '.join(models)}",
+        f"models: {', '.join(models) or '(none served yet)'}",
         *_reachable(state, control_plane["port"], edge["port"]),
         "",
         f"base URL: {base}",
@@ -319,17 +330,24 @@ def _print_started(state: Path, started: dict[str, dict[str, Any]], foreground: 
         "",
         "from openai import OpenAI",
         f'client = OpenAI(base_url="{base}", api_key="{key}")',
-        f'print(client.chat.completions.create(model="{models[0] if models else "mock-small"}", '
+        f'print(client.chat.completions.create(model="{example}", '
         'messages=[{"role": "user", "content": "hi"}]).choices[0].message.content)',
         "",
         f"chat: {iop_command('chat', *_dir_args(state), 'hello')}",
         f"status: {iop_command('status', *_dir_args(state))}",
         f"logs: {', '.join(str(state / f'{name}.log') for name in SERVICES)}",
+        *_server_logs(state),
         f"run history: {iop_command('runs', 'ls', *_dir_args(state))}",
         f"batches: {iop_command('batches', 'ls', *_dir_args(state))}",
         "stop: Ctrl-C" if foreground else f"stop: {iop_command('down', *_dir_args(state))}",
     ]
     say("\n".join(lines))
+
+
+def _server_logs(state: Path) -> list[str]:
+    """Where the model servers the node runs write (none: no line)."""
+    logs = engine_logs(state / "node.yaml")
+    return [f"model server logs: {', '.join(map(str, logs))}"] if logs else []
 
 
 def _reachable(state: Path, control_plane: int, edge: int) -> list[str]:
@@ -385,11 +403,13 @@ def _up_joined(state: Path, given: list[str], log_level: str | None, foreground:
     return start_joined(state, log_level, foreground=foreground)
 
 
-def _already_running(state: Path, running: dict[str, int], port: int | None) -> int:
+def _already_running(state: Path, running: dict[str, int], port: int | None, *, serving: bool) -> int:
     stop = iop_command("down", *_dir_args(state))
     pids = ", ".join(f"{name} pid {pid}" for name, pid in running.items())
     if not running.keys() >= set(SERVICES):
         raise CliError(f"part of the platform runs in {state} ({pids}); stop it with '{stop}' and start again", 1)
+    if serving:
+        raise CliError(f"the platform runs in {state} ({pids}); --model applies when it starts: '{stop}' first", 2)
     configured = yaml_value(state / "edge.yaml", ("http", "port"))
     if port is not None and configured is not None and configured != str(port):
         raise CliError(
@@ -414,92 +434,3 @@ def _dir_args(state: Path) -> list[str]:
     """``--dir DIR`` when the hint's command would not find ``state`` by default."""
     default = Path(os.environ.get("IOP_STATE_DIR", ".iop"))
     return [] if state == default else ["--dir", str(state)]
-
-
-# --- status --------------------------------------------------------------------------------------------
-
-
-def _status_row(service: Service) -> dict[str, Any]:
-    pid = running_pid(service)
-    ready = read_ready(service.file(".ready")) if pid is not None else None
-    row: dict[str, Any] = {"service": service.name, "pid": pid, "address": None, "health": "stopped", "up": False}
-    if pid is None:
-        return row
-    if ready is None:
-        return {**row, "health": "starting"}
-    return {**row, **_health(service, ready), **_others_use(service, ready.get("port"))}
-
-
-def _health(service: Service, ready: dict[str, Any]) -> dict[str, Any]:
-    """Address, health and whether it is up, of a service that wrote its ready file."""
-    port = ready.get("port")
-    match service.name:
-        case "control-plane":
-            return {"address": f"127.0.0.1:{port}", "health": "ok", "up": True}
-        case "node" if is_joined(service.state):
-            return _joined_node(service.state, ready)
-        case "node":
-            state = _node_state(service.state, str(ready.get("node_id", "")))
-            return {"address": f"registered as {ready.get('node_id')}", "health": state, "up": state == "ready"}
-        case "worker":
-            health = _worker_health(int(ready["port"]), service.state / "certs")
-            return {"address": f"127.0.0.1:{port}", "health": health, "up": health == "ok"}
-        case _:
-            code = http_status(f"http://127.0.0.1:{port}/health")
-            health = "ok" if code == 200 else f"HTTP {code}" if code else "not answering"
-            return {"address": f"http://127.0.0.1:{port}/v1", "health": health, "up": code == 200}
-
-
-def _others_use(service: Service, port: object) -> dict[str, Any]:
-    """The addresses other machines reach a listening service at (``iop up --listen``)."""
-    if service.name == "node":
-        return {}
-    if service.name == "edge":
-        return {"others_use": [f"http://{host}:{port}/v1" for host in others_use(service.file(".yaml"), "http")]}
-    return {"others_use": [f"{host}:{port}" for host in others_use(service.file(".yaml"))]}
-
-
-def _joined_node(state: Path, ready: dict[str, Any]) -> dict[str, Any]:
-    """A joined node's row: registered with the control-plane ``iop join`` named, once it said so."""
-    joined = read_joined(state)
-    address = f"registered as {ready.get('node_id')} with {joined.get('address', '?')}"
-    if not ready.get("registered"):
-        return {"address": address, "health": "not registered", "up": False}
-    if refused := last_dial_refused(state / "node.log"):  # removed since, or the control-plane is away
-        return {"address": address, "health": f"not registered: {refused}", "up": False}
-    return {"address": address, "health": "ready", "up": True}
-
-
-def _node_state(state: Path, node_id: str) -> str:
-    """The node's state as the control-plane sees it (asked over mTLS as an admin)."""
-    control_plane = read_ready(state / "control-plane.ready")
-    if not control_plane:
-        return "no control-plane"
-    try:
-        listed = admin_ask(int(control_plane["port"]), state / "certs", pb.Envelope(nodes_list=pb.NodesList()))
-    except Exception as exc:  # noqa: BLE001 - any failure to ask is shown, not raised
-        return f"unknown ({reason(exc)})"
-    for node in listed.nodes_listed.nodes:
-        if node.node_id == node_id:
-            return NODE_STATES.get(node.state, "unspecified")
-    return "not registered"
-
-
-def _worker_health(port: int, certs: Path) -> str:
-    """ "ok" once the worker answers a batches.list (asked over mTLS as an admin)."""
-    try:
-        admin_ask(port, certs, pb.Envelope(batches_list=pb.BatchesList(limit=1)))
-    except Exception as exc:  # noqa: BLE001 - any failure to ask is shown, not raised
-        return f"not answering ({reason(exc)})"
-    return "ok"
-
-
-def admin_ask(port: int, certs: Path, request: pb.Envelope) -> pb.Envelope:
-    """One request to a service on 127.0.0.1:``port``, over mTLS as an admin; its answer (the blocking
-    client, as ``iop nodes`` uses: no event loop for one question)."""
-    tls = TlsConfig(enabled=True, cert=certs / "admin.crt", key=certs / "admin.key", ca=certs / "ca.crt")
-    context = client_context(tls)
-    with BlockingClient.connect(
-        "127.0.0.1", port, context=context, server_hostname="localhost", timeout=HTTP_TIMEOUT
-    ) as client:
-        return client.request(request, timeout=HTTP_TIMEOUT)

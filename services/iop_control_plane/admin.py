@@ -282,6 +282,7 @@ class Operations:
                 queued=view.queued,
                 capacity=view.capacity,
                 available=view.available,
+                served=view.served,
             )
         connection = sessions.connections.get(node.node_id)
         if connection is not None and connection.peer.serial:

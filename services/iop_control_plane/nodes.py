@@ -42,9 +42,16 @@ def continuable_kinds(capabilities: pb.CapabilityResponse) -> dict[str, frozense
 def loads(message: pb.NodeStatus, capabilities: pb.CapabilityResponse | None = None) -> list[ModelLoad]:
     """The registry's view of a node's report; without per-model loads, its capabilities' models."""
     if message.models or capabilities is None:
-        return [ModelLoad(m.model, m.in_flight, m.queued, m.capacity, m.available) for m in message.models]
+        return [ModelLoad(m.model, m.in_flight, m.queued, m.capacity, m.available, _served(m)) for m in message.models]
     models = (model for adapter in capabilities.adapters for model in adapter.models)
-    return [ModelLoad(m.name, capacity=max(m.max_concurrency, 1), available=m.available) for m in models]
+    return [
+        ModelLoad(m.name, capacity=max(m.max_concurrency, 1), available=m.available, served=_served(m)) for m in models
+    ]
+
+
+def _served(model: pb.ModelLoad | pb.ModelInfo) -> pb.ServedModel | None:
+    """A served model's server state (kept for nodes.list); None for a model whose server the node does not run."""
+    return model.served if model.HasField("served") else None
 
 
 def status(node_id: str, message: pb.NodeStatus) -> Status:

@@ -20,9 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from iop_control_plane.pool import ModelPool
 from iop_control_plane.views import ModelView, NodeState, NodeView
+
+if TYPE_CHECKING:
+    from iop_gen.pb.iop import runtime_pb2 as pb
 
 __all__ = ["CONTINUES", "Labels", "ModelLoad", "ModelView", "NodeState", "NodeView", "Registry", "Status", "continuing"]
 
@@ -52,6 +56,8 @@ class ModelLoad:
     """Runs the node executes at once; below 1 the node is no candidate for the model."""
     available: bool = True
     """False while the backend serving it is down."""
+    served: pb.ServedModel | None = None
+    """The state of its server, when the node runs it (a route with an engine); shown by nodes.list."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +210,7 @@ class Registry:
                 if model not in self._pools:
                     self._pools[model] = {(): ModelPool(self._vnodes)}
             view.in_flight, view.queued, view.capacity = load.in_flight, load.queued, load.capacity
-            view.available, view.sent_since_report = load.available, 0
+            view.available, view.sent_since_report, view.served = load.available, 0, load.served
             self._refresh(view)
 
     def _refresh(self, view: ModelView) -> None:

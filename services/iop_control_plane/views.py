@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from iop_gen.pb.iop import runtime_pb2 as pb
 
 __all__ = ["ModelView", "NodeState", "NodeView"]
 
@@ -40,6 +44,8 @@ class ModelView:
     """Runs the node executes at once."""
     available: bool = True
     """False while the backend is down."""
+    served: pb.ServedModel | None = None
+    """The state of its server, as last reported, when the node runs it (a route with an engine)."""
     sent_since_report: int = 0
     """Runs this control-plane sent the node since its last report (less those finished since)."""
     placed: int = 0

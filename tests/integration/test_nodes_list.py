@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import time
 from pathlib import Path
@@ -60,3 +61,43 @@ async def test_nodes_list_answers_labels_load_times_and_certificate(pki: Pki, tm
         assert before <= _seconds(node.first_seen) <= _seconds(node.last_heartbeat) <= after
         assert [(m.model, m.capacity, m.available) for m in node.models] == [("mock-small", 4, True)]
         assert (node.state, node.capacity, node.address.startswith("127.0.0.1:")) == (pb.NODE_STATE_READY, 4, True)
+
+
+async def test_nodes_list_shows_the_state_of_a_server_the_node_runs(pki: Pki, tmp_path: Path) -> None:
+    """The state a node reports for a model whose server it runs (``ModelLoad.served``), first at
+    registration and then in a node.status, is what nodes.list answers (``iop nodes ls`` shows it)."""
+    starting = pb.ServedModel(engine="llama.cpp", state=pb.SERVED_STATE_STARTING, port=40123)
+    ready = pb.ServedModel(engine="llama.cpp", state=pb.SERVED_STATE_READY, pid=1234, port=40123, restarts=1)
+    async with build_control_plane(cp_settings(pki, tmp_path)) as app:
+        assert app.listener is not None
+        node = await dial(
+            "127.0.0.1", app.listener.port, tls=pki.config("node-a", Role.NODE), server_hostname="localhost"
+        )
+        model = pb.ModelInfo(name="smol", max_concurrency=1, available=False, served=starting)
+        capabilities = pb.CapabilityResponse(node_id="node-a", adapters=[pb.AdapterInfo(name="vllm", models=[model])])
+        status = pb.NodeStatus(models=[pb.ModelLoad(model="smol", capacity=1, available=False, served=starting)])
+        await node.request(
+            pb.Envelope(node_register=pb.NodeRegister(node_id="node-a", capabilities=capabilities, status=status))
+        )
+        admin = await client(app, pki, "ops", Role.ADMIN)
+
+        async def listed() -> list[pb.ModelLoad]:
+            return list((await admin.request(pb.Envelope(nodes_list=pb.NodesList()))).nodes_listed.nodes[0].models)
+
+        try:
+            first = await listed()
+            loads = [
+                pb.ModelLoad(model="smol", capacity=1, available=True, served=ready),
+                pb.ModelLoad(model="mock", capacity=4, available=True),
+            ]
+            await node.send(pb.Envelope(node_status=pb.NodeStatus(node_id="node-a", models=loads, capacity=5)))
+            for _ in range(250):  # the report is taken in order with the request: at most a few rounds
+                if (then := await listed())[0].served.state == pb.SERVED_STATE_READY:
+                    break
+                await asyncio.sleep(0.02)
+        finally:
+            for connection in (admin, node):
+                await connection.close()
+    assert [(m.model, m.served) for m in first] == [("smol", starting)]
+    assert [(m.model, m.available, m.served) for m in then] == [("smol", True, ready), ("mock", True, pb.ServedModel())]
+    assert not then[1].HasField("served")  # a model whose server the node does not run has none

@@ -198,10 +198,12 @@ def test_models_lists_what_the_platform_serves(platform: tuple[Path, str]) -> No
     listed = _iop("models", "--dir", str(state))
     assert listed.returncode == 0, listed.stderr
     rows = [line.split() for line in listed.stdout.splitlines()]
-    assert rows[0] == ["MODEL", "MAX-CONCURRENCY"]
-    assert {"mock-small": "4", "mock-fast": "64"}.items() <= dict(rows[1:]).items()  # node.yaml's routes
+    assert rows[0] == ["MODEL", "MAX-CONCURRENCY", "STATE"]
+    shown = {row[0]: row[1:] for row in rows[1:]}
+    assert shown["mock-small"] == ["4", "-"] and shown["mock-fast"] == ["64", "-"]  # node.yaml's routes; not served
     as_json = json.loads(_iop("models", "--dir", str(state), "--json").stdout)
-    assert {model["id"]: model["max_concurrency"] for model in as_json}["mock-small"] == 4
+    mock_small = {model["id"]: model for model in as_json}["mock-small"]
+    assert mock_small["max_concurrency"] == 4 and mock_small["state"] is None and mock_small["served"] is None
 
 
 def test_admin_commands_find_the_control_plane_up_started(platform: tuple[Path, str]) -> None:
@@ -245,6 +247,20 @@ def test_a_second_up_says_it_runs_and_changes_nothing(platform: tuple[Path, str]
     assert _printed(again.stdout, "base URL") == _printed(printed, "base URL")
     after = {path.name: path.stat().st_mtime_ns for path in state.iterdir() if path.suffix in (".yaml", ".pid")}
     assert after == before
+
+
+def test_model_on_a_running_platform_is_one_line_and_changes_nothing(
+    platform: tuple[Path, str], tmp_path: Path
+) -> None:
+    state, _ = platform
+    model = tmp_path / "tiny.gguf"
+    model.write_bytes(b"GGUF" + bytes(60))
+    before = (state / "node.yaml").read_text()
+    refused = _iop("up", "--dir", str(state), "--model", str(model))
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert refused.stderr.startswith(f"iop up: the platform runs in {state} (") and refused.stderr.count("\n") == 1
+    assert re.search(r"--model applies when it starts: '\S*iop down --dir \S+' first$", refused.stderr.strip())
+    assert (state / "node.yaml").read_text() == before
 
 
 def test_down_stops_every_process(state: Path) -> None:
@@ -424,7 +440,10 @@ def test_backend_serves_the_servers_models(
                 for name in ("tiny-a", "tiny-b")
             ]
             listed = _iop("models", "--dir", str(state)).stdout.splitlines()
-            assert [line.split() for line in listed[1:]] == [["tiny-a", str(concurrency)], ["tiny-b", str(concurrency)]]
+            assert [line.split() for line in listed[1:]] == [
+                ["tiny-a", str(concurrency), "-"],
+                ["tiny-b", str(concurrency), "-"],
+            ]
         finally:
             _iop("down", "--dir", str(state))
 
