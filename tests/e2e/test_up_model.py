@@ -6,15 +6,10 @@ is GGUF only in its first bytes: ``iop up`` says the node's reason and exits 1. 
 
 Real processes throughout: ``iop up`` (control-plane, node, worker, edge), the llama backend's
 Python (tests/backends/install.sh) running the tiny model tests/backends makes.
-
-The node runs model servers once the engines part of issue 23 is in (``iop_node.engines``); until
-then a node refuses the route and these tests are expected to fail (xfail, strict: they must fail
-then, and pass after).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -32,15 +27,7 @@ from backends.servers import venv
 IOP = [sys.executable, "-m", "iop_cli.main"]
 ENV = {k: v for k, v in os.environ.items() if k not in ("IOP_STATE_DIR", "IOP_API_KEY", "IOP_CONTROL_PLANE")}
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.timeout(300),
-    pytest.mark.xfail(
-        importlib.util.find_spec("iop_node.engines") is None,
-        reason="the node runs no model servers before issue 23's engines part (iop_node.engines) is merged",
-        strict=True,
-    ),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def _iop(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

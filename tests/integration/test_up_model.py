@@ -9,7 +9,6 @@ lacks llama-cpp-python.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -94,11 +93,6 @@ def test_the_node_config_serves_each_file_with_llama_cpp(tmp_path: Path) -> None
     ]
 
 
-@pytest.mark.xfail(
-    importlib.util.find_spec("iop_node.engines") is None,
-    reason="engines_dir and engine routes are the node's once issue 23's engines part is merged",
-    strict=True,
-)
 def test_the_node_reads_the_config_up_writes(tmp_path: Path) -> None:
     state, model = _prepared(tmp_path)
     check_files(state)  # what the next `iop up` checks first: every config by its service's loader
