@@ -27,7 +27,16 @@ from typing import Any, BinaryIO, Literal
 
 import structlog
 
-__all__ = ["EngineFiles", "RotatingLog", "ServerProcess", "describe_exit", "kill_leftovers", "spawn"]
+__all__ = [
+    "EngineFiles",
+    "RotatingLog",
+    "ServerProcess",
+    "describe_exit",
+    "kill_group",
+    "kill_leftovers",
+    "shimmed",
+    "spawn",
+]
 
 _log = structlog.get_logger("iop.node.engine")
 
@@ -256,7 +265,7 @@ async def spawn(argv: list[str], *, env: dict[str, str], files: EngineFiles, log
     file cannot be written (the process is killed then)."""
     files.workdir.mkdir(parents=True, exist_ok=True)
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _SHIM, str(os.getpid()), *argv,
+        *shimmed(argv),
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         env={**os.environ, **env}, cwd=files.workdir, start_new_session=True,
     )  # fmt: skip
@@ -268,11 +277,23 @@ async def spawn(argv: list[str], *, env: dict[str, str], files: EngineFiles, log
         files.pid_file(process.pid).write_text(json.dumps(record))
         return ServerProcess(process, log, files)
     except BaseException:  # no pid file (disk full, read-only folder): not left running where nothing sees it
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-        await asyncio.shield(process.wait())
+        await asyncio.shield(kill_group(process))
         files.pid_file(process.pid).unlink(missing_ok=True)
         raise
+
+
+def shimmed(argv: list[str]) -> list[str]:
+    """``argv`` run through the exec shim: it dies with the node (start it in a session of its own)."""
+    return [sys.executable, "-c", _SHIM, str(os.getpid()), *argv]
+
+
+async def kill_group(process: asyncio.subprocess.Process) -> None:
+    """SIGKILL the process group ``process`` leads; return once it is reaped (not waiting for its pipes,
+    which something it started may hold)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    while process.returncode is None:  # noqa: ASYNC110 - no event is set at exit alone
+        await asyncio.sleep(_EXIT_POLL)
 
 
 def describe_exit(status: int) -> str:

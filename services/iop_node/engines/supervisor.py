@@ -25,7 +25,15 @@ import structlog
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.adapters.httpclient import HttpClient, HttpError
-from iop_node.engines.process import EngineFiles, RotatingLog, ServerProcess, describe_exit, spawn
+from iop_node.engines.process import (
+    EngineFiles,
+    RotatingLog,
+    ServerProcess,
+    describe_exit,
+    kill_group,
+    shimmed,
+    spawn,
+)
 from iop_node.engines.settings import LOOPBACK, EngineSettings, Launch
 from iop_node.metrics import NodeMetrics
 
@@ -226,10 +234,10 @@ class Supervisor:
     async def _setup(self, command: list[str], launch: Launch, server: ServerProcess, deadline: float) -> str | None:
         """Run one setup command (ollama pull/create) against the started server; why it failed, or None."""
         server.note(f"iop: {' '.join(command)}\n".encode())
-        try:
+        try:  # through the shim, in a group of its own: it dies with the node, is killed with its children
             process = await asyncio.create_subprocess_exec(
-                *command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, env={**os.environ, **launch.env},
+                *shimmed(command), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, env={**os.environ, **launch.env}, start_new_session=True,
             )  # fmt: skip
         except OSError as exc:
             return f"cannot run {command[0]}: {exc}"
@@ -240,8 +248,7 @@ class Supervisor:
             return f"{' '.join(command[1:3])} not done within start_timeout ({self.settings.start_timeout:g} s)"
         finally:  # timed out, or the supervisor stopped: not left running
             if process.returncode is None:
-                process.kill()
-                await asyncio.shield(process.wait())
+                await asyncio.shield(kill_group(process))
         if status:
             return f"{' '.join(command[1:3])} {describe_exit(status)}: {server.last_lines(_REASON_LINES)}"
         return None
