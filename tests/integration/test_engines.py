@@ -521,3 +521,52 @@ def test_an_engine_log_that_cannot_be_written_drops_output_then_writes_again(tmp
     again = RotatingLog.shared(folder / "m.log", max_bytes=1024, backups=1)
     assert again is not log
     again.close()
+
+
+def _process_with_pid(pid: int) -> subprocess.Popen[bytes] | None:
+    """A ``sleep`` in a session of its own given ``pid`` (as root, by /proc/sys/kernel/ns_last_pid); None
+    when that cannot be done."""
+    for _ in range(5):  # another process on the machine may take it first
+        try:
+            Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+        except OSError:
+            return None
+        process = subprocess.Popen(["sleep", "30"], start_new_session=True)
+        if process.pid == pid:
+            return process
+        process.kill()
+        process.wait()
+    return None
+
+
+async def test_the_pid_of_a_server_that_exited_is_never_signalled_later(pki: Pki, tmp_path: Path) -> None:
+    serve = {**FAST, "max_failed_starts": 1, "command": ["sh", "-c", "echo pid $$; exit 3", "{port}"]}
+    app = await build_node(node_settings(pki, tmp_path, [{"model": "exits", "engine": "command", "serve": serve}],
+                                         engines_dir=tmp_path / "engines")).start()  # fmt: skip
+    stranger = None
+    try:
+        await assert_eventually(lambda: _served(app, "exits").state == pb.SERVED_STATE_FAILED, timeout=20)
+        reaped = int(_served(app, "exits").reason.split("pid ")[1].split()[0])
+        stranger = _process_with_pid(reaped)  # another program's process, given the server's pid
+    finally:
+        await app.stop(grace=0)  # stops the route's supervisor
+    if stranger is None:
+        pytest.skip("this test needs root to choose the next pid (/proc/sys/kernel/ns_last_pid)")
+    try:
+        assert stranger.poll() is None, "the process that now has the pid was killed"
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+async def test_setup_output_split_across_reads_stays_one_line(tmp_path: Path) -> None:
+    files = EngineFiles(tmp_path, "m")
+    log = RotatingLog.shared(files.log, max_bytes=1024, backups=0)
+    server = await spawn(["sleep", "30"], env={}, files=files, log=log)
+    try:
+        server.note(b"pulling 10%")
+        server.note(b", 20%\nsuccess\n")
+        assert server.last_lines() == "pulling 10%, 20% | success"
+    finally:
+        await server.kill()
+        log.close()

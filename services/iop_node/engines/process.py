@@ -146,7 +146,7 @@ class RotatingLog:
             self._file = None  # opened again at the next write
         if not self._failing:
             self._failing = True
-            _log.warning("engine log not written; output dropped until it can be", path=str(self.path), error=str(exc))
+            _log.warning("engine log not written", path=str(self.path), error=str(exc), output="dropped until it is")
 
     def _rotate(self) -> None:
         assert self._file is not None
@@ -243,15 +243,14 @@ class ServerProcess:
     async def kill(self) -> int:
         """SIGKILL its group and the rest of its session now; the exit status once reaped and its output
         read. Removes its pid file. Once done, never again: a reaped leader's pid may be reused."""
+        # Its session's members are ours: the kernel gives no process the session's id while it has any.
         if not self._swept:
-            members = _session_members(self.pid)  # before the leader is reaped: its session is still ours
+            members = _session_members(self.pid)
             self.signal_group(signal.SIGKILL)
             _kill_each(members)
         status = await self.exited()
         if not self._swept:
-            _kill_each(
-                _session_members(self.pid)
-            )  # started meanwhile; the session id is not reused while it has members
+            _kill_each(_session_members(self.pid))  # those started meanwhile
             self._swept = True
         await self.wait_output()
         self._copying.cancel()

@@ -64,7 +64,9 @@ def _free_port() -> int:
 
 def _unlisted(document: Any, model: str) -> str | None:
     """Why a model list (OpenAI ``data[].id``, Ollama ``models[].name``) does not name ``model``; None if it does."""
-    entries = document.get("data") or document.get("models") if isinstance(document, dict) else None
+    entries = None
+    if isinstance(document, dict):
+        entries = document["data"] if "data" in document else document.get("models")
     if not isinstance(entries, list):
         return "its model list is not an object with a list in data (or models)"
     names = {str(entry.get("id") or entry.get("name")) for entry in entries if isinstance(entry, dict)}
