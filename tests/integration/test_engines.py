@@ -36,7 +36,7 @@ from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.bootstrap import NodeApp, build_node
 from iop_node.engines import kill_leftovers
 from iop_node.engines.process import EngineFiles, RotatingLog, spawn
-from iop_node.settings import load_settings
+from iop_node.settings import StartError, load_settings
 from iop_wire.tls import Role
 
 HERE = Path(__file__).resolve().parent
@@ -570,3 +570,20 @@ async def test_setup_output_split_across_reads_stays_one_line(tmp_path: Path) ->
     finally:
         await server.kill()
         log.close()
+
+
+async def test_a_reload_that_fails_to_start_leaves_the_serving_routes_state_series(pki: Pki, tmp_path: Path) -> None:
+    config = _node_config(pki, tmp_path, [_command_route("echo"), {"model": "bad", "adapter": "mock"}])
+    state = {"model": "echo", "state": "ready"}
+    app = await build_node(load_settings(config), config_path=config).start()
+    try:
+        await assert_eventually(lambda: _ready(app, "echo"), timeout=20)
+        (tmp_path / "engines" / "bad.log").mkdir()  # bad, served next, cannot open its log: its start fails
+        data = yaml.safe_load(config.read_text())
+        config.write_text(yaml.safe_dump({**data, "routes": [_command_route("echo", "--slow"), _command_route("bad")]}))
+        with pytest.raises(StartError, match="engines_dir"):
+            await app.reload()  # the new echo server was started, then stopped with the reload
+        assert _ready(app, "echo")  # the old one serves on, and says so
+        assert app.metrics.registry.get_sample_value("iop_node_engine_state", state) == 1
+    finally:
+        await app.stop(grace=0)

@@ -101,6 +101,8 @@ class Supervisor:
         self._launch: Launch | None = None
         self._task: asyncio.Task[None] | None = None
         self._log: RotatingLog | None = None
+        self._displaced: object = None  # the model's supervisor whose state series this one took over
+        self._stopped = False
 
     @property
     def ready(self) -> bool:
@@ -119,7 +121,9 @@ class Supervisor:
             raise RuntimeError(f"the supervisor of {self.model} is started already")
         settings = self.settings
         self._log = RotatingLog.shared(self.files.log, max_bytes=settings.log_max_bytes, backups=settings.log_backups)
-        self._metrics.engine_state_owners[self.model] = self  # the newest one routed says the model's state
+        owners = self._metrics.engine_state_owners
+        self._displaced = owners.get(self.model)
+        owners[self.model] = self  # the newest one routed says the model's state
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"iop-engine-{self.model}")
 
     async def stop(self) -> None:
@@ -138,11 +142,18 @@ class Supervisor:
         if self._log is not None:
             self._log.close()
             self._log = None
-        if self._metrics.engine_state_owners.get(self.model) is self:  # a removed route leaves no series behind
-            del self._metrics.engine_state_owners[self.model]
-            for name in STATE_NAMES.values():
-                with contextlib.suppress(KeyError):
-                    self._metrics.engine_state.remove(self.model, name)
+        self._stopped = True
+        owners, displaced = self._metrics.engine_state_owners, self._displaced
+        if owners.get(self.model) is not self:
+            return
+        if isinstance(displaced, Supervisor) and not displaced._stopped:  # a reload that failed: it serves on
+            owners[self.model] = displaced
+            displaced._publish()
+            return
+        del owners[self.model]
+        for name in STATE_NAMES.values():  # a removed route leaves no series behind
+            with contextlib.suppress(KeyError):
+                self._metrics.engine_state.remove(self.model, name)
 
     async def _run(self) -> None:
         try:
@@ -290,15 +301,19 @@ class Supervisor:
         if state in (pb.SERVED_STATE_RESTARTING, pb.SERVED_STATE_FAILED):
             served.pid = 0
         served.since.GetCurrentTime()
-        if self._metrics.engine_state_owners.get(self.model) is self:
-            for value, name in STATE_NAMES.items():
-                self._metrics.engine_state.labels(self.model, name).set(1 if value == state else 0)
+        self._publish()
         level = {pb.SERVED_STATE_RESTARTING: "warning", pb.SERVED_STATE_FAILED: "error"}.get(state, "info")
         getattr(_log, level)(
             "engine " + STATE_NAMES[state], model=self.model, engine=self.engine, reason=reason or None,
             pid=served.pid or None, port=served.port or None, restarts=served.restarts,
             failed_starts=served.failed_starts, **fields,
         )  # fmt: skip
+
+    def _publish(self) -> None:
+        """Its state into the state gauge, if the model's series are its own."""
+        if self._metrics.engine_state_owners.get(self.model) is self:
+            for value, name in STATE_NAMES.items():
+                self._metrics.engine_state.labels(self.model, name).set(1 if value == self.served.state else 0)
 
 
 async def _copied(process: asyncio.subprocess.Process, server: ServerProcess) -> int:
