@@ -119,6 +119,9 @@ class NodeApp:
     """The config file ``reload`` reads again; None for a node started without one (``--dev``)."""
     _stack: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
     _reloading: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _start_ended: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once ``start`` returned or failed: a reload (SIGHUP during the start) waits for it."""
+    _serving: bool = False
     _stopping: bool = False
 
     async def __aenter__(self) -> NodeApp:
@@ -130,8 +133,7 @@ class NodeApp:
     async def start(self) -> NodeApp:
         """Open the history, then listen, register and serve metrics; StartError names what could not start."""
         try:
-            # servers a killed node left running (also before a reload adds the first engine)
-            await asyncio.to_thread(kill_leftovers, self.settings.engines_dir)
+            await self._kill_leftovers()
             # Built already: closed even if nothing else starts; at stop, whichever instances serve then.
             self._stack.push_async_callback(self._close_adapters)
             self._stack.push_async_callback(self.node.stop_retiring)  # unwound first: closes the retired ones
@@ -148,6 +150,9 @@ class NodeApp:
         except BaseException:
             await self._stack.aclose()
             raise
+        finally:
+            self._start_ended.set()
+        self._serving = True
         port = self.listener.port if self.listener else None
         _log.info("node started", node_id=self.node.node_id, port=port, metrics_port=self.metrics_port)
         return self
@@ -166,6 +171,15 @@ class NodeApp:
             await self._stack.aclose()
         _log.info("node stopped", node_id=self.node.node_id)
 
+    async def _kill_leftovers(self) -> None:
+        """Kill the servers a killed node left running (also before a reload adds the first engine)."""
+        directory = self.settings.engines_dir
+        try:
+            await asyncio.to_thread(kill_leftovers, directory)
+        except OSError as exc:
+            cause = f"{exc.strerror} ({exc.filename})" if exc.strerror else str(exc)
+            raise StartError([Problem("engines_dir", f"cannot clean up {directory}: {cause}")]) from None
+
     async def _close_adapters(self) -> None:
         for adapter in list(self.node.adapters.values()):
             try:
@@ -175,10 +189,15 @@ class NodeApp:
 
     async def reload(self) -> ReloadSummary:
         """Read the config file's routes again and serve them, one reload at a time; ConfigError (naming the
-        key) when it does not load, the routes in force staying as they are."""
+        key) when it does not load, the routes in force staying as they are. Waits for ``start`` to end
+        (a SIGHUP while the node starts)."""
+        await self._start_ended.wait()
         async with self._reloading:
-            if self._stopping:
-                raise IopError(pb.ERROR_CODE_SHUTTING_DOWN, f"node {self.node.node_id} is stopping; not reloaded")
+            if self._stopping or not self._serving:
+                raise IopError(
+                    pb.ERROR_CODE_SHUTTING_DOWN,
+                    f"node {self.node.node_id} is not serving (stopping, or its start failed); not reloaded",
+                )
             try:
                 summary = await self._reload()
             except ConfigError as exc:
@@ -225,7 +244,8 @@ class NodeApp:
         """Adapters for the added and replaced routes, started; ConfigError naming the route's place in the file."""
         routes = changes.built
         try:
-            subset = read.model_copy(update={"routes": list(routes)})
+            # engines_dir needs a restart (restart_keys): the new servers go where the running ones are
+            subset = read.model_copy(update={"routes": list(routes), "engines_dir": self.settings.engines_dir})
             built = build_adapters(subset, base=path.parent, metrics=self.metrics)
         except ConfigError as exc:
             indices = [read.routes.index(route) for route in routes]

@@ -79,6 +79,9 @@ class NodeMetrics:
             ["model", "state"],
             registry=self.registry,
         )
+        self.engine_state_owners: dict[str, object] = {}
+        """The supervisor whose model's ``engine_state`` series these are, by model: a replaced route's
+        old server, stopping after the new one started, leaves the new one's series alone."""
         self.engine_restarts = Counter(
             "iop_node_engine_restarts_total",
             "Server restarts, by why: exited, hung (stopped answering its probe), start_failed.",

@@ -4,20 +4,25 @@
 /v1/chat/completions answers "hello from engine" (streamed as SSE when asked). ``--child``
 first starts a ``sleep`` in its process group that the node's exec shim does not cover (no
 PR_SET_PDEATHSIG), like Ollama's runners: only the node's pid-file clean-up kills it. Its pid is
-printed as ``child PID``. ``--slow`` streams one event every half second (a run still going when
-its route is removed).
+printed as ``child PID``; ``--child-group`` starts it in a process group of its own (still in the
+server's session). ``--slow`` streams one event every half second (a run still going when its route
+is removed). ``--exit-after S`` exits S seconds after it first listed its model (a crash loop);
+``--bad-list`` answers ``{"data": 5}`` as its model lists. GET /api/tags lists MODEL the way Ollama does.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 PORT, MODEL = int(sys.argv[1]), sys.argv[2]
 SLOW = "--slow" in sys.argv
+EXIT_AFTER = float(sys.argv[sys.argv.index("--exit-after") + 1]) if "--exit-after" in sys.argv else None
 WORDS = ["hello", " from", " engine"]
 
 
@@ -35,8 +40,14 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_GET(self) -> None:
-        if self.path == "/v1/models":
+        if self.path in ("/v1/models", "/api/tags") and "--bad-list" in sys.argv:
+            self._send(200, b'{"data": 5}')
+        elif self.path == "/v1/models":
             self._send(200, json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode())
+            if EXIT_AFTER is not None:
+                threading.Timer(EXIT_AFTER, os._exit, [0]).start()
+        elif self.path == "/api/tags":
+            self._send(200, json.dumps({"models": [{"name": MODEL}]}).encode())
         else:
             self._send(404, b"{}")
 
@@ -65,8 +76,8 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"0\r\n\r\n")
 
 
-if "--child" in sys.argv:
-    child = subprocess.Popen(["sleep", "300"])
+if "--child" in sys.argv or "--child-group" in sys.argv:
+    child = subprocess.Popen(["sleep", "300"], process_group=0 if "--child-group" in sys.argv else None)
     print(f"child {child.pid}", flush=True)
 print(f"serving {MODEL} on {PORT}", flush=True)
 ThreadingHTTPServer(("127.0.0.1", PORT), Handler).serve_forever()

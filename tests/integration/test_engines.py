@@ -10,8 +10,10 @@ they started is killed by the next start from the pid files.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from backends.fixtures import require
 from backends.servers import OLLAMA_MODELFILE, ollama_binary, venv
@@ -32,6 +35,8 @@ from iop_control_plane.bootstrap import build_control_plane
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.bootstrap import NodeApp, build_node
 from iop_node.engines import kill_leftovers
+from iop_node.engines.process import EngineFiles, RotatingLog, spawn
+from iop_node.settings import StartError, load_settings
 from iop_wire.tls import Role
 
 HERE = Path(__file__).resolve().parent
@@ -82,7 +87,7 @@ async def test_llama_engine_serves_a_long_stream_and_restarts_after_kill_9(
 ) -> None:
     # hang_timeout well under the long stream's length: a stream in progress is no hang (the
     # liveness probe is /docs, which the server answers without waiting for the model)
-    route = _llama_route("tiny", tiny_gguf, hang_timeout=0.8)
+    route = _llama_route("tiny", tiny_gguf, hang_timeout=0.8, stable_after=1)
     settings = node_settings(pki, tmp_path, [route], engines_dir=tmp_path / "engines")
     async with running_node(settings) as app:
         await assert_eventually(lambda: _ready(app, "tiny"), timeout=30)
@@ -234,7 +239,7 @@ async def test_ollama_engine_creates_its_model_serves_and_restarts(pki: Pki, tmp
     route = {"model": "tiny", "engine": "ollama", "serve": {**FAST, **serve}}
     async with running_node(node_settings(pki, tmp_path, [route], engines_dir=tmp_path / "engines")) as app:
         await assert_eventually(lambda: _ready(app, "tiny"), timeout=40)
-        assert (tmp_path / "engines" / "tiny" / "models").is_dir()  # OLLAMA_MODELS: the model's own folder
+        assert (tmp_path / "engines" / "tiny.d" / "models").is_dir()  # OLLAMA_MODELS: the model's own folder
         assert await _chat_text(app, pki, "tiny")
         first = _served(app, "tiny")
         os.kill(first.pid, signal.SIGKILL)
@@ -335,7 +340,9 @@ def test_a_pid_file_whose_process_started_at_another_time_kills_nothing(tmp_path
         started = int(Path(f"/proc/{stranger.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
         record = {"pid": stranger.pid, "pgid": stranger.pid, "argv": ["sleep", "20"], "node_pid": 1 << 30}
         (tmp_path / "recycled.pid").write_text(json.dumps({**record, "start_time": started - 1}))
+        (tmp_path / "model.pid").mkdir()  # the folder of a model named "model.pid": not a pid file
         assert kill_leftovers(tmp_path) == 0
+        assert (tmp_path / "model.pid").is_dir()
         assert stranger.poll() is None and not (tmp_path / "recycled.pid").exists()
         (tmp_path / "ours.pid").write_text(json.dumps({**record, "start_time": started}))
         assert kill_leftovers(tmp_path) == 1
@@ -347,7 +354,7 @@ def test_a_pid_file_whose_process_started_at_another_time_kills_nothing(tmp_path
             shared = {"pid": kept.pid, "pgid": kept.pid, "start_time": started, "node_pid": os.getppid()}
             (tmp_path / "kept.pid").write_text(json.dumps({**shared, "node_start_time": node}))
             assert kill_leftovers(tmp_path) == 0
-            assert kept.poll() is None
+            assert kept.poll() is None and (tmp_path / "kept.pid").exists()
             kept.kill()
 
 
@@ -355,3 +362,228 @@ def _one(engines: Path, model: str) -> Path:
     """The pid file of the one server of ``model`` running from ``engines``."""
     (found,) = engines.glob(f"{model}.*.pid")
     return found
+
+
+def _pids(engines: Path, model: str) -> list[int]:
+    return [json.loads(path.read_text())["pid"] for path in engines.glob(f"{model}.*.pid")]
+
+
+async def test_a_replaced_route_leaves_the_new_servers_state_series_and_engines_dir(pki: Pki, tmp_path: Path) -> None:
+    config = _node_config(pki, tmp_path, [_command_route("echo", "--slow")])
+    engines, state = tmp_path / "engines", {"model": "echo", "state": "ready"}
+    app = await build_node(load_settings(config), config_path=config).start()
+    try:
+        await assert_eventually(lambda: _ready(app, "echo"), timeout=20)
+        (old,) = _pids(engines, "echo")
+        connection = await client(app, pki)
+        slow = await connection.open_run(chat(model="echo"))  # about 2.5 s on the old server
+        assert kinds([await anext(slow), await anext(slow)]) == ["start", "delta"]
+        data = yaml.safe_load(config.read_text())  # engines_dir waits for a restart, also for the new server
+        config.write_text(yaml.safe_dump({**data, "engines_dir": "elsewhere", "routes": [_command_route("echo")]}))
+        assert (await app.reload()).restart == ("engines_dir",)
+        await assert_eventually(lambda: _ready(app, "echo"), timeout=20)
+        assert _alive(old)  # the new one is ready first: the old one's stop comes after
+        assert kinds(await collect(slow))[-1] == "complete"
+        await connection.close()
+        await assert_eventually(lambda: not _alive(old) and len(_pids(engines, "echo")) == 1, timeout=20)
+        assert app.metrics.registry.get_sample_value("iop_node_engine_state", state) == 1
+        assert _ready(app, "echo") and not (tmp_path / "elsewhere").exists()
+    finally:
+        await app.stop(grace=0)
+    assert app.metrics.registry.get_sample_value("iop_node_engine_state", state) is None
+
+
+async def test_a_reload_asked_before_the_start_waits_for_it(pki: Pki, tmp_path: Path) -> None:
+    config = _node_config(pki, tmp_path, [_command_route("echo")])
+    app = build_node(load_settings(config), config_path=config)
+    config.write_text(config.read_text().replace("echo", "other"))
+    reload = asyncio.create_task(app.reload())  # a SIGHUP while the node starts
+    await asyncio.sleep(0.5)
+    assert not reload.done()
+    await app.start()
+    try:
+        await reload
+        await assert_eventually(lambda: _ready(app, "other"), timeout=20)  # not killed by the start's clean-up
+        assert len(_pids(tmp_path / "engines", "other")) == 1
+    finally:
+        await app.stop(grace=0)
+
+
+async def test_a_server_exiting_soon_after_each_ready_ends_failed(pki: Pki, tmp_path: Path) -> None:
+    route = _command_route("flaky", "--exit-after", "0.5", max_failed_starts=3)
+    async with running_node(node_settings(pki, tmp_path, [route], engines_dir=tmp_path / "engines")) as app:
+        await assert_eventually(lambda: _served(app, "flaky").state == pb.SERVED_STATE_FAILED, timeout=30)
+        served = _served(app, "flaky")
+        assert served.restarts == 3 and served.failed_starts == 3
+        assert served.reason.startswith("exited with status 0")
+        assert not list((tmp_path / "engines").glob("*.pid"))
+
+
+def _fake_ollama(folder: Path, *serve: str) -> Path:
+    """An ``ollama`` of the tests': ``serve`` runs engine_server.py SERVE... on OLLAMA_HOST's port; any
+    other command (pull) says so, then sleeps (a pull that takes long)."""
+    script = folder / "ollama"
+    server = f"{sys.executable} {HERE / 'engine_server.py'}"
+    script.write_text(
+        f'#!/bin/sh\nif [ "$1" = serve ]; then exec {server} "${{OLLAMA_HOST##*:}}" {" ".join(serve)}; fi\n'
+        'echo "$1 $2 started"; exec sleep 301.5\n'
+    )
+    script.chmod(0o755)
+    return script
+
+
+async def test_a_malformed_model_list_is_not_ready_and_the_server_is_stopped(pki: Pki, tmp_path: Path) -> None:
+    serve = {**FAST, "executable": str(_fake_ollama(tmp_path, "bad", "--bad-list")), "start_timeout": 1}
+    route = {"model": "bad", "engine": "ollama", "serve": {**serve, "max_failed_starts": 1}}
+    async with running_node(node_settings(pki, tmp_path, [route], engines_dir=tmp_path / "engines")) as app:
+        await assert_eventually(lambda: _served(app, "bad").state == pb.SERVED_STATE_FAILED, timeout=20)
+        reason = _served(app, "bad").reason
+        assert reason.startswith("not ready after 1 s: GET /api/tags: its model list is not an object"), reason
+        assert not list((tmp_path / "engines").glob("*.pid"))  # stopped, not left running
+
+
+async def test_a_setup_command_running_when_the_node_stops_is_stopped(pki: Pki, tmp_path: Path) -> None:
+    serve = {**FAST, "executable": str(_fake_ollama(tmp_path, "tiny")), "pull": ["tiny"]}
+    route = {"model": "tiny", "engine": "ollama", "serve": serve}
+    engines = tmp_path / "engines"
+    try:
+        async with running_node(node_settings(pki, tmp_path, [route], engines_dir=engines)):
+            await assert_eventually(lambda: "pull tiny started" in (engines / "tiny.log").read_text(), timeout=20)
+            (pull,) = _children_running("301.5")
+        assert not _alive(pull)
+    finally:
+        for pid in _children_running("301.5"):  # when the test failed
+            os.kill(pid, signal.SIGKILL)
+
+
+async def test_a_process_of_the_servers_session_in_another_group_is_stopped_with_it(pki: Pki, tmp_path: Path) -> None:
+    engines = tmp_path / "engines"
+    route = _command_route("echo", "--child-group")
+    async with running_node(node_settings(pki, tmp_path, [route], engines_dir=engines)) as app:
+        await assert_eventually(lambda: _ready(app, "echo") and _server_and_child(engines) is not None, timeout=20)
+        found = _server_and_child(engines)
+        assert found is not None and _alive(found[1])
+        assert os.getpgid(found[1]) != found[0] and os.getsid(found[1]) == found[0]
+    try:
+        assert not _alive(found[0]) and not _alive(found[1])
+    finally:
+        if _alive(found[1]):
+            os.kill(found[1], signal.SIGKILL)
+
+
+class _NoPidFolder(EngineFiles):
+    """Pid files in a folder that is not there: the write fails after the process started."""
+
+    def pid_file(self, pid: int) -> Path:
+        return self.directory / "missing" / f"{pid}.pid"
+
+
+def _children_running(argument: str) -> list[int]:
+    """This process's children whose command line has ``argument``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            running = stat[0] != "Z" and int(stat[1]) == os.getpid()
+            if running and argument in (entry / "cmdline").read_bytes().decode().split("\0"):
+                found.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+async def test_a_server_whose_pid_file_cannot_be_written_is_killed(tmp_path: Path) -> None:
+    files = _NoPidFolder(tmp_path, "m")
+    log = RotatingLog.shared(files.log, max_bytes=1024, backups=0)
+    try:
+        with pytest.raises(FileNotFoundError):
+            await spawn(["sleep", "301.25"], env={}, files=files, log=log)
+        assert _children_running("301.25") == []
+    finally:
+        log.close()
+        for pid in _children_running("301.25"):  # when the test failed
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_an_engine_log_that_cannot_be_written_drops_output_then_writes_again(tmp_path: Path) -> None:
+    folder = tmp_path / "engines"
+    log = RotatingLog.shared(folder / "m.log", max_bytes=1024, backups=1)
+    assert RotatingLog.shared(folder / "m.log", max_bytes=1024, backups=1) is log  # one per file
+    log.write(b"a" * 1000)
+    shutil.rmtree(folder)
+    log.write(b"b" * 100)  # the rotation fails: dropped, not raised
+    log.write(b"c" * 100)  # the file is closed: dropped, not raised
+    folder.mkdir()
+    log.write(b"d" * 10)  # opened again
+    assert (folder / "m.log").read_bytes() == b"d" * 10
+    log.close()
+    log.close()
+    again = RotatingLog.shared(folder / "m.log", max_bytes=1024, backups=1)
+    assert again is not log
+    again.close()
+
+
+def _process_with_pid(pid: int) -> subprocess.Popen[bytes] | None:
+    """A ``sleep`` in a session of its own given ``pid`` (as root, by /proc/sys/kernel/ns_last_pid); None
+    when that cannot be done."""
+    for _ in range(5):  # another process on the machine may take it first
+        try:
+            Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+        except OSError:
+            return None
+        process = subprocess.Popen(["sleep", "30"], start_new_session=True)
+        if process.pid == pid:
+            return process
+        process.kill()
+        process.wait()
+    return None
+
+
+async def test_the_pid_of_a_server_that_exited_is_never_signalled_later(pki: Pki, tmp_path: Path) -> None:
+    serve = {**FAST, "max_failed_starts": 1, "command": ["sh", "-c", "echo pid $$; exit 3", "{port}"]}
+    app = await build_node(node_settings(pki, tmp_path, [{"model": "exits", "engine": "command", "serve": serve}],
+                                         engines_dir=tmp_path / "engines")).start()  # fmt: skip
+    stranger = None
+    try:
+        await assert_eventually(lambda: _served(app, "exits").state == pb.SERVED_STATE_FAILED, timeout=20)
+        reaped = int(_served(app, "exits").reason.split("pid ")[1].split()[0])
+        stranger = _process_with_pid(reaped)  # another program's process, given the server's pid
+    finally:
+        await app.stop(grace=0)  # stops the route's supervisor
+    if stranger is None:
+        pytest.skip("this test needs root to choose the next pid (/proc/sys/kernel/ns_last_pid)")
+    try:
+        assert stranger.poll() is None, "the process that now has the pid was killed"
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+async def test_setup_output_split_across_reads_stays_one_line(tmp_path: Path) -> None:
+    files = EngineFiles(tmp_path, "m")
+    log = RotatingLog.shared(files.log, max_bytes=1024, backups=0)
+    server = await spawn(["sleep", "30"], env={}, files=files, log=log)
+    try:
+        server.note(b"pulling 10%")
+        server.note(b", 20%\nsuccess\n")
+        assert server.last_lines() == "pulling 10%, 20% | success"
+    finally:
+        await server.kill()
+        log.close()
+
+
+async def test_a_reload_that_fails_to_start_leaves_the_serving_routes_state_series(pki: Pki, tmp_path: Path) -> None:
+    config = _node_config(pki, tmp_path, [_command_route("echo"), {"model": "bad", "adapter": "mock"}])
+    state = {"model": "echo", "state": "ready"}
+    app = await build_node(load_settings(config), config_path=config).start()
+    try:
+        await assert_eventually(lambda: _ready(app, "echo"), timeout=20)
+        (tmp_path / "engines" / "bad.log").mkdir()  # bad, served next, cannot open its log: its start fails
+        data = yaml.safe_load(config.read_text())
+        config.write_text(yaml.safe_dump({**data, "routes": [_command_route("echo", "--slow"), _command_route("bad")]}))
+        with pytest.raises(StartError, match="engines_dir"):
+            await app.reload()  # the new echo server was started, then stopped with the reload
+        assert _ready(app, "echo")  # the old one serves on, and says so
+        assert app.metrics.registry.get_sample_value("iop_node_engine_state", state) == 1
+    finally:
+        await app.stop(grace=0)

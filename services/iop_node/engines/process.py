@@ -23,11 +23,20 @@ import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Literal
 
 import structlog
 
-__all__ = ["EngineFiles", "RotatingLog", "ServerProcess", "describe_exit", "kill_leftovers", "spawn"]
+__all__ = [
+    "EngineFiles",
+    "RotatingLog",
+    "ServerProcess",
+    "describe_exit",
+    "kill_group",
+    "kill_leftovers",
+    "shimmed",
+    "spawn",
+]
 
 _log = structlog.get_logger("iop.node.engine")
 
@@ -77,42 +86,91 @@ class EngineFiles:
     @property
     def workdir(self) -> Path:
         """The engine's own folder (Ollama's models, by default)."""
-        return self.directory / _file_name(self.model)
+        return self.directory / f"{_file_name(self.model)}.d"
 
 
 class RotatingLog:
-    """A log file rotated at ``max_bytes`` (MODEL.log -> .1 -> ... -> .N, the oldest dropped)."""
+    """A log file rotated at ``max_bytes`` (MODEL.log -> .1 -> ... -> .N, the oldest dropped).
+
+    One per file, shared (:meth:`shared`): a replaced route's old and new servers write the same
+    MODEL.log, and two handles would rotate it under each other. It never raises on a write: a file
+    it cannot write (disk full, folder removed) drops the output, said once, and is opened again at
+    the next write, so the server's output is always read (a full pipe would block it)."""
+
+    _open: dict[Path, RotatingLog] = {}  # noqa: RUF012 - the registry of shared logs, by file
+    """The logs in use in this process, by file; each with its count of users."""
 
     def __init__(self, path: Path, *, max_bytes: int, backups: int) -> None:
         self.path = path
         self.max_bytes = max_bytes
         self.backups = backups
+        self._users = 0
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = path.open("ab")
+        self._file: BinaryIO | None = path.open("ab")
         self._size = self._file.tell()
+        self._failing = False
+
+    @classmethod
+    def shared(cls, path: Path, *, max_bytes: int, backups: int) -> RotatingLog:
+        """The log of ``path`` in use already (its bounds kept), or a new one; :meth:`close` once done with it."""
+        key = path.absolute()
+        log = cls._open.get(key)
+        if log is None:
+            log = cls._open[key] = cls(path, max_bytes=max_bytes, backups=backups)
+        log._users += 1
+        return log
 
     def write(self, data: bytes) -> None:
-        """Append ``data``, rotating first when it would pass ``max_bytes`` (a chunk is never split)."""
-        if self._size and self._size + len(data) > self.max_bytes:
-            self._rotate()
-        self._file.write(data)
-        self._file.flush()
-        self._size += len(data)
+        """Append ``data``, rotating first when it would pass ``max_bytes`` (a chunk is never split);
+        dropped when the file cannot be written."""
+        try:
+            if self._file is not None and self._size and self._size + len(data) > self.max_bytes:
+                self._rotate()
+            if self._file is None:
+                self._file = self.path.open("ab")
+                self._size = self._file.tell()
+            self._file.write(data)
+            self._file.flush()
+            self._size += len(data)
+        except OSError as exc:
+            self._drop(exc)
+            return
+        if self._failing:
+            self._failing = False
+            _log.info("engine log written again", path=str(self.path))
+
+    def _drop(self, exc: OSError) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None  # opened again at the next write
+        if not self._failing:
+            self._failing = True
+            _log.warning("engine log not written", path=str(self.path), error=str(exc), output="dropped until it is")
 
     def _rotate(self) -> None:
+        assert self._file is not None
         self._file.close()
+        self._file = None
         if self.backups == 0:
             self.path.unlink(missing_ok=True)
         for number in range(self.backups, 0, -1):
             older = self.path.with_name(f"{self.path.name}.{number - 1}") if number > 1 else self.path
             if older.exists():
                 older.replace(self.path.with_name(f"{self.path.name}.{number}"))
-        self._file = self.path.open("ab")
-        self._size = 0
         _log.debug("engine log rotated", path=str(self.path), max_bytes=self.max_bytes, backups=self.backups)
 
     def close(self) -> None:
-        self._file.close()
+        """Done with it: closed once its last user closed it."""
+        self._users -= 1
+        if self._users > 0:
+            return
+        if RotatingLog._open.get(key := self.path.absolute()) is self:
+            del RotatingLog._open[key]
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
 
 
 class ServerProcess:
@@ -124,34 +182,37 @@ class ServerProcess:
         self.files = files
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
         self._log = log
-        self._partial = b""
+        self._partial = b""  # the server's output after its last newline
+        self._noted = b""  # the same for its setup commands' output
+        self._swept = False  # killed and reaped: its pid may be another process's by now, never signalled again
         self._copying = asyncio.get_running_loop().create_task(self._copy(), name=f"iop-engine-log-{files.model}")
 
     async def _copy(self) -> None:
-        """Copy the server's output into its log until the pipe closes; keep the last lines."""
+        """Copy the server's output into its log until the pipe closes; keep the last lines. The log
+        never raises (it drops what it cannot write), so the pipe is always drained."""
         stdout = self.process.stdout
         assert stdout is not None
-        try:
+        with contextlib.suppress(OSError):
             while chunk := await stdout.read(_READ_CHUNK):
                 self._log.write(chunk)
-                lines = (self._partial + chunk).split(b"\n")
-                self._partial = lines.pop()[-_TAIL_LINE_CHARS:]
-                self.tail.extend(line.decode(errors="replace").rstrip()[:_TAIL_LINE_CHARS] for line in lines)
-        except OSError as exc:  # the log file (disk full, removed folder): the server keeps running
-            _log.warning("engine log not written", model=self.files.model, error=str(exc))
-            with contextlib.suppress(OSError):
-                while await stdout.read(_READ_CHUNK):
-                    pass
+                self._partial = self._keep_lines(self._partial, chunk)
+
+    def _keep_lines(self, partial: bytes, chunk: bytes) -> bytes:
+        """Put the lines that ``chunk`` completes into the tail; the rest of a line, to be continued."""
+        lines = (partial + chunk).split(b"\n")
+        rest = lines.pop()[-_TAIL_LINE_CHARS:]
+        self.tail.extend(line.decode(errors="replace").rstrip()[:_TAIL_LINE_CHARS] for line in lines)
+        return rest
 
     def note(self, data: bytes) -> None:
         """Write ``data`` into its log and tail as if it had said it (the output of its setup commands)."""
-        with contextlib.suppress(OSError):
-            self._log.write(data)
-        self.tail.extend(line.decode(errors="replace")[:_TAIL_LINE_CHARS] for line in data.splitlines())
+        self._log.write(data)
+        self._noted = self._keep_lines(self._noted, data)
 
     def last_lines(self, count: int = 5) -> str:
         """The end of its output, for a reason: the last ``count`` lines that are not empty."""
-        lines = [line for line in [*self.tail, self._partial.decode(errors="replace")] if line.strip()]
+        partial = [rest.decode(errors="replace") for rest in (self._noted, self._partial)]
+        lines = [line for line in [*self.tail, *partial] if line.strip()]
         return " | ".join(lines[-count:])
 
     def signal_group(self, signum: signal.Signals) -> None:
@@ -180,9 +241,17 @@ class ServerProcess:
         return await self.kill()
 
     async def kill(self) -> int:
-        """SIGKILL its group now; the exit status once reaped and its output read. Removes its pid file."""
-        self.signal_group(signal.SIGKILL)
+        """SIGKILL its group and the rest of its session now; the exit status once reaped and its output
+        read. Removes its pid file. Once done, never again: a reaped leader's pid may be reused."""
+        # Its session's members are ours: the kernel gives no process the session's id while it has any.
+        if not self._swept:
+            members = _session_members(self.pid)
+            self.signal_group(signal.SIGKILL)
+            _kill_each(members)
         status = await self.exited()
+        if not self._swept:
+            _kill_each(_session_members(self.pid))  # those started meanwhile
+            self._swept = True
         await self.wait_output()
         self._copying.cancel()
         self.files.pid_file(self.pid).unlink(missing_ok=True)
@@ -191,19 +260,39 @@ class ServerProcess:
 
 async def spawn(argv: list[str], *, env: dict[str, str], files: EngineFiles, log: RotatingLog) -> ServerProcess:
     """Start ``argv`` in a session of its own (it leads its process group), through the shim, with
-    its output going to ``log``; write its pid file. OSError when the shim cannot start."""
+    its output going to ``log``; write its pid file. OSError when the shim cannot start or the pid
+    file cannot be written (the process is killed then)."""
     files.workdir.mkdir(parents=True, exist_ok=True)
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _SHIM, str(os.getpid()), *argv,
+        *shimmed(argv),
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         env={**os.environ, **env}, cwd=files.workdir, start_new_session=True,
     )  # fmt: skip
-    record = {
-        "pid": process.pid, "pgid": process.pid, "start_time": _start_time(process.pid), "argv": argv,
-        "node_pid": os.getpid(), "node_start_time": _start_time(os.getpid()),
-    }  # fmt: skip
-    files.pid_file(process.pid).write_text(json.dumps(record))
-    return ServerProcess(process, log, files)
+    try:
+        record = {
+            "pid": process.pid, "pgid": process.pid, "start_time": _start_time(process.pid), "argv": argv,
+            "node_pid": os.getpid(), "node_start_time": _start_time(os.getpid()),
+        }  # fmt: skip
+        files.pid_file(process.pid).write_text(json.dumps(record))
+        return ServerProcess(process, log, files)
+    except BaseException:  # no pid file (disk full, read-only folder): not left running where nothing sees it
+        await asyncio.shield(kill_group(process))
+        files.pid_file(process.pid).unlink(missing_ok=True)
+        raise
+
+
+def shimmed(argv: list[str]) -> list[str]:
+    """``argv`` run through the exec shim: it dies with the node (start it in a session of its own)."""
+    return [sys.executable, "-c", _SHIM, str(os.getpid()), *argv]
+
+
+async def kill_group(process: asyncio.subprocess.Process) -> None:
+    """SIGKILL the process group ``process`` leads; return once it is reaped (not waiting for its pipes,
+    which something it started may hold)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    while process.returncode is None:  # noqa: ASYNC110 - no event is set at exit alone
+        await asyncio.sleep(_EXIT_POLL)
 
 
 def describe_exit(status: int) -> str:
@@ -236,19 +325,34 @@ def _session_members(session: int) -> list[int]:
     return [int(pid) for pid in pids if (fields := _stat(pid)) and int(fields[3]) == session]
 
 
+def _kill_each(pids: list[int]) -> None:
+    """SIGKILL each of ``pids`` (members of one of our sessions in another process group)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def kill_leftovers(directory: Path) -> int:
     """Kill what a node before this one left running, by the pid files in ``directory``; how many
-    process groups were killed. A pid whose process started at another time is not ours (recycled)."""
+    servers were killed. A pid whose process started at another time is not ours (recycled). A pid
+    file is removed once its server is gone (or unreadable), kept while the node that wrote it runs.
+    OSError when the folder cannot be read or cleaned."""
     killed = 0
     for path in sorted(directory.glob("*.pid")) if directory.is_dir() else ():
+        if not path.is_file():  # a model's folder named so (model "x.pid"), say
+            continue
         record = _read_record(path)
-        if record is not None and _ours(record):
+        owner = "gone" if record is None else _owner(record)
+        if owner == "running node":
+            continue
+        if record is not None and owner == "left running":
             members = _session_members(record["pgid"])
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(record["pgid"], signal.SIGKILL)
-                killed += 1
-                _log.warning("engine left running by an earlier node killed", pid=record["pid"], processes=members,
-                             argv=record.get("argv"))  # fmt: skip
+            _kill_each(members)  # the group's and the rest of the session's
+            killed += 1
+            _log.warning("engine left running by an earlier node killed", pid=record["pid"], processes=members,
+                         argv=record.get("argv"))  # fmt: skip
         path.unlink(missing_ok=True)
     return killed
 
@@ -261,9 +365,10 @@ def _read_record(path: Path) -> dict[str, Any] | None:
     return None
 
 
-def _ours(record: dict[str, Any]) -> bool:
-    """Whether the recorded server (or a process of its session, which outlives its leader) still
-    runs, left by a node that is gone (a node running still, sharing the folder, keeps its servers).
+def _owner(record: dict[str, Any]) -> Literal["running node", "left running", "gone"]:
+    """Whose the recorded server is: a node that runs still (sharing the folder; it keeps its
+    servers), none (left running by a node that is gone: the server, or a process of its session,
+    which outlives its leader), or it is gone.
 
     While the leader's pid is in use its start time must match; once it is gone, the kernel does not
     give its pid to another process while a group or session of that id exists, so members are ours."""
@@ -271,8 +376,8 @@ def _ours(record: dict[str, Any]) -> bool:
     if isinstance(node, int) and node != os.getpid():
         node_started = _start_time(node)
         if node_started is not None and node_started == record.get("node_start_time"):
-            return False
+            return "running node"
     started = _start_time(record["pid"])
     if started is not None:
-        return started == record.get("start_time")
-    return bool(_session_members(record["pgid"]))
+        return "left running" if started == record.get("start_time") else "gone"
+    return "left running" if _session_members(record["pgid"]) else "gone"

@@ -61,6 +61,9 @@ class EngineSettings(BaseModel):
     killed (SIGKILL to its process group) and restarted."""
     max_failed_starts: int = Field(5, ge=1)
     """Starts in a row that never became ready before the model is FAILED (until its route is reloaded)."""
+    stable_after: float = Field(30.0, ge=0)
+    """Seconds a server must stay ready for its next exit to be a plain restart (and its failed starts
+    reset); one that exits or hangs sooner counts as a failed start (a crash loop ends FAILED)."""
     backoff: float = Field(1.0, gt=0)
     """Seconds before the first restart; doubled for each failed start in a row, up to ``max_backoff``."""
     max_backoff: float = Field(30.0, gt=0)

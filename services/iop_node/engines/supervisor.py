@@ -2,6 +2,7 @@
 
     STARTING --ready probe passes--> READY --exits / stops answering--> RESTARTING --backoff--> STARTING
     STARTING --exits, or start_timeout--> RESTARTING (a failed start) ... max_failed_starts in a row --> FAILED
+    (READY for less than stable_after, then an exit or a hang, also counts as a failed start)
     any --aclose--> STOPPING (SIGTERM to its group, SIGKILL after stop_grace)
 
 Plain code in one task per served model. Every transition is one log line (``iop.node.engine``),
@@ -24,7 +25,15 @@ import structlog
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.adapters.httpclient import HttpClient, HttpError
-from iop_node.engines.process import EngineFiles, RotatingLog, ServerProcess, describe_exit, spawn
+from iop_node.engines.process import (
+    EngineFiles,
+    RotatingLog,
+    ServerProcess,
+    describe_exit,
+    kill_group,
+    shimmed,
+    spawn,
+)
 from iop_node.engines.settings import LOOPBACK, EngineSettings, Launch
 from iop_node.metrics import NodeMetrics
 
@@ -53,13 +62,17 @@ def _free_port() -> int:
         return port
 
 
-def _lists(document: Any, model: str) -> bool:
-    """Whether a model list (OpenAI ``data[].id`` or Ollama ``models[].name``) names ``model``."""
-    if not isinstance(document, dict):
-        return False
-    entries = document.get("data") or document.get("models") or ()
+def _unlisted(document: Any, model: str) -> str | None:
+    """Why a model list (OpenAI ``data[].id``, Ollama ``models[].name``) does not name ``model``; None if it does."""
+    entries = None
+    if isinstance(document, dict):
+        entries = document["data"] if "data" in document else document.get("models")
+    if not isinstance(entries, list):
+        return "its model list is not an object with a list in data (or models)"
     names = {str(entry.get("id") or entry.get("name")) for entry in entries if isinstance(entry, dict)}
-    return model in names or f"{model}:latest" in names
+    if model in names or f"{model}:latest" in names:
+        return None
+    return f"its model list does not name {model}"
 
 
 class Supervisor:
@@ -88,6 +101,8 @@ class Supervisor:
         self._launch: Launch | None = None
         self._task: asyncio.Task[None] | None = None
         self._log: RotatingLog | None = None
+        self._displaced: object = None  # the model's supervisor whose state series this one took over
+        self._stopped = False
 
     @property
     def ready(self) -> bool:
@@ -101,9 +116,14 @@ class Supervisor:
         return f"{name}: {self.served.reason}" if self.served.reason else name
 
     def start(self) -> None:
-        """Start the server in the background (returns at once)."""
+        """Start the server in the background (returns at once); once only (RuntimeError after)."""
+        if self._task is not None:
+            raise RuntimeError(f"the supervisor of {self.model} is started already")
         settings = self.settings
-        self._log = RotatingLog(self.files.log, max_bytes=settings.log_max_bytes, backups=settings.log_backups)
+        self._log = RotatingLog.shared(self.files.log, max_bytes=settings.log_max_bytes, backups=settings.log_backups)
+        owners = self._metrics.engine_state_owners
+        self._displaced = owners.get(self.model)
+        owners[self.model] = self  # the newest one routed says the model's state
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"iop-engine-{self.model}")
 
     async def stop(self) -> None:
@@ -118,9 +138,19 @@ class Supervisor:
             status = await server.stop(self.settings.stop_grace)
             _log.info("engine stopped", model=self.model, engine=self.engine, status=describe_exit(status))
         elif server is not None:
-            await server.kill()  # reaped already: its output read, its pid file removed
+            await server.kill()  # reaped already (killed once at most): its output read, its pid file removed
         if self._log is not None:
             self._log.close()
+            self._log = None
+        self._stopped = True
+        owners, displaced = self._metrics.engine_state_owners, self._displaced
+        if owners.get(self.model) is not self:
+            return
+        if isinstance(displaced, Supervisor) and not displaced._stopped:  # a reload that failed: it serves on
+            owners[self.model] = displaced
+            displaced._publish()
+            return
+        del owners[self.model]
         for name in STATE_NAMES.values():  # a removed route leaves no series behind
             with contextlib.suppress(KeyError):
                 self._metrics.engine_state.remove(self.model, name)
@@ -132,20 +162,28 @@ class Supervisor:
             raise
         except Exception as exc:  # noqa: BLE001 - a bug or an unusable engines folder: FAILED, said, never quiet
             _log.exception("engine supervisor failed", model=self.model, engine=self.engine)
+            server, self._server = self._server, None
+            if server is not None:  # not left running where nothing watches it
+                with contextlib.suppress(Exception):
+                    await server.kill()
             self._set(pb.SERVED_STATE_FAILED, reason=f"the node could not run it: {exc}")
 
     async def _keep_running(self) -> None:
         served, settings = self.served, self.settings
         while True:
             reason = await self._start_once()
-            if reason is None:  # it was ready, then exited or hung: restart it after the first backoff
+            if reason is None:  # it was ready, then exited or hung
+                ready_since = time.monotonic()
                 reason, why = await self._watch()
                 served.restarts += 1
-                delay = settings.backoff
+                if time.monotonic() - ready_since >= settings.stable_after:  # restarted after the first backoff
+                    served.failed_starts = 0
+                else:  # a crash loop: counted as a failed start
+                    served.failed_starts += 1
             else:
                 served.failed_starts += 1
                 why = "start_failed"
-                delay = min(settings.backoff * 2 ** (served.failed_starts - 1), settings.max_backoff)
+            delay = min(settings.backoff * 2 ** max(served.failed_starts - 1, 0), settings.max_backoff)
             self._metrics.engine_restarts.labels(self.model, why).inc()
             if served.failed_starts >= settings.max_failed_starts:
                 self._set(pb.SERVED_STATE_FAILED, reason=reason)
@@ -165,8 +203,8 @@ class Supervisor:
         spawning = asyncio.ensure_future(spawn(launch.argv, env=launch.env, files=self.files, log=self._log))
         try:
             self._server = await asyncio.shield(spawning)
-        except asyncio.CancelledError:  # stopped while starting: stop what was started too
-            with contextlib.suppress(OSError):
+        except asyncio.CancelledError:  # stopped while starting: what was started is stopped with it
+            with contextlib.suppress(Exception):  # a failed spawn killed its process itself
                 self._server = await spawning
             raise
         except OSError as exc:
@@ -177,27 +215,31 @@ class Supervisor:
         reason = await self._until_ready(self._server, launch, started)
         if reason is not None:
             await self._server.kill()
+            self._server = None
             return reason
         self._metrics.engine_ready.labels(self.model).observe(time.monotonic() - started)
-        self.served.failed_starts = 0
         self._set(pb.SERVED_STATE_READY, pid=self._server.pid)
         return None
 
     async def _until_ready(self, server: ServerProcess, launch: Launch, started: float) -> str | None:
         deadline = started + self.settings.start_timeout
         setup = list(launch.setup)
+        unready = ""  # why its last answer was not ready
         async with _Prober(self.served.port, self.settings.probe_timeout) as probe:
             while (status := server.process.returncode) is None:
                 if time.monotonic() > deadline:
                     _log.warning("engine start timed out", model=self.model, timeout=self.settings.start_timeout)
-                    return self._reason(f"not ready after {self.settings.start_timeout:g} s", server)
+                    late = f"not ready after {self.settings.start_timeout:g} s"
+                    return self._reason(f"{late}: {unready}" if unready else late, server)
                 document = await probe.get_json(launch.ready_path)
                 if document is not None and setup:
                     if failure := await self._setup(setup.pop(0), launch, server, deadline):
                         return failure
                     continue
-                if document is not None and (launch.ready_model is None or _lists(document, launch.ready_model)):
-                    return None
+                if document is not None:
+                    if launch.ready_model is None or not (why := _unlisted(document, launch.ready_model)):
+                        return None
+                    unready = f"GET {launch.ready_path}: {why}"
                 await asyncio.sleep(_READY_POLL)
         await server.wait_output()
         return self._reason(describe_exit(status), server)
@@ -205,10 +247,10 @@ class Supervisor:
     async def _setup(self, command: list[str], launch: Launch, server: ServerProcess, deadline: float) -> str | None:
         """Run one setup command (ollama pull/create) against the started server; why it failed, or None."""
         server.note(f"iop: {' '.join(command)}\n".encode())
-        try:
+        try:  # through the shim, in a group of its own: it dies with the node, is killed with its children
             process = await asyncio.create_subprocess_exec(
-                *command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, env={**os.environ, **launch.env},
+                *shimmed(command), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, env={**os.environ, **launch.env}, start_new_session=True,
             )  # fmt: skip
         except OSError as exc:
             return f"cannot run {command[0]}: {exc}"
@@ -216,9 +258,10 @@ class Supervisor:
             async with asyncio.timeout(max(deadline - time.monotonic(), 0.1)):
                 status = await _copied(process, server)
         except TimeoutError:
-            process.kill()
-            await process.wait()
             return f"{' '.join(command[1:3])} not done within start_timeout ({self.settings.start_timeout:g} s)"
+        finally:  # timed out, or the supervisor stopped: not left running
+            if process.returncode is None:
+                await asyncio.shield(kill_group(process))
         if status:
             return f"{' '.join(command[1:3])} {describe_exit(status)}: {server.last_lines(_REASON_LINES)}"
         return None
@@ -233,7 +276,8 @@ class Supervisor:
             while True:
                 with contextlib.suppress(TimeoutError):
                     status = await asyncio.wait_for(server.exited(), settings.probe_interval)
-                    await server.kill()
+                    await server.kill()  # what it started, killed right after it exited (never later)
+                    self._server = None
                     return self._reason(describe_exit(status), server), "exited"
                 if await probe.answers(launch.health_path):
                     answered = time.monotonic()
@@ -241,6 +285,7 @@ class Supervisor:
                     silent = time.monotonic() - answered
                     _log.warning("engine hung: killed", model=self.model, pid=server.pid, silent=round(silent, 1))
                     await server.kill()
+                    self._server = None
                     return self._reason(f"stopped answering for {silent:.0f} s", server), "hung"
 
     def _reason(self, what: str, server: ServerProcess) -> str:
@@ -256,14 +301,19 @@ class Supervisor:
         if state in (pb.SERVED_STATE_RESTARTING, pb.SERVED_STATE_FAILED):
             served.pid = 0
         served.since.GetCurrentTime()
-        for value, name in STATE_NAMES.items():
-            self._metrics.engine_state.labels(self.model, name).set(1 if value == state else 0)
+        self._publish()
         level = {pb.SERVED_STATE_RESTARTING: "warning", pb.SERVED_STATE_FAILED: "error"}.get(state, "info")
         getattr(_log, level)(
             "engine " + STATE_NAMES[state], model=self.model, engine=self.engine, reason=reason or None,
             pid=served.pid or None, port=served.port or None, restarts=served.restarts,
             failed_starts=served.failed_starts, **fields,
         )  # fmt: skip
+
+    def _publish(self) -> None:
+        """Its state into the state gauge, if the model's series are its own."""
+        if self._metrics.engine_state_owners.get(self.model) is self:
+            for value, name in STATE_NAMES.items():
+                self._metrics.engine_state.labels(self.model, name).set(1 if value == self.served.state else 0)
 
 
 async def _copied(process: asyncio.subprocess.Process, server: ServerProcess) -> int:
@@ -305,6 +355,6 @@ class _Prober:
         answer = await self._get(path)
         if answer is None or answer[0] != 200:
             return None
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(ValueError, RecursionError):  # RecursionError: nested too deep
             return json.loads(answer[1])
         return None
