@@ -161,9 +161,11 @@ class Operations:
             reload = pb.Envelope(nodes_reload=pb.NodesReload(node_id=node_id))
             answer = await connection.request(reload, _RELOAD_TIMEOUT)
         except TimeoutError:
-            raise IopError(
-                pb.ERROR_CODE_UNAVAILABLE, f"node {node_id} did not answer nodes.reload in {_RELOAD_TIMEOUT:g}s"
-            ) from None
+            message = (
+                f"node {node_id} did not answer the reload within {_RELOAD_TIMEOUT:g}s; it may still apply it:"
+                " check 'iop nodes ls' or the node's log ('routes reloaded')"
+            )
+            raise IopError(pb.ERROR_CODE_UNAVAILABLE, message) from None
         if answer.WhichOneof("body") != "operation_done":
             message = f"node {node_id} answered nodes.reload with something else"
             raise IopError(pb.ERROR_CODE_PROTOCOL_VIOLATION, message)
