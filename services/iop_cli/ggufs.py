@@ -98,7 +98,9 @@ def engine_logs(node_config: Path) -> list[Path]:
         return []
     if not isinstance(folder, str):
         return []
-    return [node_config.parent / folder / f"{model}.log" for model in engine_models(node_config)]
+    from iop_node.engines.process import EngineFiles  # the node's own naming (a hash after names with / or :)
+
+    return [EngineFiles(node_config.parent / folder, model).log for model in engine_models(node_config)]
 
 
 def _checked(spec: str) -> GgufModel:

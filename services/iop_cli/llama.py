@@ -44,7 +44,7 @@ __all__ = [
 LLAMA_CPP_VERSION = "0.3.36"
 LLAMA_CPP_REQUIREMENT = f"llama-cpp-python[server]=={LLAMA_CPP_VERSION}"
 BUILD_ENV = {
-    "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2),
+    "CMAKE_BUILD_PARALLEL_LEVEL": str(min(os.cpu_count() or 2, 8)),  # more compilers than 8 risk the RAM
     # Portable code (no -march=native: the wheel pip caches may serve another CPU), no tests or examples.
     "CMAKE_ARGS": "-DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF",
 }
@@ -116,7 +116,7 @@ def install(state: Path, *, base: Path | None = None, env: dict[str, str] | None
     }
     with log.open("w") as sink:
         for what, step in steps.items():
-            failure = _run(what, step, sink, {**os.environ, **BUILD_ENV, **(env or {})}, started + INSTALL_TIMEOUT)
+            failure = _run(what, step, sink, {**os.environ, **build_env(), **(env or {})}, started + INSTALL_TIMEOUT)
             if failure:
                 raise CliError(_failed(state, failure), 1)
     if (problem := server_missing(python)) is not None:
@@ -125,11 +125,20 @@ def install(state: Path, *, base: Path | None = None, env: dict[str, str] | None
     return python
 
 
+def build_env() -> dict[str, str]:
+    """The build's variables: BUILD_ENV, after the user's own CMAKE_ARGS (``-DGGML_CUDA=on``, say), which
+    are kept (cmake takes the last of a repeated option, so the user's win where they say the same)."""
+    own = os.environ.get("CMAKE_ARGS", "").strip()
+    return {**BUILD_ENV, "CMAKE_ARGS": f"{BUILD_ENV['CMAKE_ARGS']} {own}".strip()}
+
+
 def install_command(state: Path) -> str:
-    """The shell command that installs what ``install`` does, for a user to run by hand."""
+    """The shell command that installs what ``install`` does, for a user to run by hand (with the
+    Python ``iop`` runs on: the environment is made for that version)."""
     target = shlex.quote(str(_environment(state)))
-    variables = " ".join(f"{key}={shlex.quote(value)}" for key, value in BUILD_ENV.items())
-    return f"python3 -m venv {target} && {variables} {target}/bin/pip install {shlex.quote(LLAMA_CPP_REQUIREMENT)}"
+    variables = " ".join(f"{key}={shlex.quote(value)}" for key, value in build_env().items())
+    python = shlex.quote(sys.executable)
+    return f"{python} -m venv {target} && {variables} {target}/bin/pip install {shlex.quote(LLAMA_CPP_REQUIREMENT)}"
 
 
 def _run(what: str, command: list[str], sink: IO[str], env: dict[str, str], deadline: float) -> str:

@@ -144,11 +144,16 @@ def up(
             return _foreground(Platform(state, log_level, foreground=True), started=lock.close)
         began = time.monotonic()
         started = start_supervised(state, log_level)
+    # the services listen: the locks go before the wait (another `iop up` may choose ports, `iop down` stop)
+    try:
         waited = _wait_models(state, started, began)
-        _print_started(state, started, foreground=False)
-        if waited:
-            raise CliError(waited, 1)
-        return 0
+    except KeyboardInterrupt:
+        stop = iop_command("down", *_dir_args(state))
+        raise CliError(f"stopped waiting for the models; the platform runs on: '{stop}' stops it", 130) from None
+    _print_started(state, started, foreground=False)
+    if waited:
+        raise CliError(waited, 1)
+    return 0
 
 
 def _wait_models(state: Path, started: dict[str, dict[str, Any]], began: float) -> str:
@@ -184,11 +189,11 @@ def _foreground(platform: Platform, started: Callable[[], None]) -> int:
     began = time.monotonic()
 
     def print_started(services: dict[str, dict[str, Any]]) -> None:
+        started()  # they listen: the locks go before the models' wait
         waited = _wait_models(platform.state, services, began)
         _print_started(platform.state, services, foreground=True)
         if waited:
             say(f"iop up: {waited}")
-        started()
 
     return run_attached(platform, print_started)
 

@@ -236,6 +236,11 @@ class NodeApp:
         failed = {load.model for load in self.node.status().models if load.served.state == pb.SERVED_STATE_FAILED}
         changes = diff_routes(self.node.routes, read.routes, again=failed)  # a failed server is started again
         built = await self._start_adapters(read, changes, path)
+        if self._stopping:  # the node began to stop while they started: not left running past its stop
+            for adapter in built.values():
+                with contextlib.suppress(Exception):
+                    await adapter.aclose()
+            raise IopError(pb.ERROR_CODE_SHUTTING_DOWN, f"node {self.node.node_id} is stopping; not reloaded")
         finishing = self.node.replace_routes(changes, built, read.reload_grace) if changes.changed else 0
         self.settings = self.settings.model_copy(update={"routes": read.routes, "reload_grace": read.reload_grace})
         return ReloadSummary(self.node.node_id, changes, finishing, tuple(restart))

@@ -6,7 +6,8 @@ first starts a ``sleep`` in its process group that the node's exec shim does not
 PR_SET_PDEATHSIG), like Ollama's runners: only the node's pid-file clean-up kills it. Its pid is
 printed as ``child PID``; ``--child-group`` starts it in a process group of its own (still in the
 server's session). ``--slow`` streams one event every half second (a run still going when its route
-is removed). ``--exit-after S`` exits S seconds after it first listed its model (a crash loop);
+is removed). ``--exit-after S`` exits S seconds after it first listed its model (a crash loop), ``--stop-after
+S`` stops itself (SIGSTOP: a hang) likewise;
 ``--bad-list`` answers ``{"data": 5}`` as its model lists. GET /api/tags lists MODEL the way Ollama does.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -23,6 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 PORT, MODEL = int(sys.argv[1]), sys.argv[2]
 SLOW = "--slow" in sys.argv
 EXIT_AFTER = float(sys.argv[sys.argv.index("--exit-after") + 1]) if "--exit-after" in sys.argv else None
+STOP_AFTER = float(sys.argv[sys.argv.index("--stop-after") + 1]) if "--stop-after" in sys.argv else None
 WORDS = ["hello", " from", " engine"]
 
 
@@ -46,6 +49,8 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200, json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode())
             if EXIT_AFTER is not None:
                 threading.Timer(EXIT_AFTER, os._exit, [0]).start()
+            if STOP_AFTER is not None:
+                threading.Timer(STOP_AFTER, os.kill, [os.getpid(), signal.SIGSTOP]).start()
         elif self.path == "/api/tags":
             self._send(200, json.dumps({"models": [{"name": MODEL}]}).encode())
         else:

@@ -419,6 +419,19 @@ async def test_a_server_exiting_soon_after_each_ready_ends_failed(pki: Pki, tmp_
         assert not list((tmp_path / "engines").glob("*.pid"))
 
 
+async def test_a_server_hanging_soon_after_each_ready_ends_failed_however_long_hang_timeout(
+    pki: Pki, tmp_path: Path
+) -> None:
+    # detected 1.5 s after its last answer, past stable_after (1 s): still a crash loop, as it served 0.2 s
+    route = _command_route("frozen", "--stop-after", "0.2", max_failed_starts=2, stable_after=1, hang_timeout=1.5)
+    async with running_node(node_settings(pki, tmp_path, [route], engines_dir=tmp_path / "engines")) as app:
+        await assert_eventually(lambda: _served(app, "frozen").state == pb.SERVED_STATE_FAILED, timeout=30)
+        served = _served(app, "frozen")
+        assert served.restarts == 2 and served.failed_starts == 2
+        assert served.reason.startswith("stopped answering for"), served.reason
+        assert not list((tmp_path / "engines").glob("*.pid"))
+
+
 def _fake_ollama(folder: Path, *serve: str) -> Path:
     """An ``ollama`` of the tests': ``serve`` runs engine_server.py SERVE... on OLLAMA_HOST's port; any
     other command (pull) says so, then sleeps (a pull that takes long)."""

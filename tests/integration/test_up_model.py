@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ from backends.servers import venv
 
 from iop_cli.configs import prepare
 from iop_cli.ggufs import GGUF_MAGIC, engine_logs, gguf_models, llama_routes
-from iop_cli.llama import BUILD_ENV, LLAMA_CPP_REQUIREMENT, LLAMA_CPP_VERSION, install, llama_python
+from iop_cli.llama import BUILD_ENV, LLAMA_CPP_REQUIREMENT, LLAMA_CPP_VERSION, build_env, install, llama_python
 from iop_cli.output import CliError
 from iop_cli.preflight import check_files
 from iop_node.settings import load_settings
@@ -186,9 +187,17 @@ def test_none_has_it_so_it_is_installed_and_a_failure_says_the_command(
     assert re.search(r"No matching distribution found for llama-cpp-python", message)
     command = next(line for line in message.splitlines() if line.startswith("install it yourself with: "))
     assert command.removeprefix("install it yourself with: ") == (
-        f"python3 -m venv {target} && CMAKE_BUILD_PARALLEL_LEVEL={BUILD_ENV['CMAKE_BUILD_PARALLEL_LEVEL']} "
-        f"CMAKE_ARGS='{BUILD_ENV['CMAKE_ARGS']}' {target}/bin/pip install '{LLAMA_CPP_REQUIREMENT}'"
+        f"{shlex.quote(sys.executable)} -m venv {target} && "
+        f"CMAKE_BUILD_PARALLEL_LEVEL={BUILD_ENV['CMAKE_BUILD_PARALLEL_LEVEL']} "
+        f"CMAKE_ARGS='{build_env()['CMAKE_ARGS']}' {target}/bin/pip install '{LLAMA_CPP_REQUIREMENT}'"
     )
+
+
+def test_the_users_own_cmake_args_are_kept_after_the_portable_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CMAKE_ARGS", "-DGGML_CUDA=on")
+    assert build_env()["CMAKE_ARGS"] == f"{BUILD_ENV['CMAKE_ARGS']} -DGGML_CUDA=on"
+    monkeypatch.delenv("CMAKE_ARGS")
+    assert build_env()["CMAKE_ARGS"] == BUILD_ENV["CMAKE_ARGS"]
 
 
 @pytest.mark.slow

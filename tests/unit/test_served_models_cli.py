@@ -7,9 +7,10 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from iop_cli.chat import _Fleet
-from iop_cli.ggufs import GGUF_MAGIC, default_name, engine_models, gguf_models, llama_routes
+from iop_cli.ggufs import GGUF_MAGIC, default_name, engine_logs, engine_models, gguf_models, llama_routes
 from iop_cli.ops import _node_dict, _nodes_table
 from iop_cli.output import CliError
 from iop_cli.served import ServedWait, served_dict, served_text, span
@@ -251,3 +252,13 @@ def test_a_control_plane_that_cannot_be_asked_is_asked_again() -> None:
     never = ServedWait(pb.NodesListed, "local-node", ["smol"], report=lambda _: None)
     assert not never.wait(timeout=0.05, interval=0.01)
     assert never.pending() == ["model smol: not reported by the node yet"]
+
+
+def test_the_log_paths_printed_are_the_nodes_own_file_names(tmp_path: Path) -> None:
+    """A model name with / or : is written by the node under a sanitised name with a hash: up prints that one."""
+    serve = {"model_path": "m.gguf"}
+    routes = [{"model": name, "engine": "llama.cpp", "serve": serve} for name in ("smol", "org/x:7b")]
+    (tmp_path / "node.yaml").write_text(yaml.safe_dump({"engines_dir": "models", "routes": routes}))
+    plain, odd = engine_logs(tmp_path / "node.yaml")
+    assert plain == tmp_path / "models" / "smol.log"
+    assert odd.parent == tmp_path / "models" and odd.name.startswith("org_x_7b-") and odd.name.endswith(".log")

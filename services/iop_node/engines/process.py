@@ -71,7 +71,7 @@ def _file_name(model: str) -> str:
 class EngineFiles:
     """A served model's files in engines_dir: MODEL.log (+ .1 .. .N), MODEL.PID.pid per running server
     (a reload that replaces a route starts the new server while the old one finishes its runs), and a
-    folder MODEL/."""
+    folder MODEL.d/."""
 
     directory: Path
     model: str
@@ -112,11 +112,13 @@ class RotatingLog:
 
     @classmethod
     def shared(cls, path: Path, *, max_bytes: int, backups: int) -> RotatingLog:
-        """The log of ``path`` in use already (its bounds kept), or a new one; :meth:`close` once done with it."""
+        """The log of ``path`` in use already, or a new one; :meth:`close` once done with it. The newest
+        user's bounds hold (a reload that changed them)."""
         key = path.absolute()
         log = cls._open.get(key)
         if log is None:
             log = cls._open[key] = cls(path, max_bytes=max_bytes, backups=backups)
+        log.max_bytes, log.backups = max_bytes, backups
         log._users += 1
         return log
 
@@ -245,17 +247,25 @@ class ServerProcess:
         read. Removes its pid file. Once done, never again: a reaped leader's pid may be reused."""
         # Its session's members are ours: the kernel gives no process the session's id while it has any.
         if not self._swept:
-            members = _session_members(self.pid)
-            self.signal_group(signal.SIGKILL)
+            reaped = self.process.returncode is not None
+            members = self._members(reaped)
+            if not reaped:  # a reaped leader's pid is no longer its: the group is reached through its members
+                self.signal_group(signal.SIGKILL)
             _kill_each(members)
         status = await self.exited()
         if not self._swept:
-            _kill_each(_session_members(self.pid))  # those started meanwhile
-            self._swept = True
+            self._swept = True  # before anything else can interleave: never twice
+            _kill_each(self._members(reaped=True))  # those started meanwhile
         await self.wait_output()
         self._copying.cancel()
         self.files.pid_file(self.pid).unlink(missing_ok=True)
         return status
+
+    def _members(self, reaped: bool) -> list[int]:
+        """The processes of its session; once the leader is reaped, not a process holding the leader's pid
+        again (a reused pid is another's)."""
+        members = _session_members(self.pid)
+        return [pid for pid in members if pid != self.pid] if reaped else members
 
 
 async def spawn(argv: list[str], *, env: dict[str, str], files: EngineFiles, log: RotatingLog) -> ServerProcess:

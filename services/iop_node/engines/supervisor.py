@@ -144,6 +144,7 @@ class Supervisor:
             self._log = None
         self._stopped = True
         owners, displaced = self._metrics.engine_state_owners, self._displaced
+        self._displaced = None  # replaced again and again, the stopped ones are not kept alive in a chain
         if owners.get(self.model) is not self:
             return
         if isinstance(displaced, Supervisor) and not displaced._stopped:  # a reload that failed: it serves on
@@ -174,9 +175,11 @@ class Supervisor:
             reason = await self._start_once()
             if reason is None:  # it was ready, then exited or hung
                 ready_since = time.monotonic()
-                reason, why = await self._watch()
+                reason, why, lasted_until = await self._watch()
                 served.restarts += 1
-                if time.monotonic() - ready_since >= settings.stable_after:  # restarted after the first backoff
+                # served well for stable_after (up to its exit, or its last answer before a hang): restarted
+                # after the first backoff
+                if lasted_until - ready_since >= settings.stable_after:
                     served.failed_starts = 0
                 else:  # a crash loop: counted as a failed start
                     served.failed_starts += 1
@@ -266,9 +269,11 @@ class Supervisor:
             return f"{' '.join(command[1:3])} {describe_exit(status)}: {server.last_lines(_REASON_LINES)}"
         return None
 
-    async def _watch(self) -> tuple[str, str]:
-        """Probe the ready server until it exits or stops answering for hang_timeout; why, and the
-        metric's reason (exited, hung). It is stopped when this returns."""
+    async def _watch(self) -> tuple[str, str, float]:
+        """Probe the ready server until it exits or stops answering for hang_timeout; why, the metric's
+        reason (exited, hung), and until when it served (its exit, or its last answer before the hang:
+        a server hanging soon after each ready is a crash loop however long hang_timeout is). It is
+        stopped when this returns."""
         server, launch, settings = self._server, self._launch, self.settings
         assert server is not None and launch is not None
         answered = time.monotonic()
@@ -278,7 +283,7 @@ class Supervisor:
                     status = await asyncio.wait_for(server.exited(), settings.probe_interval)
                     await server.kill()  # what it started, killed right after it exited (never later)
                     self._server = None
-                    return self._reason(describe_exit(status), server), "exited"
+                    return self._reason(describe_exit(status), server), "exited", time.monotonic()
                 if await probe.answers(launch.health_path):
                     answered = time.monotonic()
                 elif time.monotonic() - answered >= settings.hang_timeout and server.process.returncode is None:
@@ -286,7 +291,7 @@ class Supervisor:
                     _log.warning("engine hung: killed", model=self.model, pid=server.pid, silent=round(silent, 1))
                     await server.kill()
                     self._server = None
-                    return self._reason(f"stopped answering for {silent:.0f} s", server), "hung"
+                    return self._reason(f"stopped answering for {silent:.0f} s", server), "hung", answered
 
     def _reason(self, what: str, server: ServerProcess) -> str:
         lines = server.last_lines(_REASON_LINES)
