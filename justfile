@@ -108,6 +108,7 @@ bench:
     python tests/bench/relay_hook_bench.py
     python tests/bench/detection_bench.py
     python tests/bench/migration_bench.py
+    python tests/bench/engine_bench.py
     python tests/bench/edge_bench.py
     python tests/bench/batch_bench.py
     python tests/bench/ledger_bench.py
