@@ -30,6 +30,14 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie (dead, not yet reaped) or a dead process does not."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
 async def assert_eventually(condition: Callable[[], bool], timeout: float = 5.0, interval: float = 0.01) -> None:
     """Poll ``condition`` until it holds, failing after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

@@ -23,6 +23,7 @@ import pytest
 import yaml
 from backends.fixtures import require
 from backends.servers import venv
+from conftest import process_alive
 
 IOP = [sys.executable, "-m", "iop_cli.main"]
 ENV = {k: v for k, v in os.environ.items() if k not in ("IOP_STATE_DIR", "IOP_API_KEY", "IOP_CONTROL_PLANE")}
@@ -36,13 +37,6 @@ def _iop(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 def _printed(output: str, label: str) -> str:
     return next(line.removeprefix(f"{label}: ") for line in output.splitlines() if line.startswith(f"{label}: "))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 @pytest.fixture
@@ -92,9 +86,9 @@ def test_up_serves_a_gguf_file_to_the_openai_sdk_and_shows_it_ready(state: Path,
     stopped = _iop("down", "--dir", str(state), timeout=300)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     deadline = time.monotonic() + 30
-    while _alive(int(pid)) and time.monotonic() < deadline:
+    while process_alive(int(pid)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(int(pid)), "the node left its llama.cpp server running"
+    assert not process_alive(int(pid)), "the node left its llama.cpp server running"
 
 
 def test_a_file_the_server_cannot_load_is_failed_with_the_nodes_reason(state: Path, tmp_path: Path, llama: str) -> None:
@@ -145,6 +139,6 @@ def test_a_joining_machine_serves_a_gguf_file(state: Path, tmp_path: Path, tiny_
     finally:
         _iop("down", "--dir", str(machine), timeout=300)
     deadline = time.monotonic() + 30
-    while _alive(served["pid"]) and time.monotonic() < deadline:
+    while process_alive(served["pid"]) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(served["pid"]), "the joined node left its llama.cpp server running"
+    assert not process_alive(served["pid"]), "the joined node left its llama.cpp server running"

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from backends.fixtures import require
 from backends.servers import venv
-from conftest import Pki, assert_eventually
+from conftest import Pki, assert_eventually, process_alive
 from cp_helpers import IOP, all_ready, client, cp_settings, listening_port, node_config
 from node_helpers import chat, collect, kinds, text
 
@@ -46,13 +46,6 @@ def _start(config: Path, log: Path) -> subprocess.Popen[bytes]:
 
 def _pids(engines: Path, model: str) -> list[int]:
     return [json.loads(path.read_text())["pid"] for path in engines.glob(f"{model}.*.pid")]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 async def test_sighup_starts_an_added_server_and_stops_a_removed_one(pki: Pki, tmp_path: Path, tiny_gguf: Path) -> None:
@@ -86,11 +79,11 @@ async def test_sighup_starts_an_added_server_and_stops_a_removed_one(pki: Pki, t
             events = await collect(echo)
             assert kinds(events)[-1] == "complete", events[-1]
             assert "echo" not in app.registry.nodes["node-s"].models
-            await assert_eventually(lambda: not _alive(echo_pid) and not _pids(engines, "echo"), timeout=20)
+            await assert_eventually(lambda: not process_alive(echo_pid) and not _pids(engines, "echo"), timeout=20)
             # the added server starts and serves
             await assert_eventually(lambda: available("tiny"), timeout=60)
             (tiny_pid,) = _pids(engines, "tiny")
-            assert _alive(tiny_pid)
+            assert process_alive(tiny_pid)
             answer = await collect(await edge.open_run(chat(model="tiny", sampling=pb.Sampling(max_tokens=8))))
             assert kinds(answer)[-1] == "complete" and text(answer), answer[-1]
             # the mock model streamed on throughout

@@ -26,7 +26,7 @@ import yaml
 from backends.fixtures import require
 from backends.servers import OLLAMA_MODELFILE, ollama_binary, venv
 from backends.tiny_model import OLLAMA_TEMPLATE
-from conftest import Pki, assert_eventually
+from conftest import Pki, assert_eventually, process_alive
 from cp_helpers import client as cp_client
 from cp_helpers import cp_settings, node_process
 from node_helpers import chat, client, collect, kinds, node_settings, running_node, text
@@ -62,14 +62,6 @@ def _served(app: NodeApp, model: str) -> pb.ServedModel:
 def _ready(app: NodeApp, model: str) -> bool:
     load = next(load for load in app.node.status().models if load.model == model)
     return load.available and load.served.state == pb.SERVED_STATE_READY
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 async def _chat_text(app: NodeApp, pki: Pki, model: str, tokens: int = 8) -> str:
@@ -115,7 +107,7 @@ async def test_llama_engine_serves_a_long_stream_and_restarts_after_kill_9(
         assert metrics.get_sample_value("iop_node_engine_restarts_total", {"model": "tiny", "reason": "exited"}) == 1
         assert metrics.get_sample_value("iop_node_engine_state", {"model": "tiny", "state": "ready"}) == 1
         assert metrics.get_sample_value("iop_node_engine_ready_seconds_count", {"model": "tiny"}) == 2
-    assert not _alive(again.pid) and not list((tmp_path / "engines").glob("tiny.*.pid"))  # stopped with the node
+    assert not process_alive(again.pid) and not list((tmp_path / "engines").glob("tiny.*.pid"))  # stopped with the node
     assert metrics.get_sample_value("iop_node_engine_state", {"model": "tiny", "state": "stopping"}) is None
 
 
@@ -128,7 +120,7 @@ async def test_llama_engine_stopped_by_sigstop_is_killed_and_restarted(
         frozen = _served(app, "tiny").pid
         os.kill(frozen, signal.SIGSTOP)
         await assert_eventually(lambda: _served(app, "tiny").restarts == 1, timeout=10)
-        assert not _alive(frozen)  # SIGKILLed, not left stopped
+        assert not process_alive(frozen)  # SIGKILLed, not left stopped
         await assert_eventually(lambda: _ready(app, "tiny"), timeout=30)
         assert await _chat_text(app, pki, "tiny")
         hung = {"model": "tiny", "reason": "hung"}
@@ -193,7 +185,7 @@ async def test_a_server_ignoring_sigterm_is_killed_after_stop_grace(pki: Pki, tm
     finally:
         started = time.monotonic()
         await app.stop(grace=0)
-    assert time.monotonic() - started >= 0.5 and not _alive(pid)
+    assert time.monotonic() - started >= 0.5 and not process_alive(pid)
     assert not list((tmp_path / "engines").glob("deaf.*.pid"))
 
 
@@ -315,22 +307,22 @@ async def test_kill_9_of_the_node_leaves_no_server_running(pki: Pki, tmp_path: P
         found = _server_and_child(engines)
         assert found is not None
         server, child = found
-        assert _alive(server) and _alive(child)
+        assert process_alive(server) and process_alive(child)
         node.kill()
         node.wait(timeout=10)
         # the server dies with the node (PR_SET_PDEATHSIG); what it started does not ...
-        await assert_eventually(lambda: not _alive(server), timeout=5)
-        assert _alive(child)
+        await assert_eventually(lambda: not process_alive(server), timeout=5)
+        assert process_alive(child)
         # ... until the node starts again and kills the rest of the group named in the pid file
         node = _start_node(config)
-        await assert_eventually(lambda: not _alive(child), timeout=20)
+        await assert_eventually(lambda: not process_alive(child), timeout=20)
         assert "engine left running by an earlier node killed" in (tmp_path / "node.log").read_text()
         await assert_eventually(lambda: (found := _server_and_child(engines)) is not None and found[0] != server, 20)
     finally:
         node.send_signal(signal.SIGTERM)
         node.wait(timeout=15)
         for pid in (server, child):  # when the test failed: nothing of it left running
-            if pid and _alive(pid):
+            if pid and process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
     assert not list(engines.glob("echo.*.pid"))
 
@@ -382,10 +374,10 @@ async def test_a_replaced_route_leaves_the_new_servers_state_series_and_engines_
         config.write_text(yaml.safe_dump({**data, "engines_dir": "elsewhere", "routes": [_command_route("echo")]}))
         assert (await app.reload()).restart == ("engines_dir",)
         await assert_eventually(lambda: _ready(app, "echo"), timeout=20)
-        assert _alive(old)  # the new one is ready first: the old one's stop comes after
+        assert process_alive(old)  # the new one is ready first: the old one's stop comes after
         assert kinds(await collect(slow))[-1] == "complete"
         await connection.close()
-        await assert_eventually(lambda: not _alive(old) and len(_pids(engines, "echo")) == 1, timeout=20)
+        await assert_eventually(lambda: not process_alive(old) and len(_pids(engines, "echo")) == 1, timeout=20)
         assert app.metrics.registry.get_sample_value("iop_node_engine_state", state) == 1
         assert _ready(app, "echo") and not (tmp_path / "elsewhere").exists()
     finally:
@@ -463,7 +455,7 @@ async def test_a_setup_command_running_when_the_node_stops_is_stopped(pki: Pki, 
         async with running_node(node_settings(pki, tmp_path, [route], engines_dir=engines)):
             await assert_eventually(lambda: "pull tiny started" in (engines / "tiny.log").read_text(), timeout=20)
             (pull,) = _children_running("301.5")
-        assert not _alive(pull)
+        assert not process_alive(pull)
     finally:
         for pid in _children_running("301.5"):  # when the test failed
             os.kill(pid, signal.SIGKILL)
@@ -475,12 +467,12 @@ async def test_a_process_of_the_servers_session_in_another_group_is_stopped_with
     async with running_node(node_settings(pki, tmp_path, [route], engines_dir=engines)) as app:
         await assert_eventually(lambda: _ready(app, "echo") and _server_and_child(engines) is not None, timeout=20)
         found = _server_and_child(engines)
-        assert found is not None and _alive(found[1])
+        assert found is not None and process_alive(found[1])
         assert os.getpgid(found[1]) != found[0] and os.getsid(found[1]) == found[0]
     try:
-        assert not _alive(found[0]) and not _alive(found[1])
+        assert not process_alive(found[0]) and not process_alive(found[1])
     finally:
-        if _alive(found[1]):
+        if process_alive(found[1]):
             os.kill(found[1], signal.SIGKILL)
 
 

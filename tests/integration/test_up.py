@@ -25,6 +25,7 @@ from typing import ClassVar
 
 import pytest
 import yaml
+from conftest import process_alive
 
 IOP = [sys.executable, "-m", "iop_cli.main"]
 SERVICES = ("control-plane", "node", "worker", "edge")
@@ -46,17 +47,9 @@ def _pids(state: Path) -> dict[str, int]:
     return {name: int((state / f"{name}.pid").read_text()) for name in SERVICES if (state / f"{name}.pid").exists()}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return status.rpartition(")")[2].split()[0] not in ("Z", "X")
-
-
 def _wait_gone(pids: list[int], timeout: float = 10) -> list[int]:
     deadline = time.monotonic() + timeout
-    while (alive := [pid for pid in pids if _alive(pid)]) and time.monotonic() < deadline:
+    while (alive := [pid for pid in pids if process_alive(pid)]) and time.monotonic() < deadline:
         time.sleep(0.05)
     return alive
 
@@ -268,7 +261,7 @@ def test_down_stops_every_process(state: Path) -> None:
     started = _iop("up", "--dir", str(state), "--port", "0")
     assert started.returncode == 0, started.stdout + started.stderr
     pids = _pids(state)
-    assert set(pids) == set(SERVICES) and all(_alive(pid) for pid in pids.values())
+    assert set(pids) == set(SERVICES) and all(process_alive(pid) for pid in pids.values())
     stopped = _iop("down", "--dir", str(state))
     assert stopped.returncode == 0, stopped.stderr
     assert [line.split()[0] for line in stopped.stdout.splitlines()] == ["edge", "worker", "node", "control-plane"]
