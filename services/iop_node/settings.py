@@ -157,8 +157,10 @@ class Settings(BaseSettings):
     """SQLite file of the run history."""
     engines_dir: Path = Path(".iop/engines")
     """Folder of the servers this node runs (routes with an ``engine``): MODEL.log (rotated: .1 ..
-    .N), MODEL.pid (what the next start kills if this node died without stopping them) and a
-    folder per model. One node's own: another node's servers found there are killed at start."""
+    .N), MODEL.PID.pid (what the next start kills if this node died without stopping them) and a
+    folder per model. Unset: ``engines`` beside ``store_path``, so that it follows the node's own
+    files and not the folder the node was started from. One node's own: servers a dead node left
+    there are killed at start."""
     heartbeat_interval: float = Field(1.0, gt=0)
     """Seconds between heartbeats on every connection (and between two looks at whether the load
     changed, for node.status): the control-plane judges the node by it, so a frozen node is out
@@ -180,6 +182,17 @@ class Settings(BaseSettings):
     """The event loop ``iop node`` runs on: uvloop (libuv) or the standard library's."""
     routes: list[RouteSettings] = Field(default_factory=list)
     """The route table."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engines_beside_the_history(cls, data: Any) -> Any:
+        """``engines_dir`` unset: the ``engines`` folder beside ``store_path`` (itself resolved from the
+        config file's folder), not a folder relative to wherever the node was started."""
+        if isinstance(data, dict) and "engines_dir" not in data:
+            store = data.get("store_path", cls.model_fields["store_path"].default)
+            if isinstance(store, str | Path):
+                data = {**data, "engines_dir": Path(store).parent / "engines"}
+        return data
 
     @model_validator(mode="before")
     @classmethod

@@ -10,7 +10,7 @@ from iop_node.bootstrap import build_adapters
 from iop_node.engines.process import EngineFiles, RotatingLog
 from iop_node.engines.served import ServedAdapter
 from iop_node.engines.settings import CommandSettings, LlamaCppSettings, OllamaSettings, VllmSettings
-from iop_node.settings import ConfigError, Settings
+from iop_node.settings import ConfigError, Settings, load_settings
 
 
 def _settings(tmp_path: Path, *routes: dict[str, object]) -> Settings:
@@ -108,3 +108,14 @@ def test_log_rotation_keeps_the_bound(tmp_path: Path) -> None:
     assert all(path.stat().st_size <= 1024 for path in tmp_path.iterdir())
     assert files.log.read_text().splitlines()[-1].startswith("line 039")
     assert "line 000" not in "".join(path.read_text() for path in tmp_path.iterdir())  # the oldest dropped
+
+
+def test_engines_dir_unset_is_beside_the_run_history_not_where_the_node_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path.parent)  # started elsewhere: the servers' files stay with the node's own
+    monkeypatch.delenv("IOP_ENGINES_DIR", raising=False)
+    (tmp_path / "node.yaml").write_text("store_path: state/runs.db\nroutes: [{model: m, adapter: mock}]\n")
+    assert load_settings(tmp_path / "node.yaml").engines_dir == tmp_path / "state" / "engines"
+    (tmp_path / "node.yaml").write_text("store_path: state/runs.db\nengines_dir: mine\nroutes: []\n")
+    assert load_settings(tmp_path / "node.yaml").engines_dir == tmp_path / "mine"
