@@ -454,6 +454,8 @@ async def test_a_setup_command_running_when_the_node_stops_is_stopped(pki: Pki, 
     try:
         async with running_node(node_settings(pki, tmp_path, [route], engines_dir=engines)):
             await assert_eventually(lambda: "pull tiny started" in (engines / "tiny.log").read_text(), timeout=20)
+            # the script says so just before it execs the sleep that stands for the pull
+            await assert_eventually(lambda: len(_children_running("301.5")) == 1, timeout=10)
             (pull,) = _children_running("301.5")
         assert not process_alive(pull)
     finally:
