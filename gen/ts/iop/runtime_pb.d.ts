@@ -515,6 +515,43 @@ export declare type Envelope = Message<"iop.Envelope"> & {
      */
     value: NodesReload;
     case: "nodesReload";
+  } | {
+    /**
+     * usage.list: token usage per hour or day, by caller and model, from the
+     * control-plane's ledger (answered by usage.listed). From an admin, any
+     * caller's; from an edge or worker, which act for callers, the caller it
+     * names (the edge names the API key's, or every caller's for an admin key).
+     *
+     * @generated from field: iop.UsageList usage_list = 62;
+     */
+    value: UsageList;
+    case: "usageList";
+  } | {
+    /**
+     * usage.listed: the answer to usage.list.
+     *
+     * @generated from field: iop.UsageListed usage_listed = 63;
+     */
+    value: UsageListed;
+    case: "usageListed";
+  } | {
+    /**
+     * overview.show: the platform's recent traffic and queues, as the
+     * answering control-plane saw them (answered by overview.shown). From an
+     * admin or an edge.
+     *
+     * @generated from field: iop.OverviewShow overview_show = 64;
+     */
+    value: OverviewShow;
+    case: "overviewShow";
+  } | {
+    /**
+     * overview.shown: the answer to overview.show.
+     *
+     * @generated from field: iop.OverviewShown overview_shown = 65;
+     */
+    value: OverviewShown;
+    case: "overviewShown";
   } | { case: undefined; value?: undefined };
 };
 
@@ -1748,6 +1785,15 @@ export declare type Error = Message<"iop.Error"> & {
    * @generated from field: iop.ErrorReason reason = 7;
    */
   reason: ErrorReason;
+
+  /**
+   * On a run's terminal error (failed or cancelled): the tokens the run used
+   * before it ended (its prompt, and the output it delivered), when the
+   * sender counted them; unset when it did not.
+   *
+   * @generated from field: iop.Usage usage = 8;
+   */
+  usage?: Usage | undefined;
 };
 
 /**
@@ -2108,6 +2154,345 @@ export declare type NodeInfo = Message<"iop.NodeInfo"> & {
 export declare const NodeInfoSchema: GenMessage<NodeInfo>;
 
 /**
+ * usage.list: token usage in time buckets. Buckets start at whole UTC hours
+ * (or days); each row sums the runs received in its bucket, completed, failed
+ * and cancelled alike (a failed or cancelled run counts the tokens it used
+ * before it ended).
+ *
+ * @generated from message iop.UsageList
+ */
+export declare type UsageList = Message<"iop.UsageList"> & {
+  /**
+   * The first bucket is the one holding this time; unset means 24 hours
+   * before end (7 days for USAGE_BUCKET_DAY).
+   *
+   * @generated from field: google.protobuf.Timestamp start = 1;
+   */
+  start?: Timestamp | undefined;
+
+  /**
+   * Buckets starting before this time; unset means now.
+   *
+   * @generated from field: google.protobuf.Timestamp end = 2;
+   */
+  end?: Timestamp | undefined;
+
+  /**
+   * The bucket width; unspecified means an hour.
+   *
+   * @generated from field: iop.UsageBucket bucket = 3;
+   */
+  bucket: UsageBucket;
+
+  /**
+   * Only runs attributed to this caller; empty means every caller's.
+   *
+   * @generated from field: string caller = 4;
+   */
+  caller: string;
+
+  /**
+   * Only runs of this model, as requested; empty means every model's.
+   *
+   * @generated from field: string model = 5;
+   */
+  model: string;
+
+  /**
+   * One row per caller in each bucket; false sums the callers.
+   *
+   * @generated from field: bool by_caller = 6;
+   */
+  byCaller: boolean;
+
+  /**
+   * One row per model in each bucket; false sums the models.
+   *
+   * @generated from field: bool by_model = 7;
+   */
+  byModel: boolean;
+};
+
+/**
+ * Describes the message iop.UsageList.
+ * Use `create(UsageListSchema)` to create a new message.
+ */
+export declare const UsageListSchema: GenMessage<UsageList>;
+
+/**
+ * usage.listed: the answer to usage.list.
+ *
+ * @generated from message iop.UsageListed
+ */
+export declare type UsageListed = Message<"iop.UsageListed"> & {
+  /**
+   * The buckets with some usage, oldest first; rows of one bucket ordered by
+   * caller, then model. A bucket with no run has no row.
+   *
+   * @generated from field: repeated iop.UsageEntry entries = 1;
+   */
+  entries: UsageEntry[];
+};
+
+/**
+ * Describes the message iop.UsageListed.
+ * Use `create(UsageListedSchema)` to create a new message.
+ */
+export declare const UsageListedSchema: GenMessage<UsageListed>;
+
+/**
+ * The usage of one caller and model (or of all, where not grouped by them)
+ * in one bucket.
+ *
+ * @generated from message iop.UsageEntry
+ */
+export declare type UsageEntry = Message<"iop.UsageEntry"> & {
+  /**
+   * When the bucket starts.
+   *
+   * @generated from field: google.protobuf.Timestamp start = 1;
+   */
+  start?: Timestamp | undefined;
+
+  /**
+   * The caller; empty unless grouped by caller.
+   *
+   * @generated from field: string caller = 2;
+   */
+  caller: string;
+
+  /**
+   * The model as requested; empty unless grouped by model.
+   *
+   * @generated from field: string model = 3;
+   */
+  model: string;
+
+  /**
+   * Runs received, whatever their end.
+   *
+   * @generated from field: uint64 requests = 4;
+   */
+  requests: bigint;
+
+  /**
+   * Prompt tokens.
+   *
+   * @generated from field: uint64 prompt_tokens = 5;
+   */
+  promptTokens: bigint;
+
+  /**
+   * Completion tokens (for a failed or cancelled run, those it delivered).
+   *
+   * @generated from field: uint64 completion_tokens = 6;
+   */
+  completionTokens: bigint;
+
+  /**
+   * Prompt tokens served from a cache.
+   *
+   * @generated from field: uint64 cached_tokens = 7;
+   */
+  cachedTokens: bigint;
+
+  /**
+   * Runs that failed or were cancelled (counted in requests too).
+   *
+   * @generated from field: uint64 failed = 8;
+   */
+  failed: bigint;
+
+  /**
+   * Runs whose tokens are the control-plane's estimate: the node did not
+   * count them (a run cancelled before its node reported, or a backend that
+   * reports no usage).
+   *
+   * @generated from field: uint64 estimated = 9;
+   */
+  estimated: bigint;
+};
+
+/**
+ * Describes the message iop.UsageEntry.
+ * Use `create(UsageEntrySchema)` to create a new message.
+ */
+export declare const UsageEntrySchema: GenMessage<UsageEntry>;
+
+/**
+ * overview.show: recent traffic, as the answering control-plane saw it.
+ *
+ * @generated from message iop.OverviewShow
+ */
+export declare type OverviewShow = Message<"iop.OverviewShow"> & {
+  /**
+   * Seconds of traffic to sum, ending now; 0 means 60. At most 3600.
+   *
+   * @generated from field: uint32 window_seconds = 1;
+   */
+  windowSeconds: number;
+};
+
+/**
+ * Describes the message iop.OverviewShow.
+ * Use `create(OverviewShowSchema)` to create a new message.
+ */
+export declare const OverviewShowSchema: GenMessage<OverviewShow>;
+
+/**
+ * overview.shown: the answer to overview.show.
+ *
+ * @generated from message iop.OverviewShown
+ */
+export declare type OverviewShown = Message<"iop.OverviewShown"> & {
+  /**
+   * The window summed, in seconds.
+   *
+   * @generated from field: uint32 window_seconds = 1;
+   */
+  windowSeconds: number;
+
+  /**
+   * Runs that ended in the window.
+   *
+   * @generated from field: uint64 requests = 2;
+   */
+  requests: bigint;
+
+  /**
+   * Of those, runs that failed (not cancelled).
+   *
+   * @generated from field: uint64 failed = 3;
+   */
+  failed: bigint;
+
+  /**
+   * Prompt tokens of runs that ended in the window.
+   *
+   * @generated from field: uint64 prompt_tokens = 4;
+   */
+  promptTokens: bigint;
+
+  /**
+   * Completion tokens of runs that ended in the window.
+   *
+   * @generated from field: uint64 completion_tokens = 5;
+   */
+  completionTokens: bigint;
+
+  /**
+   * Time to first output of the runs that ended in the window: median.
+   *
+   * @generated from field: google.protobuf.Duration ttft_p50 = 6;
+   */
+  ttftP50?: Duration | undefined;
+
+  /**
+   * Time to first output: 95th percentile.
+   *
+   * @generated from field: google.protobuf.Duration ttft_p95 = 7;
+   */
+  ttftP95?: Duration | undefined;
+
+  /**
+   * Runs waiting in the admission queues now.
+   *
+   * @generated from field: uint32 queued = 8;
+   */
+  queued: number;
+
+  /**
+   * Runs executing now.
+   *
+   * @generated from field: uint32 running = 9;
+   */
+  running: number;
+
+  /**
+   * The same per model, for each model with traffic in the window or runs
+   * queued or running now, ordered by model.
+   *
+   * @generated from field: repeated iop.ModelTraffic models = 10;
+   */
+  models: ModelTraffic[];
+
+  /**
+   * The control-plane that answered (its certificate name).
+   *
+   * @generated from field: string control_plane = 11;
+   */
+  controlPlane: string;
+};
+
+/**
+ * Describes the message iop.OverviewShown.
+ * Use `create(OverviewShownSchema)` to create a new message.
+ */
+export declare const OverviewShownSchema: GenMessage<OverviewShown>;
+
+/**
+ * One model's share of an overview.
+ *
+ * @generated from message iop.ModelTraffic
+ */
+export declare type ModelTraffic = Message<"iop.ModelTraffic"> & {
+  /**
+   * The model, as requested.
+   *
+   * @generated from field: string model = 1;
+   */
+  model: string;
+
+  /**
+   * Runs that ended in the window.
+   *
+   * @generated from field: uint64 requests = 2;
+   */
+  requests: bigint;
+
+  /**
+   * Of those, runs that failed.
+   *
+   * @generated from field: uint64 failed = 3;
+   */
+  failed: bigint;
+
+  /**
+   * Completion tokens of runs that ended in the window.
+   *
+   * @generated from field: uint64 completion_tokens = 4;
+   */
+  completionTokens: bigint;
+
+  /**
+   * Runs waiting in its admission queue now.
+   *
+   * @generated from field: uint32 queued = 5;
+   */
+  queued: number;
+
+  /**
+   * Its runs executing now.
+   *
+   * @generated from field: uint32 running = 6;
+   */
+  running: number;
+
+  /**
+   * Time to first output of its runs that ended in the window: median.
+   *
+   * @generated from field: google.protobuf.Duration ttft_p50 = 7;
+   */
+  ttftP50?: Duration | undefined;
+};
+
+/**
+ * Describes the message iop.ModelTraffic.
+ * Use `create(ModelTrafficSchema)` to create a new message.
+ */
+export declare const ModelTrafficSchema: GenMessage<ModelTraffic>;
+
+/**
  * nodes.drain: place no new runs on a node; let its in-flight runs finish.
  * The drain holds until nodes.undrain, also when the node registers again.
  * Answered by operation.done; an unknown node id by an error with
@@ -2370,6 +2755,21 @@ export declare type RunsList = Message<"iop.RunsList"> & {
    * @generated from field: string node_id = 6;
    */
   nodeId: string;
+
+  /**
+   * Only runs attributed to this caller (LedgerRun.caller).
+   *
+   * @generated from field: string caller = 7;
+   */
+  caller: string;
+
+  /**
+   * Only runs received before this time: the next page after a page whose
+   * oldest run was received then.
+   *
+   * @generated from field: google.protobuf.Timestamp before = 8;
+   */
+  before?: Timestamp | undefined;
 };
 
 /**
@@ -4223,6 +4623,39 @@ export enum ErrorCode {
  * Describes the enum iop.ErrorCode.
  */
 export declare const ErrorCodeSchema: GenEnum<ErrorCode>;
+
+/**
+ * The width of a usage bucket.
+ *
+ * @generated from enum iop.UsageBucket
+ */
+export enum UsageBucket {
+  /**
+   * An hour.
+   *
+   * @generated from enum value: USAGE_BUCKET_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * A UTC hour.
+   *
+   * @generated from enum value: USAGE_BUCKET_HOUR = 1;
+   */
+  HOUR = 1,
+
+  /**
+   * A UTC day.
+   *
+   * @generated from enum value: USAGE_BUCKET_DAY = 2;
+   */
+  DAY = 2,
+}
+
+/**
+ * Describes the enum iop.UsageBucket.
+ */
+export declare const UsageBucketSchema: GenEnum<UsageBucket>;
 
 /**
  * A node's state in the control-plane's registry.

@@ -58,6 +58,7 @@ __all__ = (
     "LedgerRun",
     "ModelInfo",
     "ModelLoad",
+    "ModelTraffic",
     "NodeDrain",
     "NodeInfo",
     "NodeRegister",
@@ -71,6 +72,8 @@ __all__ = (
     "NodesRemove",
     "NodesUndrain",
     "OperationDone",
+    "OverviewShow",
+    "OverviewShown",
     "PolicyApplied",
     "PolicyApply",
     "PolicyShow",
@@ -93,6 +96,10 @@ __all__ = (
     "ToolCallDelta",
     "TopLogprob",
     "Usage",
+    "UsageBucket",
+    "UsageEntry",
+    "UsageList",
+    "UsageListed",
 )
 
 import builtins
@@ -728,6 +735,43 @@ class ServedState(betterproto2.Enum):
             "SERVED_STATE_RESTARTING": 3,
             "SERVED_STATE_FAILED": 4,
             "SERVED_STATE_STOPPING": 5,
+        }
+
+
+class UsageBucket(betterproto2.Enum):
+    """
+    The width of a usage bucket.
+    """
+
+    UNSPECIFIED = 0
+    """
+    An hour.
+    """
+
+    HOUR = 1
+    """
+    A UTC hour.
+    """
+
+    DAY = 2
+    """
+    A UTC day.
+    """
+
+    @classmethod
+    def betterproto_value_to_renamed_proto_names(cls) -> dict[int, str]:
+        return {
+            0: "USAGE_BUCKET_UNSPECIFIED",
+            1: "USAGE_BUCKET_HOUR",
+            2: "USAGE_BUCKET_DAY",
+        }
+
+    @classmethod
+    def betterproto_renamed_proto_names_to_value(cls) -> dict[str, int]:
+        return {
+            "USAGE_BUCKET_UNSPECIFIED": 0,
+            "USAGE_BUCKET_HOUR": 1,
+            "USAGE_BUCKET_DAY": 2,
         }
 
 
@@ -1660,6 +1704,35 @@ class Envelope(betterproto2.Message):
     the same message on to the node.
     """
 
+    usage_list: "UsageList | None" = betterproto2.field(62, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    usage.list: token usage per hour or day, by caller and model, from the
+    control-plane's ledger (answered by usage.listed). From an admin, any
+    caller's; from an edge or worker, which act for callers, the caller it
+    names (the edge names the API key's, or every caller's for an admin key).
+    """
+
+    usage_listed: "UsageListed | None" = betterproto2.field(63, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    usage.listed: the answer to usage.list.
+    """
+
+    overview_show: "OverviewShow | None" = betterproto2.field(
+        64, betterproto2.TYPE_MESSAGE, optional=True, group="body"
+    )
+    """
+    overview.show: the platform's recent traffic and queues, as the
+    answering control-plane saw them (answered by overview.shown). From an
+    admin or an edge.
+    """
+
+    overview_shown: "OverviewShown | None" = betterproto2.field(
+        65, betterproto2.TYPE_MESSAGE, optional=True, group="body"
+    )
+    """
+    overview.shown: the answer to overview.show.
+    """
+
 
 default_message_pool.register_message("iop", "Envelope", Envelope)
 
@@ -1713,6 +1786,13 @@ class Error(betterproto2.Message):
     Which case of the code this is, where callers treat the cases of one
     code differently (a full queue and a caller over its limit are both
     ERROR_CODE_RESOURCE_EXHAUSTED); unspecified when there is one case.
+    """
+
+    usage: "Usage | None" = betterproto2.field(8, betterproto2.TYPE_MESSAGE, optional=True)
+    """
+    On a run's terminal error (failed or cancelled): the tokens the run used
+    before it ended (its prompt, and the output it delivered), when the
+    sender counted them; unset when it did not.
     """
 
 
@@ -2574,6 +2654,53 @@ default_message_pool.register_message("iop", "ModelLoad", ModelLoad)
 
 
 @dataclass(eq=False, repr=False)
+class ModelTraffic(betterproto2.Message):
+    """
+    One model's share of an overview.
+    """
+
+    model: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The model, as requested.
+    """
+
+    requests: "int" = betterproto2.field(2, betterproto2.TYPE_UINT64)
+    """
+    Runs that ended in the window.
+    """
+
+    failed: "int" = betterproto2.field(3, betterproto2.TYPE_UINT64)
+    """
+    Of those, runs that failed.
+    """
+
+    completion_tokens: "int" = betterproto2.field(4, betterproto2.TYPE_UINT64)
+    """
+    Completion tokens of runs that ended in the window.
+    """
+
+    queued: "int" = betterproto2.field(5, betterproto2.TYPE_UINT32)
+    """
+    Runs waiting in its admission queue now.
+    """
+
+    running: "int" = betterproto2.field(6, betterproto2.TYPE_UINT32)
+    """
+    Its runs executing now.
+    """
+
+    ttft_p50: "datetime.timedelta | None" = betterproto2.field(
+        7, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Duration, optional=True
+    )
+    """
+    Time to first output of its runs that ended in the window: median.
+    """
+
+
+default_message_pool.register_message("iop", "ModelTraffic", ModelTraffic)
+
+
+@dataclass(eq=False, repr=False)
 class NodeDrain(betterproto2.Message):
     """
     node.drain: stop taking runs; finish the in-flight ones.
@@ -2925,6 +3052,91 @@ default_message_pool.register_message("iop", "OperationDone", OperationDone)
 
 
 @dataclass(eq=False, repr=False)
+class OverviewShow(betterproto2.Message):
+    """
+    overview.show: recent traffic, as the answering control-plane saw it.
+    """
+
+    window_seconds: "int" = betterproto2.field(1, betterproto2.TYPE_UINT32)
+    """
+    Seconds of traffic to sum, ending now; 0 means 60. At most 3600.
+    """
+
+
+default_message_pool.register_message("iop", "OverviewShow", OverviewShow)
+
+
+@dataclass(eq=False, repr=False)
+class OverviewShown(betterproto2.Message):
+    """
+    overview.shown: the answer to overview.show.
+    """
+
+    window_seconds: "int" = betterproto2.field(1, betterproto2.TYPE_UINT32)
+    """
+    The window summed, in seconds.
+    """
+
+    requests: "int" = betterproto2.field(2, betterproto2.TYPE_UINT64)
+    """
+    Runs that ended in the window.
+    """
+
+    failed: "int" = betterproto2.field(3, betterproto2.TYPE_UINT64)
+    """
+    Of those, runs that failed (not cancelled).
+    """
+
+    prompt_tokens: "int" = betterproto2.field(4, betterproto2.TYPE_UINT64)
+    """
+    Prompt tokens of runs that ended in the window.
+    """
+
+    completion_tokens: "int" = betterproto2.field(5, betterproto2.TYPE_UINT64)
+    """
+    Completion tokens of runs that ended in the window.
+    """
+
+    ttft_p50: "datetime.timedelta | None" = betterproto2.field(
+        6, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Duration, optional=True
+    )
+    """
+    Time to first output of the runs that ended in the window: median.
+    """
+
+    ttft_p95: "datetime.timedelta | None" = betterproto2.field(
+        7, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Duration, optional=True
+    )
+    """
+    Time to first output: 95th percentile.
+    """
+
+    queued: "int" = betterproto2.field(8, betterproto2.TYPE_UINT32)
+    """
+    Runs waiting in the admission queues now.
+    """
+
+    running: "int" = betterproto2.field(9, betterproto2.TYPE_UINT32)
+    """
+    Runs executing now.
+    """
+
+    models: "list[ModelTraffic]" = betterproto2.field(10, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    The same per model, for each model with traffic in the window or runs
+    queued or running now, ordered by model.
+    """
+
+    control_plane: "str" = betterproto2.field(11, betterproto2.TYPE_STRING)
+    """
+    The control-plane that answered (its certificate name).
+    """
+
+
+default_message_pool.register_message("iop", "OverviewShown", OverviewShown)
+
+
+@dataclass(eq=False, repr=False)
 class PolicyApplied(betterproto2.Message):
     """
     policy.applied: the policy sent by policy.apply is in force.
@@ -3264,6 +3476,19 @@ class RunsList(betterproto2.Message):
     Only runs placed, on some attempt, on this node.
     """
 
+    caller: "str" = betterproto2.field(7, betterproto2.TYPE_STRING)
+    """
+    Only runs attributed to this caller (LedgerRun.caller).
+    """
+
+    before: "datetime.datetime | None" = betterproto2.field(
+        8, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
+    )
+    """
+    Only runs received before this time: the next page after a page whose
+    oldest run was received then.
+    """
+
 
 default_message_pool.register_message("iop", "RunsList", RunsList)
 
@@ -3591,6 +3816,135 @@ class Usage(betterproto2.Message):
 
 
 default_message_pool.register_message("iop", "Usage", Usage)
+
+
+@dataclass(eq=False, repr=False)
+class UsageEntry(betterproto2.Message):
+    """
+    The usage of one caller and model (or of all, where not grouped by them)
+    in one bucket.
+    """
+
+    start: "datetime.datetime | None" = betterproto2.field(
+        1, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
+    )
+    """
+    When the bucket starts.
+    """
+
+    caller: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    The caller; empty unless grouped by caller.
+    """
+
+    model: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    The model as requested; empty unless grouped by model.
+    """
+
+    requests: "int" = betterproto2.field(4, betterproto2.TYPE_UINT64)
+    """
+    Runs received, whatever their end.
+    """
+
+    prompt_tokens: "int" = betterproto2.field(5, betterproto2.TYPE_UINT64)
+    """
+    Prompt tokens.
+    """
+
+    completion_tokens: "int" = betterproto2.field(6, betterproto2.TYPE_UINT64)
+    """
+    Completion tokens (for a failed or cancelled run, those it delivered).
+    """
+
+    cached_tokens: "int" = betterproto2.field(7, betterproto2.TYPE_UINT64)
+    """
+    Prompt tokens served from a cache.
+    """
+
+    failed: "int" = betterproto2.field(8, betterproto2.TYPE_UINT64)
+    """
+    Runs that failed or were cancelled (counted in requests too).
+    """
+
+    estimated: "int" = betterproto2.field(9, betterproto2.TYPE_UINT64)
+    """
+    Runs whose tokens are the control-plane's estimate: the node did not
+    count them (a run cancelled before its node reported, or a backend that
+    reports no usage).
+    """
+
+
+default_message_pool.register_message("iop", "UsageEntry", UsageEntry)
+
+
+@dataclass(eq=False, repr=False)
+class UsageList(betterproto2.Message):
+    """
+    usage.list: token usage in time buckets. Buckets start at whole UTC hours
+    (or days); each row sums the runs received in its bucket, completed, failed
+    and cancelled alike (a failed or cancelled run counts the tokens it used
+    before it ended).
+    """
+
+    start: "datetime.datetime | None" = betterproto2.field(
+        1, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
+    )
+    """
+    The first bucket is the one holding this time; unset means 24 hours
+    before end (7 days for USAGE_BUCKET_DAY).
+    """
+
+    end: "datetime.datetime | None" = betterproto2.field(
+        2, betterproto2.TYPE_MESSAGE, unwrap=lambda: _google__protobuf__.Timestamp, optional=True
+    )
+    """
+    Buckets starting before this time; unset means now.
+    """
+
+    bucket: "UsageBucket" = betterproto2.field(3, betterproto2.TYPE_ENUM, default_factory=lambda: UsageBucket(0))
+    """
+    The bucket width; unspecified means an hour.
+    """
+
+    caller: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+    """
+    Only runs attributed to this caller; empty means every caller's.
+    """
+
+    model: "str" = betterproto2.field(5, betterproto2.TYPE_STRING)
+    """
+    Only runs of this model, as requested; empty means every model's.
+    """
+
+    by_caller: "bool" = betterproto2.field(6, betterproto2.TYPE_BOOL)
+    """
+    One row per caller in each bucket; false sums the callers.
+    """
+
+    by_model: "bool" = betterproto2.field(7, betterproto2.TYPE_BOOL)
+    """
+    One row per model in each bucket; false sums the models.
+    """
+
+
+default_message_pool.register_message("iop", "UsageList", UsageList)
+
+
+@dataclass(eq=False, repr=False)
+class UsageListed(betterproto2.Message):
+    """
+    usage.listed: the answer to usage.list.
+    """
+
+    entries: "list[UsageEntry]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    The buckets with some usage, oldest first; rows of one bucket ordered by
+    caller, then model. A bucket with no run has no row.
+    """
+
+
+default_message_pool.register_message("iop", "UsageListed", UsageListed)
 
 
 from ..google import protobuf as _google__protobuf__

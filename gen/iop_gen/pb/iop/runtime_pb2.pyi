@@ -388,6 +388,30 @@ belongs to another caller; the two are not told apart.
 """
 Global___ErrorCode: _TypeAlias = ErrorCode  # noqa: Y015
 
+class _UsageBucket:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _UsageBucketEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_UsageBucket.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    USAGE_BUCKET_UNSPECIFIED: _UsageBucket.ValueType  # 0
+    """An hour."""
+    USAGE_BUCKET_HOUR: _UsageBucket.ValueType  # 1
+    """A UTC hour."""
+    USAGE_BUCKET_DAY: _UsageBucket.ValueType  # 2
+    """A UTC day."""
+
+class UsageBucket(_UsageBucket, metaclass=_UsageBucketEnumTypeWrapper):
+    """The width of a usage bucket."""
+
+USAGE_BUCKET_UNSPECIFIED: UsageBucket.ValueType  # 0
+"""An hour."""
+USAGE_BUCKET_HOUR: UsageBucket.ValueType  # 1
+"""A UTC hour."""
+USAGE_BUCKET_DAY: UsageBucket.ValueType  # 2
+"""A UTC day."""
+Global___UsageBucket: _TypeAlias = UsageBucket  # noqa: Y015
+
 class _NodeState:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -541,6 +565,10 @@ class Envelope(_message.Message):
     JOIN_TOKEN_REVOKE_FIELD_NUMBER: _builtins.int
     NODES_REMOVE_FIELD_NUMBER: _builtins.int
     NODES_RELOAD_FIELD_NUMBER: _builtins.int
+    USAGE_LIST_FIELD_NUMBER: _builtins.int
+    USAGE_LISTED_FIELD_NUMBER: _builtins.int
+    OVERVIEW_SHOW_FIELD_NUMBER: _builtins.int
+    OVERVIEW_SHOWN_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Unique id of this envelope, chosen by its sender (a UUID or a counter
     unique within the connection).
@@ -801,6 +829,29 @@ class Envelope(_message.Message):
         the same message on to the node.
         """
 
+    @_builtins.property
+    def usage_list(self) -> Global___UsageList:
+        """usage.list: token usage per hour or day, by caller and model, from the
+        control-plane's ledger (answered by usage.listed). From an admin, any
+        caller's; from an edge or worker, which act for callers, the caller it
+        names (the edge names the API key's, or every caller's for an admin key).
+        """
+
+    @_builtins.property
+    def usage_listed(self) -> Global___UsageListed:
+        """usage.listed: the answer to usage.list."""
+
+    @_builtins.property
+    def overview_show(self) -> Global___OverviewShow:
+        """overview.show: the platform's recent traffic and queues, as the
+        answering control-plane saw them (answered by overview.shown). From an
+        admin or an edge.
+        """
+
+    @_builtins.property
+    def overview_shown(self) -> Global___OverviewShown:
+        """overview.shown: the answer to overview.show."""
+
     def __init__(
         self,
         *,
@@ -861,12 +912,16 @@ class Envelope(_message.Message):
         join_token_revoke: Global___JoinTokenRevoke | None = ...,
         nodes_remove: Global___NodesRemove | None = ...,
         nodes_reload: Global___NodesReload | None = ...,
+        usage_list: Global___UsageList | None = ...,
+        usage_listed: Global___UsageListed | None = ...,
+        overview_show: Global___OverviewShow | None = ...,
+        overview_shown: Global___OverviewShown | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["batch_cancel", b"batch_cancel", "batch_create", b"batch_create", "batch_get", b"batch_get", "batch_info", b"batch_info", "batches_list", b"batches_list", "batches_listed", b"batches_listed", "body", b"body", "cancel_request", b"cancel_request", "capability_request", b"capability_request", "capability_response", b"capability_response", "cert_renew", b"cert_renew", "cert_renewed", b"cert_renewed", "error", b"error", "file_chunk", b"file_chunk", "file_create", b"file_create", "file_data", b"file_data", "file_delete", b"file_delete", "file_deleted", b"file_deleted", "file_get", b"file_get", "file_info", b"file_info", "file_read", b"file_read", "file_upload_progress", b"file_upload_progress", "files_list", b"files_list", "files_listed", b"files_listed", "heartbeat", b"heartbeat", "join_accepted", b"join_accepted", "join_hello", b"join_hello", "join_request", b"join_request", "join_token_create", b"join_token_create", "join_token_created", b"join_token_created", "join_token_revoke", b"join_token_revoke", "join_tokens_list", b"join_tokens_list", "join_tokens_listed", b"join_tokens_listed", "join_welcome", b"join_welcome", "node_drain", b"node_drain", "node_register", b"node_register", "node_registered", b"node_registered", "node_status", b"node_status", "nodes_drain", b"nodes_drain", "nodes_list", b"nodes_list", "nodes_listed", b"nodes_listed", "nodes_reload", b"nodes_reload", "nodes_remove", b"nodes_remove", "nodes_undrain", b"nodes_undrain", "operation_done", b"operation_done", "policy_applied", b"policy_applied", "policy_apply", b"policy_apply", "policy_show", b"policy_show", "policy_shown", b"policy_shown", "run_event", b"run_event", "run_request", b"run_request", "runs_list", b"runs_list", "runs_listed", b"runs_listed", "sent_at", b"sent_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch_cancel", b"batch_cancel", "batch_create", b"batch_create", "batch_get", b"batch_get", "batch_info", b"batch_info", "batches_list", b"batches_list", "batches_listed", b"batches_listed", "body", b"body", "cancel_request", b"cancel_request", "capability_request", b"capability_request", "capability_response", b"capability_response", "cert_renew", b"cert_renew", "cert_renewed", b"cert_renewed", "error", b"error", "file_chunk", b"file_chunk", "file_create", b"file_create", "file_data", b"file_data", "file_delete", b"file_delete", "file_deleted", b"file_deleted", "file_get", b"file_get", "file_info", b"file_info", "file_read", b"file_read", "file_upload_progress", b"file_upload_progress", "files_list", b"files_list", "files_listed", b"files_listed", "heartbeat", b"heartbeat", "join_accepted", b"join_accepted", "join_hello", b"join_hello", "join_request", b"join_request", "join_token_create", b"join_token_create", "join_token_created", b"join_token_created", "join_token_revoke", b"join_token_revoke", "join_tokens_list", b"join_tokens_list", "join_tokens_listed", b"join_tokens_listed", "join_welcome", b"join_welcome", "node_drain", b"node_drain", "node_register", b"node_register", "node_registered", b"node_registered", "node_status", b"node_status", "nodes_drain", b"nodes_drain", "nodes_list", b"nodes_list", "nodes_listed", b"nodes_listed", "nodes_reload", b"nodes_reload", "nodes_remove", b"nodes_remove", "nodes_undrain", b"nodes_undrain", "operation_done", b"operation_done", "overview_show", b"overview_show", "overview_shown", b"overview_shown", "policy_applied", b"policy_applied", "policy_apply", b"policy_apply", "policy_show", b"policy_show", "policy_shown", b"policy_shown", "run_event", b"run_event", "run_request", b"run_request", "runs_list", b"runs_list", "runs_listed", b"runs_listed", "sent_at", b"sent_at", "usage_list", b"usage_list", "usage_listed", b"usage_listed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_cancel", b"batch_cancel", "batch_create", b"batch_create", "batch_get", b"batch_get", "batch_info", b"batch_info", "batches_list", b"batches_list", "batches_listed", b"batches_listed", "body", b"body", "caller", b"caller", "cancel_request", b"cancel_request", "capability_request", b"capability_request", "capability_response", b"capability_response", "cert_renew", b"cert_renew", "cert_renewed", b"cert_renewed", "error", b"error", "file_chunk", b"file_chunk", "file_create", b"file_create", "file_data", b"file_data", "file_delete", b"file_delete", "file_deleted", b"file_deleted", "file_get", b"file_get", "file_info", b"file_info", "file_read", b"file_read", "file_upload_progress", b"file_upload_progress", "files_list", b"files_list", "files_listed", b"files_listed", "heartbeat", b"heartbeat", "id", b"id", "in_reply_to", b"in_reply_to", "join_accepted", b"join_accepted", "join_hello", b"join_hello", "join_request", b"join_request", "join_token_create", b"join_token_create", "join_token_created", b"join_token_created", "join_token_revoke", b"join_token_revoke", "join_tokens_list", b"join_tokens_list", "join_tokens_listed", b"join_tokens_listed", "join_welcome", b"join_welcome", "node_drain", b"node_drain", "node_register", b"node_register", "node_registered", b"node_registered", "node_status", b"node_status", "nodes_drain", b"nodes_drain", "nodes_list", b"nodes_list", "nodes_listed", b"nodes_listed", "nodes_reload", b"nodes_reload", "nodes_remove", b"nodes_remove", "nodes_undrain", b"nodes_undrain", "operation_done", b"operation_done", "policy_applied", b"policy_applied", "policy_apply", b"policy_apply", "policy_show", b"policy_show", "policy_shown", b"policy_shown", "run_event", b"run_event", "run_id", b"run_id", "run_request", b"run_request", "runs_list", b"runs_list", "runs_listed", b"runs_listed", "sent_at", b"sent_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_cancel", b"batch_cancel", "batch_create", b"batch_create", "batch_get", b"batch_get", "batch_info", b"batch_info", "batches_list", b"batches_list", "batches_listed", b"batches_listed", "body", b"body", "caller", b"caller", "cancel_request", b"cancel_request", "capability_request", b"capability_request", "capability_response", b"capability_response", "cert_renew", b"cert_renew", "cert_renewed", b"cert_renewed", "error", b"error", "file_chunk", b"file_chunk", "file_create", b"file_create", "file_data", b"file_data", "file_delete", b"file_delete", "file_deleted", b"file_deleted", "file_get", b"file_get", "file_info", b"file_info", "file_read", b"file_read", "file_upload_progress", b"file_upload_progress", "files_list", b"files_list", "files_listed", b"files_listed", "heartbeat", b"heartbeat", "id", b"id", "in_reply_to", b"in_reply_to", "join_accepted", b"join_accepted", "join_hello", b"join_hello", "join_request", b"join_request", "join_token_create", b"join_token_create", "join_token_created", b"join_token_created", "join_token_revoke", b"join_token_revoke", "join_tokens_list", b"join_tokens_list", "join_tokens_listed", b"join_tokens_listed", "join_welcome", b"join_welcome", "node_drain", b"node_drain", "node_register", b"node_register", "node_registered", b"node_registered", "node_status", b"node_status", "nodes_drain", b"nodes_drain", "nodes_list", b"nodes_list", "nodes_listed", b"nodes_listed", "nodes_reload", b"nodes_reload", "nodes_remove", b"nodes_remove", "nodes_undrain", b"nodes_undrain", "operation_done", b"operation_done", "overview_show", b"overview_show", "overview_shown", b"overview_shown", "policy_applied", b"policy_applied", "policy_apply", b"policy_apply", "policy_show", b"policy_show", "policy_shown", b"policy_shown", "run_event", b"run_event", "run_id", b"run_id", "run_request", b"run_request", "runs_list", b"runs_list", "runs_listed", b"runs_listed", "sent_at", b"sent_at", "usage_list", b"usage_list", "usage_listed", b"usage_listed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["run_request", "run_event", "heartbeat", "cancel_request", "capability_request", "capability_response", "error", "node_register", "node_registered", "node_status", "node_drain", "nodes_list", "nodes_listed", "nodes_drain", "nodes_undrain", "operation_done", "policy_apply", "policy_applied", "policy_show", "policy_shown", "runs_list", "runs_listed", "file_create", "file_chunk", "file_upload_progress", "file_info", "file_get", "files_list", "files_listed", "file_read", "file_data", "file_delete", "file_deleted", "batch_create", "batch_info", "batch_get", "batches_list", "batches_listed", "batch_cancel", "join_hello", "join_welcome", "join_request", "join_accepted", "cert_renew", "cert_renewed", "join_token_create", "join_token_created", "join_tokens_list", "join_tokens_listed", "join_token_revoke", "nodes_remove", "nodes_reload"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["run_request", "run_event", "heartbeat", "cancel_request", "capability_request", "capability_response", "error", "node_register", "node_registered", "node_status", "node_drain", "nodes_list", "nodes_listed", "nodes_drain", "nodes_undrain", "operation_done", "policy_apply", "policy_applied", "policy_show", "policy_shown", "runs_list", "runs_listed", "file_create", "file_chunk", "file_upload_progress", "file_info", "file_get", "files_list", "files_listed", "file_read", "file_data", "file_delete", "file_deleted", "batch_create", "batch_info", "batch_get", "batches_list", "batches_listed", "batch_cancel", "join_hello", "join_welcome", "join_request", "join_accepted", "cert_renew", "cert_renewed", "join_token_create", "join_token_created", "join_tokens_list", "join_tokens_listed", "join_token_revoke", "nodes_remove", "nodes_reload", "usage_list", "usage_listed", "overview_show", "overview_shown"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -2002,6 +2057,7 @@ class Error(_message.Message):
     RETRY_AFTER_FIELD_NUMBER: _builtins.int
     PARAM_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
     code: Global___ErrorCode.ValueType
     """What went wrong, from the code list shared by all services."""
     message: _builtins.str
@@ -2027,6 +2083,13 @@ class Error(_message.Message):
         its limit); unset means no hint.
         """
 
+    @_builtins.property
+    def usage(self) -> Global___Usage:
+        """On a run's terminal error (failed or cancelled): the tokens the run used
+        before it ended (its prompt, and the output it delivered), when the
+        sender counted them; unset when it did not.
+        """
+
     def __init__(
         self,
         *,
@@ -2037,10 +2100,11 @@ class Error(_message.Message):
         retry_after: _duration_pb2.Duration | None = ...,
         param: _builtins.str = ...,
         reason: Global___ErrorReason.ValueType = ...,
+        usage: Global___Usage | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["retry_after", b"retry_after"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["retry_after", b"retry_after", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "param", b"param", "reason", b"reason", "retry_after", b"retry_after", "retryable", b"retryable", "run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "param", b"param", "reason", b"reason", "retry_after", b"retry_after", "retryable", b"retryable", "run_id", b"run_id", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2392,6 +2456,289 @@ class NodeInfo(_message.Message):
 Global___NodeInfo: _TypeAlias = NodeInfo  # noqa: Y015
 
 @_typing.final
+class UsageList(_message.Message):
+    """usage.list: token usage in time buckets. Buckets start at whole UTC hours
+    (or days); each row sums the runs received in its bucket, completed, failed
+    and cancelled alike (a failed or cancelled run counts the tokens it used
+    before it ended).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    START_FIELD_NUMBER: _builtins.int
+    END_FIELD_NUMBER: _builtins.int
+    BUCKET_FIELD_NUMBER: _builtins.int
+    CALLER_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    BY_CALLER_FIELD_NUMBER: _builtins.int
+    BY_MODEL_FIELD_NUMBER: _builtins.int
+    bucket: Global___UsageBucket.ValueType
+    """The bucket width; unspecified means an hour."""
+    caller: _builtins.str
+    """Only runs attributed to this caller; empty means every caller's."""
+    model: _builtins.str
+    """Only runs of this model, as requested; empty means every model's."""
+    by_caller: _builtins.bool
+    """One row per caller in each bucket; false sums the callers."""
+    by_model: _builtins.bool
+    """One row per model in each bucket; false sums the models."""
+    @_builtins.property
+    def start(self) -> _timestamp_pb2.Timestamp:
+        """The first bucket is the one holding this time; unset means 24 hours
+        before end (7 days for USAGE_BUCKET_DAY).
+        """
+
+    @_builtins.property
+    def end(self) -> _timestamp_pb2.Timestamp:
+        """Buckets starting before this time; unset means now."""
+
+    def __init__(
+        self,
+        *,
+        start: _timestamp_pb2.Timestamp | None = ...,
+        end: _timestamp_pb2.Timestamp | None = ...,
+        bucket: Global___UsageBucket.ValueType = ...,
+        caller: _builtins.str = ...,
+        model: _builtins.str = ...,
+        by_caller: _builtins.bool = ...,
+        by_model: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "start", b"start"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket", b"bucket", "by_caller", b"by_caller", "by_model", b"by_model", "caller", b"caller", "end", b"end", "model", b"model", "start", b"start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UsageList: _TypeAlias = UsageList  # noqa: Y015
+
+@_typing.final
+class UsageListed(_message.Message):
+    """usage.listed: the answer to usage.list."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___UsageEntry]:
+        """The buckets with some usage, oldest first; rows of one bucket ordered by
+        caller, then model. A bucket with no run has no row.
+        """
+
+    def __init__(
+        self,
+        *,
+        entries: _abc.Iterable[Global___UsageEntry] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UsageListed: _TypeAlias = UsageListed  # noqa: Y015
+
+@_typing.final
+class UsageEntry(_message.Message):
+    """The usage of one caller and model (or of all, where not grouped by them)
+    in one bucket.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    START_FIELD_NUMBER: _builtins.int
+    CALLER_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    FAILED_FIELD_NUMBER: _builtins.int
+    ESTIMATED_FIELD_NUMBER: _builtins.int
+    caller: _builtins.str
+    """The caller; empty unless grouped by caller."""
+    model: _builtins.str
+    """The model as requested; empty unless grouped by model."""
+    requests: _builtins.int
+    """Runs received, whatever their end."""
+    prompt_tokens: _builtins.int
+    """Prompt tokens."""
+    completion_tokens: _builtins.int
+    """Completion tokens (for a failed or cancelled run, those it delivered)."""
+    cached_tokens: _builtins.int
+    """Prompt tokens served from a cache."""
+    failed: _builtins.int
+    """Runs that failed or were cancelled (counted in requests too)."""
+    estimated: _builtins.int
+    """Runs whose tokens are the control-plane's estimate: the node did not
+    count them (a run cancelled before its node reported, or a backend that
+    reports no usage).
+    """
+    @_builtins.property
+    def start(self) -> _timestamp_pb2.Timestamp:
+        """When the bucket starts."""
+
+    def __init__(
+        self,
+        *,
+        start: _timestamp_pb2.Timestamp | None = ...,
+        caller: _builtins.str = ...,
+        model: _builtins.str = ...,
+        requests: _builtins.int = ...,
+        prompt_tokens: _builtins.int = ...,
+        completion_tokens: _builtins.int = ...,
+        cached_tokens: _builtins.int = ...,
+        failed: _builtins.int = ...,
+        estimated: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["start", b"start"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "caller", b"caller", "completion_tokens", b"completion_tokens", "estimated", b"estimated", "failed", b"failed", "model", b"model", "prompt_tokens", b"prompt_tokens", "requests", b"requests", "start", b"start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UsageEntry: _TypeAlias = UsageEntry  # noqa: Y015
+
+@_typing.final
+class OverviewShow(_message.Message):
+    """overview.show: recent traffic, as the answering control-plane saw it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WINDOW_SECONDS_FIELD_NUMBER: _builtins.int
+    window_seconds: _builtins.int
+    """Seconds of traffic to sum, ending now; 0 means 60. At most 3600."""
+    def __init__(
+        self,
+        *,
+        window_seconds: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["window_seconds", b"window_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OverviewShow: _TypeAlias = OverviewShow  # noqa: Y015
+
+@_typing.final
+class OverviewShown(_message.Message):
+    """overview.shown: the answer to overview.show."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WINDOW_SECONDS_FIELD_NUMBER: _builtins.int
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    FAILED_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
+    TTFT_P50_FIELD_NUMBER: _builtins.int
+    TTFT_P95_FIELD_NUMBER: _builtins.int
+    QUEUED_FIELD_NUMBER: _builtins.int
+    RUNNING_FIELD_NUMBER: _builtins.int
+    MODELS_FIELD_NUMBER: _builtins.int
+    CONTROL_PLANE_FIELD_NUMBER: _builtins.int
+    window_seconds: _builtins.int
+    """The window summed, in seconds."""
+    requests: _builtins.int
+    """Runs that ended in the window."""
+    failed: _builtins.int
+    """Of those, runs that failed (not cancelled)."""
+    prompt_tokens: _builtins.int
+    """Prompt tokens of runs that ended in the window."""
+    completion_tokens: _builtins.int
+    """Completion tokens of runs that ended in the window."""
+    queued: _builtins.int
+    """Runs waiting in the admission queues now."""
+    running: _builtins.int
+    """Runs executing now."""
+    control_plane: _builtins.str
+    """The control-plane that answered (its certificate name)."""
+    @_builtins.property
+    def ttft_p50(self) -> _duration_pb2.Duration:
+        """Time to first output of the runs that ended in the window: median."""
+
+    @_builtins.property
+    def ttft_p95(self) -> _duration_pb2.Duration:
+        """Time to first output: 95th percentile."""
+
+    @_builtins.property
+    def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelTraffic]:
+        """The same per model, for each model with traffic in the window or runs
+        queued or running now, ordered by model.
+        """
+
+    def __init__(
+        self,
+        *,
+        window_seconds: _builtins.int = ...,
+        requests: _builtins.int = ...,
+        failed: _builtins.int = ...,
+        prompt_tokens: _builtins.int = ...,
+        completion_tokens: _builtins.int = ...,
+        ttft_p50: _duration_pb2.Duration | None = ...,
+        ttft_p95: _duration_pb2.Duration | None = ...,
+        queued: _builtins.int = ...,
+        running: _builtins.int = ...,
+        models: _abc.Iterable[Global___ModelTraffic] | None = ...,
+        control_plane: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ttft_p50", b"ttft_p50", "ttft_p95", b"ttft_p95"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_tokens", b"completion_tokens", "control_plane", b"control_plane", "failed", b"failed", "models", b"models", "prompt_tokens", b"prompt_tokens", "queued", b"queued", "requests", b"requests", "running", b"running", "ttft_p50", b"ttft_p50", "ttft_p95", b"ttft_p95", "window_seconds", b"window_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OverviewShown: _TypeAlias = OverviewShown  # noqa: Y015
+
+@_typing.final
+class ModelTraffic(_message.Message):
+    """One model's share of an overview."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    FAILED_FIELD_NUMBER: _builtins.int
+    COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
+    QUEUED_FIELD_NUMBER: _builtins.int
+    RUNNING_FIELD_NUMBER: _builtins.int
+    TTFT_P50_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """The model, as requested."""
+    requests: _builtins.int
+    """Runs that ended in the window."""
+    failed: _builtins.int
+    """Of those, runs that failed."""
+    completion_tokens: _builtins.int
+    """Completion tokens of runs that ended in the window."""
+    queued: _builtins.int
+    """Runs waiting in its admission queue now."""
+    running: _builtins.int
+    """Its runs executing now."""
+    @_builtins.property
+    def ttft_p50(self) -> _duration_pb2.Duration:
+        """Time to first output of its runs that ended in the window: median."""
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        requests: _builtins.int = ...,
+        failed: _builtins.int = ...,
+        completion_tokens: _builtins.int = ...,
+        queued: _builtins.int = ...,
+        running: _builtins.int = ...,
+        ttft_p50: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ttft_p50", b"ttft_p50"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_tokens", b"completion_tokens", "failed", b"failed", "model", b"model", "queued", b"queued", "requests", b"requests", "running", b"running", "ttft_p50", b"ttft_p50"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelTraffic: _TypeAlias = ModelTraffic  # noqa: Y015
+
+@_typing.final
 class NodesDrain(_message.Message):
     """nodes.drain: place no new runs on a node; let its in-flight runs finish.
     The drain holds until nodes.undrain, also when the node registers again.
@@ -2624,6 +2971,8 @@ class RunsList(_message.Message):
     SINCE_FIELD_NUMBER: _builtins.int
     LIMIT_FIELD_NUMBER: _builtins.int
     NODE_ID_FIELD_NUMBER: _builtins.int
+    CALLER_FIELD_NUMBER: _builtins.int
+    BEFORE_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """Only runs whose requester-chosen id is this one (every requester's)."""
     status: _builtins.str
@@ -2636,9 +2985,17 @@ class RunsList(_message.Message):
     """At most this many runs; 0 means 50. The control-plane caps it at 1000."""
     node_id: _builtins.str
     """Only runs placed, on some attempt, on this node."""
+    caller: _builtins.str
+    """Only runs attributed to this caller (LedgerRun.caller)."""
     @_builtins.property
     def since(self) -> _timestamp_pb2.Timestamp:
         """Only runs received at or after this time."""
+
+    @_builtins.property
+    def before(self) -> _timestamp_pb2.Timestamp:
+        """Only runs received before this time: the next page after a page whose
+        oldest run was received then.
+        """
 
     def __init__(
         self,
@@ -2649,10 +3006,12 @@ class RunsList(_message.Message):
         since: _timestamp_pb2.Timestamp | None = ...,
         limit: _builtins.int = ...,
         node_id: _builtins.str = ...,
+        caller: _builtins.str = ...,
+        before: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["since", b"since"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["before", b"before", "since", b"since"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit", "model", b"model", "node_id", b"node_id", "run_id", b"run_id", "since", b"since", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["before", b"before", "caller", b"caller", "limit", b"limit", "model", b"model", "node_id", b"node_id", "run_id", b"run_id", "since", b"since", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
