@@ -53,6 +53,9 @@ class Dialect:
     """An auto-numbered integer primary key."""
     floor: str
     """The whole number at or below the REAL expression ``%s`` (SQLite truncates, PostgreSQL rounds, a cast)."""
+    clustered: str
+    """What makes a table's rows live in its primary key's order (SQLite: WITHOUT ROWID; read in key order
+    with no lookup per row)."""
 
 
 _V1 = (  # the tables of the SQLite file before versions were kept (CREATE ... IF NOT EXISTS: it may hold them)
@@ -112,7 +115,7 @@ _V3 = (  # runs continued on another node after their node was lost mid-stream: 
 _USAGE_TABLE = """CREATE TABLE {table} (
     start {int} NOT NULL, caller TEXT NOT NULL, model TEXT NOT NULL, requests {int} NOT NULL,
     prompt_tokens {int} NOT NULL, completion_tokens {int} NOT NULL, cached_tokens {int} NOT NULL,
-    failed {int} NOT NULL, estimated {int} NOT NULL, PRIMARY KEY (start, caller, model))"""
+    failed {int} NOT NULL, estimated {int} NOT NULL, PRIMARY KEY (start, caller, model)){clustered}"""
 _USAGE_BACKFILL = """INSERT INTO {table} (start, caller, model, requests, prompt_tokens, completion_tokens,
     cached_tokens, failed, estimated)
 SELECT {bucket} * {width}, caller, model, count(*), sum(prompt_tokens), sum(completion_tokens),
@@ -144,6 +147,7 @@ def steps(version: int, dialect: Dialect) -> list[str]:
         "real": dialect.real,
         "int": dialect.int,
         "serial": dialect.serial,
+        "clustered": dialect.clustered,
         "hour": dialect.floor % "(received_at / 3600)",
         "day": dialect.floor % "(received_at / 86400)",
     }

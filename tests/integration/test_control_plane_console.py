@@ -71,7 +71,10 @@ async def test_an_edge_reads_usage_overview_runs_and_nodes_but_may_not_operate(p
             shown = (await edge.request(pb.Envelope(overview_show=pb.OverviewShow()))).overview_shown
             assert (shown.window_seconds, shown.requests, shown.failed, shown.control_plane) == (60, 3, 1, "cp")
             assert shown.completion_tokens >= usage.completion_tokens and shown.HasField("ttft_p50")
-            assert [(m.model, m.requests, m.failed) for m in shown.models] == [("mock-slow", 1, 0), ("mock-small", 2, 1)]
+            assert [(m.model, m.requests, m.failed) for m in shown.models] == [
+                ("mock-slow", 1, 0),
+                ("mock-small", 2, 1),
+            ]
 
             mine = (await edge.request(pb.Envelope(runs_list=pb.RunsList(caller="team-a")))).runs_listed
             assert [run.caller for run in mine.runs] == ["team-a"]
