@@ -123,8 +123,8 @@ SELECT {bucket} * {width}, caller, model, count(*), sum(prompt_tokens), sum(comp
 FROM runs GROUP BY {bucket}, caller, model"""
 _V4 = (  # token usage per caller, model and UTC hour or day (the console), filled from the runs already kept
     "ALTER TABLE runs ADD COLUMN cached_tokens {int} NOT NULL DEFAULT 0",
-    "CREATE INDEX runs_by_received ON runs (received_at)",
-    "CREATE INDEX runs_by_caller ON runs (caller, received_at)",
+    "CREATE INDEX runs_by_received ON runs (received_at, id)",  # runs.list's order: newest first, no sort
+    "CREATE INDEX runs_by_caller ON runs (caller, received_at, id)",
     _USAGE_TABLE.replace("{table}", "usage_hours"),
     _USAGE_TABLE.replace("{table}", "usage_days"),
     _USAGE_BACKFILL.replace("{table}", "usage_hours").replace("{width}", "3600").replace("{bucket}", "{hour}"),
