@@ -2,7 +2,8 @@
 
 A run's row is built in memory while it runs (:class:`LedgerEntry`) and handed to the audit
 store's writer when it ends, which commits it with whatever else is queued in one transaction,
-off the path that relays events. Rows beyond ``max_runs`` are pruned, oldest first. This module
+off the path that relays events, and adds it to the usage rollup in that transaction
+(:mod:`iop_control_plane.usage`). Rows beyond ``max_runs`` are pruned, oldest first. This module
 builds the rows and reads them back; the SQL runs in the state store
 (:mod:`iop_control_plane.state`: SQLite or PostgreSQL).
 

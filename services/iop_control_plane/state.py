@@ -3,7 +3,8 @@
 :class:`iop_control_plane.sqlite_store.SqliteStore` keeps it in one SQLite file (the default, one
 machine); :class:`iop_control_plane.pg_store.PgStore` in PostgreSQL, shared by every control-plane
 given the same ``store.url``. What it keeps: the node audit (nodes seen, state changes), the run
-ledger and its journal of runs in progress, the applied policies (every one, numbered; the newest
+ledger and its journal of runs in progress, token usage per caller, model and UTC hour or day
+(:mod:`iop_control_plane.usage`, written with the ledger's rows), the applied policies (every one, numbered; the newest
 is in force), the drained nodes, join tokens, join attempts, and node certificates issued and
 revoked. Each change that other control-planes must follow (a policy, a drain, a revocation)
 also bumps its counter in ``changes`` in the same transaction: replicas poll those counters
