@@ -202,8 +202,8 @@ async def test_errors_are_one_line(cp: ControlPlane, pki: Pki, tmp_path: Path) -
     assert code == 2 and err.startswith(f"iop policy: no {tmp_path / 'none' / 'admin.crt'}"), err
 
     edge = _certs(pki, tmp_path / "edge-certs", "edge-1", Role.EDGE)  # not an admin certificate
-    code, out, err = await _iop(cp, "nodes", "ls", "--certs", str(edge))
-    assert code == 2 and out == "" and len(err.splitlines()) == 1 and "may not send nodes_list" in err, err
+    code, out, err = await _iop(cp, "nodes", "drain", "node-x", "--certs", str(edge))  # an edge may only read
+    assert code == 2 and out == "" and len(err.splitlines()) == 1 and "may not send nodes_drain" in err, err
 
     code, _, err = await _iop(cp, "policy", "apply", str(tmp_path / "missing.yaml"))
     assert code == 2 and "cannot read" in err and len(err.splitlines()) == 1
@@ -243,9 +243,10 @@ async def _four_runs(cp: ControlPlane, pki: Pki, tmp_path: Path) -> str:
             events = [start, *await collect(moved)]
             assert kinds(events)[-1] == "complete" and kinds(events).count("start") == 1
 
-            # An edge may submit runs but not read the ledger.
+            # An edge may submit runs and read the ledger (for the console), but not operate.
+            assert (await edge.request(pb.Envelope(runs_list=pb.RunsList()))).runs_listed.runs
             with pytest.raises(IopError) as denied:
-                await edge.request(pb.Envelope(runs_list=pb.RunsList()))
+                await edge.request(pb.Envelope(policy_show=pb.PolicyShow()))
             assert denied.value.code == pb.ERROR_CODE_PERMISSION_DENIED
 
     return first
@@ -298,6 +299,32 @@ async def test_the_run_ledger_records_every_run_and_iop_runs_reads_it(
     assert [run["run_id"] for run in await _ledger(cp, "--limit", "2")] == ["moved", "nope"]
 
     await _ledger_text(cp, first, other)
+    await _usage(cp, ok)
+
+
+async def _usage(cp: ControlPlane, ok: dict[str, Any]) -> None:
+    """`iop usage`: the same four runs summed per key and model, as JSON and as a table; a bad --since."""
+    code, out, err = await _iop(cp, "usage", "--json")
+    assert code == 0, err
+    shown = json.loads(out)
+    assert shown["bucket"] == "hour" and (shown["totals"]["requests"], shown["totals"]["failed"]) == (4, 2)
+    keys = [(row["key"], row["model"], row["requests"], row["failed"]) for row in shown["rows"]]
+    assert sorted(keys) == [
+        ("alice", "mock-small", 1, 0),
+        ("edge-1", "mock-slow", 1, 1),
+        ("edge-1", "mock-ttft", 1, 0),
+        ("edge-1", "no-such-model", 1, 1),
+    ]
+    (alice,) = (row for row in shown["rows"] if row["key"] == "alice")
+    assert (alice["prompt_tokens"], alice["completion_tokens"]) == (ok["prompt_tokens"], ok["completion_tokens"])
+    code, out, err = await _iop(cp, "usage", "--key", "alice", "--by", "day", "--since", "2d")
+    assert code == 0, err
+    header, row, total = out.splitlines()
+    assert header.split() == ["START", "KEY", "MODEL", "REQUESTS", "PROMPT", "COMPLETION", "FAILED"]
+    assert row.split()[1:] == ["alice", "mock-small", "1", str(ok["prompt_tokens"]), str(ok["completion_tokens"]), "0"]
+    assert row.split()[0].endswith("T00:00Z") and total.split()[:2] == ["TOTAL", "1"]
+    code, out, err = await _iop(cp, "usage", "--since", "last tuesday")
+    assert (code, out, len(err.splitlines())) == (2, "", 1) and err.startswith("iop usage: --since: cannot read"), err
 
 
 async def _ledger_text(cp: ControlPlane, first: str, other: str) -> None:
