@@ -365,9 +365,8 @@ def _keys_parsers(
     create.add_argument("--rpm", type=int, help="requests per minute")
     create.add_argument("--tpm", type=int, help="tokens (prompt + completion) per minute")
     create.add_argument("--max-concurrent", type=int, help="requests in progress at once")
-    create.add_argument(
-        "--admin", action="store_true", help="an admin key: the console's platform pages and actions, every caller's records"
-    )
+    admin_help = "an admin key: the console's platform pages and actions, every caller's records"
+    create.add_argument("--admin", action="store_true", help=admin_help)
     revoke.add_argument("name", metavar="NAME")
     keys.choices["ls"].add_argument("--json", action="store_true", help="print JSON instead of a table")
 

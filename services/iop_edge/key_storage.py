@@ -167,7 +167,8 @@ class KeyStorage(Protocol):
         max_concurrent: int | None,
         admin: bool = False,
     ) -> None:
-        """Add a key (a revoked key's name is reused; ``admin``: an admin key); ValueError if ``name`` has an active key."""
+        """Add a key (a revoked key's name is reused), an admin key with ``admin``; ValueError if
+        ``name`` has an active key."""
 
     async def revoke(self, name: str) -> bool:
         """Revoke the active key ``name``; whether there was one."""

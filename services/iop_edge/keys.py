@@ -76,7 +76,7 @@ def check_limits(rpm: int | None, tpm: int | None, max_concurrent: int | None) -
             raise ValueError(f"--{option.replace('_', '-')} must be at least 1, not {value}")
 
 
-def create_key(  # noqa: PLR0913 - the key's name, its limits and its scope, each by keyword
+def create_key(
     path: Path,
     name: str,
     *,

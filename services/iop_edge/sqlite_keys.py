@@ -36,6 +36,10 @@ _NOTE_BATCH = (
     "INSERT INTO key_usage_writes VALUES (?, ?, ?) ON CONFLICT (edge) DO UPDATE "
     "SET batch = excluded.batch, at = excluded.at WHERE key_usage_writes.batch != excluded.batch"
 )
+_INSERT = (
+    "INSERT OR REPLACE INTO keys (name, key_id, hash, created_at, revoked_at, rpm, tpm, max_concurrent, admin) "
+    "VALUES (?, ?, ?, ?, NULL, ?, ?, ?, ?)"
+)
 _LIST = (
     "SELECT name, key_id, created_at, revoked_at, rpm, tpm, max_concurrent, admin FROM keys ORDER BY created_at, name"
 )
@@ -162,8 +166,7 @@ class SqliteKeyStorage:
             if row is not None and row[0] is None:
                 raise ValueError(f"key {name!r} exists; revoke it first or pick another name")
             db.execute(
-                "INSERT OR REPLACE INTO keys (name, key_id, hash, created_at, revoked_at, rpm, tpm, max_concurrent, admin)"
-                " VALUES (?, ?, ?, ?, NULL, ?, ?, ?, ?)",
+                _INSERT,
                 (name, f"key_{digest[:12]}", digest, time.time(), rpm, tpm, max_concurrent, admin),
             )
             db.execute("UPDATE key_changes SET version = version + 1")
