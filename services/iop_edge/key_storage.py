@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import sqlite3
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import asyncpg
 
@@ -42,7 +42,9 @@ __all__ = [
     "SchemaTooNew",
     "UsageRow",
     "UsageTotal",
+    "api_key",
     "check_version",
+    "key_info",
     "retry_after",
 ]
 
@@ -90,6 +92,18 @@ class KeyInfo:
     """Requests in progress at once; None: no limit."""
     admin: bool = False
     """An admin key (see ``ApiKey.admin``)."""
+
+
+def key_info(row: Sequence[Any]) -> KeyInfo:
+    """A key from a row of name, key_id, created_at, revoked_at, rpm, tpm, max_concurrent, admin."""
+    name, key_id, created_at, revoked_at, rpm, tpm, max_concurrent, admin = row
+    return KeyInfo(name, key_id, created_at, revoked_at, rpm, tpm, max_concurrent, admin=bool(admin))
+
+
+def api_key(row: Sequence[Any]) -> ApiKey:
+    """An active key from a row of name, key_id, rpm, tpm, max_concurrent, admin."""
+    name, key_id, rpm, tpm, max_concurrent, admin = row
+    return ApiKey(name, key_id, rpm, tpm, max_concurrent, admin=bool(admin))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

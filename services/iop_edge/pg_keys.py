@@ -23,7 +23,9 @@ from iop_edge.key_storage import (
     KeyInfo,
     UsageRow,
     UsageTotal,
+    api_key,
     check_version,
+    key_info,
     retry_after,
 )
 from iop_wire.pg import Connection, commit_once, on_fresh_sessions, shown_url
@@ -145,7 +147,7 @@ class PgKeyStorage:
     @on_fresh_sessions  # a read
     async def list_keys(self) -> list[KeyInfo]:
         """Every key, oldest first."""
-        return [KeyInfo(*row[:-1], admin=bool(row[-1])) for row in await self.pool.fetch(_LIST)]
+        return [key_info(tuple(row)) for row in await self.pool.fetch(_LIST)]
 
     @on_fresh_sessions  # a read
     async def changes(self) -> object:
@@ -155,7 +157,7 @@ class PgKeyStorage:
     @on_fresh_sessions  # a read
     async def active(self) -> dict[str, ApiKey]:
         """The active keys by digest."""
-        return {row[0]: ApiKey(*row[1:-1], admin=bool(row[-1])) for row in await self.pool.fetch(_ACTIVE)}
+        return {row[0]: api_key(tuple(row)[1:]) for row in await self.pool.fetch(_ACTIVE)}
 
     @on_fresh_sessions  # a batch sent again is found written, not added twice
     async def add_usage(self, rows: Sequence[UsageRow], edge: str, batch: str) -> None:

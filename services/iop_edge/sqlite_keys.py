@@ -24,7 +24,9 @@ from iop_edge.key_storage import (
     KeyInfo,
     UsageRow,
     UsageTotal,
+    api_key,
     check_version,
+    key_info,
     retry_after,
 )
 
@@ -191,7 +193,7 @@ class SqliteKeyStorage:
 
     def list_sync(self) -> list[KeyInfo]:
         """:meth:`list_keys` for the command line."""
-        return [KeyInfo(*row[:-1], admin=bool(row[-1])) for row in self.db.execute(_LIST).fetchall()]
+        return [key_info(row) for row in self.db.execute(_LIST).fetchall()]
 
     async def changes(self) -> object:
         """The file's inode and the counter (another file moved into place is a change too)."""
@@ -203,7 +205,7 @@ class SqliteKeyStorage:
 
     async def active(self) -> dict[str, ApiKey]:
         """The active keys by digest."""
-        return {row[0]: ApiKey(*row[1:-1], admin=bool(row[-1])) for row in self.db.execute(_ACTIVE)}
+        return {row[0]: api_key(row[1:]) for row in self.db.execute(_ACTIVE)}
 
     async def add_usage(self, rows: Sequence[UsageRow], edge: str, batch: str) -> None:
         """Add the rows, in one transaction, unless ``batch`` was the last written."""
