@@ -199,7 +199,7 @@ class Console:
         """Add the pages' and the API's routes to ``app``."""
         for path in ("/console", "/console/"):
             app.add_api_route(path, self.index, methods=["GET"])
-        app.add_api_route("/console/assets/{name}", self.asset, methods=["GET"])
+        app.add_api_route("/console/assets/{name:path}", self.asset, methods=["GET"])
         api = "/console/api"
         routes: list[tuple[str, Callable[..., Awaitable[Response]], str]] = [
             ("/me", self.me, "GET"),
@@ -451,7 +451,8 @@ class Console:
             caller.require_admin()
             http = self.edge.settings.http
             data = parse.parse_body(await read_body(request, http.max_body_bytes, http.body_timeout))
-            parse.known_fields(data, _KEY_FIELDS)
+            for unknown in data.keys() - _KEY_FIELDS:
+                raise ApiError(400, f"unknown field {unknown[:40]!r}", param=unknown[:40], code="unknown_parameter")
             name = parse.required(data, "name", str, "string")
             try:
                 check_name(name)
