@@ -191,24 +191,27 @@ def test_nodes_are_drained_and_undrained_over_the_admin_certificate(console: Con
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "reason"
 
 
-def test_without_the_admin_certificate_node_actions_answer_503_naming_the_setting(console: Console) -> None:
+def test_without_keys_anonymous_is_admin_and_without_the_admin_certificate_node_actions_are_503(
+    console: Console,
+) -> None:
     stack = console.stack
     config = yaml.safe_load((stack.root / "edge.yaml").read_text())
     config.pop("console")
     config["http"]["port"] = 0
+    config["auth"] = "none"
     (stack.root / "edge-plain.yaml").write_text(yaml.safe_dump(config))
     edge = _spawn(stack.root, "edge-plain", "edge", stack.root / "edge-plain.yaml")
     try:
-        port = edge.wait_ready()["port"]
-        url = f"http://127.0.0.1:{port}/console/api/nodes/node-a/drain"
-        answer = wait_for(
-            lambda: (r := httpx.post(url, headers=_auth(console.admin), timeout=10)).status_code != 401 and r,
-            10,
-            0.05,
-            "the second edge reading the keys",
-        )
+        url = f"http://127.0.0.1:{edge.wait_ready()['port']}/console/api"
+        me = httpx.get(url + "/me", timeout=10).json()
+        assert (me["key"], me["admin"], me["auth"]) == ("anonymous", True, "none")
+        answer = httpx.post(url + "/nodes/node-a/drain", timeout=10)
         assert answer.status_code == 503 and answer.json()["error"]["param"] == "console.admin_cert", answer.text
         assert "console.admin_key" in answer.json()["error"]["message"]
+        batches = httpx.get(url + "/batches", timeout=10)  # every caller's: the admin connection too
+        assert batches.status_code == 503 and batches.json()["error"]["param"] == "console.admin_cert"
+        keys = httpx.get(url + "/keys", timeout=10)
+        assert keys.status_code == 503 and keys.json()["error"]["param"] == "auth"
     finally:
         edge.stop()
 
