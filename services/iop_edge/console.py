@@ -47,7 +47,7 @@ from iop_wire.openai.responses import json_bytes
 if TYPE_CHECKING:
     from iop_edge.edge import Edge
 
-__all__ = ["CSP", "PAGES", "Console", "Who", "ask_control_plane", "usage_query"]
+__all__ = ["CSP", "PAGES", "Console", "UsageQuery", "Who", "ask_control_plane", "usage_query", "who"]
 
 PAGES = Path(__file__).with_name("console")
 """The console's files: ``index.html`` and its assets."""
@@ -67,7 +67,7 @@ _ASSET_TYPES = {
 ASK_TIMEOUT = 10.0
 """Seconds the control-plane has to answer one console request."""
 _RUNS_PAGE, _RUNS_MAX = 50, 500
-_HOUR, _DAY = 3600, 86_400
+_DAY = 86_400
 _STATUSES = ("completed", "failed", "cancelled")
 _KEY_FIELDS = frozenset({"name", "admin", "rpm", "tpm", "max_concurrent"})
 
