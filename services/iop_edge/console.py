@@ -505,8 +505,7 @@ class Console:
             connection, scope = await self._worker_scope(caller)
             ask = pb.Envelope(batches_list=listing)
             reply = await self.worker.ask(ask, "batches_listed", caller=scope, connection=connection)
-            owner = None if caller.admin else caller.name  # the worker's batch.info does not name its owner
-            data = [{**batch_object(info), "owner": owner} for info in reply.batches_listed.batches]
+            data = [{**batch_object(info), "owner": info.caller or None} for info in reply.batches_listed.batches]
             return {"object": "list", "data": data, "has_more": reply.batches_listed.has_more}
 
         return await self._serve("batches.list", request, page)

@@ -56,6 +56,7 @@ def batch_info(batch: BatchRecord, counts: RequestCounts) -> pb.BatchInfo:
         request_counts=pb.BatchRequestCounts(total=counts.total, completed=counts.completed, failed=counts.failed),
         metadata=batch.metadata,
         usage=pb.Usage(prompt_tokens=batch.usage.prompt_tokens, completion_tokens=batch.usage.completion_tokens),
+        caller=batch.caller,
     )
     for name in BATCH_TIMES:
         if (value := getattr(batch, name)) is not None:

@@ -390,7 +390,8 @@ def test_batches_and_files_are_scoped_and_an_admin_sees_every_callers(console: C
     assert mine in {b["id"] for b in own["data"]} and theirs not in {b["id"] for b in own["data"]}
     assert all(batch["owner"] == "e2e" for batch in own["data"])
     every = console.get("/console/api/batches", console.admin, limit=100).json()
-    assert {mine, theirs} <= {batch["id"] for batch in every["data"]}
+    owners = {batch["id"]: batch["owner"] for batch in every["data"]}
+    assert owners[mine] == "e2e" and owners[theirs] == "team-b", owners
 
     assert console.post(f"/console/api/batches/{theirs}/cancel").status_code == 404
     assert console.get(f"/console/api/files/{my_file}/content", console.other).status_code == 404

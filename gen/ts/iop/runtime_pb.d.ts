@@ -3629,6 +3629,13 @@ export declare type BatchInfo = Message<"iop.BatchInfo"> & {
    * @generated from field: iop.Usage usage = 20;
    */
   usage?: Usage | undefined;
+
+  /**
+   * The caller it belongs to (its lines run as that caller).
+   *
+   * @generated from field: string caller = 21;
+   */
+  caller: string;
 };
 
 /**

@@ -1058,6 +1058,11 @@ class BatchInfo(betterproto2.Message):
     Tokens of all its answered lines together.
     """
 
+    caller: "str" = betterproto2.field(21, betterproto2.TYPE_STRING)
+    """
+    The caller it belongs to (its lines run as that caller).
+    """
+
 
 default_message_pool.register_message("iop", "BatchInfo", BatchInfo)
 

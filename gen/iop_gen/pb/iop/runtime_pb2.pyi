@@ -3714,6 +3714,7 @@ class BatchInfo(_message.Message):
     ERRORS_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
+    CALLER_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """"batch_" and 24 letters and digits."""
     endpoint: _builtins.str
@@ -3728,6 +3729,8 @@ class BatchInfo(_message.Message):
     """The file of answered lines, once written."""
     error_file_id: _builtins.str
     """The file of failed lines, once written (none when no line failed)."""
+    caller: _builtins.str
+    """The caller it belongs to (its lines run as that caller)."""
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp:
         """When it was created."""
@@ -3803,10 +3806,11 @@ class BatchInfo(_message.Message):
         errors: _abc.Iterable[Global___BatchError] | None = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         usage: Global___Usage | None = ...,
+        caller: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cancelled_at", b"cancelled_at", "cancelling_at", b"cancelling_at", "completed_at", b"completed_at", "created_at", b"created_at", "expired_at", b"expired_at", "expires_at", b"expires_at", "failed_at", b"failed_at", "finalizing_at", b"finalizing_at", "in_progress_at", b"in_progress_at", "request_counts", b"request_counts", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled_at", b"cancelled_at", "cancelling_at", b"cancelling_at", "completed_at", b"completed_at", "completion_window", b"completion_window", "created_at", b"created_at", "endpoint", b"endpoint", "error_file_id", b"error_file_id", "errors", b"errors", "expired_at", b"expired_at", "expires_at", b"expires_at", "failed_at", b"failed_at", "finalizing_at", b"finalizing_at", "id", b"id", "in_progress_at", b"in_progress_at", "input_file_id", b"input_file_id", "metadata", b"metadata", "output_file_id", b"output_file_id", "request_counts", b"request_counts", "status", b"status", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller", b"caller", "cancelled_at", b"cancelled_at", "cancelling_at", b"cancelling_at", "completed_at", b"completed_at", "completion_window", b"completion_window", "created_at", b"created_at", "endpoint", b"endpoint", "error_file_id", b"error_file_id", "errors", b"errors", "expired_at", b"expired_at", "expires_at", b"expires_at", "failed_at", b"failed_at", "finalizing_at", b"finalizing_at", "id", b"id", "in_progress_at", b"in_progress_at", "input_file_id", b"input_file_id", "metadata", b"metadata", "output_file_id", b"output_file_id", "request_counts", b"request_counts", "status", b"status", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
