@@ -123,6 +123,7 @@ class ControlPlaneApp:
             await self._open_store()
             self._stack.push_async_callback(self.sessions.aclose)
             self._stack.push_async_callback(self.left_open.aclose)
+            self._stack.push_async_callback(self.runs.cancelled.aclose)  # after the listener closed, before the store
             await self._listen()
             if self.settings.metrics.port is not None:
                 self._serve_metrics(self.settings.metrics.host, self.settings.metrics.port)
@@ -270,6 +271,7 @@ def build_control_plane(settings: Settings, *, policy: PolicyInForce | None = No
         background_yield=settings.background_yield,
         registration_grace=settings.registration_grace,
         fairness=settings.fairness,
+        ledger=settings.ledger,
     )
     registry.on_more_room(runs.wake)  # a node registered, reported or was made ready: admit waiters
     identity = IdentityStore(state)

@@ -127,10 +127,23 @@ class LedgerEntry:
         """Take the status and usage from the run's terminal event; None: cancelled (by the requester, or its
         connection). A run placed on a node whose end carries no count of its tokens (cancelled here before
         its node answered, its node lost, the node's deadline passed) gets the control-plane's estimate:
-        the prompt's, and one token per delta relayed, flagged estimated."""
+        the prompt's, and one token per delta relayed, flagged estimated (for a run its requester cancelled,
+        until its node's count comes: :meth:`counted`)."""
         self._take(event, cancel_reason)
         if self.usage is None and self.attempts:
             self.usage = pb.Usage(prompt_tokens=self.prompt_estimate, completion_tokens=self.outputs, estimated=True)
+
+    def counted(self, event: pb.RunEvent) -> bool:
+        """Take the usage its node counted from the terminal event of the attempt its requester cancelled
+        (:mod:`iop_control_plane.cancelled`): the error's, or the complete's if the run finished meanwhile.
+        False when the event carries none (made here: the node's connection closed)."""
+        if event.WhichOneof("event") == "complete" and event.complete.HasField("usage"):
+            self.usage = event.complete.usage
+        elif event.WhichOneof("event") == "error" and event.error.HasField("usage"):
+            self.usage = event.error.usage
+        else:
+            return False
+        return True
 
     def _take(self, event: pb.RunEvent | None, cancel_reason: str) -> None:
         self.ended = time.monotonic()

@@ -6,7 +6,7 @@ from collections import Counter as Tally
 from collections.abc import Container, Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -94,6 +94,21 @@ class ControlPlaneMetrics:
         self.ledger_dropped = Counter(
             "iop_control_plane_ledger_dropped_total",
             "Runs not recorded in the ledger because its write backlog was full.",
+            registry=self.registry,
+        )
+        self.cancelled_usage = Counter(
+            "iop_control_plane_cancelled_usage_total",
+            "Runs their requester cancelled after they were placed, by how the ledger got what they used: counted"
+            " (the node's count, from its end of the run), uncounted (the node's end carried none: its connection"
+            " closed), timeout (no end within ledger.cancel_usage_wait), skipped (ledger.cancel_usage_waits runs"
+            " were waiting already), not_waited (the wait is 0), stopped (the control-plane stopped meanwhile);"
+            " all but counted keep the control-plane's estimate, flagged estimated.",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.cancelled_usage_waiting = Gauge(
+            "iop_control_plane_cancelled_usage_waiting",
+            "Cancelled runs whose ledger entry waits for their node's count of what they used.",
             registry=self.registry,
         )
         self.overview_folded = Counter(

@@ -25,6 +25,9 @@ request's, else ``queue_timeout``) passes. A full queue or a passed deadline end
 RESOURCE_EXHAUSTED and a retry-after hint from the queue's drain rate. A caller at its policy
 limit waits in the queue too. A run cancelled while queued leaves the queue at once. Each run's
 prompt is charged to its caller's service as it is admitted, its completion as its attempt ends.
+
+A run its requester cancels mid-attempt is answered at once; its ledger entry waits, off the
+requester's path, for the node's count of what it used (:mod:`iop_control_plane.cancelled`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from dataclasses import dataclass
 import structlog
 
 from iop_control_plane.admission import AdmissionQueue, Waiter
+from iop_control_plane.cancelled import CancelledRuns
 from iop_control_plane.fairness import FairShare, estimated_prompt_tokens
 from iop_control_plane.ledger import Attempt, LedgerEntry
 from iop_control_plane.metrics import ControlPlaneMetrics
@@ -45,11 +49,11 @@ from iop_control_plane.nodes import NodeSessions
 from iop_control_plane.policy import Policy
 from iop_control_plane.prefix import Prefix, prompt_prefixes
 from iop_control_plane.scheduler import Decision, Scheduler
-from iop_control_plane.settings import FairnessSettings
+from iop_control_plane.settings import FairnessSettings, LedgerSettings
 from iop_control_plane.text import NAME_CHARS, clip
 from iop_control_plane.traffic import Traffic
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_wire import EventSink, IopError, acting_caller, code_name, relay
+from iop_wire import EventSink, IopError, RunStream, acting_caller, code_name, relay
 from iop_wire.continuation import STOPPED_CODES, Delivered
 from iop_wire.errors import Reason
 from iop_wire.logs import RateLimitedLog
@@ -104,6 +108,9 @@ class _Run:
     """What the requester was sent, kept to continue the run; None when its policy allows no migration."""
     migrations: int = 0
     """Times this control-plane continued it on another node."""
+    upstream: RunStream | None = None
+    """Its attempt's stream from the node while it is relayed: where a requester's cancel leaves the node's
+    count of what the run used to come (:mod:`iop_control_plane.cancelled`)."""
 
 
 class _Output:
@@ -201,6 +208,7 @@ class RunRelay:
         background_yield: float = 1.0,
         registration_grace: float = 0.0,
         fairness: FairnessSettings | None = None,
+        ledger: LedgerSettings | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.sessions = sessions
@@ -226,6 +234,11 @@ class RunRelay:
         metrics.watch_queue(self.queue)
         self.traffic = Traffic(metrics.overview_folded)
         """Runs that ended here in the last hour, for overview.show."""
+        ledger = ledger or LedgerSettings()
+        self.cancelled = CancelledRuns(
+            self._record, metrics, wait=ledger.cancel_usage_wait, limit=ledger.cancel_usage_waits
+        )
+        """Runs their requester cancelled, waiting for their node's count before they are recorded."""
 
     def attempts(self, model: str) -> int:
         """Nodes a run of ``model`` may be tried on: the policy's, else the settings' default."""
@@ -242,6 +255,7 @@ class RunRelay:
         store = self.sessions.store
         store.run_started(entry)
         terminal: pb.RunEvent | None = None  # None: the requester went away
+        run: _Run | None = None
         try:
             if (over_long := _over_long(request, caller)) is not None:
                 terminal = await self._refuse_over_long(sink, *over_long)
@@ -251,12 +265,20 @@ class RunRelay:
                 message = "only an edge, worker or control-plane may send a run with a continuation"
                 terminal = await _refuse(sink, IopError(pb.ERROR_CODE_PERMISSION_DENIED, message, param="continuation"))
             else:
-                terminal = await self._run(self._prepared(request, sink, caller, entry))
+                run = self._prepared(request, sink, caller, entry)
+                terminal = await self._run(run)
         finally:
             entry.outputs, entry.first_output = sink.outputs, sink.first_output_at
             entry.ending(terminal, sink.cancel_reason)
-            store.run_ended(entry)
-            self.traffic.ended(entry)
+            if terminal is None and run is not None and run.upstream is not None:
+                self.cancelled.hold(entry, run.upstream)  # recorded once its node says what it used
+            else:
+                self._record(entry)
+
+    def _record(self, entry: LedgerEntry) -> None:
+        """Hand an ended run to the ledger's writer and the overview."""
+        self.sessions.store.run_ended(entry)
+        self.traffic.ended(entry)
 
     def _prepared(self, request: pb.RunRequest, sink: EventSink, caller: str, entry: LedgerEntry) -> _Run:
         """A run received, with what its steps read: priority, prompt estimate and prefixes, what it continues."""
@@ -616,18 +638,12 @@ class RunRelay:
         """
         assert decision.node_id is not None
         request, sink, entry, node_id = run.request, run.sink, run.entry, decision.node_id
-        continuation = run.continuation
+        continuation, run.upstream = run.continuation, None
         record = Attempt(node_id, decision.model, time.monotonic(), outcome="cancelled")
         record.continued = continuation is not None
         entry.attempts.append(record)
         self.sessions.store.run_placed(entry)
-        upstream = pb.RunRequest()
-        upstream.CopyFrom(request)
-        upstream.run_id = f"{sink.connection_id}.{request.run_id}.{len(entry.attempts)}"
-        upstream.model = decision.model
-        upstream.caller.id = run.caller
-        if continuation is not None:
-            upstream.continuation.CopyFrom(continuation)
+        upstream = _upstream(run, decision.model, len(entry.attempts))
         connection = self.sessions.connection(node_id)
         first_output = self._awaiting_first_output(node_id) if run.priority >= 0 else None
         on_delta = run.output.add if run.output is not None else None
@@ -636,10 +652,11 @@ class RunRelay:
         try:
             if connection is None:
                 raise IopError(pb.ERROR_CODE_UNAVAILABLE, f"node {node_id} has no connection")
-            stream = await connection.open_run(upstream)
+            stream = run.upstream = await connection.open_run(upstream)
             async with asyncio.timeout(_remaining(request)):  # None: no deadline
                 # the deadline cancels the node's run
                 terminal = await relay(stream, sink, first_output=first_output, on_delta=on_delta)
+            run.upstream = None  # its end was read: nothing left to wait for
             if terminal[0].complete.HasField("usage"):
                 usage = terminal[0].complete.usage
         except TimeoutError:
@@ -671,6 +688,19 @@ class RunRelay:
 
 _ENDS_THE_RUN = frozenset({pb.ERROR_CODE_DEADLINE_EXCEEDED, pb.ERROR_CODE_CANCELLED})
 """Errors of a continued attempt before its own output that end the run rather than send it to another node."""
+
+
+def _upstream(run: _Run, model: str, attempt: int) -> pb.RunRequest:
+    """The run's request as its node is sent it for attempt number ``attempt`` (from 1)."""
+    request = run.request
+    upstream = pb.RunRequest()
+    upstream.CopyFrom(request)
+    upstream.run_id = f"{run.sink.connection_id}.{request.run_id}.{attempt}"
+    upstream.model = model
+    upstream.caller.id = run.caller
+    if run.continuation is not None:
+        upstream.continuation.CopyFrom(run.continuation)
+    return upstream
 
 
 def _kind(request: pb.RunRequest) -> int:

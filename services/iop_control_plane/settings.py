@@ -35,6 +35,7 @@ __all__ = [
     "FairnessSettings",
     "IdentitySettings",
     "JoinSettings",
+    "LedgerSettings",
     "PrefixSettings",
     "Problem",
     "Settings",
@@ -138,6 +139,16 @@ class PrefixSettings(_Section):
     """Prefixes remembered for all nodes together (about 200 bytes each)."""
 
 
+class LedgerSettings(_Section):
+    """What the run ledger waits for."""
+
+    cancel_usage_wait: float = Field(2.0, ge=0, le=60)
+    """Seconds a run its requester cancelled waits, off the requester's path, for its node's end of it, to
+    record what the node counted it used; past it (or 0) the ledger keeps the control-plane's estimate."""
+    cancel_usage_waits: int = Field(1024, ge=0)
+    """Cancelled runs that may wait so at once; more are recorded at once with the estimate."""
+
+
 class IdentitySettings(_Section):
     """How a node's certificate names it."""
 
@@ -170,6 +181,8 @@ class Settings(BaseSettings):
     tokens, certificates) when ``store.url`` is unset."""
     ledger_max_runs: int = Field(1_000_000, ge=1)
     """Runs the ledger (in ``store_path``) keeps; older ones are deleted."""
+    ledger: LedgerSettings = LedgerSettings()
+    """What the run ledger waits for: a cancelled run's count from its node."""
     policy_path: Path | None = None
     """The policy file (YAML) put in force at start when the store holds none (a store's newest policy
     wins: one applied since, or by another control-plane); unset: the default policy."""

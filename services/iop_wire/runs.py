@@ -70,6 +70,10 @@ class RunStream:
         """True once the terminal event arrived (it may not have been read yet)."""
         self.cancelled = False
         """True once its reader asked to stop: only the terminal event is still delivered."""
+        self.terminal: pb.RunEvent | None = None
+        """Its terminal event once it arrived (read or not): what :meth:`cancel_and_wait` returns."""
+        self._ending: asyncio.Future[None] | None = None
+        """Made by the first :meth:`cancel_and_wait` that must wait; done when the terminal event arrives."""
 
     def __aiter__(self) -> RunStream:
         return self
@@ -134,6 +138,25 @@ class RunStream:
         self._drop_output()
         self._cancel(self.run_id, reason)
 
+    async def cancel_and_wait(self, timeout: float, reason: str = "cancelled by client") -> pb.RunEvent | None:
+        """Cancel the run (unless it was already) and wait up to ``timeout`` seconds for its terminal event.
+
+        That event says how the run ended on the serving end and what it used there: its error
+        (a node's carries ``Error.usage``), or its complete if it finished meanwhile; an event made
+        on this side (the connection closed) carries no usage. None: none came in time (the peer
+        is slow, frozen or ignores the cancel). Nothing else is kept meanwhile, and the event stays
+        readable by :meth:`next_frame` too: a caller that stopped reading gets the end of the run
+        without holding its output.
+        """
+        self.cancel_nowait(reason)
+        if self.terminal is None:
+            if self._ending is None:
+                self._ending = asyncio.get_running_loop().create_future()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await asyncio.shield(self._ending)  # another waiter's timeout must not end this one's wait
+        return self.terminal
+
     def overflow(self, error: IopError, reason: str) -> None:
         """Its reader fell too far behind: drop what waits, end with ``error``, cancel the run upstream."""
         if self.cancelled or self.ended:
@@ -164,7 +187,10 @@ class RunStream:
         if self.ended:
             return
         self.ended = True
+        self.terminal = event
         self.put_nowait(event, body)
+        if self._ending is not None and not self._ending.done():
+            self._ending.set_result(None)
 
     def fail(self, error: IopError) -> None:
         """End the stream with ``error``."""

@@ -1,13 +1,16 @@
-"""A client that goes away cancels its run: the node records it cancelled, its adapter stopped within 100 ms."""
+"""A client that goes away cancels its run: the node records it cancelled, its adapter stopped within 100 ms,
+and the control-plane's usage counts what the node says the run used."""
 
 from __future__ import annotations
 
 import json
 import socket
+import subprocess
 import time
 from datetime import datetime
+from typing import Any
 
-from .conftest import Stack, wait_for
+from .conftest import IOP, Stack, wait_for
 from .openai_schema import validate
 
 STOPS_WITHIN = 0.1
@@ -87,3 +90,42 @@ def test_a_prompt_that_cannot_start_cancels_the_prompts_started_before_it(stack:
             break
         time.sleep(0.1)
     assert record is None or record["status"] == "cancelled", record
+
+
+def _usage(stack: Stack, key: str) -> dict[str, Any]:
+    """``iop usage --key KEY --json`` against the stack's control-plane, with the admin certificate."""
+    command = [*IOP, "usage", "--key", key, "--json", "--control-plane", f"127.0.0.1:{stack.cp_port}"]
+    result = subprocess.run(
+        [*command, "--certs", str(stack.certs)], capture_output=True, text=True, timeout=30, check=True
+    )
+    totals: dict[str, Any] = json.loads(result.stdout)["totals"]
+    return totals
+
+
+def test_a_stream_the_sdk_closes_early_is_counted_as_its_node_counted_it(stack: Stack) -> None:
+    secret = _ready_key(stack, "closes-early")
+    stream = stack.client(secret).chat.completions.create(
+        model="mock-slow", messages=[{"role": "user", "content": "count the tokens I was sent"}], stream=True
+    )
+    chunks = [chunk for _, chunk in zip(range(4), stream, strict=False)]
+    request_id = stream.response.headers["x-request-id"]
+    stream.close()
+    assert len(chunks) == 4
+
+    def ended() -> dict[str, object] | None:
+        record = stack.run("node-a", request_id)
+        return record if record is not None and record["status"] != "running" else None
+
+    record = wait_for(ended, 5, 0.1, "the node's record of the run to end")
+    assert record["status"] == "cancelled"
+    totals = wait_for(
+        lambda: (used := _usage(stack, "closes-early"))["requests"] and used, 10, 0.1, "usage to count it"
+    )
+    # The node's count of the prompt (~4 characters a token, role included) and of all it streamed, not the
+    # control-plane's estimate (which counts the prompt without roles, and one token per delta it relayed).
+    assert (totals["prompt_tokens"], totals["completion_tokens"]) == (
+        record["prompt_tokens"],
+        record["completion_tokens"],
+    )
+    assert (totals["requests"], totals["failed"], totals["estimated"]) == (1, 1, int(bool(record["usage_estimated"])))
+    assert totals["prompt_tokens"] == (len("user: count the tokens I was sent") + 3) // 4

@@ -62,10 +62,10 @@ async def test_an_edge_reads_usage_overview_runs_and_nodes_but_may_not_operate(p
                 failed[-1].error.usage.completion_tokens,
             )
             assert team_b.prompt_tokens > 0
-            # Cancelled by its requester: the control-plane stops relaying without waiting for the node's
-            # end, and counts what it relayed (a token per delta) with its own estimate of the prompt.
+            # Cancelled by its requester: recorded with the node's count once its end of the run comes
+            # (test_control_plane_cancel_usage.py), estimated by the node from the text as the failed run's.
             assert (team_c.caller, team_c.requests, team_c.failed, team_c.estimated) == ("team-c", 1, 1, 1)
-            assert team_c.prompt_tokens == 3 and team_c.completion_tokens >= 2  # "hello there": 11 characters
+            assert team_c.prompt_tokens == team_b.prompt_tokens and team_c.completion_tokens >= 2
             assert team_a.start.seconds % 3600 == 0
 
             shown = (await edge.request(pb.Envelope(overview_show=pb.OverviewShow()))).overview_shown

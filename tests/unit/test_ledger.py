@@ -211,3 +211,16 @@ async def test_runs_left_open_wait_for_their_node_in_bounded_number_and_time(
     assert outcome("not_kept") == 1
     await assert_eventually(lambda: left_open.kept == 0, timeout=5)  # node-a never registered
     assert outcome("node_not_back") == 2
+
+
+def test_a_cancelled_run_keeps_the_estimate_until_its_nodes_count_comes() -> None:
+    entry = LedgerEntry("r1", "edge-1", "c1", "alice", "mock-small", prompt_estimate=4, outputs=2)
+    entry.attempts.append(Attempt("node-a", "mock-small", entry.received, outcome="cancelled"))
+    entry.ending(None, "the client went away")
+    estimate = pb.Usage(prompt_tokens=4, completion_tokens=2, estimated=True)
+    assert (entry.status, entry.error_message, entry.usage) == ("cancelled", "the client went away", estimate)
+    lost = pb.RunEvent(error=pb.Error(code=pb.ERROR_CODE_NODE_LOST, message="connection closed"))
+    assert not entry.counted(lost) and entry.usage == estimate  # made here: no count in it
+    used = pb.Usage(prompt_tokens=6, completion_tokens=5, estimated=True)
+    assert entry.counted(pb.RunEvent(error=pb.Error(code=pb.ERROR_CODE_CANCELLED, usage=used)))
+    assert (entry.status, entry.usage) == ("cancelled", used)
