@@ -1,0 +1,142 @@
+// The console's shell: sign-in with an API key, the nav (admin pages hidden for other keys),
+// and hash routing (#/overview, #/nodes, ...). Each page module exports
+// render(main, ctx) and may return a function that stops it (streams, timers) on leaving.
+
+import { ApiError, api, forgetKey, onUnauthorized, saveKey, savedKey } from "./api.js";
+import { stopLive } from "./live.js";
+import { $, esc } from "./util.js";
+import * as overview from "./overview.js";
+import * as nodes from "./nodes.js";
+import * as runs from "./runs.js";
+import * as usage from "./usage.js";
+import * as keys from "./keys.js";
+import * as batches from "./batches.js";
+import * as playground from "./playground.js";
+
+const PAGES = {
+  overview: { module: overview, title: "Overview" },
+  nodes: { module: nodes, title: "Nodes", admin: true },
+  runs: { module: runs, title: "Runs" },
+  usage: { module: usage, title: "Usage" },
+  keys: { module: keys, title: "Keys", admin: true },
+  batches: { module: batches, title: "Batches" },
+  playground: { module: playground, title: "Playground" },
+};
+
+const main = document.getElementById("main");
+let me = null;
+let leave = null;
+
+function showSignIn(message = "") {
+  stopPage();
+  me = null;
+  $(document, "#nav").hidden = true;
+  $(document, "#who").hidden = true;
+  document.title = "Sign in · IOP console";
+  main.innerHTML = `
+    <h1 tabindex="-1">Sign in</h1>
+    <form id="sign-in" class="card narrow">
+      <label for="key">API key</label>
+      <input id="key" name="key" type="password" autocomplete="off" required spellcheck="false">
+      <p class="hint">Kept in this tab only (sessionStorage) and sent with every call.</p>
+      <p id="sign-in-error" class="error" role="alert">${esc(message)}</p>
+      <button type="submit" class="primary">Sign in</button>
+    </form>`;
+  const form = $(main, "#sign-in");
+  form.addEventListener("submit", async (event) => {
+    event.preventDefault();
+    const key = $(form, "#key").value.trim();
+    try {
+      const who = await api("/console/api/me", { key });
+      saveKey(key);
+      signedIn(who);
+    } catch (err) {
+      const text = err instanceof ApiError && err.status === 401 ? "Wrong key." : err.message;
+      $(form, "#sign-in-error").textContent = text;
+    }
+  });
+  $(form, "#key").focus();
+}
+
+function signedIn(who) {
+  me = who;
+  $(document, "#who-name").textContent = `${who.key}${who.admin ? " (admin)" : ""} · ${who.edge}`;
+  $(document, "#who").hidden = false;
+  $(document, "#nav").hidden = false;
+  for (const li of document.querySelectorAll("#nav [data-admin]")) li.hidden = !who.admin;
+  route();
+}
+
+function stopPage() {
+  if (leave) leave();
+  leave = null;
+}
+
+function route() {
+  if (!me) return;
+  const hash = location.hash;
+  if (!hash.startsWith("#/")) {
+    location.replace("#/overview");
+    return;
+  }
+  let name = hash.slice(2).split("?")[0];
+  if (!PAGES[name] || (PAGES[name].admin && !me.admin)) name = "overview";
+  const page = PAGES[name];
+  stopPage();
+  for (const a of document.querySelectorAll("#nav a")) {
+    if (a.getAttribute("href") === `#/${name}`) a.setAttribute("aria-current", "page");
+    else a.removeAttribute("aria-current");
+  }
+  document.title = `${page.title} · IOP console`;
+  main.innerHTML = "";
+  const controller = new AbortController();
+  const stop = page.module.render(main, { me, signal: controller.signal });
+  leave = () => {
+    controller.abort();
+    if (typeof stop === "function") stop();
+  };
+  const h1 = main.querySelector("h1");
+  if (h1) {
+    h1.tabIndex = -1;
+    h1.focus({ preventScroll: true });
+  }
+}
+
+function signOut() {
+  stopLive();
+  forgetKey();
+  history.replaceState(null, "", location.pathname);
+  showSignIn();
+}
+
+async function boot() {
+  $(document, "#sign-out").addEventListener("click", signOut);
+  window.addEventListener("hashchange", route);
+  onUnauthorized((message) => {
+    if (!me) return;
+    stopLive();
+    forgetKey();
+    showSignIn(`Signed out: ${message}`);
+  });
+  const key = savedKey();
+  if (!key) {
+    // With `auth: none` (local development) the server answers without a key.
+    try {
+      signedIn(await api("/console/api/me"));
+    } catch {
+      showSignIn();
+    }
+    return;
+  }
+  try {
+    signedIn(await api("/console/api/me"));
+  } catch (err) {
+    if (!(err instanceof ApiError && err.status === 401)) showSignIn(err.message);
+    else {
+      forgetKey();
+      showSignIn("Signed out: the key was refused.");
+    }
+  }
+}
+
+boot();

@@ -1,0 +1,73 @@
+// Small helpers every page uses: escaping, formatting, element lookup.
+// All text from the server (node ids, model names, error messages) is peer-controlled:
+// it reaches the DOM only through esc() or textContent.
+
+const ESCAPES = { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" };
+
+/** HTML-escape any value for use in text or a quoted attribute. */
+export function esc(value) {
+  return String(value ?? "").replace(/[&<>"']/g, (c) => ESCAPES[c]);
+}
+
+/** A number with thousands separators, or an em dash for null. */
+export function num(value, digits = 0) {
+  if (value === null || value === undefined || Number.isNaN(value)) return "—";
+  return Number(value).toLocaleString("en-US", {
+    minimumFractionDigits: digits,
+    maximumFractionDigits: digits,
+  });
+}
+
+/** Milliseconds, shown as ms below a second and s above. */
+export function ms(value) {
+  if (value === null || value === undefined) return "—";
+  return value < 1000 ? `${num(value)} ms` : `${num(value / 1000, 2)} s`;
+}
+
+/** Unix seconds as "YYYY-MM-DD HH:MM:SS" in UTC (the platform's buckets are UTC). */
+export function time(seconds) {
+  if (seconds === null || seconds === undefined) return "—";
+  return new Date(seconds * 1000).toISOString().slice(0, 19).replace("T", " ");
+}
+
+/** A datetime-local input's value, read as UTC, in unix seconds (null when empty). */
+export function parseUtc(value) {
+  if (!value) return null;
+  const t = Date.parse(`${value}Z`);
+  return Number.isNaN(t) ? null : t / 1000;
+}
+
+/** Unix seconds as a datetime-local value in UTC. */
+export function toInputUtc(seconds) {
+  return new Date(seconds * 1000).toISOString().slice(0, 16);
+}
+
+/** The element with this id inside root (throws when missing: a page bug, not a data case). */
+export function $(root, selector) {
+  const el = root.querySelector(selector);
+  if (!el) throw new Error(`missing element ${selector}`);
+  return el;
+}
+
+/** Build a query string from the non-empty entries of an object. */
+export function query(params) {
+  const q = new URLSearchParams();
+  for (const [k, v] of Object.entries(params)) {
+    if (v !== null && v !== undefined && v !== "") q.set(k, String(v));
+  }
+  const s = q.toString();
+  return s ? `?${s}` : "";
+}
+
+/** Save a Blob under a file name through a temporary link (downloads need no CSP source). */
+export function saveBlob(blob, filename) {
+  const url = URL.createObjectURL(blob);
+  const a = document.createElement("a");
+  a.href = url;
+  a.download = filename;
+  a.hidden = true;
+  document.body.append(a);
+  a.click();
+  a.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 60_000);
+}
