@@ -3,11 +3,12 @@
 On first start: development certificates, ``control-plane.yaml`` (its ``join.ca_key`` the CA's
 key, so that it can sign joining machines' certificates), ``node.yaml`` (mock models, or one
 route per model of a ``--backend``), ``worker.yaml`` and ``edge.yaml`` with their ports (the
-customary one, else a free one) and hosts (127.0.0.1 and the ``--listen`` addresses), and the API
-key ``local``. Later starts keep the files and only set values in place (``set_value``: the
-hosts when ``--listen`` is given; an ``edge.yaml`` of an older ``up`` gets its ``worker`` section
-appended, a ``control-plane.yaml`` its ``join`` section, ``add_section``), the rest of each file
-as the user left it. Also here: the
+customary one, else a free one) and hosts (127.0.0.1 and the ``--listen`` addresses), the
+console's admin certificate in ``edge.yaml`` (``console.admin_cert``: the CLI's), and the API
+key ``local`` (an admin key: the console's every page). Later starts keep the files and only
+set values in place (``set_value``: the hosts when ``--listen`` is given; an ``edge.yaml`` of an
+older ``up`` gets its ``worker`` and ``console`` sections appended, a ``control-plane.yaml`` its
+``join`` section, ``add_section``), the rest of each file as the user left it. Also here: the
 small HTTP helpers the other ``up`` modules use.
 """
 
@@ -149,6 +150,8 @@ def _prepare_edge(state: Path, control_plane: int, port: int | None, worker: int
         set_value(config, ("http", "host"), listen_hosts(listen))
     if yaml_value(config, ("worker", "address")) is None:  # an older up's edge.yaml: no worker yet
         add_section(config, "worker", _worker_address(worker))
+    if not _has_section(config, "console"):  # an older up's edge.yaml: no console admin certificate yet
+        add_section(config, "console", _console(state))
     if port is not None:
         set_value(config, ("http", "port"), port)
     configured = _port_of(config, ("http", "port"), EDGE_PORT)
@@ -252,7 +255,14 @@ def _edge_config(state: Path, control_plane: int, port: int, worker: int, listen
         "tls": _tls(state, "edge"),
         "auth": "keys",
         "keys_path": str((state / "edge-keys.db").resolve()),
+        "console": _console(state),
     }
+
+
+def _console(state: Path) -> dict[str, object]:
+    """The console's admin certificate: the one minted for the CLI (drain, undrain, remove; every caller's batches)."""
+    admin = tls_section(state / "certs", "admin")
+    return {"admin_cert": admin["cert"], "admin_key": admin["key"]}
 
 
 def _worker_address(port: int) -> dict[str, object]:
@@ -309,7 +319,7 @@ def _ensure_key(state: Path) -> None:
     from iop_edge.keys import create_key  # the edge's key store: imported only on first start
 
     try:
-        value = create_key((state / "edge-keys.db").resolve(), "local")
+        value = create_key((state / "edge-keys.db").resolve(), "local", admin=True)  # the console's every page
     except ValueError as exc:  # the key file holds a 'local' key whose secret was removed
         raise CliError(f"{secret} is missing: {exc} ('iop keys revoke local --dir {state}')") from None
     secret.touch(mode=0o600)

@@ -25,13 +25,14 @@ from iop_edge.settings import ConfigError, load_settings
 
 __all__ = ["create", "ls", "revoke"]
 
-_HEADERS = ("NAME", "KEY ID", "CREATED", "RPM", "TPM", "MAX-CONCURRENT", "STATUS")
+_HEADERS = ("NAME", "KEY ID", "CREATED", "RPM", "TPM", "MAX-CONCURRENT", "ADMIN", "STATUS")
 T = TypeVar("T")
 
 
 def create(args: argparse.Namespace) -> int:
     """Create a key and print its secret (stdout, alone on its line); it is never shown again."""
     limits = {"rpm": args.rpm, "tpm": args.tpm, "max_concurrent": args.max_concurrent}
+    admin = bool(args.admin)
     url = _store_url(args)
     if url is not None:
         try:
@@ -40,19 +41,20 @@ def create(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise CliError(str(exc)) from None
         secret = new_secret()
-        _in_store(url, "write", lambda store: store.create(args.name, digest(secret), **limits))
+        _in_store(url, "write", lambda store: store.create(args.name, digest(secret), **limits, admin=admin))
         where = PgKeyStorage(url).name
     else:
         path, _ = _key_file(args)
         try:
-            secret = create_key(path, args.name, **limits)
+            secret = create_key(path, args.name, **limits, admin=admin)
         except (ValueError, SchemaTooNew) as exc:
             raise CliError(str(exc)) from None
         except STORE_ERRORS as exc:
             raise CliError(f"cannot write the key file {path}: {exc}") from None
         where = str(path)
     print(secret)
-    warn("keys", f"key {args.name} created in {where}; this is the only time it is shown")
+    kind = "admin key" if admin else "key"
+    warn("keys", f"{kind} {args.name} created in {where}; this is the only time it is shown")
     return 0
 
 
@@ -164,7 +166,7 @@ def _row(key: KeyInfo) -> tuple[str, ...]:
     limits = (str(value) if value is not None else "-" for value in (key.rpm, key.tpm, key.max_concurrent))
     status = "active" if key.revoked_at is None else "revoked"
     created = datetime.datetime.fromtimestamp(key.created_at, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return (key.name, key.key_id, created, *limits, status)
+    return (key.name, key.key_id, created, *limits, "yes" if key.admin else "no", status)
 
 
 def _plain(key: KeyInfo) -> dict[str, object]:
@@ -176,6 +178,7 @@ def _plain(key: KeyInfo) -> dict[str, object]:
         "rpm": key.rpm,
         "tpm": key.tpm,
         "max_concurrent": key.max_concurrent,
+        "admin": key.admin,
         "status": "active" if key.revoked_at is None else "revoked",
     }
 

@@ -6,7 +6,7 @@
     iop status                            what iop up started: processes, addresses, health
     iop edge --config edge.yaml           run an edge (the OpenAI-compatible API)
     iop worker --config worker.yaml       run a worker (files and batch jobs)
-    iop keys create NAME [--rpm N] [--tpm N] [--max-concurrent N] | ls | revoke NAME   the edge's API keys
+    iop keys create NAME [--rpm N] [--tpm N] [--max-concurrent N] [--admin] | ls | revoke NAME   the edge's API keys
     iop chat [--model M] [PROMPT]         talk to a model through the local edge; iop models lists them
     iop node --config node.yaml [--ready-file PATH]   run a node (iop node --dev: without a config)
     iop control-plane --config cp.yaml [--ready-file PATH]   run a control-plane
@@ -365,6 +365,8 @@ def _keys_parsers(
     create.add_argument("--rpm", type=int, help="requests per minute")
     create.add_argument("--tpm", type=int, help="tokens (prompt + completion) per minute")
     create.add_argument("--max-concurrent", type=int, help="requests in progress at once")
+    admin_help = "an admin key: the console's platform pages and actions, every caller's records"
+    create.add_argument("--admin", action="store_true", help=admin_help)
     revoke.add_argument("name", metavar="NAME")
     keys.choices["ls"].add_argument("--json", action="store_true", help="print JSON instead of a table")
 

@@ -331,6 +331,7 @@ def _print_started(state: Path, started: dict[str, dict[str, Any]], foreground: 
         *_reachable(state, control_plane["port"], edge["port"]),
         "",
         f"base URL: {base}",
+        f"console: http://127.0.0.1:{edge['port']}/console",
         f"API key: {key}",
         "",
         "from openai import OpenAI",
@@ -426,6 +427,7 @@ def _already_running(state: Path, running: dict[str, int], port: int | None, *, 
     edge = read_ready(state / "edge.ready")
     if edge and edge.get("port"):
         print(f"base URL: http://127.0.0.1:{edge['port']}/v1")
+        print(f"console: http://127.0.0.1:{edge['port']}/console")
     print(f"API key: {_read_key(state)}")
     return 0
 

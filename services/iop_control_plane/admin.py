@@ -1,5 +1,7 @@
 """Operations an admin certificate may ask for: list, drain, undrain, remove and reload nodes; show
-and apply policy; list runs from the ledger.
+and apply policy; list runs from the ledger, token usage, and the overview of recent traffic. Edges
+and workers, which act for callers, may ask the read-only ones (:data:`READ_ONLY`): the edge
+decides which API key sees what.
 
 ``nodes.reload`` is sent on to the node over its registration connection (it reads its config
 file's routes again) and its answer relayed: what changed, or why nothing did.
@@ -21,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -33,6 +35,7 @@ from iop_control_plane.policy import load_policy
 from iop_control_plane.registry import NodeState, NodeView
 from iop_control_plane.scheduler import Scheduler
 from iop_control_plane.state import PolicyRecord, StateStore
+from iop_control_plane.traffic import WINDOW_MAX, Traffic
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import Inbound, IopError, MessageHandler
 from iop_wire.settings import ConfigError
@@ -41,7 +44,10 @@ if TYPE_CHECKING:
     from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
     from google.protobuf.timestamp_pb2 import Timestamp
 
-__all__ = ["Operations", "PolicyInForce"]
+__all__ = ["READ_ONLY", "Operations", "PolicyInForce"]
+
+READ_ONLY = ("nodes_list", "runs_list", "usage_list", "overview_show")
+"""What an edge or worker certificate may ask besides runs and capabilities: reads, no operation."""
 
 _log = structlog.get_logger("iop.control_plane")
 _T = TypeVar("_T")
@@ -70,10 +76,24 @@ class Operations:
     """The admin message handlers."""
 
     def __init__(
-        self, scheduler: Scheduler, sessions: NodeSessions, policy: PolicyInForce, identity: IdentityStore
+        self,
+        scheduler: Scheduler,
+        sessions: NodeSessions,
+        policy: PolicyInForce,
+        identity: IdentityStore,
+        *,
+        traffic: Traffic | None = None,
+        queued: Callable[[], dict[str, int]] = dict,
+        name: str = "control-plane",
     ) -> None:
         self.scheduler, self.sessions, self.policy, self.identity = scheduler, sessions, policy, identity
         self.state: StateStore = identity.store
+        self.traffic = traffic or Traffic()
+        """Runs that ended here recently (the relay's)."""
+        self.queued = queued
+        """Runs waiting in the admission queues now, per model (the relay's)."""
+        self.name = name
+        """This control-plane's certificate name, as overview.shown says who answered."""
         self._reloads: set[asyncio.Task[None]] = set()
 
     def handlers(self) -> dict[str, MessageHandler]:
@@ -87,6 +107,8 @@ class Operations:
             "policy_show": self.policy_show,
             "policy_apply": self.policy_apply,
             "runs_list": self.runs_list,
+            "usage_list": self.usage_list,
+            "overview_show": self.overview_show,
         }
 
     async def nodes_list(self, inbound: Inbound) -> None:
@@ -173,14 +195,32 @@ class Operations:
 
     async def runs_list(self, inbound: Inbound) -> None:
         """Runs from the ledger, newest first (what is committed: the writer batches)."""
-        try:
-            listed = await self.sessions.store.runs(inbound.envelope.runs_list)
-        except ValueError as exc:
-            raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, str(exc)) from None
-        except Exception as exc:  # noqa: BLE001 - any driver's error: the admin gets one line
-            _log.error("ledger read failed", reason=str(exc) or type(exc).__name__)
-            raise IopError(pb.ERROR_CODE_UNAVAILABLE, f"cannot read the run ledger: {exc}") from None
+        listed = await _read(self.sessions.store.runs(inbound.envelope.runs_list), "the run ledger")
         await inbound.reply(pb.Envelope(runs_listed=listed))
+
+    async def usage_list(self, inbound: Inbound) -> None:
+        """Token usage per hour or day, by caller and model, from the ledger's rollup (what is committed)."""
+        listed = await _read(self.sessions.store.usage(inbound.envelope.usage_list), "the usage")
+        await inbound.reply(pb.Envelope(usage_listed=listed))
+
+    async def overview_show(self, inbound: Inbound) -> None:
+        """Runs that ended here in the window asked, and the runs queued here and running on the nodes now."""
+        window = inbound.envelope.overview_show.window_seconds
+        if window > WINDOW_MAX:
+            message = f"window_seconds is {window}, over the limit of {WINDOW_MAX}"
+            raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, message, param="window_seconds")
+        shown = self.traffic.shown(window, queued=self.queued(), running=self._running())
+        shown.control_plane = self.name
+        await inbound.reply(pb.Envelope(overview_shown=shown))
+
+    def _running(self) -> dict[str, int]:
+        """Runs executing on the registered nodes now, per model: their reports plus the runs sent since."""
+        running: dict[str, int] = {}
+        for node in self.sessions.registry.nodes.values():
+            for view in node.models.values():
+                if busy := view.in_flight + view.sent_since_report:
+                    running[view.model] = running.get(view.model, 0) + busy
+        return running
 
     async def policy_show(self, inbound: Inbound) -> None:
         """The policy in force."""
@@ -302,6 +342,18 @@ def _set_time(timestamp: Timestamp, seconds: float) -> None:
     Python, three times per node of a listing."""
     whole = int(seconds)
     timestamp.seconds, timestamp.nanos = whole, int((seconds - whole) * 1e9)
+
+
+async def _read(read: Awaitable[_T], what: str) -> _T:
+    """Await a read of the store; IopError INVALID_ARGUMENT for a bad request (ValueError), UNAVAILABLE
+    (retryable) when the store cannot answer."""
+    try:
+        return await read
+    except ValueError as exc:
+        raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - any driver's error: the asker gets one line
+        _log.error("state store read failed", what=what, reason=str(exc) or type(exc).__name__)
+        raise IopError(pb.ERROR_CODE_UNAVAILABLE, f"cannot read {what}: {exc}", retryable=True) from None
 
 
 async def _stored(write: Awaitable[_T], what: str) -> _T:

@@ -3,8 +3,9 @@
 :class:`ControlPlaneApp` puts every part onto one ``AsyncExitStack`` (the state store and the poll
 of what replicas change in it, the node sessions, the listener, metrics) and unwinds it in
 reverse on ``stop``. The listener serves each connection by its certificate's role: ``node``
-registers and reports; ``edge`` and ``worker`` submit runs and ask capabilities; ``admin`` also
-operates. Other roles are refused
+registers and reports; ``edge`` and ``worker`` submit runs, ask capabilities and read (nodes, runs,
+usage, the overview: :data:`iop_control_plane.admin.READ_ONLY`); ``admin`` also operates. Other
+roles are refused
 at the preface (PERMISSION_DENIED); a role sending what it may not gets PERMISSION_DENIED too.
 With ``join.ca_key`` the listener also takes peers without a certificate, which may only join
 (:mod:`iop_control_plane.joining`); a revoked certificate is refused at the preface. Without TLS
@@ -22,7 +23,7 @@ from pathlib import Path
 import structlog
 from prometheus_client import start_http_server
 
-from iop_control_plane.admin import Operations, PolicyInForce
+from iop_control_plane.admin import READ_ONLY, Operations, PolicyInForce
 from iop_control_plane.identity import IdentityStore
 from iop_control_plane.joining import Joining
 from iop_control_plane.metrics import ControlPlaneMetrics
@@ -41,7 +42,7 @@ from iop_control_plane.state import StateStore
 from iop_control_plane.store import AuditStore
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import EventSink, Handler, Inbound, IopError, Listener, MessageHandler, PeerIdentity, Role
-from iop_wire.certs import Authority
+from iop_wire.certs import Authority, certificate_facts
 from iop_wire.metrics import expose
 from iop_wire.settings import EventLoop, bind_error
 
@@ -59,6 +60,8 @@ _ADMIN_MESSAGES = (
     "policy_show",
     "policy_apply",
     "runs_list",
+    "usage_list",
+    "overview_show",
     "join_token_create",
     "join_tokens_list",
     "join_token_revoke",
@@ -154,7 +157,10 @@ class ControlPlaneApp:
             return Handler(run=self.runs.run, messages={**capabilities, **node, **admin, **off})
         if peer.role is Role.NODE:
             return Handler(run=_refuse_run, messages={**node, **_denied(_ADMIN_MESSAGES, peer), **off})
-        allowed = admin if peer.role is Role.ADMIN else _denied(_ADMIN_MESSAGES, peer)
+        if peer.role is Role.ADMIN:
+            allowed = admin
+        else:  # an edge or a worker: it may read, and the edge decides which API key sees what
+            allowed = _denied(_ADMIN_MESSAGES, peer) | {kind: admin[kind] for kind in READ_ONLY}
         messages = {**capabilities, **allowed, **_denied(_NODE_MESSAGES, peer), **off}
         return Handler(run=self.runs.run, messages=messages)
 
@@ -277,7 +283,15 @@ def build_control_plane(settings: Settings, *, policy: PolicyInForce | None = No
     )
     if settings.tls.enabled:
         sessions.vet = joining.vet_registration
-    operations = Operations(scheduler, sessions, policy, identity)
+    operations = Operations(
+        scheduler,
+        sessions,
+        policy,
+        identity,
+        traffic=runs.traffic,
+        queued=runs.queue.depths,
+        name=_own_name(settings),
+    )
     replicas = Replicas(
         state, operations=operations, sessions=sessions, identity=identity, interval=settings.store.poll_interval
     )
@@ -300,6 +314,16 @@ def _state_store(settings: Settings) -> StateStore:
     if settings.store.url is None:
         return SqliteStore(settings.store_path)
     return PgStore(settings.store.url, max_connections=settings.store.max_connections, timeout=settings.store.timeout)
+
+
+def _own_name(settings: Settings) -> str:
+    """This control-plane's certificate name (``control-plane`` without TLS, or a certificate unreadable here)."""
+    if not settings.tls.enabled or settings.tls.cert is None:
+        return "control-plane"
+    try:
+        return certificate_facts(settings.tls.cert.read_bytes()).name or "control-plane"
+    except (OSError, ValueError):  # the listener reports what is wrong with the file
+        return "control-plane"
 
 
 async def _cancel(task: asyncio.Task[None]) -> None:

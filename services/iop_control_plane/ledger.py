@@ -32,6 +32,7 @@ from iop_gen.pb.iop import runtime_pb2 as pb
 __all__ = [
     "ATTEMPT_COLUMNS",
     "MAX_LIST",
+    "NEWEST_FIRST",
     "OPEN_COLUMNS",
     "RUN_COLUMNS",
     "SETTLED",
@@ -58,6 +59,9 @@ STATUSES = ("completed", "failed", "cancelled", "interrupted")
 """A run's final status in the ledger."""
 MAX_LIST = 1000
 """Most runs one runs.list returns."""
+NEWEST_FIRST = "received_at DESC, id DESC"
+"""runs.list's order: by arrival, so that paging by ``before`` (the oldest arrival of a page) misses no run
+that ended out of order (a long run received before a short one ends after it)."""
 _DEFAULT_LIST = 50
 
 SETTLED = ("completed", "failed", "cancelled")
@@ -128,11 +132,14 @@ class LedgerEntry:
         else:
             self.error_code, self.error_message = event.error.code, event.error.message
             self.status = "cancelled" if event.error.code == pb.ERROR_CODE_CANCELLED else "failed"
+            if event.error.HasField("usage"):  # what the run used before it ended, as its node counted it
+                self.usage = event.error.usage
 
 
 RUN_COLUMNS = (
     "run_id, requester, connection, caller, model, node_id, status, error_code, error_message, received_at, "
-    "ttft, duration, prompt_tokens, completion_tokens, usage_estimated, finish_reason, outputs, migrations"
+    "ttft, duration, prompt_tokens, completion_tokens, usage_estimated, finish_reason, outputs, migrations, "
+    "cached_tokens"
 )
 ATTEMPT_COLUMNS = (
     "run, attempt, node_id, model, outcome, reason, started_after, duration, outputs, continued, "
@@ -171,6 +178,7 @@ def run_row(entry: LedgerEntry) -> tuple[object, ...]:
         entry.finish_reason,
         entry.outputs,
         entry.migrations,
+        usage.cached_tokens,
     )
 
 
@@ -200,7 +208,7 @@ def interrupted(row: tuple[Any, ...]) -> tuple[tuple[object, ...], tuple[object,
     *run_names, received_at, node_id, node_model, attempt, placed_after = row
     where = f"; attempt {attempt} on node {node_id}" if node_id else "; not yet placed"
     run = (*run_names, node_id, "interrupted", pb.ERROR_CODE_UNAVAILABLE, _INTERRUPTED + where, received_at,
-           None, 0.0, 0, 0, 0, 0, 0, 0)  # fmt: skip
+           None, 0.0, 0, 0, 0, 0, 0, 0, 0)  # fmt: skip
     tried = (attempt, node_id, node_model, "interrupted", _INTERRUPTED, placed_after, 0.0, 0, 0, 0, None)
     return run, tried if node_id else None
 
@@ -231,9 +239,9 @@ def settle_run_sql(mark: Callable[[int], str]) -> str:
     only while it is interrupted, only for the node of its last attempt (run again, it changes nothing),
     and not when the run has another row."""
     columns = ("status", "error_code", "error_message", "duration", "prompt_tokens", "completion_tokens",
-               "usage_estimated", "finish_reason")  # fmt: skip
+               "usage_estimated", "finish_reason", "cached_tokens")  # fmt: skip
     sets = ", ".join(f"{column} = {mark(n)}" for n, column in enumerate(columns, 1))
-    where = f"id = {mark(9)} AND node_id = {mark(10)} AND status = 'interrupted'"
+    where = f"id = {mark(10)} AND node_id = {mark(11)} AND status = 'interrupted'"
     # Not a run opened again through another control-plane (the edge's failover before output) that has
     # a row of its own: that row is the run's record, as recovery decides (the client saw that attempt).
     again = (
@@ -255,7 +263,7 @@ def settled_rows(left: LeftOpen, found: pb.LedgerRun) -> tuple[tuple[object, ...
     message = clip(found.error_message, TEXT_CHARS)
     run = (found.status, found.error_code, message, found.duration.ToTimedelta().total_seconds(),
            usage.prompt_tokens, usage.completion_tokens, int(usage.estimated), found.finish_reason,
-           left.row, left.node_id)  # fmt: skip
+           usage.cached_tokens, left.row, left.node_id)  # fmt: skip
     attempt = (found.status, message, left.row, left.attempt, left.node_id)
     return run, attempt
 
@@ -273,13 +281,16 @@ def filters(request: pb.RunsList, mark: Callable[[int], str]) -> tuple[str, list
     if request.status and request.status not in STATUSES:
         raise ValueError(f"unknown status {request.status!r}; valid: {', '.join(STATUSES)}")
     where, params = [], list[object]()
-    for column in ("run_id", "status", "model"):
+    for column in ("run_id", "status", "model", "caller"):
         if value := getattr(request, column):
             params.append(value)
             where.append(f"{column} = {mark(len(params))}")
     if request.HasField("since"):
         params.append(request.since.ToNanoseconds() / 1e9)
         where.append(f"received_at >= {mark(len(params))}")
+    if request.HasField("before"):
+        params.append(request.before.ToNanoseconds() / 1e9)
+        where.append(f"received_at < {mark(len(params))}")
     if request.node_id:
         params.append(request.node_id)
         where.append(f"id IN (SELECT run FROM run_attempts WHERE node_id = {mark(len(params))})")  # noqa: S608 - a placeholder
@@ -291,7 +302,7 @@ def query(path: Path, request: pb.RunsList) -> pb.RunsListed:
     """The runs ``request`` asks for, newest first, from a read-only connection of its own to the
     SQLite file ``path``; ValueError (one line) for a status that is not one of :data:`STATUSES`."""
     clauses, params, limit = filters(request, lambda _: "?")
-    sql = f"SELECT id, {RUN_COLUMNS} FROM runs {clauses} ORDER BY id DESC LIMIT ?"  # noqa: S608 - fixed clauses; values bound
+    sql = f"SELECT id, {RUN_COLUMNS} FROM runs {clauses} ORDER BY {NEWEST_FIRST} LIMIT ?"  # noqa: S608 - fixed clauses; values bound
     db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
         rows = db.execute(sql, (*params, limit + 1)).fetchall()
@@ -305,7 +316,7 @@ def query(path: Path, request: pb.RunsList) -> pb.RunsListed:
 def run_message(row: Sequence[object], attempts: Iterable[Sequence[Any]]) -> pb.LedgerRun:
     """A ``runs`` row (id, then :data:`RUN_COLUMNS`) and its attempts' rows as runs.list shows them."""
     (_, run_id, requester, connection, caller, model, node_id, status, code, message, received_at, ttft,
-     duration, prompt, completion, estimated, finish, outputs, migrations) = row  # fmt: skip
+     duration, prompt, completion, estimated, finish, outputs, migrations, cached) = row  # fmt: skip
     run = pb.LedgerRun(
         run_id=str(run_id),
         requester=str(requester),
@@ -316,7 +327,12 @@ def run_message(row: Sequence[object], attempts: Iterable[Sequence[Any]]) -> pb.
         status=str(status),
         error_code=pb.ErrorCode.ValueType(_int(code)),
         error_message=str(message),
-        usage=pb.Usage(prompt_tokens=_int(prompt), completion_tokens=_int(completion), estimated=bool(estimated)),
+        usage=pb.Usage(
+            prompt_tokens=_int(prompt),
+            completion_tokens=_int(completion),
+            cached_tokens=_int(cached),
+            estimated=bool(estimated),
+        ),
         finish_reason=pb.FinishReason.ValueType(_int(finish)),
         outputs=_int(outputs),
         migrations=_int(migrations),

@@ -96,6 +96,11 @@ class ControlPlaneMetrics:
             "Runs not recorded in the ledger because its write backlog was full.",
             registry=self.registry,
         )
+        self.overview_folded = Counter(
+            "iop_control_plane_overview_folded_total",
+            "Runs the overview summed under '(other)': their second already held 256 models.",
+            registry=self.registry,
+        )
         self.left_open_settled = Counter(
             "iop_control_plane_left_open_runs_total",
             "Runs left open by a control-plane that stopped, recorded interrupted, by what their node's record did:"

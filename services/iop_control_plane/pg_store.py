@@ -20,7 +20,7 @@ from typing import Any
 
 import asyncpg
 
-from iop_control_plane import ledger
+from iop_control_plane import ledger, usage
 from iop_control_plane.ledger import LedgerEntry, LeftOpen
 from iop_control_plane.state import (
     SCHEMA_VERSION,
@@ -39,17 +39,21 @@ from iop_wire.pg import Connection, commit_once, on_fresh_sessions, shown_url
 
 __all__ = ["PgStore"]
 
-_DIALECT = Dialect(real="double precision", int="bigint", serial="bigserial PRIMARY KEY")
+_DIALECT = Dialect(
+    real="double precision", int="bigint", serial="bigserial PRIMARY KEY", floor="CAST(floor(%s) AS bigint)"
+)
 _SCHEMA_LOCK = 0x10B_C951  # the advisory lock key held while migrating
 _NOW = "extract(epoch from statement_timestamp())::float8"
 _POLICY = "SELECT version, text, source, applied_by, applied_at FROM policies"
-_RUN = f"INSERT INTO runs ({ledger.RUN_COLUMNS}) VALUES ({', '.join(f'${n}' for n in range(1, 19))}) RETURNING id"  # noqa: S608
+_RUN = f"INSERT INTO runs ({ledger.RUN_COLUMNS}) VALUES ({', '.join(f'${n}' for n in range(1, 20))}) RETURNING id"  # noqa: S608
+_RUN_BY_ID = f"SELECT {ledger.RUN_COLUMNS} FROM runs WHERE id = $1"  # noqa: S608 - fixed columns
+_USAGE = [(usage.upsert_sql(table, lambda n: f"${n}"), width) for table, width in usage.TABLES]
 # A batch the writer sends again after its commit's outcome was unknown (the reply lost while the
 # database went away) may hold runs and state changes already written. The same run, requester,
 # connection, caller and receipt time is the same ledger entry (another control-plane's record of
 # the run has its own connection and time); the same node, time and state is the same change.
 _ENDED_RUN = (
-    f"INSERT INTO runs ({ledger.RUN_COLUMNS}) SELECT {', '.join(f'${n}' for n in range(1, 19))} "  # noqa: S608
+    f"INSERT INTO runs ({ledger.RUN_COLUMNS}) SELECT {', '.join(f'${n}' for n in range(1, 20))} "  # noqa: S608
     "WHERE NOT EXISTS (SELECT FROM runs WHERE run_id = $1 AND requester = $2 AND connection = $3 AND caller = $4 "
     "AND received_at = $10) RETURNING id"
 )
@@ -141,6 +145,7 @@ class PgStore:
         seen = sorted((w for w in batch if isinstance(w, NodeSeen)), key=lambda w: w.node_id)
 
         async def write_batch(conn: Connection) -> None:
+            runs: list[tuple[object, ...]] = []
             for node in seen:  # the last report of a node wins, as in batch order (sorted() is stable)
                 await conn.execute(_UPSERT_NODE, node.node_id, node.labels, node.address, node.models, node.at)
             if touched:
@@ -149,9 +154,11 @@ class PgStore:
             for write in batch:
                 match write:
                     case LedgerEntry():
-                        run = await conn.fetchval(_ENDED_RUN, *ledger.run_row(write))
-                        if run is not None:  # else written before
+                        row = ledger.run_row(write)
+                        run = await conn.fetchval(_ENDED_RUN, *row)
+                        if run is not None:  # else written before (and added to the usage then)
                             await conn.executemany(_ATTEMPT, [(run, *row) for row in ledger.attempt_rows(write)])
+                            runs.append(row)
                         if write.open_row is not None:
                             await conn.execute("DELETE FROM open_runs WHERE id = $1", write.open_row)
                     case Opened(entry) if id(entry) not in ending:
@@ -162,6 +169,7 @@ class PgStore:
                         await conn.execute(_STATE_CHANGED, node_id, at, state, reason)
                     case _:  # NodeSeen: written above
                         pass
+            await _add_usage(conn, runs)
 
         await commit_once(self, "commit", write_batch)
 
@@ -170,16 +178,18 @@ class PgStore:
         """Move open runs of control-planes silent for ``stale_after`` s to the ledger (row locks: once);
         those recorded interrupted (not those another control-plane ran to their end). Run again, it
         finds the open runs it moved gone."""
-        recorded = []
+        recorded, runs = [], []
         async with self.pool.acquire() as conn, conn.transaction():
             for row in await conn.fetch(_RECOVER, self._owner, stale_after):
                 if await conn.fetchval(_ENDED_ELSEWHERE, row["run_id"], row["requester"], row["caller"]):
                     continue
                 run, tried = ledger.interrupted(tuple(row))
+                runs.append(run)
                 number = await conn.fetchval(_RUN, *run)
                 if tried is not None:
                     await conn.execute(_ATTEMPT, number, *tried)
                 recorded.append(ledger.left_open(number, tuple(row)))
+            await _add_usage(conn, runs)
             forget = f"DELETE FROM replicas WHERE owner != $1 AND seen_at < {_NOW} - $2"  # noqa: S608 - fixed clock
             await conn.execute(forget, self._owner, stale_after)
         return recorded
@@ -190,9 +200,14 @@ class PgStore:
         no longer interrupted (settled before, by this or another replica) or names another node."""
         run, attempt = ledger.settled_rows(left, found)
         async with self.pool.acquire() as conn, conn.transaction():
+            before = await conn.fetchrow(_RUN_BY_ID, left.row)
             if await conn.execute(_SETTLE_RUN, *run) == "UPDATE 0":
                 return False
             await conn.execute(_SETTLE_ATTEMPT, *attempt)
+            after = await conn.fetchrow(_RUN_BY_ID, left.row)
+            assert before is not None and after is not None  # the row the UPDATE changed
+            for sql, width in _USAGE:  # the run's tokens and status move into the rollup
+                await conn.execute(sql, *usage.delta(tuple(before), tuple(after), width))
         return True
 
     @on_fresh_sessions
@@ -231,7 +246,7 @@ class PgStore:
         """Runs from the ledger, newest first."""
         clauses, params, limit = ledger.filters(request, lambda n: f"${n}")
         marks = itertools.count(len(params) + 1)
-        sql = f"SELECT id, {ledger.RUN_COLUMNS} FROM runs {clauses} ORDER BY id DESC LIMIT ${next(marks)}"  # noqa: S608
+        sql = f"SELECT id, {ledger.RUN_COLUMNS} FROM runs {clauses} ORDER BY {ledger.NEWEST_FIRST} LIMIT ${next(marks)}"  # noqa: S608
         attempts = (
             f"SELECT {ledger.ATTEMPT_COLUMNS} FROM run_attempts WHERE run = ANY($1::bigint[]) ORDER BY run, attempt"  # noqa: S608
         )
@@ -243,6 +258,12 @@ class PgStore:
                 tried.setdefault(row[0], []).append(tuple(row))
         runs = [ledger.run_message(tuple(row), tried.get(row[0], [])) for row in shown]
         return pb.RunsListed(runs=runs, more=len(rows) > limit)
+
+    @on_fresh_sessions  # a read
+    async def usage(self, request: pb.UsageList) -> pb.UsageListed:
+        """Token usage per bucket."""
+        sql, params = usage.select(request, lambda n: f"${n}")
+        return usage.listed([tuple(row) for row in await self.pool.fetch(sql, *params)])
 
     @on_fresh_sessions  # a read
     async def changes(self) -> dict[str, int]:
@@ -366,6 +387,13 @@ class PgStore:
         """Every revoked serial."""
         rows = await self.pool.fetch("SELECT serial FROM node_certificates WHERE revoked_at IS NOT NULL")
         return {row[0] for row in rows}
+
+
+async def _add_usage(conn: Connection, runs: list[tuple[object, ...]]) -> None:
+    """Add ``runs`` (``runs`` rows being written) to the usage rollup: one upsert per key, in this transaction."""
+    if runs:
+        for sql, width in _USAGE:
+            await conn.executemany(sql, usage.rollup(runs, width))
 
 
 def _changed(status: str) -> int:

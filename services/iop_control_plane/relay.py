@@ -47,6 +47,7 @@ from iop_control_plane.prefix import Prefix, prompt_prefixes
 from iop_control_plane.scheduler import Decision, Scheduler
 from iop_control_plane.settings import FairnessSettings
 from iop_control_plane.text import NAME_CHARS, clip
+from iop_control_plane.traffic import Traffic
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import EventSink, IopError, acting_caller, code_name, relay
 from iop_wire.continuation import STOPPED_CODES, Delivered
@@ -223,6 +224,8 @@ class RunRelay:
         self._started = time.monotonic()
         self._over_long_log = RateLimitedLog(every=1.0)
         metrics.watch_queue(self.queue)
+        self.traffic = Traffic(metrics.overview_folded)
+        """Runs that ended here in the last hour, for overview.show."""
 
     def attempts(self, model: str) -> int:
         """Nodes a run of ``model`` may be tried on: the policy's, else the settings' default."""
@@ -253,6 +256,7 @@ class RunRelay:
             entry.outputs, entry.first_output = sink.outputs, sink.first_output_at
             entry.ending(terminal, sink.cancel_reason)
             store.run_ended(entry)
+            self.traffic.ended(entry)
 
     def _prepared(self, request: pb.RunRequest, sink: EventSink, caller: str, entry: LedgerEntry) -> _Run:
         """A run received, with what its steps read: priority, prompt estimate and prefixes, what it continues."""

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from iop_control_plane import ledger
+from iop_control_plane import ledger, usage
 from iop_control_plane.ledger import LedgerEntry, LeftOpen
 from iop_control_plane.state import (
     SCHEMA_VERSION,
@@ -33,7 +33,7 @@ from iop_gen.pb.iop import runtime_pb2 as pb
 __all__ = ["SqliteStore"]
 
 _T = TypeVar("_T")
-_DIALECT = Dialect(real="REAL", int="INTEGER", serial="INTEGER PRIMARY KEY")
+_DIALECT = Dialect(real="REAL", int="INTEGER", serial="INTEGER PRIMARY KEY", floor="CAST(%s AS INTEGER)")
 _UPSERT_NODE = """
 INSERT INTO nodes (node_id, labels, address, models, first_seen, last_seen) VALUES (?, ?, ?, ?, ?, ?)
 ON CONFLICT (node_id) DO UPDATE SET labels = excluded.labels, address = excluded.address,
@@ -45,7 +45,9 @@ _OPEN = (
     "VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
 _PLACED = "UPDATE open_runs SET node_id = ?, node_model = ?, attempt = ?, placed_after = ? WHERE id = ?"
-_RUN = f"INSERT INTO runs ({ledger.RUN_COLUMNS}) VALUES ({', '.join('?' * 18)})"  # noqa: S608 - fixed columns
+_RUN = f"INSERT INTO runs ({ledger.RUN_COLUMNS}) VALUES ({', '.join('?' * 19)})"  # noqa: S608 - fixed columns
+_RUN_BY_ID = f"SELECT {ledger.RUN_COLUMNS} FROM runs WHERE id = ?"  # noqa: S608 - fixed columns
+_USAGE = [(usage.upsert_sql(table, lambda _: "?"), width) for table, width in usage.TABLES]
 _SETTLE_RUN = ledger.settle_run_sql(lambda _: "?")
 _SETTLE_ATTEMPT = ledger.settle_attempt_sql(lambda _: "?")
 _ATTEMPT = f"INSERT INTO run_attempts ({ledger.ATTEMPT_COLUMNS}) VALUES ({', '.join('?' * 12)})"  # noqa: S608
@@ -84,11 +86,13 @@ class SqliteStore:
 
     def _commit(self, db: sqlite3.Connection, batch: Sequence[Write], touched: Mapping[str, float]) -> None:
         ending = {id(write) for write in batch if isinstance(write, LedgerEntry)}
+        runs: list[tuple[object, ...]] = []
         with db:
             for write in batch:
                 match write:
                     case LedgerEntry():
-                        cursor = db.execute(_RUN, ledger.run_row(write))
+                        runs.append(run := ledger.run_row(write))
+                        cursor = db.execute(_RUN, run)
                         db.executemany(_ATTEMPT, [(cursor.lastrowid, *row) for row in ledger.attempt_rows(write)])
                         if write.open_row is not None:
                             db.execute("DELETE FROM open_runs WHERE id = ?", (write.open_row,))
@@ -105,6 +109,7 @@ class SqliteStore:
                         pass
             sql = "UPDATE nodes SET last_seen = ? WHERE node_id = ?"
             db.executemany(sql, [(at, node_id) for node_id, at in touched.items()])
+            _add_usage(db, runs)
 
     async def recover(self, stale_after: float) -> list[LeftOpen]:
         """Move open runs of control-planes silent for ``stale_after`` s (0: every other) to the ledger."""
@@ -117,9 +122,13 @@ class SqliteStore:
 
         def settle(db: sqlite3.Connection) -> bool:
             with db:
+                before = db.execute(_RUN_BY_ID, (left.row,)).fetchone()
                 if db.execute(_SETTLE_RUN, run).rowcount == 0:
                     return False
                 db.execute(_SETTLE_ATTEMPT, attempt)
+                after = db.execute(_RUN_BY_ID, (left.row,)).fetchone()
+                for sql, width in _USAGE:  # the run's tokens and status move into the rollup
+                    db.execute(sql, usage.delta(before, after, width))
                 return True
 
         return await self._call(settle)
@@ -157,6 +166,10 @@ class SqliteStore:
     async def runs(self, request: pb.RunsList) -> pb.RunsListed:
         """Runs from the ledger, read on a connection of its own."""
         return await asyncio.to_thread(ledger.query, self.path, request)
+
+    async def usage(self, request: pb.UsageList) -> pb.UsageListed:
+        """Token usage per bucket, read on a connection of its own."""
+        return await asyncio.to_thread(_usage, self.path, request)
 
     async def changes(self) -> dict[str, int]:
         """Each change kind's counter."""
@@ -328,16 +341,35 @@ def _recover(db: sqlite3.Connection, owner: str, silent_since: float) -> list[Le
         alive = "SELECT owner FROM replicas WHERE seen_at >= ?"
         where = f"owner != ? AND owner NOT IN ({alive})"
         select = f"SELECT {ledger.OPEN_COLUMNS} FROM open_runs WHERE {where} ORDER BY id"  # noqa: S608 - fixed clauses
-        recorded = []
+        recorded, runs = [], []
         for row in db.execute(select, (owner, silent_since)).fetchall():
             if db.execute(_ENDED_ELSEWHERE, row[:2] + row[3:4]).fetchone()[0]:
                 continue  # opened again through another control-plane and ended there: that row is its record
             run, tried = ledger.interrupted(row)
+            runs.append(run)
             cursor = db.execute(_RUN, run)
             assert cursor.lastrowid is not None
             if tried is not None:
                 db.execute(_ATTEMPT, (cursor.lastrowid, *tried))
             recorded.append(ledger.left_open(cursor.lastrowid, row))
+        _add_usage(db, runs)
         db.execute(f"DELETE FROM open_runs WHERE {where}", (owner, silent_since))  # noqa: S608
         db.execute("DELETE FROM replicas WHERE owner != ? AND seen_at < ?", (owner, silent_since))
     return recorded
+
+
+def _add_usage(db: sqlite3.Connection, runs: list[tuple[object, ...]]) -> None:
+    """Add ``runs`` (``runs`` rows being written) to the usage rollup: one upsert per key, in this transaction."""
+    if runs:
+        for sql, width in _USAGE:
+            db.executemany(sql, usage.rollup(runs, width))
+
+
+def _usage(path: Path, request: pb.UsageList) -> pb.UsageListed:
+    """usage.list from a read-only connection of its own to the SQLite file ``path``."""
+    sql, params = usage.select(request, lambda _: "?")
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return usage.listed(db.execute(sql, params).fetchall())
+    finally:
+        db.close()

@@ -51,6 +51,8 @@ class Dialect:
     int: str
     serial: str
     """An auto-numbered integer primary key."""
+    floor: str
+    """The whole number at or below the REAL expression ``%s`` (SQLite truncates, PostgreSQL rounds, a cast)."""
 
 
 _V1 = (  # the tables of the SQLite file before versions were kept (CREATE ... IF NOT EXISTS: it may hold them)
@@ -107,7 +109,25 @@ _V3 = (  # runs continued on another node after their node was lost mid-stream: 
     "ALTER TABLE run_attempts ADD COLUMN continuation_prompt_tokens {int} NOT NULL DEFAULT 0",
     "ALTER TABLE run_attempts ADD COLUMN gap {real}",
 )
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3)
+_USAGE_TABLE = """CREATE TABLE {table} (
+    start {int} NOT NULL, caller TEXT NOT NULL, model TEXT NOT NULL, requests {int} NOT NULL,
+    prompt_tokens {int} NOT NULL, completion_tokens {int} NOT NULL, cached_tokens {int} NOT NULL,
+    failed {int} NOT NULL, estimated {int} NOT NULL, PRIMARY KEY (start, caller, model))"""
+_USAGE_BACKFILL = """INSERT INTO {table} (start, caller, model, requests, prompt_tokens, completion_tokens,
+    cached_tokens, failed, estimated)
+SELECT {bucket} * {width}, caller, model, count(*), sum(prompt_tokens), sum(completion_tokens),
+    sum(cached_tokens), sum(CASE WHEN status = 'completed' THEN 0 ELSE 1 END), sum(usage_estimated)
+FROM runs GROUP BY {bucket}, caller, model"""
+_V4 = (  # token usage per caller, model and UTC hour or day (the console), filled from the runs already kept
+    "ALTER TABLE runs ADD COLUMN cached_tokens {int} NOT NULL DEFAULT 0",
+    "CREATE INDEX runs_by_received ON runs (received_at)",
+    "CREATE INDEX runs_by_caller ON runs (caller, received_at)",
+    _USAGE_TABLE.replace("{table}", "usage_hours"),
+    _USAGE_TABLE.replace("{table}", "usage_days"),
+    _USAGE_BACKFILL.replace("{table}", "usage_hours").replace("{width}", "3600").replace("{bucket}", "{hour}"),
+    _USAGE_BACKFILL.replace("{table}", "usage_days").replace("{width}", "86400").replace("{bucket}", "{day}"),
+)
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4)
 """Step ``n`` (from 0) takes the schema from version ``n`` to ``n + 1``."""
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -120,7 +140,13 @@ def steps(version: int, dialect: Dialect) -> list[str]:
     """The SQL that takes a store at ``version`` to :data:`SCHEMA_VERSION`; StoreTooNew past it."""
     if version > SCHEMA_VERSION:
         raise StoreTooNew(f"its schema is version {version}, newer than this control-plane's {SCHEMA_VERSION}")
-    names = {"real": dialect.real, "int": dialect.int, "serial": dialect.serial}
+    names = {
+        "real": dialect.real,
+        "int": dialect.int,
+        "serial": dialect.serial,
+        "hour": dialect.floor % "(received_at / 3600)",
+        "day": dialect.floor % "(received_at / 86400)",
+    }
     return [sql.format(**names) for step in MIGRATIONS[version:] for sql in step]
 
 
@@ -224,6 +250,9 @@ class StateStore(Protocol):
 
     async def runs(self, request: pb.RunsList) -> pb.RunsListed:
         """The ledger's runs ``request`` asks for, newest first; ValueError for a bad status."""
+
+    async def usage(self, request: pb.UsageList) -> pb.UsageListed:
+        """Token usage per bucket (:mod:`iop_control_plane.usage`); ValueError for a bad window or too many rows."""
 
     async def changes(self) -> dict[str, int]:
         """Each kind of :data:`CHANGE_KINDS` with its counter."""

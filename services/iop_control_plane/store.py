@@ -195,6 +195,10 @@ class AuditStore:
         """The ledger's runs that ``request`` asks for (off the event loop's way)."""
         return await self.state.runs(request)
 
+    async def usage(self, request: pb.UsageList) -> pb.UsageListed:
+        """Token usage per bucket that ``request`` asks for (off the event loop's way)."""
+        return await self.state.usage(request)
+
     def events(self, node_id: str) -> list[tuple[str, str]]:
         """(state, reason) of a node's committed changes, oldest first, from a SQLite file (for tests and tools)."""
         assert self.path is not None, "events() reads a SQLite file; await state.events() otherwise"

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API: FastAPI routes over the control-plane connection pool.
 
-(The Files and Batch APIs go to the worker instead: :mod:`iop_edge.files`, :mod:`iop_edge.batches`.)
+(The Files and Batch APIs go to the worker instead: :mod:`iop_edge.files`, :mod:`iop_edge.batches`;
+the web console is :mod:`iop_edge.console`, OpenAI's usage API :mod:`iop_edge.usage_api`.)
 
 Each request is checked (:mod:`iop_wire.openai.requests`), authenticated (an API key, unless
 ``auth: none``), limited (the key's rpm, tpm and concurrency; the edge's ``max_in_flight``),
@@ -38,12 +39,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive, Scope, Send
 
 from iop_edge.access import JSON, authenticate, caller_of, error_response, read_body
+from iop_edge.admin import AdminLinks
 from iop_edge.batches import BatchRoutes
+from iop_edge.console import Console
 from iop_edge.edge import Edge
 from iop_edge.files import FileRoutes
 from iop_edge.head import ARRIVED
 from iop_edge.keys import ApiKey, LimitExceeded
 from iop_edge.shared import Held
+from iop_edge.usage_api import UsageRoutes
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import ConnectionClosed, IopError
 from iop_wire.framing import DEFAULT_MAX_FRAME_SIZE
@@ -87,6 +91,12 @@ def build_app(edge: Edge) -> FastAPI:
     app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
     FileRoutes(edge).register(app)
     BatchRoutes(edge).register(app)
+    UsageRoutes(edge).register(app)
+    if edge.admin is None:
+        edge.admin = AdminLinks(edge.settings)
+    console = Console(edge, edge.admin)
+    console.register(app)
+    app.state.console = console
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/ready", api.ready, methods=["GET"])
     app.add_api_route("/metrics", api.prometheus, methods=["GET"])

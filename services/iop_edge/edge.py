@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from iop_edge.admin import AdminLinks
 from iop_edge.keys import KeyStore, Limiter
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.settings import Settings
@@ -33,5 +34,7 @@ class Edge:
     """The keys' limits shared with the other edges of ``store.url``; None: ``limiter``."""
     usage: UsageRecorder | None = None
     """Where finished requests' usage goes; None: not recorded (``auth: none``)."""
+    admin: AdminLinks | None = None
+    """The console's connections with the admin certificate (``console.admin_cert``); made by ``build_app``."""
     started: int = field(default_factory=lambda: int(time.time()))
     in_flight: int = 0

@@ -41,7 +41,16 @@ if TYPE_CHECKING:
 
 _log = structlog.get_logger("iop.edge")
 
-__all__ = ["FileRoutes", "check_purpose", "file_object", "list_object", "page_limit", "seconds"]
+__all__ = [
+    "FileRoutes",
+    "check_purpose",
+    "file_chunks",
+    "file_object",
+    "list_object",
+    "page_limit",
+    "read_file",
+    "seconds",
+]
 
 UPLOAD_MAX = 3600.0
 """Seconds an upload may take in all (as long as the worker keeps one open)."""
@@ -145,21 +154,11 @@ class FileRoutes:
         return StreamingResponse(self._content(file_id, first, caller), media_type="application/octet-stream")
 
     async def _content(self, file_id: str, data: pb.FileData, caller: str) -> AsyncIterator[bytes]:
-        offset = 0
-        while True:
-            yield data.data
-            offset += len(data.data)
-            if data.eof:
-                return
-            if not data.data:  # no progress and no end: stop rather than ask forever
-                raise ApiError(502, "the worker sent an empty piece before the end of the file", code="backend_error")
-            data = await self._read(file_id, offset, caller)
+        async for chunk in file_chunks(self.worker, file_id, data, caller):
+            yield chunk
 
     async def _read(self, file_id: str, offset: int, caller: str) -> pb.FileData:
-        read = pb.Envelope(file_read=pb.FileRead(file_id=file_id, offset=offset, length=CHUNK_SIZE))
-        return (await self.worker.ask(read, "file_data", caller=caller, about=file_id)).file_data
-
-    # -- uploads --------------------------------------------------------------------------------
+        return await read_file(self.worker, file_id, offset, caller)
 
     async def _upload(self, request: Request, caller: str) -> pb.FileInfo:
         limit = self.edge.settings.http.max_file_bytes
@@ -284,6 +283,29 @@ class _Upload:
                 raise ApiError(400, "Missing required parameter: 'purpose'.", param="purpose")
             raise ApiError(400, "Missing required parameter: 'file'.", param="file")
         return (await self._send(self.rest, last=True)).file_info
+
+
+async def read_file(
+    worker: Worker, file_id: str, offset: int, caller: str, connection: Connection | None = None
+) -> pb.FileData:
+    """One piece of a file of ``caller``'s (on ``connection``, else any), from ``offset``."""
+    read = pb.Envelope(file_read=pb.FileRead(file_id=file_id, offset=offset, length=CHUNK_SIZE))
+    return (await worker.ask(read, "file_data", caller=caller, about=file_id, connection=connection)).file_data
+
+
+async def file_chunks(
+    worker: Worker, file_id: str, data: pb.FileData, caller: str, connection: Connection | None = None
+) -> AsyncIterator[bytes]:
+    """A file's bytes from its first piece ``data`` on, each next piece read once the last is taken."""
+    offset = 0
+    while True:
+        yield data.data
+        offset += len(data.data)
+        if data.eof:
+            return
+        if not data.data:  # no progress and no end: stop rather than ask forever
+            raise ApiError(502, "the worker sent an empty piece before the end of the file", code="backend_error")
+        data = await read_file(worker, file_id, offset, caller, connection)
 
 
 def check_purpose(value: str) -> str:

@@ -7,7 +7,8 @@ inside one transaction at open, the version in ``schema_version`` (one row). A k
 before versions existed (a ``keys`` table and nothing else) is version 1. A store newer than
 this edge refuses to open (:class:`SchemaTooNew`, one line naming the store).
 
-- ``keys``: one row per key name, the SHA-256 of its secret, its limits, created/revoked times.
+- ``keys``: one row per key name, the SHA-256 of its secret, its limits, created/revoked times,
+  whether it is an admin key (version 4).
 - ``key_changes``: one counter, bumped by every create and revoke; edges poll it (every 0.5 s)
   and re-read the active keys when it moves.
 - ``key_usage``: requests and tokens per key, edge and minute, added to in batches.
@@ -25,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import sqlite3
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import asyncpg
 
@@ -41,7 +42,9 @@ __all__ = [
     "SchemaTooNew",
     "UsageRow",
     "UsageTotal",
+    "api_key",
     "check_version",
+    "key_info",
     "retry_after",
 ]
 
@@ -60,6 +63,8 @@ class ApiKey:
     """Prompt + completion tokens a minute; None: no limit."""
     max_concurrent: int | None
     """Requests in progress at once; None: no limit."""
+    admin: bool = False
+    """An admin key: the console's platform-wide pages and actions, every caller's runs, usage and batches."""
 
     @property
     def limited(self) -> bool:
@@ -85,6 +90,20 @@ class KeyInfo:
     """Tokens a minute; None: no limit."""
     max_concurrent: int | None
     """Requests in progress at once; None: no limit."""
+    admin: bool = False
+    """An admin key (see ``ApiKey.admin``)."""
+
+
+def key_info(row: Sequence[Any]) -> KeyInfo:
+    """A key from a row of name, key_id, created_at, revoked_at, rpm, tpm, max_concurrent, admin."""
+    name, key_id, created_at, revoked_at, rpm, tpm, max_concurrent, admin = row
+    return KeyInfo(name, key_id, created_at, revoked_at, rpm, tpm, max_concurrent, admin=bool(admin))
+
+
+def api_key(row: Sequence[Any]) -> ApiKey:
+    """An active key from a row of name, key_id, rpm, tpm, max_concurrent, admin."""
+    name, key_id, rpm, tpm, max_concurrent, admin = row
+    return ApiKey(name, key_id, rpm, tpm, max_concurrent, admin=bool(admin))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -153,9 +172,17 @@ class KeyStorage(Protocol):
         """Close the connections."""
 
     async def create(
-        self, name: str, digest: str, *, rpm: int | None, tpm: int | None, max_concurrent: int | None
+        self,
+        name: str,
+        digest: str,
+        *,
+        rpm: int | None,
+        tpm: int | None,
+        max_concurrent: int | None,
+        admin: bool = False,
     ) -> None:
-        """Add a key (a revoked key's name is reused); ValueError if ``name`` has an active key."""
+        """Add a key (a revoked key's name is reused), an admin key with ``admin``; ValueError if
+        ``name`` has an active key."""
 
     async def revoke(self, name: str) -> bool:
         """Revoke the active key ``name``; whether there was one."""
@@ -190,7 +217,7 @@ class KeyStorage(Protocol):
         """Note ``edge`` alive; how many edges were seen within ``ttl`` seconds (itself included)."""
 
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # Each step takes the tables from the version before it to its own; {real} and {id} are the
 # backend's float type and auto-numbered key. Step 1 is the key file as it was before versions.
@@ -227,6 +254,7 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "CREATE TABLE key_edges (edge TEXT PRIMARY KEY, at {real} NOT NULL)",
     ),
     ("CREATE TABLE key_usage_writes (edge TEXT PRIMARY KEY, batch TEXT NOT NULL, at {real} NOT NULL)",),
+    ("ALTER TABLE keys ADD COLUMN admin BOOLEAN NOT NULL DEFAULT FALSE",),  # keys made before it: not admin
 )
 assert len(MIGRATIONS) == SCHEMA_VERSION
 

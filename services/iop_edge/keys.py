@@ -77,9 +77,17 @@ def check_limits(rpm: int | None, tpm: int | None, max_concurrent: int | None) -
 
 
 def create_key(
-    path: Path, name: str, *, rpm: int | None = None, tpm: int | None = None, max_concurrent: int | None = None
+    path: Path,
+    name: str,
+    *,
+    rpm: int | None = None,
+    tpm: int | None = None,
+    max_concurrent: int | None = None,
+    admin: bool = False,
 ) -> str:
     """Add a key named ``name`` to the key file ``path`` (created when missing) and return its secret.
+
+    ``admin``: an admin key (the console's platform pages and actions, every caller's records).
 
     A revoked key's name may be reused: its row is replaced. ValueError (one line) for a bad name,
     a limit below 1, or a name whose key is active.
@@ -88,7 +96,7 @@ def create_key(
     check_limits(rpm, tpm, max_concurrent)
     secret = new_secret()
     with _file(path, create=True) as store:
-        store.create_sync(name, digest(secret), rpm=rpm, tpm=tpm, max_concurrent=max_concurrent)
+        store.create_sync(name, digest(secret), rpm=rpm, tpm=tpm, max_concurrent=max_concurrent, admin=admin)
     return secret
 
 

@@ -90,6 +90,13 @@ def _close(sockets: list[socket.socket]) -> None:
         sock.close()
 
 
+def _shown_host(settings: Settings) -> str:
+    """The first address bound, as a URL's host (any address: 127.0.0.1)."""
+    host = settings.http.hosts[0]
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # noqa: S104 - compared, not bound
+    return f"[{host}]" if ":" in host else host
+
+
 def _head_limits(settings: Settings) -> HeadLimits:
     http = settings.http
     return HeadLimits(timeout=http.header_timeout, max_bytes=http.max_head_bytes, max_headers=http.max_headers)
@@ -118,9 +125,10 @@ async def _serve(settings: Settings, ready_file: Path | None) -> int:
             "AUTHENTICATION IS OFF",
             reason="auth: none: every request is served without an API key; for local development only",
         )
+    app = build_app(edge)
     server = _Server(
         uvicorn.Config(
-            build_app(edge),
+            app,
             loop="none",
             http=head_protocol(_head_limits(settings), Refusals(metrics)),
             lifespan="off",
@@ -149,6 +157,7 @@ async def _serve(settings: Settings, ready_file: Path | None) -> int:
                 control_plane=edge.upstream.address,
                 worker=worker.address or None,
                 auth=settings.auth,
+                console=f"http://{_shown_host(settings)}:{port}/console",
             )
             if ready_file is not None:
                 write_ready_file(ready_file, port=port)
@@ -156,7 +165,7 @@ async def _serve(settings: Settings, ready_file: Path | None) -> int:
     finally:
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)  # noqa: ASYNC240 - one unlink while stopping
-        await asyncio.gather(edge.upstream.aclose(), worker.aclose())
+        await asyncio.gather(edge.upstream.aclose(), worker.aclose(), app.state.console.aclose())
         if keyring is not None:
             await keyring.aclose()
         _close(sockets)

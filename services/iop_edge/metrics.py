@@ -51,6 +51,19 @@ class EdgeMetrics:
             ["limit"],
             registry=self.registry,
         )
+        self.watchers = Gauge(
+            "iop_edge_console_watchers", "Console live streams open (/console/api/live).", registry=self.registry
+        )
+        self.watchers_refused = Counter(
+            "iop_edge_console_watchers_refused_total",
+            "Console live streams refused: console.max_watchers were open.",
+            registry=self.registry,
+        )
+        self.watchers_dropped = Counter(
+            "iop_edge_console_watchers_dropped_total",
+            "Console live streams closed by the edge because their client stopped reading.",
+            registry=self.registry,
+        )
         self.cancelled = Counter(
             "iop_edge_client_disconnects_total",
             "Requests whose client went away before the answer ended (their runs are cancelled).",

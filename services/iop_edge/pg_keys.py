@@ -23,7 +23,9 @@ from iop_edge.key_storage import (
     KeyInfo,
     UsageRow,
     UsageTotal,
+    api_key,
     check_version,
+    key_info,
     retry_after,
 )
 from iop_wire.pg import Connection, commit_once, on_fresh_sessions, shown_url
@@ -34,8 +36,14 @@ _SCHEMA_LOCK = 0x1ED6_E4E7  # the advisory lock key held while migrating
 _NOW = "extract(epoch from statement_timestamp())::float8"
 _BUMP = "UPDATE key_changes SET version = version + 1"
 _LOCK_KEY = "SELECT pg_advisory_xact_lock(hashtext('iop_edge_key:' || $1))"
-_LIST = "SELECT name, key_id, created_at, revoked_at, rpm, tpm, max_concurrent FROM keys ORDER BY created_at, name"
-_ACTIVE = "SELECT hash, name, key_id, rpm, tpm, max_concurrent FROM keys WHERE revoked_at IS NULL"
+_LIST = (
+    "SELECT name, key_id, created_at, revoked_at, rpm, tpm, max_concurrent, admin FROM keys ORDER BY created_at, name"
+)
+_ACTIVE = "SELECT hash, name, key_id, rpm, tpm, max_concurrent, admin FROM keys WHERE revoked_at IS NULL"
+_INSERT = f"""
+INSERT INTO keys (name, key_id, hash, created_at, revoked_at, rpm, tpm, max_concurrent, admin)
+VALUES ($1, $2, $3, {_NOW}, NULL, $4, $5, $6, $7)
+"""  # noqa: S608 - no input in the SQL
 _ADD_USAGE = """
 INSERT INTO key_usage VALUES ($1, $2, $3, $4, $5) ON CONFLICT (name, edge, minute) DO UPDATE
 SET requests = key_usage.requests + excluded.requests, tokens = key_usage.tokens + excluded.tokens
@@ -90,7 +98,14 @@ class PgKeyStorage:
         return self._pool
 
     async def create(
-        self, name: str, digest: str, *, rpm: int | None, tpm: int | None, max_concurrent: int | None
+        self,
+        name: str,
+        digest: str,
+        *,
+        rpm: int | None,
+        tpm: int | None,
+        max_concurrent: int | None,
+        admin: bool = False,
     ) -> None:
         """Add a key; ValueError if ``name`` has an active one (once: run again after it committed,
         it would find the key it added)."""
@@ -102,13 +117,14 @@ class PgKeyStorage:
                 raise ValueError(f"key {name!r} exists; revoke it first or pick another name")
             await conn.execute("DELETE FROM keys WHERE name = $1", name)
             await conn.execute(
-                f"INSERT INTO keys VALUES ($1, $2, $3, {_NOW}, NULL, $4, $5, $6)",  # noqa: S608 - no input in the SQL
+                _INSERT,
                 name,
                 f"key_{digest[:12]}",
                 digest,
                 rpm,
                 tpm,
                 max_concurrent,
+                admin,
             )
             await conn.execute(_BUMP)
 
@@ -131,7 +147,7 @@ class PgKeyStorage:
     @on_fresh_sessions  # a read
     async def list_keys(self) -> list[KeyInfo]:
         """Every key, oldest first."""
-        return [KeyInfo(*row) for row in await self.pool.fetch(_LIST)]
+        return [key_info(tuple(row)) for row in await self.pool.fetch(_LIST)]
 
     @on_fresh_sessions  # a read
     async def changes(self) -> object:
@@ -141,7 +157,7 @@ class PgKeyStorage:
     @on_fresh_sessions  # a read
     async def active(self) -> dict[str, ApiKey]:
         """The active keys by digest."""
-        return {row[0]: ApiKey(*row[1:]) for row in await self.pool.fetch(_ACTIVE)}
+        return {row[0]: api_key(tuple(row)[1:]) for row in await self.pool.fetch(_ACTIVE)}
 
     @on_fresh_sessions  # a batch sent again is found written, not added twice
     async def add_usage(self, rows: Sequence[UsageRow], edge: str, batch: str) -> None:

@@ -26,7 +26,7 @@ from iop_wire.settings import (
 from iop_wire.settings import Section as _Section
 from iop_wire.settings import load_settings as _load
 
-__all__ = ["ConfigError", "Problem", "Settings", "StartError", "StoreSettings", "load_settings"]
+__all__ = ["ConfigError", "ConsoleSettings", "Problem", "Settings", "StartError", "StoreSettings", "load_settings"]
 
 
 class HttpSettings(_Section):
@@ -114,6 +114,28 @@ class StoreSettings(_Section):
         return url
 
 
+class ConsoleSettings(_Section):
+    """The web console (``/console``) and its API (``/console/api/*``)."""
+
+    push_interval: float = Field(2.0, ge=0.05, le=60)
+    """Seconds between two pushes of the live stream (``/console/api/live``): one poll of the
+    control-plane per edge, whatever the number of watchers."""
+    max_watchers: int = Field(64, ge=1, le=10_000)
+    """Live streams open at once; more are answered 429."""
+    admin_cert: Path | None = None
+    """An admin certificate (role admin, signed by ``tls.ca``) for what the edge's own certificate may
+    not do: drain, undrain and remove nodes, every caller's batches and files. Written by ``iop up``;
+    unset: those console actions answer 503."""
+    admin_key: Path | None = None
+    """The admin certificate's private key."""
+
+    @model_validator(mode="after")
+    def _both_or_neither(self) -> ConsoleSettings:
+        if (self.admin_cert is None) != (self.admin_key is None):
+            raise ValueError("set both console.admin_cert and console.admin_key, or neither")
+        return self
+
+
 class Settings(BaseSettings):
     """Everything ``iop edge`` reads at start-up."""
 
@@ -134,6 +156,8 @@ class Settings(BaseSettings):
     """SQLite file of API keys (hashed), written by ``iop keys``; used when ``store.url`` is unset."""
     store: StoreSettings = StoreSettings()
     """The key store shared by several edges (PostgreSQL)."""
+    console: ConsoleSettings = ConsoleSettings()
+    """The web console: its live stream's pace and bound, and the admin certificate for its admin actions."""
     request_timeout: float = Field(600.0, gt=0)
     """Seconds a request may take, queueing included; then 504. Sent as the run's deadline."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"

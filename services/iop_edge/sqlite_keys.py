@@ -24,19 +24,27 @@ from iop_edge.key_storage import (
     KeyInfo,
     UsageRow,
     UsageTotal,
+    api_key,
     check_version,
+    key_info,
     retry_after,
 )
 
 __all__ = ["SqliteKeyStorage", "connect"]
 
-_ACTIVE = "SELECT hash, name, key_id, rpm, tpm, max_concurrent FROM keys WHERE revoked_at IS NULL"
+_ACTIVE = "SELECT hash, name, key_id, rpm, tpm, max_concurrent, admin FROM keys WHERE revoked_at IS NULL"
 # Notes a usage batch as the edge's last; changes nothing (no row counted) when it already was.
 _NOTE_BATCH = (
     "INSERT INTO key_usage_writes VALUES (?, ?, ?) ON CONFLICT (edge) DO UPDATE "
     "SET batch = excluded.batch, at = excluded.at WHERE key_usage_writes.batch != excluded.batch"
 )
-_LIST = "SELECT name, key_id, created_at, revoked_at, rpm, tpm, max_concurrent FROM keys ORDER BY created_at, name"
+_INSERT = (
+    "INSERT OR REPLACE INTO keys (name, key_id, hash, created_at, revoked_at, rpm, tpm, max_concurrent, admin) "
+    "VALUES (?, ?, ?, ?, NULL, ?, ?, ?, ?)"
+)
+_LIST = (
+    "SELECT name, key_id, created_at, revoked_at, rpm, tpm, max_concurrent, admin FROM keys ORDER BY created_at, name"
+)
 
 
 def connect(path: Path, *, create: bool = True) -> sqlite3.Connection:
@@ -131,13 +139,27 @@ class SqliteKeyStorage:
         return self._db
 
     async def create(
-        self, name: str, digest: str, *, rpm: int | None, tpm: int | None, max_concurrent: int | None
+        self,
+        name: str,
+        digest: str,
+        *,
+        rpm: int | None,
+        tpm: int | None,
+        max_concurrent: int | None,
+        admin: bool = False,
     ) -> None:
         """Add a key; ValueError if ``name`` has an active one."""
-        self.create_sync(name, digest, rpm=rpm, tpm=tpm, max_concurrent=max_concurrent)
+        self.create_sync(name, digest, rpm=rpm, tpm=tpm, max_concurrent=max_concurrent, admin=admin)
 
     def create_sync(
-        self, name: str, digest: str, *, rpm: int | None, tpm: int | None, max_concurrent: int | None
+        self,
+        name: str,
+        digest: str,
+        *,
+        rpm: int | None,
+        tpm: int | None,
+        max_concurrent: int | None,
+        admin: bool = False,
     ) -> None:
         """:meth:`create` for the command line."""
         db = self.db
@@ -146,8 +168,8 @@ class SqliteKeyStorage:
             if row is not None and row[0] is None:
                 raise ValueError(f"key {name!r} exists; revoke it first or pick another name")
             db.execute(
-                "INSERT OR REPLACE INTO keys VALUES (?, ?, ?, ?, NULL, ?, ?, ?)",
-                (name, f"key_{digest[:12]}", digest, time.time(), rpm, tpm, max_concurrent),
+                _INSERT,
+                (name, f"key_{digest[:12]}", digest, time.time(), rpm, tpm, max_concurrent, admin),
             )
             db.execute("UPDATE key_changes SET version = version + 1")
 
@@ -171,7 +193,7 @@ class SqliteKeyStorage:
 
     def list_sync(self) -> list[KeyInfo]:
         """:meth:`list_keys` for the command line."""
-        return [KeyInfo(*row) for row in self.db.execute(_LIST).fetchall()]
+        return [key_info(row) for row in self.db.execute(_LIST).fetchall()]
 
     async def changes(self) -> object:
         """The file's inode and the counter (another file moved into place is a change too)."""
@@ -183,7 +205,7 @@ class SqliteKeyStorage:
 
     async def active(self) -> dict[str, ApiKey]:
         """The active keys by digest."""
-        return {digest: ApiKey(*rest) for digest, *rest in self.db.execute(_ACTIVE)}
+        return {row[0]: api_key(row[1:]) for row in self.db.execute(_ACTIVE)}
 
     async def add_usage(self, rows: Sequence[UsageRow], edge: str, batch: str) -> None:
         """Add the rows, in one transaction, unless ``batch`` was the last written."""

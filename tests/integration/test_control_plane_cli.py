@@ -202,8 +202,8 @@ async def test_errors_are_one_line(cp: ControlPlane, pki: Pki, tmp_path: Path) -
     assert code == 2 and err.startswith(f"iop policy: no {tmp_path / 'none' / 'admin.crt'}"), err
 
     edge = _certs(pki, tmp_path / "edge-certs", "edge-1", Role.EDGE)  # not an admin certificate
-    code, out, err = await _iop(cp, "nodes", "ls", "--certs", str(edge))
-    assert code == 2 and out == "" and len(err.splitlines()) == 1 and "may not send nodes_list" in err, err
+    code, out, err = await _iop(cp, "nodes", "drain", "node-x", "--certs", str(edge))  # an edge may only read
+    assert code == 2 and out == "" and len(err.splitlines()) == 1 and "may not send nodes_drain" in err, err
 
     code, _, err = await _iop(cp, "policy", "apply", str(tmp_path / "missing.yaml"))
     assert code == 2 and "cannot read" in err and len(err.splitlines()) == 1
@@ -243,9 +243,10 @@ async def _four_runs(cp: ControlPlane, pki: Pki, tmp_path: Path) -> str:
             events = [start, *await collect(moved)]
             assert kinds(events)[-1] == "complete" and kinds(events).count("start") == 1
 
-            # An edge may submit runs but not read the ledger.
+            # An edge may submit runs and read the ledger (for the console), but not operate.
+            assert (await edge.request(pb.Envelope(runs_list=pb.RunsList()))).runs_listed.runs
             with pytest.raises(IopError) as denied:
-                await edge.request(pb.Envelope(runs_list=pb.RunsList()))
+                await edge.request(pb.Envelope(policy_show=pb.PolicyShow()))
             assert denied.value.code == pb.ERROR_CODE_PERMISSION_DENIED
 
     return first

@@ -275,6 +275,9 @@ async def test_a_postgresql_database_of_version_2_with_runs_migrates_forward(pos
     connection = await asyncpg.connect(url)
     try:  # back to version 2, as a control-plane of the last release left it
         await connection.execute("ALTER TABLE runs DROP COLUMN migrations")
+        await connection.execute("ALTER TABLE runs DROP COLUMN cached_tokens")  # and version 4's
+        await connection.execute("DROP TABLE usage_hours, usage_days")
+        await connection.execute("DROP INDEX runs_by_received, runs_by_caller")
         for column in ("outputs", "continued", "continuation_prompt_tokens", "gap"):
             await connection.execute(f"ALTER TABLE run_attempts DROP COLUMN {column}")
         await connection.execute("UPDATE control_plane_schema SET version = 2")
@@ -404,3 +407,150 @@ async def test_a_database_that_cannot_be_reached_stops_the_start_naming_the_key(
         await build_control_plane(settings).start()
     assert str(refused.value).startswith("store.url: cannot open postgresql://iop:***@127.0.0.1")
     assert "secret" not in str(refused.value)
+
+
+def _run(run_id: str, caller: str, model: str, at: float, status: str = "completed", **usage: int) -> LedgerEntry:
+    """A run of ``caller`` received at ``at`` that ended ``status`` with ``usage``'s tokens."""
+    entry = LedgerEntry(run_id, "edge-1", "conn-1", caller, model, received_at=at)
+    counted = pb.Usage(**usage)
+    if status == "completed":
+        entry.ending(pb.RunEvent(complete=pb.RunComplete(usage=counted)))
+    else:
+        code = pb.ERROR_CODE_CANCELLED if status == "cancelled" else pb.ERROR_CODE_INTERNAL
+        entry.ending(pb.RunEvent(error=pb.Error(code=code, message=status, usage=counted)))
+    return entry
+
+
+_DAY0 = 1_764_633_600  # 2025-12-02 00:00 UTC
+
+
+def _rows(listed: pb.UsageListed) -> list[tuple[int, str, str, int, int, int, int, int, int]]:
+    return [
+        (e.start.seconds, e.caller, e.model, e.requests, e.prompt_tokens, e.completion_tokens, e.cached_tokens,
+         e.failed, e.estimated)
+        for e in listed.entries
+    ]  # fmt: skip
+
+
+def _window(start: float, end: float, **fields: object) -> pb.UsageList:
+    request = pb.UsageList(**fields)  # type: ignore[arg-type]
+    request.start.seconds, request.end.seconds = int(start), int(end)
+    return request
+
+
+async def test_usage_sums_runs_per_hour_and_day_by_caller_and_model(open_store: Open) -> None:
+    store = await open_store("cp-a")
+    await store.commit(
+        [
+            _run("a1", "alice", "m1", _DAY0 + 10, prompt_tokens=3, completion_tokens=5, cached_tokens=1),
+            _run("a2", "alice", "m1", _DAY0 + 3599, "failed", prompt_tokens=2, completion_tokens=1),
+            _run("a3", "alice", "m2", _DAY0 + 3600, "cancelled", prompt_tokens=4, estimated=True),
+            _run("b1", "bob", "m1", _DAY0 + 86_400 + 5, prompt_tokens=7, completion_tokens=9),
+        ],
+        {},
+    )
+    await store.commit([_run("a4", "alice", "m1", _DAY0 + 20, prompt_tokens=1, completion_tokens=1)], {})
+    hours = await store.usage(_window(_DAY0, _DAY0 + 2 * 86_400, by_caller=True, by_model=True))
+    assert _rows(hours) == [
+        (_DAY0, "alice", "m1", 3, 6, 7, 1, 1, 0),
+        (_DAY0 + 3600, "alice", "m2", 1, 4, 0, 0, 1, 1),
+        (_DAY0 + 86_400, "bob", "m1", 1, 7, 9, 0, 0, 0),
+    ]
+    days = await store.usage(_window(_DAY0 + 7, _DAY0 + 2 * 86_400, bucket=pb.USAGE_BUCKET_DAY, by_caller=True))
+    assert _rows(days) == [(_DAY0, "alice", "", 4, 10, 7, 1, 2, 1), (_DAY0 + 86_400, "bob", "", 1, 7, 9, 0, 0, 0)]
+    only = await store.usage(_window(_DAY0, _DAY0 + 86_400, bucket=pb.USAGE_BUCKET_DAY, caller="alice", model="m2"))
+    assert _rows(only) == [(_DAY0, "", "", 1, 4, 0, 0, 1, 1)]
+    summed = await store.usage(_window(_DAY0, _DAY0 + 3600))  # one hour, every caller and model summed
+    assert _rows(summed) == [(_DAY0, "", "", 3, 6, 7, 1, 1, 0)]
+    assert not (await store.usage(_window(_DAY0 - 86_400, _DAY0))).entries
+    with pytest.raises(ValueError, match="must be before end"):
+        await store.usage(_window(_DAY0, _DAY0))
+
+
+async def test_usage_rows_are_bounded_with_a_way_out(open_store: Open, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = await open_store("cp-a")
+    await store.commit([_run(f"r{n}", "alice", "m1", _DAY0 + n * 3600) for n in range(4)], {})
+    monkeypatch.setattr("iop_control_plane.usage.MAX_ENTRIES", 3)
+    with pytest.raises(ValueError, match="more than 3 rows of usage: ask for a shorter window, days instead"):
+        await store.usage(_window(_DAY0, _DAY0 + 86_400))
+    assert len((await store.usage(_window(_DAY0, _DAY0 + 3 * 3600))).entries) == 3
+
+
+async def test_a_run_left_open_and_settled_moves_its_tokens_into_the_usage(open_store: Open) -> None:
+    dead = await open_store("cp-dead")
+    entry = LedgerEntry("left", "edge-1", "conn-1", "alice", "m1", received_at=_DAY0 + 60)
+    entry.attempts.append(Attempt("node-a", "m1", entry.received))
+    await dead.commit([Opened(entry), Placed(entry, 1, entry.attempts[0])], {})
+    (left,) = await (await open_store("cp-live")).recover(0.0)
+    live = await open_store("cp-live-2")
+    assert _rows(await live.usage(_window(_DAY0, _DAY0 + 3600))) == [(_DAY0, "", "", 1, 0, 0, 0, 1, 0)]
+    found = pb.LedgerRun(status="completed", usage=pb.Usage(prompt_tokens=5, completion_tokens=8, cached_tokens=2))
+    assert await live.settle(left, found)
+    assert _rows(await live.usage(_window(_DAY0, _DAY0 + 3600))) == [(_DAY0, "", "", 1, 5, 8, 2, 0, 0)]
+    assert not await live.settle(left, found)  # once
+    assert _rows(await live.usage(_window(_DAY0, _DAY0 + 3600))) == [(_DAY0, "", "", 1, 5, 8, 2, 0, 0)]
+
+
+async def test_runs_are_listed_by_caller_and_paged_by_arrival(open_store: Open) -> None:
+    store = await open_store("cp-a")
+    late_short = _run("late-short", "alice", "m1", _DAY0 + 30)
+    early_long = _run("early-long", "alice", "m1", _DAY0 + 10)  # received first, ended (written) last
+    await store.commit([_run("bob", "bob", "m1", _DAY0 + 20), late_short, _run("first", "alice", "m1", _DAY0)], {})
+    await store.commit([early_long], {})
+    page = await store.runs(pb.RunsList(caller="alice", limit=2))
+    assert [run.run_id for run in page.runs] == ["late-short", "early-long"] and page.more
+    following = pb.RunsList(caller="alice", limit=2)
+    following.before.CopyFrom(page.runs[-1].received_at)
+    rest = await store.runs(following)
+    assert [run.run_id for run in rest.runs] == ["first"] and not rest.more
+
+
+async def _back_to_version_3(store: StateStore) -> None:
+    """The store as a control-plane of the last release left it: no usage tables, no cached tokens."""
+    undo = [
+        "DROP TABLE usage_hours",
+        "DROP TABLE usage_days",
+        "DROP INDEX runs_by_received",
+        "DROP INDEX runs_by_caller",
+        "ALTER TABLE runs DROP COLUMN cached_tokens",
+        "UPDATE control_plane_schema SET version = 3",
+    ]
+    if isinstance(store, SqliteStore):
+        with sqlite3.connect(store.path) as db:
+            for sql in undo:
+                db.execute(sql)
+        return
+    assert isinstance(store, PgStore)
+    connection = await asyncpg.connect(store.url)
+    try:
+        for sql in undo:
+            await connection.execute(sql)
+    finally:
+        await connection.close()
+
+
+async def test_the_usage_of_runs_recorded_before_it_was_kept_is_filled_in_by_the_migration(open_store: Open) -> None:
+    store = await open_store("cp-a")
+    await store.commit(
+        [
+            _run("a1", "alice", "m1", _DAY0 + 10, prompt_tokens=3, completion_tokens=5),
+            _run("a2", "alice", "m1", _DAY0 + 3599.9, "failed", prompt_tokens=2, completion_tokens=1),
+            _run("b1", "bob", "m2", _DAY0 + 90_000, "cancelled", prompt_tokens=4, estimated=True),
+        ],
+        {},
+    )
+    await store.aclose()
+    await _back_to_version_3(store)
+    again = await open_store("cp-b")
+    window = _window(_DAY0, _DAY0 + 2 * 86_400, by_caller=True, by_model=True)
+    assert _rows(await again.usage(window)) == [
+        (_DAY0, "alice", "m1", 2, 5, 6, 0, 1, 0),
+        (_DAY0 + 86_400 + 3600, "bob", "m2", 1, 4, 0, 0, 1, 1),
+    ]
+    window.bucket = pb.USAGE_BUCKET_DAY
+    assert _rows(await again.usage(window)) == [
+        (_DAY0, "alice", "m1", 2, 5, 6, 0, 1, 0),
+        (_DAY0 + 86_400, "bob", "m2", 1, 4, 0, 0, 1, 1),
+    ]
+    await again.commit([_run("a3", "alice", "m1", _DAY0 + 20, prompt_tokens=1)], {})  # and it goes on adding
+    assert _rows(await again.usage(_window(_DAY0, _DAY0 + 3600)))[0][3:5] == (3, 6)

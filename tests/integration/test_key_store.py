@@ -69,6 +69,15 @@ async def test_keys_are_created_listed_revoked_and_their_names_reused(make: Stor
     assert infos["alice"].key_id == "key_" + digest("sk-iop-d")[:12]
 
 
+async def test_admin_keys_are_kept_as_admin(make: StorageFactory) -> None:
+    store = await _open(make)
+    await store.create("ops", digest("sk-iop-o"), rpm=None, tpm=None, max_concurrent=None, admin=True)
+    await store.create("team", digest("sk-iop-t"), rpm=None, tpm=None, max_concurrent=None)
+    active = await store.active()
+    assert active[digest("sk-iop-o")].admin and not active[digest("sk-iop-t")].admin
+    assert [(info.name, info.admin) for info in await store.list_keys()] == [("ops", True), ("team", False)]
+
+
 async def test_operations_right_after_the_server_ends_the_sessions_are_applied_once(postgres: PgServer) -> None:
     """The pool still holds sessions the server ended (a restart): a key lookup, ``iop keys create``
     or a usage write met one and failed. Each now runs on fresh sessions, and is applied once."""
@@ -248,7 +257,7 @@ def test_a_key_file_from_before_versions_is_migrated_keeping_its_keys(tmp_path: 
         db.execute(_V1)
         db.execute("INSERT INTO keys VALUES ('old', 'key_0123', ?, 1.0, NULL, 5, NULL, NULL)", (digest("sk-iop-x"),))
     [old] = list_keys(path)
-    assert (old.name, old.rpm) == ("old", 5)
+    assert (old.name, old.rpm, old.admin) == ("old", 5, False)  # keys from before scopes are not admin
     create_key(path, "new")
     with sqlite3.connect(path) as db:
         assert db.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]

@@ -37,14 +37,24 @@ def test_create_prints_the_secret_once_and_ls_and_revoke_follow(tmp_path: Path) 
     table = _keys("ls", "--db", db)
     assert table.returncode == 0 and secret not in table.stdout
     header, row = table.stdout.splitlines()
-    assert header.split() == ["NAME", "KEY", "ID", "CREATED", "RPM", "TPM", "MAX-CONCURRENT", "STATUS"]
-    assert row.split()[0] == "alice" and row.split()[-4:] == ["60", "10000", "4", "active"]
+    assert header.split() == ["NAME", "KEY", "ID", "CREATED", "RPM", "TPM", "MAX-CONCURRENT", "ADMIN", "STATUS"]
+    assert row.split()[0] == "alice" and row.split()[-5:] == ["60", "10000", "4", "no", "active"]
 
     revoked = _keys("revoke", "alice", "--db", db)
     assert (revoked.returncode, revoked.stdout) == (0, "key alice revoked\n")
     [info] = json.loads(_keys("ls", "--json", "--db", db).stdout)
     assert info["name"] == "alice" and info["status"] == "revoked" and info["revoked_at"] is not None
-    assert (info["rpm"], info["tpm"], info["max_concurrent"]) == (60, 10000, 4)
+    assert (info["rpm"], info["tpm"], info["max_concurrent"], info["admin"]) == (60, 10000, 4, False)
+
+
+def test_admin_keys_are_made_with_admin_and_listed_as_such(tmp_path: Path) -> None:
+    db = str(tmp_path / "keys.db")
+    created = _keys("create", "ops", "--admin", "--db", db)
+    assert created.returncode == 0 and "admin key ops created" in created.stderr
+    assert _keys("create", "team", "--db", db).returncode == 0
+    rows = [line.split() for line in _keys("ls", "--db", db).stdout.splitlines()[1:]]
+    assert [(row[0], row[-2]) for row in rows] == [("ops", "yes"), ("team", "no")]
+    assert [(key.name, key.admin) for key in list_keys(tmp_path / "keys.db")] == [("ops", True), ("team", False)]
 
 
 def test_config_and_dir_take_keys_path_from_edge_yaml(tmp_path: Path) -> None:
@@ -74,7 +84,7 @@ def test_ls_says_no_keys_and_lists_revoked_ones(tmp_path: Path) -> None:
     assert _keys("create", "x", "--db", str(empty)).returncode == 0
     assert _keys("revoke", "x", "--db", str(empty)).returncode == 0
     shown = _keys("ls", "--db", str(empty))  # revoked keys stay listed
-    assert shown.returncode == 0 and shown.stdout.splitlines()[1].split()[::6] == ["x", "revoked"]
+    assert shown.returncode == 0 and shown.stdout.splitlines()[1].split()[::7] == ["x", "revoked"]
 
 
 def test_errors_are_one_line_with_the_right_exit_code(tmp_path: Path) -> None:

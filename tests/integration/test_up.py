@@ -79,6 +79,7 @@ def test_up_prints_the_base_url_the_key_and_an_sdk_example(platform: tuple[Path,
     state, printed = platform
     base, key = _printed(printed, "base URL"), _printed(printed, "API key")
     assert re.fullmatch(r"http://127\.0\.0\.1:\d+/v1", base)
+    assert _printed(printed, "console") == base.removesuffix("/v1") + "/console"
     assert key.startswith("sk-") and key == (state / "api-key").read_text().strip()
     assert (state / "api-key").stat().st_mode & 0o777 == 0o600
     assert "from openai import OpenAI" in printed
@@ -88,6 +89,32 @@ def test_up_prints_the_base_url_the_key_and_an_sdk_example(platform: tuple[Path,
     for url, family in zip(metrics, ("iop_control_plane_", "iop_node_", "iop_worker_", "iop_edge_"), strict=True):
         with urllib.request.urlopen(url, timeout=10) as answer:  # noqa: S310 - our own services on loopback
             assert family in answer.read().decode(), url
+
+
+def _console_post(url: str, key: str) -> tuple[int, dict[str, object]]:
+    request = urllib.request.Request(url, data=b"{}", method="POST", headers={"authorization": f"Bearer {key}"})  # noqa: S310
+    try:
+        with urllib.request.urlopen(request, timeout=20) as answer:  # noqa: S310 - our own edge on loopback
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_the_console_drains_a_node_with_the_admin_certificate_up_wrote(platform: tuple[Path, str]) -> None:
+    state, printed = platform
+    console, key = _printed(printed, "console"), _printed(printed, "API key")
+    edge = yaml.safe_load((state / "edge.yaml").read_text())
+    assert edge["console"]["admin_cert"] == str((state / "certs" / "admin.crt").resolve())
+    request = urllib.request.Request(console + "/api/me", headers={"authorization": f"Bearer {key}"})  # noqa: S310
+    with urllib.request.urlopen(request, timeout=10) as answer:  # noqa: S310 - our own edge on loopback
+        assert json.loads(answer.read())["admin"] is True  # up's key is an admin key
+    node = yaml.safe_load((state / "node.yaml").read_text())["node_id"]
+    try:
+        status, body = _console_post(f"{console}/api/nodes/{node}/drain", key)
+        assert status == 200 and "drain" in str(body["message"]), body
+    finally:
+        status, body = _console_post(f"{console}/api/nodes/{node}/undrain", key)
+    assert status == 200, body
 
 
 def test_the_official_openai_sdk_gets_an_answer(platform: tuple[Path, str]) -> None:

@@ -1,0 +1,140 @@
+"""Token usage per caller, model and UTC hour or day: the rollup the ledger's writer keeps, and usage.list.
+
+Every run recorded in the ledger adds to one row of ``usage_hours`` and one of ``usage_days``
+(keyed by the bucket's start, caller and model as requested; the bucket is the run's
+``received_at``), in the transaction that writes its ``runs`` row: the writer sums its batch
+per key first and upserts each key once, so a batch of runs costs one statement per table, not
+one per run. The rollup is exact (completed, failed, cancelled and interrupted runs alike) and
+outlives the ledger's pruning: a year of hourly rows for 100 callers of 10 models is under 9
+million small rows, where the runs they sum would be billions. A run left open and later
+settled from its node's record moves its tokens and status into the rollup then (:func:`delta`).
+
+usage.list reads the rows of the buckets asked for, summed over what is not grouped; at most
+:data:`MAX_ENTRIES` rows (a 4 MiB frame holds them), else ValueError naming the way out.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from iop_gen.pb.iop import runtime_pb2 as pb
+
+__all__ = [
+    "HOUR",
+    "MAX_ENTRIES",
+    "TABLES",
+    "UsageRow",
+    "delta",
+    "listed",
+    "rollup",
+    "run_usage",
+    "select",
+    "upsert_sql",
+]
+
+HOUR, DAY = 3600, 86400
+TABLES = (("usage_hours", HOUR), ("usage_days", DAY))
+"""Each rollup table and its bucket's width in seconds."""
+MAX_ENTRIES = 40_000
+"""Most rows one usage.listed carries (about 70 bytes each: well inside the 4 MiB frame)."""
+_DEFAULT_SPAN = {HOUR: 24 * HOUR, DAY: 7 * DAY}
+"""How far back an unset start is, per bucket width."""
+_COUNTS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "failed", "estimated")
+_COLUMNS = ("start", "caller", "model", *_COUNTS)
+
+UsageRow = tuple[int, str, str, int, int, int, int, int, int]
+"""A rollup row: (bucket start, caller, model, requests, prompt, completion, cached, failed, estimated)."""
+
+
+def upsert_sql(table: str, mark: Callable[[int], str]) -> str:
+    """The statement that adds one :data:`UsageRow` to ``table`` (placeholders from ``mark(n)``)."""
+    values = ", ".join(mark(n) for n in range(1, len(_COLUMNS) + 1))
+    adds = ", ".join(f"{column} = {table}.{column} + excluded.{column}" for column in _COUNTS)
+    return (
+        f"INSERT INTO {table} ({', '.join(_COLUMNS)}) VALUES ({values}) "  # noqa: S608 - fixed names; values bound
+        f"ON CONFLICT (start, caller, model) DO UPDATE SET {adds}"
+    )
+
+
+def run_usage(row: Sequence[Any]) -> tuple[float, str, str, int, int, int, int, int]:
+    """What a ``runs`` row (in ``ledger.RUN_COLUMNS`` order) adds to the rollup: (received_at, caller, model,
+    prompt, completion, cached, failed, estimated)."""
+    caller, model, status, received_at = row[3], row[4], row[6], row[9]
+    prompt, completion, estimated, cached = row[12], row[13], row[14], row[18]
+    return (received_at, caller, model, prompt, completion, cached, int(status != "completed"), int(estimated))
+
+
+def rollup(runs: Iterable[Sequence[Any]], width: int) -> list[UsageRow]:
+    """``runs`` (``runs`` rows) summed per (bucket start, caller, model), in key order: replicas upserting
+    the same keys take their row locks in one order (two orders deadlock in PostgreSQL)."""
+    sums: dict[tuple[int, str, str], list[int]] = {}
+    for received_at, caller, model, *counts in map(run_usage, runs):
+        key = (int(received_at // width) * width, caller, model)
+        total = sums.setdefault(key, [0] * len(_COUNTS))
+        for n, count in enumerate((1, *counts)):
+            total[n] += count
+    return [(*key, *total) for key, total in sorted(sums.items())]  # type: ignore[misc] # 9 fields by construction
+
+
+def delta(before: Sequence[Any], after: Sequence[Any], width: int) -> UsageRow:
+    """The row that turns ``before``'s share of the rollup into ``after``'s (one run's two ``runs`` rows,
+    the same run received at the same time): a run left open, settled from its node's record."""
+    old, new = run_usage(before), run_usage(after)
+    received_at, caller, model = new[:3]
+    changes = [b - a for a, b in zip(old[3:], new[3:], strict=True)]
+    return (int(received_at // width) * width, caller, model, 0, *changes)  # type: ignore[return-value]
+
+
+def select(request: pb.UsageList, mark: Callable[[int], str], now: float | None = None) -> tuple[str, list[object]]:
+    """The query for ``request`` (placeholders from ``mark(n)``) and its values; ValueError (one line) for a
+    start not before its end. Its rows: (start, caller, model, sums of :data:`_COUNTS`), ``MAX_ENTRIES + 1`` at most."""
+    width = DAY if request.bucket == pb.USAGE_BUCKET_DAY else HOUR
+    table = "usage_days" if width == DAY else "usage_hours"
+    end = request.end.ToNanoseconds() / 1e9 if request.HasField("end") else (now or time.time())
+    start = request.start.ToNanoseconds() / 1e9 if request.HasField("start") else end - _DEFAULT_SPAN[width]
+    if start >= end:
+        raise ValueError(f"start ({start:.0f}) must be before end ({end:.0f})")
+    params: list[object] = [int(start // width) * width, math.ceil(end)]  # whole seconds: the column's type
+    where = [f"start >= {mark(1)}", f"start < {mark(2)}"]
+    for column in ("caller", "model"):
+        if value := getattr(request, column):
+            params.append(value)
+            where.append(f"{column} = {mark(len(params))}")
+    caller = "caller" if request.by_caller else "''"
+    model = "model" if request.by_model else "''"
+    groups = ", ".join(["start"] + [c for c, by in (("caller", request.by_caller), ("model", request.by_model)) if by])
+    sums = ", ".join(f"sum({column})" for column in _COUNTS)
+    params.append(MAX_ENTRIES + 1)
+    sql = (
+        f"SELECT start, {caller}, {model}, {sums} FROM {table} WHERE {' AND '.join(where)} "  # noqa: S608 - fixed names
+        f"GROUP BY {groups} ORDER BY {groups} LIMIT {mark(len(params))}"
+    )
+    return sql, params
+
+
+def listed(rows: Sequence[Sequence[Any]]) -> pb.UsageListed:
+    """The answer from :func:`select`'s rows; ValueError when they are more than :data:`MAX_ENTRIES`."""
+    if len(rows) > MAX_ENTRIES:
+        raise ValueError(
+            f"more than {MAX_ENTRIES} rows of usage: ask for a shorter window, days instead of hours,"
+            " or fewer groups (by caller, by model)"
+        )
+    answer = pb.UsageListed()
+    entries = answer.entries
+    for start, caller, model, *counts in rows:
+        requests, prompt, completion, cached, failed, estimated = (int(count) for count in counts)
+        entry = entries.add(
+            caller=caller,
+            model=model,
+            requests=requests,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            cached_tokens=cached,
+            failed=failed,
+            estimated=estimated,
+        )
+        entry.start.seconds = int(start)
+    return answer

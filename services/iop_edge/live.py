@@ -1,0 +1,206 @@
+"""The console's live stream (``GET /console/api/live``): one poller per edge, fanned out to every watcher.
+
+The first watcher starts the poller; it asks the control-plane every ``console.push_interval``
+seconds (overview and nodes while an admin watches; today's usage by caller while a non-admin
+does) and offers each watcher its events; the last watcher to leave stops it. So the
+control-plane's load is one poll per edge, whatever the number of watchers.
+
+Bounds: at most ``console.max_watchers`` watchers (more get 429, counted, logged at most once
+a minute). A watcher holds at most :data:`QUEUED` messages; a new one replaces the oldest (the
+latest wins), and a watcher that has taken none for :data:`STALL_TICKS` pushes in a row is
+dropped (its stream closed, counted): a client that stops reading costs a bounded queue for
+a bounded time, and never holds up the others. A tick with nothing for a watcher (the
+control-plane away) sends it an SSE comment line instead, so proxies keep the stream open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from iop_edge.metrics import EdgeMetrics
+from iop_wire.openai.errors import ApiError
+
+__all__ = ["QUEUED", "STALL_TICKS", "LiveHub", "LiveStream", "Snapshot", "Watcher", "sse_event"]
+
+_log = structlog.get_logger("iop.edge.console")
+
+QUEUED = 2
+"""Messages a watcher may have waiting; a newer one replaces the oldest."""
+STALL_TICKS = 5
+"""Pushes in a row a watcher may leave untaken (its queue full) before it is dropped."""
+_LOG_EVERY = 60.0
+"""Seconds between two log lines about refused watchers."""
+
+
+def sse_event(event: str, data: Any) -> bytes:
+    """One server-sent event: ``event: NAME`` and its JSON ``data`` line."""
+    return b"event: " + event.encode() + b"\ndata: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """What one poll found: the admin events, and today's usage per caller (None: not asked or failed)."""
+
+    admin: bytes | None = None
+    """The ``overview`` and ``nodes`` events, encoded once for every admin watcher."""
+    usage: Callable[[str], bytes] | None = None
+    """The ``usage`` event of one caller."""
+    trouble: str = ""
+    """Why a part is missing (the control-plane did not answer), for the comment line."""
+
+
+@dataclass(eq=False, slots=True)
+class Watcher:
+    """One open live stream: whose it is, and its bounded queue."""
+
+    caller: str
+    admin: bool
+    queue: deque[bytes] = field(default_factory=lambda: deque(maxlen=QUEUED))
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    untaken: int = 0
+    """Pushes in a row that met a full queue."""
+    dropped: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the hub drops it: its stream is closed, even mid-write."""
+
+    def offer(self, message: bytes) -> bool:
+        """Queue ``message`` (the oldest goes when full); False once the watcher should be dropped."""
+        if len(self.queue) == QUEUED:
+            self.untaken += 1
+            if self.untaken >= STALL_TICKS:
+                self.dropped.set()
+                return False
+        else:
+            self.untaken = 0
+        self.queue.append(message)
+        self.ready.set()
+        return True
+
+    async def messages(self) -> AsyncIterator[bytes]:
+        """The messages as they come (forever: the stream's end is the client's or the hub's doing)."""
+        while True:
+            await self.ready.wait()
+            self.ready.clear()
+            while self.queue:
+                yield self.queue.popleft()
+
+
+Poll = Callable[[bool, bool], Awaitable[Snapshot]]
+"""Asks the control-plane: (admins watch, non-admins watch) -> what to push."""
+
+
+class LiveHub:
+    """The watchers of one edge and the poller that feeds them."""
+
+    def __init__(self, poll: Poll, *, interval: float, max_watchers: int, metrics: EdgeMetrics) -> None:
+        self._poll, self.interval, self.max_watchers, self.metrics = poll, interval, max_watchers, metrics
+        self.watchers: set[Watcher] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._refused_logged = 0.0
+        self._refused_since = 0
+
+    def join(self, caller: str, *, admin: bool) -> Watcher:
+        """A new watcher; 429 once ``max_watchers`` are open. Starts the poller for the first."""
+        if len(self.watchers) >= self.max_watchers:
+            self.metrics.watchers_refused.inc()
+            self._log_refusal()
+            message = f"this edge has {len(self.watchers)} live streams open, its limit (console.max_watchers)"
+            raise ApiError(429, message, code="too_many_requests", retry_after=self.interval * 5)
+        watcher = Watcher(caller, admin)
+        self.watchers.add(watcher)
+        self.metrics.watchers.set(len(self.watchers))
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="iop-edge-console-live")
+        return watcher
+
+    def leave(self, watcher: Watcher) -> None:
+        """The watcher's stream ended; the poller stops with the last one (at its next tick)."""
+        self.watchers.discard(watcher)
+        self.metrics.watchers.set(len(self.watchers))
+
+    async def aclose(self) -> None:
+        """Stop the poller (the edge is stopping)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def _log_refusal(self) -> None:
+        self._refused_since += 1
+        now = time.monotonic()
+        if now - self._refused_logged >= _LOG_EVERY:
+            _log.warning("console live streams refused", limit=self.max_watchers, refused=self._refused_since)
+            self._refused_logged, self._refused_since = now, 0
+
+    async def _run(self) -> None:
+        while self.watchers:
+            await self.tick()
+            await asyncio.sleep(self.interval)
+
+    async def tick(self) -> None:
+        """One poll, offered to every watcher; those that stopped reading are dropped."""
+        watchers = list(self.watchers)
+        snapshot = await self._poll(any(w.admin for w in watchers), any(not w.admin for w in watchers))
+        for watcher in watchers:
+            if not watcher.offer(self._message(watcher, snapshot)):
+                self.metrics.watchers_dropped.inc()
+                _log.info("console live stream dropped: its client stopped reading", caller=watcher.caller)
+                self.leave(watcher)
+
+    @staticmethod
+    def _message(watcher: Watcher, snapshot: Snapshot) -> bytes:
+        if watcher.admin and snapshot.admin is not None:
+            return snapshot.admin
+        if not watcher.admin and snapshot.usage is not None:
+            return snapshot.usage(watcher.caller)
+        return b": " + (snapshot.trouble or "nothing new").encode() + b"\n\n"  # a comment keeps proxies open
+
+
+class LiveStream(Response):
+    """The ``text/event-stream`` of one watcher: ends when the client goes away or the hub drops it."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, hub: LiveHub, watcher: Watcher) -> None:
+        self.hub, self.watcher = hub, watcher
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        tasks = (
+            asyncio.ensure_future(self._send(send)),
+            asyncio.ensure_future(_disconnected(receive)),
+            asyncio.ensure_future(self.watcher.dropped.wait()),
+        )
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.hub.leave(self.watcher)
+
+    async def _send(self, send: Send) -> None:
+        with contextlib.suppress(OSError):  # the client went away mid-write
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            await send({"type": "http.response.body", "body": b": live\n\n", "more_body": True})
+            async for message in self.watcher.messages():
+                await send({"type": "http.response.body", "body": message, "more_body": True})
+
+
+async def _disconnected(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

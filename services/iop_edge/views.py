@@ -1,0 +1,217 @@
+"""The console's JSON (and CSV) shapes, made from the control-plane's answers.
+
+Pure functions of protobuf messages (no I/O): times are unix seconds (float), durations
+milliseconds, an unset time or duration is null. The shapes are the console API's
+(``/console/api/*``); the OpenAI usage shape is :mod:`iop_edge.usage_api`'s.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import io
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from iop_gen.pb.iop import runtime_pb2 as pb
+
+__all__ = [
+    "CSV_COLUMNS",
+    "NODE_STATES",
+    "Totals",
+    "grouped",
+    "milliseconds",
+    "node_view",
+    "nodes_view",
+    "overview_view",
+    "run_view",
+    "seconds",
+    "usage_csv",
+]
+
+NODE_STATES = {
+    pb.NODE_STATE_READY: "ready",
+    pb.NODE_STATE_DRAINING: "draining",
+    pb.NODE_STATE_UNAVAILABLE: "unavailable",
+}
+_FINISH = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_TOOL_CALLS: "tool_calls",
+    pb.FINISH_REASON_CONTENT_FILTER: "content_filter",
+}
+CSV_COLUMNS = ("start", "key", "model", "requests", "prompt_tokens", "completion_tokens", "cached_tokens", "failed")
+_COUNTS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "failed")
+
+
+def seconds(timestamp: Any) -> float | None:
+    """A set ``google.protobuf.Timestamp`` as unix seconds; None when unset (zero)."""
+    if not timestamp.seconds and not timestamp.nanos:
+        return None
+    return float(timestamp.seconds) + float(timestamp.nanos) / 1e9
+
+
+def milliseconds(message: Any, name: str) -> float | None:
+    """The ``google.protobuf.Duration`` field ``name`` of ``message`` in milliseconds; None when unset."""
+    if not message.HasField(name):
+        return None
+    return round(float(getattr(message, name).ToNanoseconds()) / 1e6, 3)
+
+
+def _rate(count: int, window: int) -> float:
+    return round(count / window, 3) if window else 0.0
+
+
+def overview_view(shown: pb.OverviewShown, nodes: Sequence[pb.NodeInfo], at: float) -> dict[str, Any]:
+    """``GET /console/api/overview``: the control-plane's traffic figures and its nodes' states."""
+    window = shown.window_seconds or 60
+    states = dict.fromkeys(("ready", "draining", "unavailable"), 0)
+    serving: dict[str, int] = {}
+    for node in nodes:
+        state = NODE_STATES.get(node.state, "unavailable")
+        states[state] += 1
+        for load in node.models:
+            if state == "ready":
+                serving[load.model] = serving.get(load.model, 0) + 1
+    models = [
+        {
+            "id": traffic.model,
+            "nodes": serving.get(traffic.model, 0),
+            "queued": traffic.queued,
+            "running": traffic.running,
+            "requests": traffic.requests,
+            "failed": traffic.failed,
+            "completion_tokens": traffic.completion_tokens,
+            "ttft_p50_ms": milliseconds(traffic, "ttft_p50"),
+        }
+        for traffic in shown.models
+    ]
+    return {
+        "at": at,
+        "window_seconds": window,
+        "control_plane": shown.control_plane,
+        "nodes": {**states, "total": len(nodes)},
+        "requests_per_s": _rate(shown.requests, window),
+        "completion_tokens_per_s": _rate(shown.completion_tokens, window),
+        "prompt_tokens_per_s": _rate(shown.prompt_tokens, window),
+        "ttft_p50_ms": milliseconds(shown, "ttft_p50"),
+        "ttft_p95_ms": milliseconds(shown, "ttft_p95"),
+        "queued": shown.queued,
+        "running": shown.running,
+        "failed": shown.failed,
+        "error_rate": round(shown.failed / shown.requests, 4) if shown.requests else 0.0,
+        "models": models,
+    }
+
+
+def node_view(node: pb.NodeInfo, now: float) -> dict[str, Any]:
+    """One node of ``GET /console/api/nodes``."""
+    heartbeat = seconds(node.last_heartbeat)
+    return {
+        "id": node.node_id,
+        "state": NODE_STATES.get(node.state, "unavailable"),
+        "reason": node.reason,
+        "models": [{"id": load.model, "in_flight": load.in_flight, "capacity": load.capacity} for load in node.models],
+        "in_flight": node.in_flight,
+        "capacity": node.capacity,
+        "heartbeat_age_s": None if heartbeat is None else round(max(now - heartbeat, 0.0), 3),
+        "address": node.address,
+        "labels": dict(node.labels),
+        "first_seen": seconds(node.first_seen),
+        "certificate_serial": node.certificate_serial,
+    }
+
+
+def nodes_view(nodes: Iterable[pb.NodeInfo], now: float) -> dict[str, Any]:
+    """``GET /console/api/nodes``: every node, ordered by id."""
+    return {"nodes": [node_view(node, now) for node in sorted(nodes, key=lambda node: node.node_id)]}
+
+
+def run_view(run: pb.LedgerRun) -> dict[str, Any]:
+    """One run of ``GET /console/api/runs``, as the ledger recorded it."""
+    error = None
+    if run.error_code or run.error_message:
+        code = pb.ErrorCode.Name(run.error_code).removeprefix("ERROR_CODE_").lower()
+        error = {"code": code, "message": run.error_message}
+    usage = run.usage
+    return {
+        "id": run.run_id,
+        "caller": run.caller,
+        "model": run.model,
+        "node": run.node_id or None,
+        "status": run.status,
+        "error": error,
+        "received_at": seconds(run.received_at),
+        "ttft_ms": milliseconds(run, "ttft"),
+        "duration_ms": milliseconds(run, "duration"),
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "cached_tokens": usage.cached_tokens,
+        "estimated": usage.estimated,
+        "finish_reason": _FINISH.get(run.finish_reason) if run.status == "completed" else None,
+        "outputs": run.outputs,
+        "migrations": run.migrations,
+        "attempts": [
+            {
+                "node": attempt.node_id,
+                "model": attempt.model,
+                "outcome": attempt.outcome,
+                "reason": attempt.reason,
+                "started_ms": milliseconds(attempt, "started_after") or 0.0,
+                "duration_ms": milliseconds(attempt, "duration"),
+                "outputs": attempt.outputs,
+            }
+            for attempt in run.attempts
+        ],
+    }
+
+
+@dataclass(slots=True)
+class Totals:
+    """Counts of usage rows summed."""
+
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTS, 0))
+
+    def add(self, entry: pb.UsageEntry) -> None:
+        """Add one entry's counts."""
+        for name in _COUNTS:
+            self.counts[name] += getattr(entry, name)
+
+
+def grouped(
+    entries: Iterable[pb.UsageEntry], *, by_key: bool, by_model: bool, keys: frozenset[str] | None = None
+) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """Usage rows (oldest first; by key, then model) summed over what is not grouped, and the totals.
+
+    ``entries`` are the control-plane's, grouped by caller and model; ``keys`` (None: every key's)
+    keeps only those callers' entries.
+    """
+    rows: dict[tuple[float, str, str], Totals] = {}
+    totals = Totals()
+    for entry in entries:
+        if keys is not None and entry.caller not in keys:
+            continue
+        start = seconds(entry.start) or 0.0
+        group = (start, entry.caller if by_key else "", entry.model if by_model else "")
+        rows.setdefault(group, Totals()).add(entry)
+        totals.add(entry)
+    listed = [
+        {"start": start, "key": key if by_key else None, "model": model if by_model else None, **summed.counts}
+        for (start, key, model), summed in sorted(rows.items())
+    ]
+    return listed, totals.counts
+
+
+def _iso(start: float) -> str:
+    return datetime.datetime.fromtimestamp(start, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def usage_csv(rows: Sequence[dict[str, Any]]) -> str:
+    """The usage rows as CSV: a header line, then one line per row (start as ISO 8601 UTC)."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    for row in rows:
+        writer.writerow([_iso(row["start"]), row["key"] or "", row["model"] or "", *(row[name] for name in _COUNTS)])
+    return out.getvalue()
