@@ -8,8 +8,8 @@ the keyboard alone, and measure the contrast of every visible text on every page
 fails on an error in the browser's console. Screenshots go to ``.artifacts/console/``; the
 Overview one also to ``/tmp/iop-console-overview.png`` (the README's picture).
 
-The up node also serves ``mock-slow`` (20 tokens/s) so that an answer is seen growing and a batch
-is still running when it is cancelled.
+The up node also serves ``mock-slow`` (20 tokens/s; added by ``iop nodes reload``) so that an
+answer is seen growing and a batch is still running when it is cancelled.
 """
 
 from __future__ import annotations
@@ -72,16 +72,15 @@ class Platform:
 
 
 def _up_with_a_slow_model(state: Path) -> None:
-    """``iop up`` with ``mock-slow`` added to the node's routes (up keeps a node.yaml it finds)."""
-    from iop_cli.configs import prepare
-
-    prepare(state, 0, None)
+    """``iop up``, then ``mock-slow`` added to its node's routes (``iop nodes reload``)."""
+    started = _iop("up", "--dir", str(state), "--port", "0")
+    assert started.returncode == 0, started.stdout + started.stderr
     node = state / "node.yaml"
     config = yaml.safe_load(node.read_text())
     config["routes"].append(SLOW)
     node.write_text(yaml.safe_dump(config, sort_keys=False))
-    started = _iop("up", "--dir", str(state), "--port", "0")
-    assert started.returncode == 0, started.stdout + started.stderr
+    reloaded = _iop("nodes", "reload", "local-node", "--dir", str(state))
+    assert reloaded.returncode == 0, reloaded.stdout + reloaded.stderr
 
 
 def _join_second_node(state: Path, machine: Path) -> None:
@@ -91,6 +90,14 @@ def _join_second_node(state: Path, machine: Path) -> None:
     join_args = token.stdout.split()[2:]
     joined = _iop("join", *join_args, "--name", "node-b", "--dir", str(machine))
     assert joined.returncode == 0, joined.stdout + joined.stderr
+
+
+def _models(platform: Platform) -> set[str]:
+    """The models the edge serves now (none while it cannot tell)."""
+    answer = httpx.get(
+        f"{platform.url}/v1/models", headers={"authorization": f"Bearer {platform.admin_key}"}, timeout=5
+    )
+    return {model["id"] for model in answer.json()["data"]} if answer.status_code == 200 else set()
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +112,9 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
         secret = re.search(r"\bsk-\S+", created.stdout)
         assert secret, created.stdout
         port = json.loads((state / "edge.ready").read_text())["port"]
-        yield Platform(state, f"http://127.0.0.1:{port}", "console-admin", secret.group(0))
+        platform = Platform(state, f"http://127.0.0.1:{port}", "console-admin", secret.group(0))
+        wait_for(lambda: "mock-slow" in _models(platform), 30, 0.2, "the edge serving mock-slow")
+        yield platform
     finally:
         if machine.exists():
             _iop("down", "--dir", str(machine))
