@@ -1,6 +1,7 @@
 // The console's shell: sign-in with an API key, the nav (admin pages hidden for other keys),
-// and hash routing (#/overview, #/nodes, ...). Each page module exports
-// render(main, ctx) and may return a function that stops it (streams, timers) on leaving.
+// and hash routing (#/overview, #/nodes, ...; a query after the page's name, e.g.
+// #/runs?model=m&limit=500, fills its filters). Each page module exports render(main, ctx) and
+// may return a function that stops it (streams, timers) on leaving.
 
 import { ApiError, api, forgetKey, onUnauthorized, saveKey, savedKey } from "./api.js";
 import { stopLive } from "./live.js";
@@ -79,7 +80,8 @@ function route() {
     location.replace("#/overview");
     return;
   }
-  let name = hash.slice(2).split("?")[0];
+  const [path, search = ""] = hash.slice(2).split("?");
+  let name = path;
   if (!PAGES[name] || (PAGES[name].admin && !me.admin)) name = "overview";
   const page = PAGES[name];
   stopPage();
@@ -90,7 +92,8 @@ function route() {
   document.title = `${page.title} · IOP console`;
   main.innerHTML = "";
   const controller = new AbortController();
-  const stop = page.module.render(main, { me, signal: controller.signal });
+  const params = new URLSearchParams(search);
+  const stop = page.module.render(main, { me, signal: controller.signal, params });
   leave = () => {
     controller.abort();
     if (typeof stop === "function") stop();

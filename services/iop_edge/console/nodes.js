@@ -5,7 +5,7 @@
 import { api } from "./api.js";
 import { onStatus, subscribe } from "./live.js";
 import { busy, confirmAction, toast } from "./ui.js";
-import { $, esc, num, time } from "./util.js";
+import { $, esc, num, rendered, time } from "./util.js";
 
 const ACTIONS = {
   drain: { label: "Drain", ask: (id) => `Drain node ${id}? It takes no new runs; running ones finish.` },
@@ -115,6 +115,8 @@ function paint(main, view, full) {
       : `<tr><td colspan="7">No nodes${view.nodes.length ? " match the filter" : ""}.</td></tr>`;
   }
   view.shown = shown;
+  if (!view.marked) rendered("nodes"); // the first render only: live updates follow every few seconds
+  view.marked = true;
 }
 
 async function act(event, main, view, signal) {

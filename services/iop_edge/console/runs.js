@@ -3,11 +3,11 @@
 
 import { api } from "./api.js";
 import { timeline, toast } from "./ui.js";
-import { $, esc, ms, num, parseUtc, query, time } from "./util.js";
+import { $, esc, ms, num, parseUtc, prefill, query, rendered, time } from "./util.js";
 
 const PAGE = 100;
 
-export function render(main, { me, signal }) {
+export function render(main, { me, signal, params }) {
   main.innerHTML = `
     <h1>Runs</h1>
     <form class="filters" id="filter">
@@ -39,6 +39,7 @@ export function render(main, { me, signal }) {
     </nav>`;
   const state = { befores: [], next: null, runs: new Map() };
   const form = $(main, "#filter");
+  prefill(form, params);
   const load = async (before) => {
     const f = new FormData(form);
     const params = {
@@ -93,6 +94,7 @@ function show(main, state, page) {
   $(main, "#summary").textContent = `Page ${pageNo}: ${num(page.runs.length)} runs${page.more ? ", more older" : ""}. * estimated token count.`;
   $(main, "#older").disabled = !page.more || page.next_before === null;
   $(main, "#newer").disabled = state.befores.length === 0;
+  rendered("runs");
 }
 
 /** Open (or close) a run's details in a row right below it. */

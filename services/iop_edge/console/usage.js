@@ -3,12 +3,15 @@
 
 import { api, request } from "./api.js";
 import { barChart, busy, toast } from "./ui.js";
-import { $, esc, num, parseUtc, query, saveBlob, time, toInputUtc } from "./util.js";
+import { $, esc, num, parseUtc, prefill, query, rendered, saveBlob, time, toInputUtc } from "./util.js";
 
 const PRESETS = { "24h": 86400, "7d": 7 * 86400, "30d": 30 * 86400 };
 const BUCKET_S = { hour: 3600, day: 86400 };
+const TABLE_ROWS = 1000;
+/** Rows the table shows (the newest): 30 days by hour for many keys and models is tens of
+ * thousands; the chart and the totals count every row, and the CSV has them all. */
 
-export function render(main, { me, signal }) {
+export function render(main, { me, signal, params: link }) {
   main.innerHTML = `
     <h1>Usage</h1>
     <form class="filters" id="filter">
@@ -23,6 +26,9 @@ export function render(main, { me, signal }) {
       <div><label for="u-key">Key</label><input id="u-key" name="key" spellcheck="false"
         ${me.admin ? "" : `value="${esc(me.key)}" readonly`}></div>
       <div><label for="u-model">Model</label><input id="u-model" name="model" spellcheck="false"></div>
+      <div><label for="u-group">Rows per</label>
+        <select id="u-group" name="group"><option value="key,model">key and model</option>
+          <option value="key">key</option><option value="model">model</option></select></div>
       <div class="submit"><button type="submit" class="primary">Show</button>
         <button type="button" id="csv">Export CSV</button></div>
     </form>
@@ -37,10 +43,14 @@ export function render(main, { me, signal }) {
     </table></div>`;
   const form = $(main, "#filter");
   const range = $(form, "#u-range");
+  const showCustom = () => {
+    for (const el of form.querySelectorAll(".custom")) el.hidden = range.value !== "custom";
+  };
+  prefill(form, link);
+  showCustom();
   range.addEventListener("change", () => {
-    const custom = range.value === "custom";
-    for (const el of form.querySelectorAll(".custom")) el.hidden = !custom;
-    if (custom && !$(form, "#u-start").value) {
+    showCustom();
+    if (range.value === "custom" && !$(form, "#u-start").value) {
       const now = Date.now() / 1000;
       $(form, "#u-start").value = toInputUtc(now - 86400);
       $(form, "#u-end").value = toInputUtc(now);
@@ -84,7 +94,9 @@ function params(form) {
     start = Math.floor(now - PRESETS[preset]);
     end = Math.floor(now);
   }
-  return { start, end, bucket: f.get("bucket"), key: f.get("key").trim(), model: f.get("model").trim() };
+  return {
+    start, end, bucket: f.get("bucket"), key: f.get("key").trim(), model: f.get("model").trim(), group: f.get("group"),
+  };
 }
 
 function show(main, usage) {
@@ -112,8 +124,9 @@ function show(main, usage) {
     labelEvery: Math.max(1, Math.ceil(count / 12)),
     title: `Tokens per ${usage.bucket} from ${time(usage.start)} to ${time(usage.end)} UTC`,
   });
-  $(main, "#rows").innerHTML = usage.rows.length
-    ? usage.rows.map((r) => `<tr><td>${time(r.start)}</td><td>${esc(r.key)}</td><td>${esc(r.model)}</td>
+  const shown = usage.rows.slice(-TABLE_ROWS).reverse();
+  $(main, "#rows").innerHTML = shown.length
+    ? shown.map((r) => `<tr><td>${time(r.start)}</td><td>${esc(r.key ?? "all")}</td><td>${esc(r.model ?? "all")}</td>
         <td class="n">${num(r.requests)}</td><td class="n">${num(r.prompt_tokens)}</td>
         <td class="n">${num(r.completion_tokens)}</td><td class="n">${num(r.cached_tokens)}</td>
         <td class="n">${num(r.failed)}</td></tr>`).join("")
@@ -122,5 +135,7 @@ function show(main, usage) {
   $(main, "#totals").innerHTML = `<tr><th scope="row" colspan="3">Total</th><td class="n" id="total-requests">${num(t.requests)}</td>
     <td class="n" id="total-prompt">${num(t.prompt_tokens)}</td><td class="n" id="total-completion">${num(t.completion_tokens)}</td>
     <td class="n">${num(t.cached_tokens)}</td><td class="n">${num(t.failed)}</td></tr>`;
-  $(main, "#summary").textContent = `${num(usage.rows.length)} rows by ${usage.bucket}, ${time(usage.start)} to ${time(usage.end)} UTC.`;
+  rendered("usage");
+  const cut = usage.rows.length > shown.length ? ` The table shows the newest ${num(shown.length)}; the CSV has them all.` : "";
+  $(main, "#summary").textContent = `${num(usage.rows.length)} rows by ${usage.bucket}, ${time(usage.start)} to ${time(usage.end)} UTC, newest first.${cut}`;
 }

@@ -71,3 +71,22 @@ export function saveBlob(blob, filename) {
   a.remove();
   setTimeout(() => URL.revokeObjectURL(url), 60_000);
 }
+
+/** Fill a form's fields from URL parameters (a link to a filtered page). */
+export function prefill(form, params) {
+  for (const [name, value] of params ?? []) {
+    const field = form.elements.namedItem(name);
+    if (field && !field.readOnly) field.value = value;
+  }
+}
+
+/**
+ * Mark a page's data as rendered (performance marks "iop:NAME:dom" now and "iop:NAME:painted"
+ * after the next frame): what the render benchmark reads.
+ */
+export function rendered(name) {
+  performance.clearMarks(`iop:${name}:dom`);
+  performance.clearMarks(`iop:${name}:painted`);
+  performance.mark(`iop:${name}:dom`);
+  requestAnimationFrame(() => setTimeout(() => performance.mark(`iop:${name}:painted`), 0));
+}
