@@ -25,6 +25,9 @@ const PAGES = {
 };
 
 const main = document.getElementById("main");
+const WHO = "iop.console.me";
+/** Who the key is, kept beside it in sessionStorage: a reload shows the page at once while
+ * /console/api/me checks the key again (a refused key signs out). */
 let me = null;
 let leave = null;
 
@@ -60,6 +63,7 @@ function showSignIn(message = "") {
 }
 
 function signedIn(who) {
+  sessionStorage.setItem(WHO, JSON.stringify(who));
   me = who;
   $(document, "#who-name").textContent = `${who.key}${who.admin ? " (admin)" : ""} · ${who.edge}`;
   $(document, "#who").hidden = false;
@@ -108,6 +112,7 @@ function route() {
 function signOut() {
   stopLive();
   forgetKey();
+  sessionStorage.removeItem(WHO);
   history.replaceState(null, "", location.pathname);
   showSignIn();
 }
@@ -119,6 +124,7 @@ async function boot() {
     if (!me) return;
     stopLive();
     forgetKey();
+    sessionStorage.removeItem(WHO);
     showSignIn(`Signed out: ${message}`);
   });
   const key = savedKey();
@@ -126,14 +132,16 @@ async function boot() {
     showSignIn();
     return;
   }
+  const known = sessionStorage.getItem(WHO);
+  if (known) signedIn(JSON.parse(known));
   try {
-    signedIn(await api("/console/api/me"));
+    const who = await api("/console/api/me");
+    if (!known || who.admin !== me?.admin) signedIn(who);
   } catch (err) {
-    if (!(err instanceof ApiError && err.status === 401)) showSignIn(err.message);
-    else {
-      forgetKey();
-      showSignIn("Signed out: the key was refused.");
-    }
+    const refused = err instanceof ApiError && err.status === 401;
+    if (known && refused) return; // onUnauthorized signed out
+    if (refused) forgetKey();
+    if (!known) showSignIn(refused ? "Signed out: the key was refused." : err.message);
   }
 }
 

@@ -5,7 +5,7 @@
 import { api } from "./api.js";
 import { onStatus, subscribe } from "./live.js";
 import { busy, confirmAction, toast } from "./ui.js";
-import { $, esc, num, rendered, time } from "./util.js";
+import { $, esc, fillRows, num, time } from "./util.js";
 
 const ACTIONS = {
   drain: { label: "Drain", ask: (id) => `Drain node ${id}? It takes no new runs; running ones finish.` },
@@ -66,7 +66,14 @@ function matches(node, text, state) {
 
 function age(seconds) {
   if (seconds === null || seconds === undefined) return "never";
-  return seconds < 60 ? `${num(seconds, 1)} s ago` : `${num(seconds / 60, 1)} min ago`;
+  return seconds < 60 ? `${num(seconds)} s ago` : `${num(seconds / 60, 1)} min ago`;
+}
+
+const HEARTBEAT_CELL = 4;
+
+/** What a row shows apart from the heartbeat's age (which changes on every update). */
+function signature(node) {
+  return JSON.stringify({ ...node, heartbeat_age_s: undefined });
 }
 
 function cells(node, admin) {
@@ -99,24 +106,26 @@ function paint(main, view, full) {
   $(main, "#count").textContent = `${num(view.nodes.length)} nodes, ${num(ready)} ready, ${num(shown.length)} shown`;
   if (sameSet && tbody.rows.length === shown.length) {
     shown.forEach((node, i) => {
-      const sig = JSON.stringify(node);
+      const row = tbody.rows[i];
+      const sig = signature(node);
       if (view.signatures.get(node.id) !== sig) {
         // Keep focus on a row's button across its update (keyboard users mid-table).
-        const focused = tbody.rows[i].contains(document.activeElement) ? document.activeElement.dataset.action : null;
-        tbody.rows[i].innerHTML = cells(node, view.admin);
+        const focused = row.contains(document.activeElement) ? document.activeElement.dataset.action : null;
+        row.innerHTML = cells(node, view.admin);
         view.signatures.set(node.id, sig);
-        if (focused) (tbody.rows[i].querySelector(`[data-action="${focused}"]`) ?? tbody.rows[i].querySelector("button"))?.focus();
+        if (focused) (row.querySelector(`[data-action="${focused}"]`) ?? row.querySelector("button"))?.focus();
+        return;
       }
+      const cell = row.cells[HEARTBEAT_CELL];
+      const text = age(node.heartbeat_age_s);
+      if (cell.textContent !== text) cell.textContent = text;
     });
   } else {
-    view.signatures = new Map(shown.map((n) => [n.id, JSON.stringify(n)]));
-    tbody.innerHTML = shown.length
-      ? shown.map((n) => `<tr>${cells(n, view.admin)}</tr>`).join("")
-      : `<tr><td colspan="7">No nodes${view.nodes.length ? " match the filter" : ""}.</td></tr>`;
+    view.signatures = new Map(shown.map((n) => [n.id, signature(n)]));
+    const empty = `<tr><td colspan="7">No nodes${view.nodes.length ? " match the filter" : ""}.</td></tr>`;
+    fillRows(tbody, shown.map((n) => `<tr>${cells(n, view.admin)}</tr>`), "nodes", empty);
   }
   view.shown = shown;
-  if (!view.marked) rendered("nodes"); // the first render only: live updates follow every few seconds
-  view.marked = true;
 }
 
 async function act(event, main, view, signal) {

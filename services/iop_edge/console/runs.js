@@ -3,7 +3,7 @@
 
 import { api } from "./api.js";
 import { timeline, toast } from "./ui.js";
-import { $, esc, ms, num, parseUtc, prefill, query, rendered, time } from "./util.js";
+import { $, esc, fillRows, ms, num, parseUtc, prefill, query, time } from "./util.js";
 
 const PAGE = 100;
 
@@ -87,14 +87,11 @@ function row(r) {
 function show(main, state, page) {
   state.next = page.next_before;
   state.runs = new Map(page.runs.map((r) => [r.id, r]));
-  $(main, "#rows").innerHTML = page.runs.length
-    ? page.runs.map(row).join("")
-    : `<tr><td colspan="11">No runs match.</td></tr>`;
+  fillRows($(main, "#rows"), page.runs.map(row), "runs", `<tr><td colspan="11">No runs match.</td></tr>`);
   const pageNo = state.befores.length + 1;
   $(main, "#summary").textContent = `Page ${pageNo}: ${num(page.runs.length)} runs${page.more ? ", more older" : ""}. * estimated token count.`;
   $(main, "#older").disabled = !page.more || page.next_before === null;
   $(main, "#newer").disabled = state.befores.length === 0;
-  rendered("runs");
 }
 
 /** Open (or close) a run's details in a row right below it. */

@@ -3,7 +3,7 @@
 
 import { api, request } from "./api.js";
 import { barChart, busy, toast } from "./ui.js";
-import { $, esc, num, parseUtc, prefill, query, rendered, saveBlob, time, toInputUtc } from "./util.js";
+import { $, esc, fillRows, num, parseUtc, prefill, query, saveBlob, time, toInputUtc } from "./util.js";
 
 const PRESETS = { "24h": 86400, "7d": 7 * 86400, "30d": 30 * 86400 };
 const BUCKET_S = { hour: 3600, day: 86400 };
@@ -125,17 +125,14 @@ function show(main, usage) {
     title: `Tokens per ${usage.bucket} from ${time(usage.start)} to ${time(usage.end)} UTC`,
   });
   const shown = usage.rows.slice(-TABLE_ROWS).reverse();
-  $(main, "#rows").innerHTML = shown.length
-    ? shown.map((r) => `<tr><td>${time(r.start)}</td><td>${esc(r.key ?? "all")}</td><td>${esc(r.model ?? "all")}</td>
+  fillRows($(main, "#rows"), shown.map((r) => `<tr><td>${time(r.start)}</td><td>${esc(r.key ?? "all")}</td><td>${esc(r.model ?? "all")}</td>
         <td class="n">${num(r.requests)}</td><td class="n">${num(r.prompt_tokens)}</td>
         <td class="n">${num(r.completion_tokens)}</td><td class="n">${num(r.cached_tokens)}</td>
-        <td class="n">${num(r.failed)}</td></tr>`).join("")
-    : `<tr><td colspan="8">No usage in this range.</td></tr>`;
+        <td class="n">${num(r.failed)}</td></tr>`), "usage", `<tr><td colspan="8">No usage in this range.</td></tr>`);
   const t = usage.totals;
   $(main, "#totals").innerHTML = `<tr><th scope="row" colspan="3">Total</th><td class="n" id="total-requests">${num(t.requests)}</td>
     <td class="n" id="total-prompt">${num(t.prompt_tokens)}</td><td class="n" id="total-completion">${num(t.completion_tokens)}</td>
     <td class="n">${num(t.cached_tokens)}</td><td class="n">${num(t.failed)}</td></tr>`;
-  rendered("usage");
   const cut = usage.rows.length > shown.length ? ` The table shows the newest ${num(shown.length)}; the CSV has them all.` : "";
   $(main, "#summary").textContent = `${num(usage.rows.length)} rows by ${usage.bucket}, ${time(usage.start)} to ${time(usage.end)} UTC, newest first.${cut}`;
 }

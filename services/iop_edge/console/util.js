@@ -90,3 +90,33 @@ export function rendered(name) {
   performance.mark(`iop:${name}:dom`);
   requestAnimationFrame(() => setTimeout(() => performance.mark(`iop:${name}:painted`), 0));
 }
+
+const FIRST_ROWS = 100;
+const MORE_ROWS = 250;
+const filling = new WeakMap();
+
+/**
+ * Put rows (HTML strings of escaped text) in a tbody: the first screenful at once, the rest
+ * appended a chunk per task, so that a page of 1,000 rows shows within a frame and stays
+ * responsive while the others come (a table's layout is the costly part, not the markup).
+ * A later fill of the same tbody stops an earlier one. Marks "iop:NAME:complete" when all are in.
+ */
+export function fillRows(tbody, rows, name, empty) {
+  const token = {};
+  filling.set(tbody, token);
+  tbody.innerHTML = rows.length ? rows.slice(0, FIRST_ROWS).join("") : empty;
+  rendered(name);
+  let next = FIRST_ROWS;
+  const more = () => {
+    if (filling.get(tbody) !== token) return;
+    if (next >= rows.length) {
+      performance.clearMarks(`iop:${name}:complete`);
+      performance.mark(`iop:${name}:complete`);
+      return;
+    }
+    tbody.insertAdjacentHTML("beforeend", rows.slice(next, next + MORE_ROWS).join(""));
+    next += MORE_ROWS;
+    setTimeout(more, 0);
+  };
+  setTimeout(more, 0);
+}
