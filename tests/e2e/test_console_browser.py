@@ -258,6 +258,7 @@ def test_playground_streams_then_the_run_is_in_runs_and_its_tokens_in_usage(cons
         return _usage_total(console) >= before + 30
 
     wait_for(grown, 15, 0.5, "usage counting the run's 30 completion tokens")
+    page.get_by_label("Rows per").select_option("key,model")
     with page.expect_download() as downloading:
         page.get_by_role("button", name="Export CSV").click()
     csv = Path(downloading.value.path()).read_text().splitlines()

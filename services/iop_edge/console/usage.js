@@ -27,8 +27,8 @@ export function render(main, { me, signal, params: link }) {
         ${me.admin ? "" : `value="${esc(me.key)}" readonly`}></div>
       <div><label for="u-model">Model</label><input id="u-model" name="model" spellcheck="false"></div>
       <div><label for="u-group">Rows per</label>
-        <select id="u-group" name="group"><option value="key,model">key and model</option>
-          <option value="key">key</option><option value="model">model</option></select></div>
+        <select id="u-group" name="group"><option value="key">key</option>
+          <option value="model">model</option><option value="key,model">key and model</option></select></div>
       <div class="submit"><button type="submit" class="primary">Show</button>
         <button type="button" id="csv">Export CSV</button></div>
     </form>

@@ -84,11 +84,19 @@ export function prefill(form, params) {
  * Mark a page's data as rendered (performance marks "iop:NAME:dom" now and "iop:NAME:painted"
  * after the next frame): what the render benchmark reads.
  */
-export function rendered(name) {
+export function rendered(name, then = () => {}) {
   performance.clearMarks(`iop:${name}:dom`);
   performance.clearMarks(`iop:${name}:painted`);
   performance.mark(`iop:${name}:dom`);
-  requestAnimationFrame(() => setTimeout(() => performance.mark(`iop:${name}:painted`), 0));
+  afterFrame(() => {
+    performance.mark(`iop:${name}:painted`);
+    then();
+  });
+}
+
+/** Run fn once the browser has painted a frame (rAF runs just before the paint; the task after it). */
+function afterFrame(fn) {
+  requestAnimationFrame(() => setTimeout(fn, 0));
 }
 
 const FIRST_ROWS = 100;
@@ -97,7 +105,7 @@ const filling = new WeakMap();
 
 /**
  * Put rows (HTML strings of escaped text) in a tbody: the first screenful at once, the rest
- * appended a chunk per task, so that a page of 1,000 rows shows within a frame and stays
+ * appended a chunk per frame, so that a page of 1,000 rows shows within a frame and stays
  * responsive while the others come (a table's layout is the costly part, not the markup).
  * A later fill of the same tbody stops an earlier one. Marks "iop:NAME:complete" when all are in.
  */
@@ -105,7 +113,6 @@ export function fillRows(tbody, rows, name, empty) {
   const token = {};
   filling.set(tbody, token);
   tbody.innerHTML = rows.length ? rows.slice(0, FIRST_ROWS).join("") : empty;
-  rendered(name);
   let next = FIRST_ROWS;
   const more = () => {
     if (filling.get(tbody) !== token) return;
@@ -116,7 +123,7 @@ export function fillRows(tbody, rows, name, empty) {
     }
     tbody.insertAdjacentHTML("beforeend", rows.slice(next, next + MORE_ROWS).join(""));
     next += MORE_ROWS;
-    setTimeout(more, 0);
+    afterFrame(more);
   };
-  setTimeout(more, 0);
+  rendered(name, more);
 }
