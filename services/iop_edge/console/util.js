@@ -9,13 +9,18 @@ export function esc(value) {
   return String(value ?? "").replace(/[&<>"']/g, (c) => ESCAPES[c]);
 }
 
-/** A number with thousands separators, or an em dash for null. */
+const FORMATS = new Map();
+
+/** A number with thousands separators, or an em dash for null. (Formatters are made once per
+ * precision: toLocaleString with options builds one per call, the costliest part of a big table.) */
 export function num(value, digits = 0) {
   if (value === null || value === undefined || Number.isNaN(value)) return "—";
-  return Number(value).toLocaleString("en-US", {
-    minimumFractionDigits: digits,
-    maximumFractionDigits: digits,
-  });
+  let format = FORMATS.get(digits);
+  if (!format) {
+    format = new Intl.NumberFormat("en-US", { minimumFractionDigits: digits, maximumFractionDigits: digits });
+    FORMATS.set(digits, format);
+  }
+  return format.format(value);
 }
 
 /** Milliseconds, shown as ms below a second and s above. */
