@@ -94,7 +94,7 @@ function cells(node, admin) {
     <td>${esc(node.address || "")}</td>${actions}`;
 }
 
-/** Re-render all rows when the set or order changed, else only the changed rows. */
+/** Re-render all rows when the set or order changed, else only the changed rows and cells. */
 function paint(main, view, full) {
   const text = $(main, "#f-text").value.trim().toLowerCase();
   const state = $(main, "#f-state").value;
@@ -104,8 +104,10 @@ function paint(main, view, full) {
     && shown.every((n, i) => n.id === view.shown[i].id);
   const ready = view.nodes.filter((n) => n.state === "ready").length;
   $(main, "#count").textContent = `${num(view.nodes.length)} nodes, ${num(ready)} ready, ${num(shown.length)} shown`;
-  if (sameSet && tbody.rows.length === shown.length) {
-    shown.forEach((node, i) => {
+  if (sameSet && tbody.rows.length <= shown.length) {
+    // The same nodes in the same order: rewrite what changed in the rows already in the table
+    // (rows still being added by fillRows come from the previous data; the next update fixes them).
+    shown.slice(0, tbody.rows.length).forEach((node, i) => {
       const row = tbody.rows[i];
       const sig = signature(node);
       if (view.signatures.get(node.id) !== sig) {
