@@ -114,4 +114,5 @@ bench:
     python tests/bench/ledger_bench.py
     python tests/bench/fleet_bench.py
     python tests/bench/fairness_bench.py
+    python tests/bench/console_bench.py
     python tests/bench/prefix_bench.py
