@@ -188,6 +188,9 @@ def test_a_key_that_is_not_admin_sees_no_admin_pages(console: Console) -> None:
     nav = console.page.get_by_role("navigation", name="Pages")
     visible = [link.inner_text() for link in nav.get_by_role("link").all() if link.is_visible()]
     assert visible == ["Overview", "Runs", "Usage", "Batches", "Playground"]
+    console.page.locator(".figure h3").filter(has_text="Completion tokens").wait_for()  # its own usage today
+    console.page.goto(f"{console.platform.url}/console#/nodes")  # an admin page by address: Overview instead
+    console.page.locator("h1").filter(has_text="Overview").wait_for()
     console.page.get_by_role("button", name="Sign out").click()
     console.page.get_by_label("API key").wait_for()
 
@@ -265,6 +268,20 @@ def test_playground_streams_then_the_run_is_in_runs_and_its_tokens_in_usage(cons
     assert downloading.value.suggested_filename.startswith("iop-usage-hour-")
     assert csv[0] == "start,key,model,requests,prompt_tokens,completion_tokens,cached_tokens,failed"
     assert any(f",{console.platform.admin_name},mock-slow," in line for line in csv[1:])
+
+
+def test_stop_ends_a_streaming_answer(console: Console) -> None:
+    console.sign_in()
+    page = console.open("playground")
+    page.get_by_label("Model").select_option("mock-slow")
+    page.get_by_label("Max tokens").fill("400")  # 20 s at 20 tokens/s
+    page.get_by_label("Message").fill("A long one, please.")
+    page.get_by_role("button", name="Send").click()
+    page.wait_for_function("() => document.querySelector('.message.assistant .text')?.textContent.length > 0")
+    page.get_by_role("button", name="Stop").click()
+    page.locator("#stats").filter(has_text="stopped").wait_for()
+    assert page.get_by_role("button", name="Send").is_enabled()
+    assert not page.get_by_role("button", name="Stop").is_enabled()
 
 
 def _usage_total(console: Console) -> int:
