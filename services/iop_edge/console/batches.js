@@ -71,7 +71,7 @@ function paint(main, page) {
         b.output_file_id ? `<button type="button" data-file="${esc(b.output_file_id)}" data-name="${id}-output.jsonl">Output</button>` : "",
         b.error_file_id ? `<button type="button" data-file="${esc(b.error_file_id)}" data-name="${id}-errors.jsonl">Errors</button>` : "",
       ].join(" ");
-      return `<tr data-batch="${id}"><th scope="row" class="mono">${id}</th><td>${esc(b.owner)}</td>
+      return `<tr data-batch="${id}"><th scope="row" class="mono">${id}</th><td>${esc(b.owner ?? "—")}</td>
         <td><span class="pill ${esc(b.status)}">${esc(b.status)}</span></td><td>${progress(b)}</td>
         <td>${time(b.created_at)}</td><td>${esc(b.endpoint)}</td><td class="actions">${buttons}</td></tr>`;
     }).join("")
