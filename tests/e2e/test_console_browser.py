@@ -221,6 +221,28 @@ def test_overview_and_nodes_show_both_nodes_and_a_drain(console: Console) -> Non
     node_b.locator(".pill.ready").wait_for()
 
 
+def test_the_live_stream_reconnects_with_backoff(console: Console) -> None:
+    refused = []
+
+    def cut(route: Any) -> None:  # the network drops the first two connections to the live stream
+        if len(refused) < 2:
+            refused.append(route.request.url)
+            route.abort("connectionreset")
+        else:
+            route.continue_()
+
+    console.page.route("**/console/api/live", cut)
+    console.sign_in()
+    page = console.open("overview")
+    status = page.locator("#live-status")
+    status.filter(has_text="retrying in 1 s").wait_for()
+    status.filter(has_text="retrying in 2 s").wait_for()  # the wait doubled
+    status.filter(has_text=re.compile("^live$")).wait_for()
+    assert len(refused) == 2
+    assert all("ERR_CONNECTION_RESET" in error for error in console.errors), console.errors
+    console.errors.clear()  # chromium logs each cut connection: expected here
+
+
 def test_playground_streams_then_the_run_is_in_runs_and_its_tokens_in_usage(console: Console) -> None:
     console.sign_in()
     before = _usage_total(console)
