@@ -112,6 +112,7 @@ bench:
     python tests/bench/edge_bench.py
     python tests/bench/batch_bench.py
     python tests/bench/ledger_bench.py
+    python tests/bench/usage_bench.py
     python tests/bench/fleet_bench.py
     python tests/bench/fairness_bench.py
     python tests/bench/console_bench.py

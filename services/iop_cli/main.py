@@ -19,6 +19,7 @@
     iop join ADDRESS --token T --ca sha256:H [--name NAME] [--backend URL | --mock | --model PATH.gguf ...]
              [--dir DIR] [--foreground]
     iop policy show | apply FILE          the control-plane's policy in force; replace it
+    iop usage [--key K] [--model M] [--since 7d] [--by hour|day] [--json]   tokens per key and model (admin cert)
     iop batches ls [--limit N] [--json] | show ID [--json] | cancel ID   a worker's batches (admin cert)
     iop version, iop --version
 
@@ -163,6 +164,13 @@ def _ops(args: argparse.Namespace) -> int:
     action = getattr(ops, args.ops_action)
     code: int = action(args)
     return code
+
+
+def _usage(args: argparse.Namespace) -> int:
+    _defer_unused_protobuf()
+    from iop_cli.usage import usage
+
+    return usage(args)
 
 
 def _batches(args: argparse.Namespace) -> int:
@@ -470,6 +478,18 @@ def _ops_parsers(
     apply = policy_commands.add_parser("apply", parents=[admin], help="validate FILE and put it in force")
     apply.add_argument("file", type=Path, metavar="FILE")
     apply.set_defaults(run=_ops, ops_action="policy_apply")
+
+    usage = commands.add_parser(
+        "usage", parents=[admin], help="tokens used per API key and model, per hour or day (admin certificate)"
+    )
+    usage.add_argument("--key", metavar="K", help="only this API key's runs (the caller's name)")
+    usage.add_argument("--model", metavar="M", help="only runs of this model, as requested")
+    usage.add_argument(
+        "--since", help="ISO time, or a duration back from now: 12h, 7d (default 24h by hour, 7d by day)"
+    )
+    usage.add_argument("--by", choices=("hour", "day"), default="hour", help="the bucket (default hour)")
+    usage.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    usage.set_defaults(run=_usage)
 
 
 def _batches_parsers(

@@ -2,7 +2,8 @@
 
 A run's row is built in memory while it runs (:class:`LedgerEntry`) and handed to the audit
 store's writer when it ends, which commits it with whatever else is queued in one transaction,
-off the path that relays events. Rows beyond ``max_runs`` are pruned, oldest first. This module
+off the path that relays events, and adds it to the usage rollup in that transaction
+(:mod:`iop_control_plane.usage`). Rows beyond ``max_runs`` are pruned, oldest first. This module
 builds the rows and reads them back; the SQL runs in the state store
 (:mod:`iop_control_plane.state`: SQLite or PostgreSQL).
 
@@ -115,13 +116,23 @@ class LedgerEntry:
     outputs: int = 0
     migrations: int = 0
     """Times it was continued on another node after its node was lost mid-stream."""
+    prompt_estimate: int = 0
+    """Its prompt's tokens as the control-plane estimated them (the usage of a run its node did not count)."""
     recorded: bool | None = None
     """Whether the ledger takes the run, decided when it starts (the write backlog may be full); None before."""
     open_row: int | None = None
     """Its row in ``open_runs`` once the writer committed it (the writer's thread alone sets and reads it)."""
 
     def ending(self, event: pb.RunEvent | None, cancel_reason: str = "") -> None:
-        """Take the status from the run's terminal event; None: cancelled (by the requester, or its connection)."""
+        """Take the status and usage from the run's terminal event; None: cancelled (by the requester, or its
+        connection). A run placed on a node whose end carries no count of its tokens (cancelled here before
+        its node answered, its node lost, the node's deadline passed) gets the control-plane's estimate:
+        the prompt's, and one token per delta relayed, flagged estimated."""
+        self._take(event, cancel_reason)
+        if self.usage is None and self.attempts:
+            self.usage = pb.Usage(prompt_tokens=self.prompt_estimate, completion_tokens=self.outputs, estimated=True)
+
+    def _take(self, event: pb.RunEvent | None, cancel_reason: str) -> None:
         self.ended = time.monotonic()
         if event is None:
             self.status, self.error_code = "cancelled", pb.ERROR_CODE_CANCELLED

@@ -40,7 +40,11 @@ from iop_wire.pg import Connection, commit_once, on_fresh_sessions, shown_url
 __all__ = ["PgStore"]
 
 _DIALECT = Dialect(
-    real="double precision", int="bigint", serial="bigserial PRIMARY KEY", floor="CAST(floor(%s) AS bigint)"
+    real="double precision",
+    int="bigint",
+    serial="bigserial PRIMARY KEY",
+    floor="CAST(floor(%s) AS bigint)",
+    clustered="",
 )
 _SCHEMA_LOCK = 0x10B_C951  # the advisory lock key held while migrating
 _NOW = "extract(epoch from statement_timestamp())::float8"
@@ -48,6 +52,7 @@ _POLICY = "SELECT version, text, source, applied_by, applied_at FROM policies"
 _RUN = f"INSERT INTO runs ({ledger.RUN_COLUMNS}) VALUES ({', '.join(f'${n}' for n in range(1, 20))}) RETURNING id"  # noqa: S608
 _RUN_BY_ID = f"SELECT {ledger.RUN_COLUMNS} FROM runs WHERE id = $1"  # noqa: S608 - fixed columns
 _USAGE = [(usage.upsert_sql(table, lambda n: f"${n}"), width) for table, width in usage.TABLES]
+_ADD_USAGE = {table: usage.upsert_sql(table, lambda n: f"${n}") for table, _ in usage.TABLES}
 # A batch the writer sends again after its commit's outcome was unknown (the reply lost while the
 # database went away) may hold runs and state changes already written. The same run, requester,
 # connection, caller and receipt time is the same ledger entry (another control-plane's record of
@@ -263,7 +268,7 @@ class PgStore:
     async def usage(self, request: pb.UsageList) -> pb.UsageListed:
         """Token usage per bucket."""
         sql, params = usage.select(request, lambda n: f"${n}")
-        return usage.listed([tuple(row) for row in await self.pool.fetch(sql, *params)])
+        return usage.listed(await self.pool.fetch(sql, *params))  # records unpack as tuples do
 
     @on_fresh_sessions  # a read
     async def changes(self) -> dict[str, int]:
@@ -392,8 +397,8 @@ class PgStore:
 async def _add_usage(conn: Connection, runs: list[tuple[object, ...]]) -> None:
     """Add ``runs`` (``runs`` rows being written) to the usage rollup: one upsert per key, in this transaction."""
     if runs:
-        for sql, width in _USAGE:
-            await conn.executemany(sql, usage.rollup(runs, width))
+        for table, rows in usage.rollup(runs):
+            await conn.executemany(_ADD_USAGE[table], rows)
 
 
 def _changed(status: str) -> int:

@@ -268,6 +268,7 @@ class RunRelay:
         run = _Run(
             request, sink, caller, session, priority, entry, log, prompt_tokens, prompt, request.model, prompt_tokens
         )
+        entry.prompt_estimate = prompt_tokens
         if request.HasField("continuation"):
             run.continuing, run.continuation = _kind(request), request.continuation
         if policy.may_migrate(request.model):

@@ -33,7 +33,9 @@ from iop_gen.pb.iop import runtime_pb2 as pb
 __all__ = ["SqliteStore"]
 
 _T = TypeVar("_T")
-_DIALECT = Dialect(real="REAL", int="INTEGER", serial="INTEGER PRIMARY KEY", floor="CAST(%s AS INTEGER)")
+_DIALECT = Dialect(
+    real="REAL", int="INTEGER", serial="INTEGER PRIMARY KEY", floor="CAST(%s AS INTEGER)", clustered=" WITHOUT ROWID"
+)
 _UPSERT_NODE = """
 INSERT INTO nodes (node_id, labels, address, models, first_seen, last_seen) VALUES (?, ?, ?, ?, ?, ?)
 ON CONFLICT (node_id) DO UPDATE SET labels = excluded.labels, address = excluded.address,
@@ -48,6 +50,7 @@ _PLACED = "UPDATE open_runs SET node_id = ?, node_model = ?, attempt = ?, placed
 _RUN = f"INSERT INTO runs ({ledger.RUN_COLUMNS}) VALUES ({', '.join('?' * 19)})"  # noqa: S608 - fixed columns
 _RUN_BY_ID = f"SELECT {ledger.RUN_COLUMNS} FROM runs WHERE id = ?"  # noqa: S608 - fixed columns
 _USAGE = [(usage.upsert_sql(table, lambda _: "?"), width) for table, width in usage.TABLES]
+_ADD_USAGE = {table: usage.upsert_sql(table, lambda _: "?") for table, _ in usage.TABLES}
 _SETTLE_RUN = ledger.settle_run_sql(lambda _: "?")
 _SETTLE_ATTEMPT = ledger.settle_attempt_sql(lambda _: "?")
 _ATTEMPT = f"INSERT INTO run_attempts ({ledger.ATTEMPT_COLUMNS}) VALUES ({', '.join('?' * 12)})"  # noqa: S608
@@ -361,8 +364,8 @@ def _recover(db: sqlite3.Connection, owner: str, silent_since: float) -> list[Le
 def _add_usage(db: sqlite3.Connection, runs: list[tuple[object, ...]]) -> None:
     """Add ``runs`` (``runs`` rows being written) to the usage rollup: one upsert per key, in this transaction."""
     if runs:
-        for sql, width in _USAGE:
-            db.executemany(sql, usage.rollup(runs, width))
+        for table, rows in usage.rollup(runs):
+            db.executemany(_ADD_USAGE[table], rows)
 
 
 def _usage(path: Path, request: pb.UsageList) -> pb.UsageListed:

@@ -3,7 +3,8 @@
 :class:`iop_control_plane.sqlite_store.SqliteStore` keeps it in one SQLite file (the default, one
 machine); :class:`iop_control_plane.pg_store.PgStore` in PostgreSQL, shared by every control-plane
 given the same ``store.url``. What it keeps: the node audit (nodes seen, state changes), the run
-ledger and its journal of runs in progress, the applied policies (every one, numbered; the newest
+ledger and its journal of runs in progress, token usage per caller, model and UTC hour or day
+(:mod:`iop_control_plane.usage`, written with the ledger's rows), the applied policies (every one, numbered; the newest
 is in force), the drained nodes, join tokens, join attempts, and node certificates issued and
 revoked. Each change that other control-planes must follow (a policy, a drain, a revocation)
 also bumps its counter in ``changes`` in the same transaction: replicas poll those counters
@@ -53,6 +54,9 @@ class Dialect:
     """An auto-numbered integer primary key."""
     floor: str
     """The whole number at or below the REAL expression ``%s`` (SQLite truncates, PostgreSQL rounds, a cast)."""
+    clustered: str
+    """What makes a table's rows live in its primary key's order (SQLite: WITHOUT ROWID; read in key order
+    with no lookup per row)."""
 
 
 _V1 = (  # the tables of the SQLite file before versions were kept (CREATE ... IF NOT EXISTS: it may hold them)
@@ -112,7 +116,7 @@ _V3 = (  # runs continued on another node after their node was lost mid-stream: 
 _USAGE_TABLE = """CREATE TABLE {table} (
     start {int} NOT NULL, caller TEXT NOT NULL, model TEXT NOT NULL, requests {int} NOT NULL,
     prompt_tokens {int} NOT NULL, completion_tokens {int} NOT NULL, cached_tokens {int} NOT NULL,
-    failed {int} NOT NULL, estimated {int} NOT NULL, PRIMARY KEY (start, caller, model))"""
+    failed {int} NOT NULL, estimated {int} NOT NULL, PRIMARY KEY (start, caller, model)){clustered}"""
 _USAGE_BACKFILL = """INSERT INTO {table} (start, caller, model, requests, prompt_tokens, completion_tokens,
     cached_tokens, failed, estimated)
 SELECT {bucket} * {width}, caller, model, count(*), sum(prompt_tokens), sum(completion_tokens),
@@ -120,8 +124,8 @@ SELECT {bucket} * {width}, caller, model, count(*), sum(prompt_tokens), sum(comp
 FROM runs GROUP BY {bucket}, caller, model"""
 _V4 = (  # token usage per caller, model and UTC hour or day (the console), filled from the runs already kept
     "ALTER TABLE runs ADD COLUMN cached_tokens {int} NOT NULL DEFAULT 0",
-    "CREATE INDEX runs_by_received ON runs (received_at)",
-    "CREATE INDEX runs_by_caller ON runs (caller, received_at)",
+    "CREATE INDEX runs_by_received ON runs (received_at, id)",  # runs.list's order: newest first, no sort
+    "CREATE INDEX runs_by_caller ON runs (caller, received_at, id)",
     _USAGE_TABLE.replace("{table}", "usage_hours"),
     _USAGE_TABLE.replace("{table}", "usage_days"),
     _USAGE_BACKFILL.replace("{table}", "usage_hours").replace("{width}", "3600").replace("{bucket}", "{hour}"),
@@ -144,6 +148,7 @@ def steps(version: int, dialect: Dialect) -> list[str]:
         "real": dialect.real,
         "int": dialect.int,
         "serial": dialect.serial,
+        "clustered": dialect.clustered,
         "hour": dialect.floor % "(received_at / 3600)",
         "day": dialect.floor % "(received_at / 86400)",
     }

@@ -10,14 +10,15 @@ million small rows, where the runs they sum would be billions. A run left open a
 settled from its node's record moves its tokens and status into the rollup then (:func:`delta`).
 
 usage.list reads the rows of the buckets asked for, summed over what is not grouped; at most
-:data:`MAX_ENTRIES` rows (a 4 MiB frame holds them), else ValueError naming the way out.
+:data:`MAX_ENTRIES` rows and :data:`MAX_BYTES` of names (the answer fits the 4 MiB frame), else
+ValueError naming the way out: a month by hour for 10 keys of 4 models is 28,800 rows.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from iop_gen.pb.iop import runtime_pb2 as pb
@@ -38,8 +39,11 @@ __all__ = [
 HOUR, DAY = 3600, 86400
 TABLES = (("usage_hours", HOUR), ("usage_days", DAY))
 """Each rollup table and its bucket's width in seconds."""
-MAX_ENTRIES = 40_000
-"""Most rows one usage.listed carries (about 70 bytes each: well inside the 4 MiB frame)."""
+MAX_ENTRIES = 50_000
+"""Most rows one usage.listed carries (about 60 bytes each with short names)."""
+MAX_BYTES = 3 << 20
+"""Most bytes of rows one usage.listed carries, counting each row's names and 64 bytes for the rest:
+inside the 4 MiB frame whatever the names' length (up to 256 characters each)."""
 _DEFAULT_SPAN = {HOUR: 24 * HOUR, DAY: 7 * DAY}
 """How far back an unset start is, per bucket width."""
 _COUNTS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "failed", "estimated")
@@ -67,15 +71,28 @@ def run_usage(row: Sequence[Any]) -> tuple[float, str, str, int, int, int, int, 
     return (received_at, caller, model, prompt, completion, cached, int(status != "completed"), int(estimated))
 
 
-def rollup(runs: Iterable[Sequence[Any]], width: int) -> list[UsageRow]:
-    """``runs`` (``runs`` rows) summed per (bucket start, caller, model), in key order: replicas upserting
-    the same keys take their row locks in one order (two orders deadlock in PostgreSQL)."""
+def rollup(runs: Sequence[Sequence[Any]]) -> list[tuple[str, list[UsageRow]]]:
+    """What ``runs`` (``runs`` rows) add to each table of :data:`TABLES`: (table, rows summed per bucket start,
+    caller and model, in key order: replicas upserting the same keys take their row locks in one order, as
+    two orders deadlock in PostgreSQL)."""
+    usages = [run_usage(run) for run in runs]
+    return [(table, _summed(usages, width)) for table, width in TABLES]
+
+
+def _summed(usages: list[tuple[float, str, str, int, int, int, int, int]], width: int) -> list[UsageRow]:
     sums: dict[tuple[int, str, str], list[int]] = {}
-    for received_at, caller, model, *counts in map(run_usage, runs):
+    for received_at, caller, model, prompt, completion, cached, failed, estimated in usages:
         key = (int(received_at // width) * width, caller, model)
-        total = sums.setdefault(key, [0] * len(_COUNTS))
-        for n, count in enumerate((1, *counts)):
-            total[n] += count
+        total = sums.get(key)
+        if total is None:
+            sums[key] = [1, prompt, completion, cached, failed, estimated]
+            continue
+        total[0] += 1
+        total[1] += prompt
+        total[2] += completion
+        total[3] += cached
+        total[4] += failed
+        total[5] += estimated
     return [(*key, *total) for key, total in sorted(sums.items())]  # type: ignore[misc] # 9 fields by construction
 
 
@@ -103,38 +120,45 @@ def select(request: pb.UsageList, mark: Callable[[int], str], now: float | None 
         if value := getattr(request, column):
             params.append(value)
             where.append(f"{column} = {mark(len(params))}")
+    params.append(MAX_ENTRIES + 1)
+    limit, found = f"LIMIT {mark(len(params))}", " AND ".join(where)
+    if request.by_caller and request.by_model:  # the table's own rows, in its key's order: nothing to sum
+        sql = f"SELECT {', '.join(_COLUMNS)} FROM {table} WHERE {found} ORDER BY start, caller, model {limit}"  # noqa: S608
+        return sql, params
     caller = "caller" if request.by_caller else "''"
     model = "model" if request.by_model else "''"
     groups = ", ".join(["start"] + [c for c, by in (("caller", request.by_caller), ("model", request.by_model)) if by])
     sums = ", ".join(f"sum({column})" for column in _COUNTS)
-    params.append(MAX_ENTRIES + 1)
     sql = (
-        f"SELECT start, {caller}, {model}, {sums} FROM {table} WHERE {' AND '.join(where)} "  # noqa: S608 - fixed names
-        f"GROUP BY {groups} ORDER BY {groups} LIMIT {mark(len(params))}"
+        f"SELECT start, {caller}, {model}, {sums} FROM {table} WHERE {found} "  # noqa: S608 - fixed names
+        f"GROUP BY {groups} ORDER BY {groups} {limit}"
     )
     return sql, params
 
 
-def listed(rows: Sequence[Sequence[Any]]) -> pb.UsageListed:
+def listed(rows: Sequence[Any]) -> pb.UsageListed:
     """The answer from :func:`select`'s rows; ValueError when they are more than :data:`MAX_ENTRIES`."""
-    if len(rows) > MAX_ENTRIES:
+    size = sum(len(row[1].encode()) + len(row[2].encode()) + 64 for row in rows)
+    if len(rows) > MAX_ENTRIES or size > MAX_BYTES:
+        what = f"more than {MAX_ENTRIES} rows" if len(rows) > MAX_ENTRIES else f"{len(rows)} rows of long names"
         raise ValueError(
-            f"more than {MAX_ENTRIES} rows of usage: ask for a shorter window, days instead of hours,"
-            " or fewer groups (by caller, by model)"
+            f"{what} of usage: ask for a shorter window, days instead of hours, or fewer groups (by caller, by model)"
         )
     answer = pb.UsageListed()
-    entries = answer.entries
-    for start, caller, model, *counts in rows:
-        requests, prompt, completion, cached, failed, estimated = (int(count) for count in counts)
-        entry = entries.add(
-            caller=caller,
-            model=model,
-            requests=requests,
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-            cached_tokens=cached,
-            failed=failed,
-            estimated=estimated,
-        )
-        entry.start.seconds = int(start)
+    add = answer.entries.add
+    for start, caller, model, requests, prompt, completion, cached, failed, estimated in rows:
+        # Field by field, the zeros left out: a third faster than add(**fields) (a month by hour is 28,800 rows).
+        entry = add()
+        entry.start.seconds = start
+        if caller:
+            entry.caller = caller
+        if model:
+            entry.model = model
+        entry.requests, entry.prompt_tokens, entry.completion_tokens = int(requests), int(prompt), int(completion)
+        if cached:
+            entry.cached_tokens = int(cached)
+        if failed:
+            entry.failed = int(failed)
+        if estimated:
+            entry.estimated = int(estimated)
     return answer

@@ -47,7 +47,7 @@ from iop_wire.openai.responses import json_bytes
 if TYPE_CHECKING:
     from iop_edge.edge import Edge
 
-__all__ = ["CSP", "PAGES", "Console", "Who", "ask_control_plane", "usage_query"]
+__all__ = ["CSP", "PAGES", "Console", "UsageQuery", "Who", "ask_control_plane", "usage_query", "who"]
 
 PAGES = Path(__file__).with_name("console")
 """The console's files: ``index.html`` and its assets."""
@@ -67,7 +67,7 @@ _ASSET_TYPES = {
 ASK_TIMEOUT = 10.0
 """Seconds the control-plane has to answer one console request."""
 _RUNS_PAGE, _RUNS_MAX = 50, 500
-_HOUR, _DAY = 3600, 86_400
+_DAY = 86_400
 _STATUSES = ("completed", "failed", "cancelled")
 _KEY_FIELDS = frozenset({"name", "admin", "rpm", "tpm", "max_concurrent"})
 
@@ -199,7 +199,7 @@ class Console:
         """Add the pages' and the API's routes to ``app``."""
         for path in ("/console", "/console/"):
             app.add_api_route(path, self.index, methods=["GET"])
-        app.add_api_route("/console/assets/{name}", self.asset, methods=["GET"])
+        app.add_api_route("/console/assets/{name:path}", self.asset, methods=["GET"])
         api = "/console/api"
         routes: list[tuple[str, Callable[..., Awaitable[Response]], str]] = [
             ("/me", self.me, "GET"),
@@ -451,7 +451,8 @@ class Console:
             caller.require_admin()
             http = self.edge.settings.http
             data = parse.parse_body(await read_body(request, http.max_body_bytes, http.body_timeout))
-            parse.known_fields(data, _KEY_FIELDS)
+            for unknown in data.keys() - _KEY_FIELDS:
+                raise ApiError(400, f"unknown field {unknown[:40]!r}", param=unknown[:40], code="unknown_parameter")
             name = parse.required(data, "name", str, "string")
             try:
                 check_name(name)

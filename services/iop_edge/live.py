@@ -144,7 +144,10 @@ class LiveHub:
 
     async def _run(self) -> None:
         while self.watchers:
-            await self.tick()
+            try:
+                await self.tick()
+            except Exception:  # noqa: BLE001 - a bug in one poll must not leave every watcher without pushes
+                _log.exception("console live poll failed: polling on")
             await asyncio.sleep(self.interval)
 
     async def tick(self) -> None:

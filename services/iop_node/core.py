@@ -46,7 +46,18 @@ def _now() -> datetime.datetime:
 class MeteredSink:
     """The adapters' EventSink: forwards to the wire, timing tokens and counting usage."""
 
-    __slots__ = ("_chars", "_last", "_metrics", "_record", "_spec", "_started", "_wire", "completed")
+    __slots__ = (
+        "_chars",
+        "_ids",
+        "_last",
+        "_metrics",
+        "_record",
+        "_spec",
+        "_started",
+        "_untokenized",
+        "_wire",
+        "completed",
+    )
 
     def __init__(self, wire: WireSink, spec: ExecutionSpec, record: RunRecord, metrics: ModelMetrics) -> None:
         self._wire, self._spec, self._record = wire, spec, record
@@ -54,10 +65,15 @@ class MeteredSink:
         self._started = time.monotonic()
         self._last = 0.0
         self._chars = 0
+        self._ids = 0
+        """Token ids the deltas carried."""
+        self._untokenized = False
+        """Whether some delta with text carried no token ids (then the ids do not count the output)."""
         self.completed = False
 
     async def delta(self, text: str) -> None:
         self._tick(len(text))
+        self._untokenized = self._untokenized or bool(text)
         try:
             await self._wire.delta(text)
         except UnicodeEncodeError as exc:  # a lone surrogate, e.g. half an emoji from a JSON backend
@@ -67,6 +83,8 @@ class MeteredSink:
 
     async def output(self, delta: pb.RunDelta) -> None:
         self._tick(len(delta.text))
+        self._ids += len(delta.token_ids)
+        self._untokenized = self._untokenized or (bool(delta.text) and not delta.token_ids)
         await self._wire.output(delta)
 
     def _tick(self, chars: int) -> None:
@@ -93,11 +111,11 @@ class MeteredSink:
         await self._wire.complete(finish_reason, usage, self._timings(timings))
 
     def estimated_usage(self) -> pb.Usage:
-        """Usage counted on the node: the prompt, and the text streamed so far, at ~4 characters a token."""
+        """Usage counted on the node: the prompt at ~4 characters a token, and the output streamed so far:
+        its token ids when every delta carried them, else its text at ~4 characters a token."""
+        completion = self._ids if self._ids and not self._untokenized else _estimate(self._chars)
         return pb.Usage(
-            prompt_tokens=_estimate(len(self._spec.prompt_text())),
-            completion_tokens=_estimate(self._chars),
-            estimated=True,
+            prompt_tokens=_estimate(len(self._spec.prompt_text())), completion_tokens=completion, estimated=True
         )
 
     def record_unfinished(self) -> None:
@@ -131,6 +149,18 @@ class MeteredSink:
             for field, value in reported.ListFields():
                 getattr(timings, field.name).CopyFrom(value)
         return timings
+
+
+def _used(record: RunRecord) -> pb.Usage:
+    """What a run that ended without completing used, for its terminal error: what it streamed
+    (``MeteredSink.record_unfinished``), or nothing when it never started."""
+    if record.started_at is None:
+        return pb.Usage()
+    return pb.Usage(
+        prompt_tokens=record.prompt_tokens,
+        completion_tokens=record.completion_tokens,
+        estimated=record.usage_estimated,
+    )
 
 
 def _estimate(chars: int) -> int:
@@ -200,16 +230,20 @@ class Node:
             await self._run(request, sink, record)
             record.status = RunStatus.COMPLETED
         except asyncio.CancelledError:
-            self._finish(record, RunStatus.CANCELLED, _CANCELLED, sink.cancel_reason or "cancelled")
+            reason = sink.cancel_reason or "cancelled"
+            self._finish(record, RunStatus.CANCELLED, _CANCELLED, reason)
             if task in self._shutting_down:  # ended by a drain: tell the client to go elsewhere
-                raise IopError(pb.ERROR_CODE_SHUTTING_DOWN, sink.cancel_reason) from None
-            raise
+                raise IopError(pb.ERROR_CODE_SHUTTING_DOWN, sink.cancel_reason, usage=_used(record)) from None
+            # The wire would say CANCELLED too, without what the run used.
+            raise IopError(pb.ERROR_CODE_CANCELLED, reason, usage=_used(record)) from None
         except IopError as exc:
             self._finish(record, RunStatus.FAILED, exc.name, exc.message)
+            if exc.usage is None:
+                exc.usage = _used(record)
             raise
         except Exception as exc:
             _log.exception("run failed unexpectedly", node_id=self.node_id, run_id=request.run_id)
-            internal = IopError(pb.ERROR_CODE_INTERNAL, "internal error in the node")
+            internal = IopError(pb.ERROR_CODE_INTERNAL, "internal error in the node", usage=_used(record))
             self._finish(record, RunStatus.FAILED, internal.name, f"internal error: {type(exc).__name__}")
             raise internal from exc
         finally:

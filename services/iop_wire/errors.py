@@ -65,6 +65,7 @@ class IopError(Exception):
         retry_after: datetime.timedelta | None = None,
         param: str = "",
         reason: Reason = pb.ERROR_REASON_UNSPECIFIED,
+        usage: pb.Usage | None = None,
     ) -> None:
         super().__init__(message)
         self.code: Code = code
@@ -77,6 +78,8 @@ class IopError(Exception):
         """The request field to blame, by its OpenAI name (INVALID_ARGUMENT)."""
         self.reason: Reason = reason
         """Which case of the code (a full queue or a caller's own limit, ...); decide by it, not by the message."""
+        self.usage = usage
+        """A run's terminal error: the tokens it used before it ended, when the sender counted them."""
 
     @property
     def name(self) -> str:
@@ -98,6 +101,7 @@ class IopError(Exception):
             retry_after=retry_after,
             param=error.param,
             reason=error.reason,
+            usage=error.usage if error.HasField("usage") else None,
         )
 
 

@@ -45,6 +45,8 @@ def error_message(error: IopError) -> pb.Error:
     )
     if error.retry_after is not None:
         message.retry_after.FromTimedelta(error.retry_after)
+    if error.usage is not None:
+        message.usage.CopyFrom(error.usage)
     return message
 
 

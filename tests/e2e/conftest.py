@@ -129,7 +129,7 @@ class Stack:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.edge_port}/v1"
 
-    def new_key(self, name: str, **limits: int) -> str:
+    def new_key(self, name: str, **limits: Any) -> str:
         """A new API key (the edge reads the key file about every second: poll before relying on it)."""
         return create_key(self.keys_path, name, **limits)
 

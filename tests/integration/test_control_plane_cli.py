@@ -299,6 +299,32 @@ async def test_the_run_ledger_records_every_run_and_iop_runs_reads_it(
     assert [run["run_id"] for run in await _ledger(cp, "--limit", "2")] == ["moved", "nope"]
 
     await _ledger_text(cp, first, other)
+    await _usage(cp, ok)
+
+
+async def _usage(cp: ControlPlane, ok: dict[str, Any]) -> None:
+    """`iop usage`: the same four runs summed per key and model, as JSON and as a table; a bad --since."""
+    code, out, err = await _iop(cp, "usage", "--json")
+    assert code == 0, err
+    shown = json.loads(out)
+    assert shown["bucket"] == "hour" and (shown["totals"]["requests"], shown["totals"]["failed"]) == (4, 2)
+    keys = [(row["key"], row["model"], row["requests"], row["failed"]) for row in shown["rows"]]
+    assert sorted(keys) == [
+        ("alice", "mock-small", 1, 0),
+        ("edge-1", "mock-slow", 1, 1),
+        ("edge-1", "mock-ttft", 1, 0),
+        ("edge-1", "no-such-model", 1, 1),
+    ]
+    (alice,) = (row for row in shown["rows"] if row["key"] == "alice")
+    assert (alice["prompt_tokens"], alice["completion_tokens"]) == (ok["prompt_tokens"], ok["completion_tokens"])
+    code, out, err = await _iop(cp, "usage", "--key", "alice", "--by", "day", "--since", "2d")
+    assert code == 0, err
+    header, row, total = out.splitlines()
+    assert header.split() == ["START", "KEY", "MODEL", "REQUESTS", "PROMPT", "COMPLETION", "FAILED"]
+    assert row.split()[1:] == ["alice", "mock-small", "1", str(ok["prompt_tokens"]), str(ok["completion_tokens"]), "0"]
+    assert row.split()[0].endswith("T00:00Z") and total.split()[:2] == ["TOTAL", "1"]
+    code, out, err = await _iop(cp, "usage", "--since", "last tuesday")
+    assert (code, out, len(err.splitlines())) == (2, "", 1) and err.startswith("iop usage: --since: cannot read"), err
 
 
 async def _ledger_text(cp: ControlPlane, first: str, other: str) -> None:

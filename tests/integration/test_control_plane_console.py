@@ -46,17 +46,35 @@ async def test_an_edge_reads_usage_overview_runs_and_nodes_but_may_not_operate(p
             )
             assert kinds(done)[-1] == "complete" and kinds(failed)[-1] == "error"
             usage = done[-1].complete.usage
+            assert failed[-1].error.usage.completion_tokens > 0  # the node counts what a failed run streamed
+            slow = await edge.open_run(chat(model="mock-slow", caller=pb.Caller(id="team-c")))
+            assert [kinds([await anext(slow)]) for _ in range(3)] == [["start"], ["delta"], ["delta"]]
+            await slow.cancel("enough")
+            assert kinds(await collect(slow))[-1] == "error"
 
-            team_a, team_b = (await _recorded(edge, 2, by_caller=True, by_model=True)).entries
+            entries = (await _recorded(edge, 3, by_caller=True, by_model=True)).entries
+            team_a, team_b, team_c = entries
             assert (team_a.caller, team_a.model, team_a.failed) == ("team-a", "mock-small", 0)
             assert (team_a.prompt_tokens, team_a.completion_tokens) == (usage.prompt_tokens, usage.completion_tokens)
-            assert (team_b.caller, team_b.requests, team_b.failed) == ("team-b", 1, 1)
+            assert (team_b.caller, team_b.requests, team_b.failed, team_b.estimated) == ("team-b", 1, 1, 1)
+            assert (team_b.prompt_tokens, team_b.completion_tokens) == (
+                failed[-1].error.usage.prompt_tokens,  # the node's estimates: ~4 characters a token
+                failed[-1].error.usage.completion_tokens,
+            )
+            assert team_b.prompt_tokens > 0
+            # Cancelled by its requester: the control-plane stops relaying without waiting for the node's
+            # end, and counts what it relayed (a token per delta) with its own estimate of the prompt.
+            assert (team_c.caller, team_c.requests, team_c.failed, team_c.estimated) == ("team-c", 1, 1, 1)
+            assert team_c.prompt_tokens == 3 and team_c.completion_tokens >= 2  # "hello there": 11 characters
             assert team_a.start.seconds % 3600 == 0
 
             shown = (await edge.request(pb.Envelope(overview_show=pb.OverviewShow()))).overview_shown
-            assert (shown.window_seconds, shown.requests, shown.failed, shown.control_plane) == (60, 2, 1, "cp")
+            assert (shown.window_seconds, shown.requests, shown.failed, shown.control_plane) == (60, 3, 1, "cp")
             assert shown.completion_tokens >= usage.completion_tokens and shown.HasField("ttft_p50")
-            assert [(m.model, m.requests) for m in shown.models] == [("mock-small", 2)]
+            assert [(m.model, m.requests, m.failed) for m in shown.models] == [
+                ("mock-slow", 1, 0),
+                ("mock-small", 2, 1),
+            ]
 
             mine = (await edge.request(pb.Envelope(runs_list=pb.RunsList(caller="team-a")))).runs_listed
             assert [run.caller for run in mine.runs] == ["team-a"]

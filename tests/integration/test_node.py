@@ -222,6 +222,7 @@ async def test_cancel_while_queued_never_starts(settings, pki: Pki, model: str) 
         events = await collect(waiting)
         assert kinds(events) == ["error"]  # no start: it never left the queue
         assert events[0].error.code == pb.ERROR_CODE_CANCELLED
+        assert events[0].error.HasField("usage") and events[0].error.usage == pb.Usage()  # it used nothing
         assert app.node.admissions[model].queued == 0
         record = await _record(app, "waiting")
         assert record.status is RunStatus.CANCELLED and record.error_message == "changed my mind"
@@ -402,6 +403,12 @@ async def test_failed_and_cancelled_runs_record_the_tokens_they_streamed(setting
             assert record.status is status
             assert (record.prompt_tokens, record.completion_tokens) == (prompt_tokens, (streamed + 3) // 4)
             assert record.completion_tokens >= 3 and record.usage_estimated
+            used = events[-1].error.usage  # and the terminal error says so, for the control-plane's ledger
+            assert (used.prompt_tokens, used.completion_tokens, used.estimated) == (
+                prompt_tokens,
+                (streamed + 3) // 4,
+                True,
+            )
         await connection.close()
 
 

@@ -21,6 +21,9 @@ def _run(service: str, config: Path) -> subprocess.CompletedProcess[str]:
         ("edge", "http: {port: 70000}\n", "http.port"),
         ("edge", "auth: maybe\n", "auth"),
         ("edge", "control_plane: {address: cp.internal}\n", "control_plane.address"),
+        ("edge", "console: {max_watchers: 0}\n", "console.max_watchers"),
+        ("edge", "console: {push_interval: 0}\n", "console.push_interval"),
+        ("edge", "console: {admin_cert: admin.crt}\n", "console"),  # without its admin_key
         ("worker", "batches: {concurrency: 0}\n", "batches.concurrency"),
         ("worker", "store: {url: mysql://db}\n", "store.url"),
         ("worker", "nice: lowest\n", "nice"),

@@ -514,17 +514,19 @@ def test_a_node_config_of_an_older_up_is_named_not_started(tmp_path: Path) -> No
     assert _pids(state) == {}
 
 
-def test_an_edge_config_of_an_older_up_gets_the_worker_appended(state: Path) -> None:
+def test_an_edge_config_of_an_older_up_gets_the_worker_and_console_appended(state: Path) -> None:
     started = _iop("up", "--dir", str(state), "--port", "0")
     assert started.returncode == 0, started.stdout + started.stderr
     assert _iop("down", "--dir", str(state)).returncode == 0
     edge = state / "edge.yaml"
-    older = {key: value for key, value in yaml.safe_load(edge.read_text()).items() if key != "worker"}
+    older = {key: value for key, value in yaml.safe_load(edge.read_text()).items() if key not in ("worker", "console")}
     edge.write_text(yaml.safe_dump(older, sort_keys=False) + "# my notes\n")
     again = _iop("up", "--dir", str(state), "--port", "0")
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"{edge}: added worker" in again.stdout
     config = yaml.safe_load(edge.read_text())
     assert config["worker"]["address"] == f"127.0.0.1:{json.loads((state / 'worker.ready').read_text())['port']}"
+    assert f"{edge}: added console" in again.stdout
+    assert config["console"]["admin_cert"] == str((state / "certs" / "admin.crt").resolve())
     assert "# my notes\n" in edge.read_text()
     assert _iop("status", "--dir", str(state)).returncode == 0

@@ -1,0 +1,465 @@
+"""The console's HTTP API (``/console/api/*``) and OpenAI's usage API, through a real platform.
+
+One stack for the module (control-plane, a node with the mock models, a worker and an edge whose
+``console`` section names the admin certificate), three keys: ``e2e`` and ``team-b`` (plain) and
+``ops`` (admin). Every route is asked by an admin and by a plain key; usage and runs are checked
+against real chat completions sent through the edge; the live stream is read as the page reads it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx2 as httpx
+import pytest
+import yaml
+
+from iop_edge.keys import create_key
+from iop_wire.certs import tls_section
+
+from .conftest import MOCK_ROUTES, Stack, _spawn, running_stack, wait_for
+from .openai_schema import validate
+
+CSP = (
+    "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
+    "connect-src 'self'; frame-ancestors 'none'"
+)
+MAX_WATCHERS = 3
+
+
+@dataclass
+class Console:
+    """The stack and its keys, with a client per key."""
+
+    stack: Stack
+    admin: str
+    other: str
+    """team-b's key (plain, like the stack's own e2e key)."""
+
+    @property
+    def url(self) -> str:
+        return self.stack.base_url.removesuffix("/v1")
+
+    def get(self, path: str, auth: str | None = None, /, **params: Any) -> httpx.Response:
+        """GET ``path`` with the key ``auth`` (default: the stack's e2e key) and the query ``params``."""
+        return httpx.get(self.url + path, params=params, headers=_auth(auth or self.stack.key), timeout=30)
+
+    def post(self, path: str, auth: str | None = None, body: Any = None) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, headers=_auth(auth or self.stack.key), timeout=30)
+
+    def delete(self, path: str, auth: str | None = None) -> httpx.Response:
+        return httpx.delete(self.url + path, headers=_auth(auth or self.stack.key), timeout=30)
+
+    def chat(self, key: str, content: str = "hi") -> dict[str, Any]:
+        body = {"model": "mock-small", "messages": [{"role": "user", "content": content}]}
+        response = httpx.post(self.stack.base_url + "/chat/completions", json=body, headers=_auth(key), timeout=30)
+        assert response.status_code == 200, response.text
+        return response.json()  # type: ignore[no-any-return]
+
+    def watchers(self) -> float:
+        return self.stack.edge_metric("iop_edge_console_watchers")
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+@pytest.fixture(scope="module")
+def console(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Console]:
+    root = tmp_path_factory.mktemp("console") / "stack"
+    admin_tls = tls_section(root / "certs", "admin")  # minted by running_stack before the edge starts
+    settings = {
+        "console": {
+            "admin_cert": admin_tls["cert"],
+            "admin_key": admin_tls["key"],
+            "push_interval": 0.2,
+            "max_watchers": MAX_WATCHERS,
+        }
+    }
+    with running_stack(root, {"node-a": MOCK_ROUTES}, worker={}, edge_settings=settings) as stack:
+        admin = create_key(stack.keys_path, "ops", admin=True)
+        other = create_key(stack.keys_path, "team-b")
+        started = Console(stack, admin, other)
+        wait_for(
+            lambda: started.get("/console/api/me", other).status_code == 200, 10, 0.05, "the edge reading new keys"
+        )
+        yield started
+
+
+# -- pages ------------------------------------------------------------------------------------
+
+
+def test_pages_are_served_with_the_csp_and_need_no_key(console: Console) -> None:
+    for path in ("/console", "/console/"):
+        page = httpx.get(console.url + path, timeout=10)
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert page.headers["content-security-policy"] == CSP
+        assert page.headers["x-content-type-options"] == "nosniff" and page.headers["cache-control"] == "no-cache"
+    for name in ("nothing.js", "..%2Fconsole.py", "sub/app.js", "index.html", ".hidden.css"):
+        missing = httpx.get(f"{console.url}/console/assets/{name}", timeout=10)
+        assert missing.status_code == 404, name
+        assert missing.headers["content-security-policy"] == CSP
+
+
+# -- who am I ---------------------------------------------------------------------------------
+
+
+def test_me_names_the_key_and_its_scope(console: Console) -> None:
+    plain = console.get("/console/api/me").json()
+    assert plain == {"key": "e2e", "admin": False, "auth": "keys", "edge": socket.gethostname()}
+    assert console.get("/console/api/me", console.admin).json()["admin"] is True
+    assert httpx.get(console.url + "/console/api/me", timeout=10).status_code == 401
+    wrong = console.get("/console/api/me", "sk-iop-" + "x" * 43)
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_a_plain_key_gets_403_for_admin_routes_and_others_records(console: Console) -> None:
+    refused = [
+        console.get("/console/api/overview"),
+        console.get("/console/api/nodes"),
+        console.get("/console/api/keys"),
+        console.post("/console/api/keys", body={"name": "mine"}),
+        console.delete("/console/api/keys/team-b"),
+        console.post("/console/api/nodes/node-a/drain"),
+        console.post("/console/api/nodes/node-a/remove"),
+        console.get("/console/api/runs", caller="team-b"),
+        console.get("/console/api/usage", key="team-b"),
+        console.get("/console/api/usage.csv", key="team-b"),
+        console.get("/v1/organization/usage/completions", start_time=0),
+    ]
+    for response in refused:
+        assert response.status_code == 403, (response.request.url, response.text)
+        assert response.json()["error"]["type"]
+
+
+# -- keys -------------------------------------------------------------------------------------
+
+
+def test_keys_are_created_listed_and_revoked_by_an_admin(console: Console) -> None:
+    created = console.post("/console/api/keys", console.admin, {"name": "team-c", "rpm": 60, "max_concurrent": 2})
+    assert created.status_code == 201, created.text
+    body = created.json()
+    secret = body.pop("key")
+    assert secret.startswith("sk-iop-") and body["name"] == "team-c" and body["admin"] is False
+    assert (body["rpm"], body["tpm"], body["max_concurrent"], body["revoked_at"]) == (60, None, 2, None)
+    listed = {key["name"]: key for key in console.get("/console/api/keys", console.admin).json()["keys"]}
+    assert listed["ops"]["admin"] is True and listed["team-c"]["key_id"] == body["key_id"]
+    assert all("key" not in key and "hash" not in key for key in listed.values())
+    wait_for(lambda: console.get("/console/api/me", secret).status_code == 200, 10, 0.05, "the new key working")
+
+    again = console.post("/console/api/keys", console.admin, {"name": "team-c"})
+    assert again.status_code == 409 and again.json()["error"]["param"] == "name"
+    for bad, param in (
+        ({"name": "has space"}, "name"),
+        ({}, "name"),
+        ({"name": "x", "rpm": 0}, "rpm"),
+        ({"name": "x", "tpm": "many"}, "tpm"),
+        ({"name": "x", "max_concurrent": 1.5}, "max_concurrent"),
+        ({"name": "x", "admin": "yes"}, "admin"),
+        ({"name": "x", "colour": "red"}, "colour"),
+    ):
+        refused = console.post("/console/api/keys", console.admin, bad)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (bad, refused.text)
+
+    revoked = console.delete("/console/api/keys/team-c", console.admin)
+    assert revoked.status_code == 200 and revoked.json() == {"name": "team-c", "revoked": True}
+    assert console.delete("/console/api/keys/team-c", console.admin).status_code == 404
+    wait_for(lambda: console.get("/console/api/me", secret).status_code == 401, 10, 0.05, "the revoked key refused")
+
+
+# -- nodes ------------------------------------------------------------------------------------
+
+
+def test_nodes_are_drained_and_undrained_over_the_admin_certificate(console: Console) -> None:
+    drained = console.post("/console/api/nodes/node-a/drain", console.admin, {"reason": "maintenance"})
+    try:
+        assert drained.status_code == 200, drained.text
+        assert "node-a" in drained.json()["message"]
+    finally:
+        undrained = console.post("/console/api/nodes/node-a/undrain", console.admin)
+    assert undrained.status_code == 200, undrained.text
+    unknown = console.post("/console/api/nodes/no-such-node/drain", console.admin)
+    assert unknown.status_code == 404, unknown.text
+    assert console.post("/console/api/nodes/node-a/reboot", console.admin).status_code == 404
+    bad = console.post("/console/api/nodes/node-a/drain", console.admin, {"reason": 5})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "reason"
+
+
+def test_without_keys_anonymous_is_admin_and_without_the_admin_certificate_node_actions_are_503(
+    console: Console,
+) -> None:
+    stack = console.stack
+    config = yaml.safe_load((stack.root / "edge.yaml").read_text())
+    config.pop("console")
+    config["http"]["port"] = 0
+    config["auth"] = "none"
+    (stack.root / "edge-plain.yaml").write_text(yaml.safe_dump(config))
+    edge = _spawn(stack.root, "edge-plain", "edge", stack.root / "edge-plain.yaml")
+    try:
+        url = f"http://127.0.0.1:{edge.wait_ready()['port']}/console/api"
+        me = httpx.get(url + "/me", timeout=10).json()
+        assert (me["key"], me["admin"], me["auth"]) == ("anonymous", True, "none")
+        answer = httpx.post(url + "/nodes/node-a/drain", timeout=10)
+        assert answer.status_code == 503 and answer.json()["error"]["param"] == "console.admin_cert", answer.text
+        assert "console.admin_key" in answer.json()["error"]["message"]
+        batches = httpx.get(url + "/batches", timeout=10)  # every caller's: the admin connection too
+        assert batches.status_code == 503 and batches.json()["error"]["param"] == "console.admin_cert"
+        keys = httpx.get(url + "/keys", timeout=10)
+        assert keys.status_code == 503 and keys.json()["error"]["param"] == "auth"
+    finally:
+        edge.stop()
+
+
+def test_nodes_and_overview_for_an_admin(console: Console) -> None:
+    console.chat(console.stack.key)
+    nodes = console.get("/console/api/nodes", console.admin)
+    assert nodes.status_code == 200, nodes.text
+    [node] = nodes.json()["nodes"]
+    assert node["id"] == "node-a" and node["state"] == "ready"
+    assert {model["id"] for model in node["models"]} == {route["model"] for route in MOCK_ROUTES}
+    assert node["heartbeat_age_s"] is not None and node["heartbeat_age_s"] < 30
+    overview = console.get("/console/api/overview", console.admin)
+    assert overview.status_code == 200, overview.text
+    body = overview.json()
+    assert body["nodes"] == {"ready": 1, "draining": 0, "unavailable": 0, "total": 1}
+    assert body["window_seconds"] == 60 and body["control_plane"]
+    assert body["requests_per_s"] > 0 and body["ttft_p50_ms"] is not None
+    assert any(model["id"] == "mock-small" and model["nodes"] == 1 for model in body["models"])
+
+
+# -- runs and usage ---------------------------------------------------------------------------
+
+
+def test_runs_are_paged_newest_first_and_scoped_to_the_key(console: Console) -> None:
+    key = create_key(console.stack.keys_path, "pager")
+    wait_for(lambda: console.get("/console/api/me", key).status_code == 200, 10, 0.05, "the new key")
+    ids = [console.chat(key, f"run {n}")["id"] for n in range(5)]
+    runs = wait_for(
+        lambda: len(got := console.get("/console/api/runs", key).json().get("runs", [])) == 5 and got,
+        10,
+        0.1,
+        "the ledger's five runs",
+    )
+    assert all(run["caller"] == "pager" and run["status"] == "completed" for run in runs)
+    received = [run["received_at"] for run in runs]
+    assert received == sorted(received, reverse=True)
+    assert runs[0]["attempts"][0]["node"] == "node-a" and runs[0]["finish_reason"] in ("stop", "length")
+
+    seen: list[str] = []
+    query: dict[str, Any] = {"caller": "pager", "limit": 2}
+    pages = 0
+    while True:
+        page = console.get("/console/api/runs", console.admin, **query).json()
+        seen += [run["id"] for run in page["runs"]]
+        pages += 1
+        if not page["more"]:
+            assert page["next_before"] is None
+            break
+        query["before"] = page["next_before"]
+    assert pages == 3 and seen == [run["id"] for run in runs] and len(set(ids)) == 5
+
+    for bad, param in (({"limit": 0}, "limit"), ({"limit": 501}, "limit"), ({"status": "odd"}, "status")):
+        refused = console.get("/console/api/runs", key, **bad)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+    refused = console.get("/console/api/runs", key, before="yesterday")
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "before"
+
+
+def _tokens(answers: list[dict[str, Any]]) -> tuple[int, int]:
+    return sum(a["usage"]["prompt_tokens"] for a in answers), sum(a["usage"]["completion_tokens"] for a in answers)
+
+
+def test_usage_by_hour_and_day_matches_the_chat_completions(console: Console) -> None:
+    key = create_key(console.stack.keys_path, "counted")
+    wait_for(lambda: console.get("/console/api/me", key).status_code == 200, 10, 0.05, "the new key")
+    answers = [console.chat(key, "count me " * n) for n in range(1, 4)]
+    prompt, completion = _tokens(answers)
+
+    def counted(bucket: str) -> dict[str, Any] | None:
+        usage = console.get("/console/api/usage", key, bucket=bucket).json()
+        return usage if usage.get("totals", {}).get("requests") == 3 else None
+
+    for bucket in ("hour", "day"):
+        usage = wait_for(functools.partial(counted, bucket), 10, 0.1, f"usage by {bucket}")
+        assert usage["bucket"] == bucket and usage["start"] < usage["end"]
+        assert usage["totals"]["prompt_tokens"] == prompt and usage["totals"]["completion_tokens"] == completion
+        [row] = usage["rows"]
+        assert (row["key"], row["model"], row["requests"], row["failed"]) == ("counted", "mock-small", 3, 0)
+        width = 3600 if bucket == "hour" else 86_400
+        assert row["start"] % width == 0
+
+    everyone = console.get("/console/api/usage", console.admin, group="key").json()
+    assert {"counted", "e2e"} <= {row["key"] for row in everyone["rows"]}
+    assert all(row["model"] is None for row in everyone["rows"])
+    mine = console.get("/console/api/usage", console.admin, key="counted", group="model").json()
+    assert mine["totals"]["completion_tokens"] == completion
+
+    csv = console.get("/console/api/usage.csv", key, bucket="day")
+    assert csv.status_code == 200 and csv.headers["content-type"].startswith("text/csv")
+    assert csv.headers["content-disposition"].startswith('attachment; filename="iop-usage-day-')
+    header, *lines = csv.text.splitlines()
+    assert header == "start,key,model,requests,prompt_tokens,completion_tokens,cached_tokens,failed"
+    [line] = lines
+    start, name, model, requests, prompt_csv, completion_csv, _, failed = line.split(",")
+    assert start.endswith("T00:00:00Z") and (name, model, requests, failed) == ("counted", "mock-small", "3", "0")
+    assert (int(prompt_csv), int(completion_csv)) == (prompt, completion)
+
+    for bad, param in (
+        ({"bucket": "week"}, "bucket"),
+        ({"start": "soon"}, "start"),
+        ({"end": "-1"}, "end"),
+        ({"group": "key,colour"}, "group"),
+        ({"start": "2000", "end": "1000"}, "start"),
+    ):
+        refused = console.get("/console/api/usage", key, **bad)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, bad
+
+
+def test_openai_usage_api_follows_the_spec_and_pages(console: Console) -> None:
+    key = create_key(console.stack.keys_path, "openai-usage")
+    wait_for(lambda: console.get("/console/api/me", key).status_code == 200, 10, 0.05, "the new key")
+    answers = [console.chat(key) for _ in range(2)]
+    prompt, completion = _tokens(answers)
+    now = int(time.time())
+    path = "/v1/organization/usage/completions"
+    query = {"start_time": now - 5 * 3600, "bucket_width": "1h", "group_by": ["api_key_id", "model"], "limit": 3}
+
+    def mine(page: dict[str, Any]) -> list[dict[str, Any]]:
+        return [r for bucket in page["data"] for r in bucket["results"] if r["api_key_id"] == "openai-usage"]
+
+    pages: list[dict[str, Any]] = []
+    while True:
+        response = console.get(path, console.admin, **query)
+        assert response.status_code == 200, response.text
+        page = response.json()
+        validate("UsageResponse", page)
+        for bucket in page["data"]:
+            for result in bucket["results"]:
+                validate("UsageCompletionsResult", result)
+        pages.append(page)
+        if not page["has_more"]:
+            break
+        query["page"] = page["next_page"]
+    assert [len(page["data"]) for page in pages] == [3, 3]  # hours now-5h .. now: six buckets
+    starts = [bucket["start_time"] for page in pages for bucket in page["data"]]
+    assert starts == list(range(starts[0], starts[0] + 6 * 3600, 3600))
+
+    def counted() -> list[dict[str, Any]] | None:
+        page = console.get(path, console.admin, start_time=now - 60, bucket_width="1d", group_by="api_key_id").json()
+        results = mine(page)
+        return results if sum(r["num_model_requests"] for r in results) == 2 else None
+
+    results = wait_for(counted, 10, 0.1, "the usage API counting the chats")
+    assert sum(r["input_tokens"] for r in results) == prompt and sum(r["output_tokens"] for r in results) == completion
+
+    for bad, param in (
+        ({"start_time": now, "bucket_width": "1m"}, "bucket_width"),
+        ({}, "start_time"),
+        ({"start_time": "yesterday"}, "start_time"),
+        ({"start_time": now, "group_by": "project"}, "group_by"),
+        ({"start_time": now, "limit": 500}, "limit"),
+        ({"start_time": now, "page": "elsewhere"}, "page"),
+    ):
+        refused = console.get(path, console.admin, **bad)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (bad, refused.text)
+
+
+# -- batches and files ------------------------------------------------------------------------
+
+
+def _batch(console: Console, key: str) -> tuple[str, str]:
+    client = console.stack.client(key)
+    body = {"model": "mock-slow", "messages": [{"role": "user", "content": "hi"}]}
+    line = {"custom_id": "1", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    uploaded = client.files.create(file=("in.jsonl", json.dumps(line).encode() + b"\n"), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    return batch.id, uploaded.id
+
+
+def test_batches_and_files_are_scoped_and_an_admin_sees_every_callers(console: Console) -> None:
+    mine, my_file = _batch(console, console.stack.key)
+    theirs, _ = _batch(console, console.other)
+
+    own = console.get("/console/api/batches").json()
+    assert mine in {b["id"] for b in own["data"]} and theirs not in {b["id"] for b in own["data"]}
+    assert all(batch["owner"] == "e2e" for batch in own["data"])
+    every = console.get("/console/api/batches", console.admin, limit=100).json()
+    assert {mine, theirs} <= {batch["id"] for batch in every["data"]}
+
+    assert console.post(f"/console/api/batches/{theirs}/cancel").status_code == 404
+    assert console.get(f"/console/api/files/{my_file}/content", console.other).status_code == 404
+    content = console.get(f"/console/api/files/{my_file}/content")
+    assert content.status_code == 200 and json.loads(content.text)["custom_id"] == "1"
+    assert console.get(f"/console/api/files/{my_file}/content", console.admin).text == content.text
+
+    cancelled = console.post(f"/console/api/batches/{theirs}/cancel", console.admin)
+    assert cancelled.status_code == 200 and cancelled.json()["status"] in ("cancelling", "cancelled")
+    assert console.post(f"/console/api/batches/{mine}/cancel").json()["id"] == mine
+
+
+# -- live -------------------------------------------------------------------------------------
+
+
+def _events(console: Console, key: str, wanted: set[str], limit: float = 15.0) -> dict[str, Any]:
+    """The first event of each ``wanted`` kind on a live stream read as the page reads it."""
+    found: dict[str, Any] = {}
+    deadline = time.monotonic() + limit
+    with httpx.stream("GET", console.url + "/console/api/live", headers=_auth(key), timeout=limit) as stream:
+        assert stream.status_code == 200 and stream.headers["content-type"].startswith("text/event-stream")
+        event = ""
+        for line in stream.iter_lines():
+            if line.startswith("event: "):
+                event = line.removeprefix("event: ")
+            elif line.startswith("data: ") and event in wanted:
+                found.setdefault(event, json.loads(line.removeprefix("data: ")))
+            if wanted <= found.keys() or time.monotonic() > deadline:
+                break
+    assert wanted <= found.keys(), f"got only {sorted(found)}"
+    return found
+
+
+def test_live_stream_pushes_overview_and_nodes_to_admins_and_usage_to_others(console: Console) -> None:
+    wait_for(lambda: console.watchers() == 0, 10, 0.05, "no live stream left open")
+    admin = _events(console, console.admin, {"overview", "nodes"})
+    assert admin["overview"]["nodes"]["total"] == 1 and admin["nodes"]["nodes"][0]["id"] == "node-a"
+    console.chat(console.other)
+    plain = _events(console, console.other, {"usage"})
+    assert plain["usage"]["bucket"] == "day" and all(row["key"] == "team-b" for row in plain["usage"]["rows"])
+
+
+def test_a_watcher_that_never_reads_does_not_hold_the_others_and_the_limit_is_429(console: Console) -> None:
+    wait_for(lambda: console.watchers() == 0, 10, 0.05, "no live stream left open")
+    port = console.stack.edge_port
+    stalled = socket.create_connection(("127.0.0.1", port))
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    request = f"GET /console/api/live HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {console.admin}\r\n\r\n"
+    stalled.sendall(request.encode())  # and never reads
+    try:
+        wait_for(lambda: console.watchers() == 1, 10, 0.05, "the stalled watcher counted")
+        for _ in range(3):  # the stream of a reader keeps flowing beside it
+            assert _events(console, console.admin, {"overview"})["overview"]["nodes"]["total"] == 1
+        refused_before = console.stack.edge_metric("iop_edge_console_watchers_refused_total")
+        with (
+            httpx.stream("GET", console.url + "/console/api/live", headers=_auth(console.admin), timeout=10) as one,
+            httpx.stream("GET", console.url + "/console/api/live", headers=_auth(console.other), timeout=10) as two,
+        ):
+            assert one.status_code == two.status_code == 200
+            over = console.get("/console/api/live", console.admin)
+            assert over.status_code == 429 and "console.max_watchers" in over.json()["error"]["message"]
+        assert console.stack.edge_metric("iop_edge_console_watchers_refused_total") == refused_before + 1
+    finally:
+        stalled.close()
+    wait_for(lambda: console.watchers() == 0, 10, 0.05, "every live stream closed")
+
+
+def test_console_requests_are_counted_by_route_and_status(console: Console) -> None:
+    console.get("/console/api/me")
+    console.get("/console/api/overview")
+    assert console.stack.edge_metric('iop_edge_requests_total{model="",route="console.me",status="200"}') >= 1
+    assert console.stack.edge_metric('iop_edge_requests_total{model="",route="console.overview",status="403"}') >= 1

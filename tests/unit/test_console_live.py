@@ -1,0 +1,152 @@
+"""The console's live hub (one poll per tick for every watcher, bounded watchers and queues) and its views."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from iop_edge.live import QUEUED, STALL_TICKS, LiveHub, Snapshot
+from iop_edge.metrics import EdgeMetrics
+from iop_edge.views import grouped, usage_csv
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire.openai.errors import ApiError
+
+
+class _Polls:
+    """Counts the polls; each answers a numbered admin event and a usage event per caller."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    async def __call__(self, admins: bool, others: bool) -> Snapshot:
+        self.count += 1
+        number = self.count
+        return Snapshot(
+            admin=b"event: overview\ndata: %d\n\n" % number if admins else None,
+            usage=(lambda caller: f"event: usage\ndata: {caller} {number}\n\n".encode()) if others else None,
+        )
+
+
+def _hub(polls: _Polls, metrics: EdgeMetrics, *, max_watchers: int = 8) -> LiveHub:
+    return LiveHub(polls, interval=3600, max_watchers=max_watchers, metrics=metrics)  # ticks driven by the test
+
+
+def _value(metrics: EdgeMetrics, name: str) -> float:
+    value = metrics.registry.get_sample_value(name)
+    assert value is not None
+    return value
+
+
+async def test_one_poll_feeds_every_watcher_each_its_own_events() -> None:
+    polls, metrics = _Polls(), EdgeMetrics()
+    hub = _hub(polls, metrics)
+    admin, alice, bob = hub.join("ops", admin=True), hub.join("alice", admin=False), hub.join("bob", admin=False)
+    await hub.aclose()  # the poller the first watcher started, before its first tick: the test ticks
+    await hub.tick()
+    assert polls.count == 1  # one poll for three watchers
+    assert list(admin.queue) == [b"event: overview\ndata: 1\n\n"]
+    assert list(alice.queue) == [b"event: usage\ndata: alice 1\n\n"]
+    assert list(bob.queue) == [b"event: usage\ndata: bob 1\n\n"]
+    assert _value(metrics, "iop_edge_console_watchers") == 3
+    for watcher in (admin, alice, bob):
+        hub.leave(watcher)
+    assert _value(metrics, "iop_edge_console_watchers") == 0
+
+
+async def test_the_poller_runs_while_someone_watches_and_stops_after_the_last() -> None:
+    polls, metrics = _Polls(), EdgeMetrics()
+    hub = LiveHub(polls, interval=0.01, max_watchers=4, metrics=metrics)
+    watcher = hub.join("ops", admin=True)
+    taken = [message async for message in _take(watcher.messages(), 3)]
+    assert len(taken) == 3 and polls.count >= 3
+    hub.leave(watcher)
+    await asyncio.sleep(0.05)
+    stopped_at = polls.count
+    await asyncio.sleep(0.05)
+    assert polls.count == stopped_at  # no watcher, no polls
+    await hub.aclose()
+
+
+async def _take(messages: AsyncIterator[bytes], count: int) -> AsyncIterator[bytes]:
+    async for message in messages:
+        yield message
+        count -= 1
+        if not count:
+            return
+
+
+async def test_a_watcher_that_never_reads_keeps_the_latest_and_is_dropped() -> None:
+    polls, metrics = _Polls(), EdgeMetrics()
+    hub = _hub(polls, metrics)
+    stalled, reader = hub.join("ops", admin=True), hub.join("alice", admin=False)
+    await hub.aclose()
+    for _ in range(QUEUED + STALL_TICKS):
+        await hub.tick()
+        assert len(stalled.queue) <= QUEUED  # bounded: the oldest goes
+        reader.queue.clear()  # the reader keeps up
+        assert not reader.dropped.is_set()
+    assert stalled.dropped.is_set() and stalled not in hub.watchers
+    assert _value(metrics, "iop_edge_console_watchers_dropped_total") == 1
+    assert reader in hub.watchers
+    await hub.tick()
+    assert reader.queue[-1].endswith(b"alice %d\n\n" % polls.count)  # the others are fed on
+
+
+async def test_past_max_watchers_a_watcher_is_refused_429_and_counted() -> None:
+    polls, metrics = _Polls(), EdgeMetrics()
+    hub = _hub(polls, metrics, max_watchers=2)
+    hub.join("a", admin=True)
+    hub.join("b", admin=False)
+    with pytest.raises(ApiError) as refused:
+        hub.join("c", admin=True)
+    assert refused.value.status == 429 and "console.max_watchers" in refused.value.message
+    assert _value(metrics, "iop_edge_console_watchers_refused_total") == 1
+    await hub.aclose()
+
+
+async def test_without_an_answer_a_watcher_gets_a_comment_line() -> None:
+    metrics = EdgeMetrics()
+
+    async def away(admins: bool, others: bool) -> Snapshot:
+        return Snapshot(trouble="control-plane: not reachable")
+
+    hub = LiveHub(away, interval=3600, max_watchers=2, metrics=metrics)
+    watcher = hub.join("ops", admin=True)
+    await hub.aclose()
+    await hub.tick()
+    assert watcher.queue[-1] == b": control-plane: not reachable\n\n"
+
+
+def _entry(start: int, caller: str, model: str, counts: tuple[int, int, int]) -> pb.UsageEntry:
+    requests, prompt, completion = counts
+    entry = pb.UsageEntry(caller=caller, model=model, requests=requests, prompt_tokens=prompt)
+    entry.completion_tokens = completion
+    entry.start.FromSeconds(start)
+    return entry
+
+
+def test_usage_rows_are_grouped_filtered_and_written_as_csv() -> None:
+    entries = [
+        _entry(3600, "a", "m1", (1, 10, 5)),
+        _entry(3600, "a", "m2", (2, 20, 6)),
+        _entry(3600, "b", "m1", (3, 30, 7)),
+        _entry(7200, "a", "m1", (4, 40, 8)),
+    ]
+    rows, totals = grouped(entries, by_key=True, by_model=False)
+    assert [(r["start"], r["key"], r["model"], r["requests"]) for r in rows] == [
+        (3600.0, "a", None, 3),
+        (3600.0, "b", None, 3),
+        (7200.0, "a", None, 4),
+    ]
+    assert totals["prompt_tokens"] == 100 and totals["completion_tokens"] == 26
+    rows, totals = grouped(entries, by_key=False, by_model=True, keys=frozenset({"a"}))
+    assert [(r["model"], r["requests"]) for r in rows] == [("m1", 1), ("m2", 2), ("m1", 4)]
+    assert totals["requests"] == 7
+    assert usage_csv(rows).splitlines() == [
+        "start,key,model,requests,prompt_tokens,completion_tokens,cached_tokens,failed",
+        "1970-01-01T01:00:00Z,,m1,1,10,5,0,0",
+        "1970-01-01T01:00:00Z,,m2,2,20,6,0,0",
+        "1970-01-01T02:00:00Z,,m1,4,40,8,0,0",
+    ]

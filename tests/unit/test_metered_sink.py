@@ -1,0 +1,45 @@
+"""What a node counts for a run that ends without completing (its terminal error's usage): the output's
+token ids when every delta carried them, else its text at ~4 characters a token."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_node.core import MeteredSink
+from iop_node.domain import ExecutionSpec, RunRecord, RunStatus
+from iop_node.metrics import NodeMetrics
+
+
+class _Wire:
+    """The wire's sink, keeping nothing."""
+
+    async def output(self, delta: pb.RunDelta) -> None:
+        pass
+
+    async def delta(self, text: str) -> None:
+        pass
+
+
+def _sink() -> MeteredSink:
+    request = pb.RunRequest(model="m", prompt=["x" * 40])  # 10 tokens at ~4 characters a token
+    spec = ExecutionSpec(request, "mock", "m", pb.RUN_KIND_COMPLETION, pb.Sampling(), {})
+    record = RunRecord(run_id="r", node_id="n", model="m", status=RunStatus.RUNNING)
+    record.received_at = record.started_at = datetime.datetime.now(datetime.UTC)
+    wire: Any = _Wire()
+    return MeteredSink(wire, spec, record, NodeMetrics().model("m"))
+
+
+async def test_token_ids_count_the_output_when_every_delta_carries_them() -> None:
+    sink = _sink()
+    await sink.output(pb.RunDelta(text="a long word", token_ids=[1, 2]))
+    await sink.output(pb.RunDelta(text="another", token_ids=[3]))
+    assert sink.estimated_usage() == pb.Usage(prompt_tokens=10, completion_tokens=3, estimated=True)
+
+
+async def test_text_counts_the_output_when_a_delta_has_no_ids() -> None:
+    sink = _sink()
+    await sink.output(pb.RunDelta(text="a long word", token_ids=[1, 2]))
+    await sink.delta("another")  # 18 characters in all
+    assert sink.estimated_usage() == pb.Usage(prompt_tokens=10, completion_tokens=5, estimated=True)
