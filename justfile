@@ -115,4 +115,5 @@ bench:
     python tests/bench/usage_bench.py
     python tests/bench/fleet_bench.py
     python tests/bench/fairness_bench.py
+    python tests/bench/console_bench.py
     python tests/bench/prefix_bench.py
