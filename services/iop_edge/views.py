@@ -207,11 +207,22 @@ def _iso(start: float) -> str:
     return datetime.datetime.fromtimestamp(start, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _cell(text: str) -> str:
+    """``text`` safe in a spreadsheet: a leading ``'`` when it would start a formula (key and model
+    names are a caller's choice; ``=HYPERLINK(...)`` must stay text when the CSV is opened)."""
+    return "'" + text if text.startswith(_FORMULA_STARTS) else text
+
+
 def usage_csv(rows: Sequence[dict[str, Any]]) -> str:
-    """The usage rows as CSV: a header line, then one line per row (start as ISO 8601 UTC)."""
+    """The usage rows as CSV: a header line, then one line per row (start as ISO 8601 UTC); a name
+    that would start a spreadsheet formula (= + - @ tab CR) gets a leading ``'``."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(CSV_COLUMNS)
     for row in rows:
-        writer.writerow([_iso(row["start"]), row["key"] or "", row["model"] or "", *(row[name] for name in _COUNTS)])
+        cells = [_iso(row["start"]), _cell(row["key"] or ""), _cell(row["model"] or "")]
+        writer.writerow([*cells, *(row[name] for name in _COUNTS)])
     return out.getvalue()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import csv
+import io
 from collections.abc import AsyncIterator
 
 import pytest
@@ -150,3 +152,27 @@ def test_usage_rows_are_grouped_filtered_and_written_as_csv() -> None:
         "1970-01-01T01:00:00Z,,m2,2,20,6,0,0",
         "1970-01-01T02:00:00Z,,m1,4,40,8,0,0",
     ]
+
+
+def test_usage_csv_keeps_names_that_look_like_formulas_as_text() -> None:
+    rows, _ = grouped(
+        [
+            _entry(3600, '=HYPERLINK("http://evil","x")', "+cmd", (1, 1, 1)),
+            _entry(3600, "@sum", "-2", (1, 1, 1)),
+            _entry(3600, "\tkey", "\tmodel", (1, 1, 1)),
+            _entry(3600, "plain", "mock-small", (1, 1, 1)),
+        ],
+        by_key=True,
+        by_model=True,
+    )
+    parsed = [row[1:3] for row in csv.reader(io.StringIO(usage_csv(rows), newline=""))][1:]
+    assert sorted(parsed) == sorted(
+        [
+            ['\'=HYPERLINK("http://evil","x")', "'+cmd"],
+            ["'@sum", "'-2"],
+            ["'\tkey", "'\tmodel"],
+            ["plain", "mock-small"],
+        ]
+    )
+    carriage = usage_csv([{**rows[0], "key": "\rkey", "model": None}])
+    assert "'\rkey" in carriage.split("\n")[1]
