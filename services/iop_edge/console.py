@@ -191,7 +191,11 @@ class Console:
         self.worker = Worker(edge.worker)
         console = edge.settings.console
         self.hub = LiveHub(
-            self._poll, interval=console.push_interval, max_watchers=console.max_watchers, metrics=edge.metrics
+            self._poll,
+            interval=console.push_interval,
+            max_watchers=console.max_watchers,
+            max_per_key=console.max_watchers_per_key,
+            metrics=edge.metrics,
         )
         self._etags: dict[Path, tuple[float, str]] = {}
 
@@ -395,13 +399,26 @@ class Console:
         """GET /console/api/live: the server-sent events of :mod:`iop_edge.live`."""
         try:
             caller = who(self.edge, request)
-            watcher = self.hub.join(caller.name, admin=caller.admin)
+            watcher = self.hub.join(caller.name, admin=caller.admin, recheck=self._recheck(request))
         except ApiError as error:
             response = error_response(error)
             self.edge.metrics.requests.labels("console.live", "", str(response.status_code)).inc()
             return response
         self.edge.metrics.requests.labels("console.live", "", "200").inc()
         return LiveStream(self.hub, watcher)
+
+    def _recheck(self, request: Request) -> Callable[[], bool | None] | None:
+        """The live stream's key looked up again (admin now, or None once revoked); None with keys off."""
+        keys = self.edge.keys
+        if keys is None:
+            return None
+        token = request.headers.get("authorization", "").partition(" ")[2].strip()
+
+        def recheck() -> bool | None:
+            key = keys.authenticate(token)
+            return None if key is None else key.admin
+
+        return recheck
 
     async def _poll(self, admins: bool, others: bool) -> Snapshot:
         """One poll for the live stream: overview and nodes for admins, today's usage for the others."""

@@ -8,8 +8,10 @@ against real chat completions sent through the edge; the live stream is read as 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -20,7 +22,7 @@ import httpx2 as httpx
 import pytest
 import yaml
 
-from iop_edge.keys import create_key
+from iop_edge.keys import create_key, revoke_key
 from iop_wire.certs import tls_section
 
 from .conftest import MOCK_ROUTES, Stack, _spawn, running_stack, wait_for
@@ -30,7 +32,8 @@ CSP = (
     "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
     "connect-src 'self'; frame-ancestors 'none'"
 )
-MAX_WATCHERS = 3
+MAX_WATCHERS = 6
+PER_KEY = 4
 
 
 @dataclass
@@ -446,12 +449,11 @@ def test_a_watcher_that_never_reads_does_not_hold_the_others_and_the_limit_is_42
         for _ in range(3):  # the stream of a reader keeps flowing beside it
             assert _events(console, console.admin, {"overview"})["overview"]["nodes"]["total"] == 1
         refused_before = console.stack.edge_metric("iop_edge_console_watchers_refused_total")
-        with (
-            httpx.stream("GET", console.url + "/console/api/live", headers=_auth(console.admin), timeout=10) as one,
-            httpx.stream("GET", console.url + "/console/api/live", headers=_auth(console.other), timeout=10) as two,
-        ):
-            assert one.status_code == two.status_code == 200
-            over = console.get("/console/api/live", console.admin)
+        with contextlib.ExitStack() as streams:
+            for key in (console.admin, console.admin, console.other, console.other, console.stack.key):
+                opened = streams.enter_context(_stream(console, key))
+                assert opened.status_code == 200
+            over = console.get("/console/api/live", console.stack.key)
             assert over.status_code == 429 and "console.max_watchers" in over.json()["error"]["message"]
         assert console.stack.edge_metric("iop_edge_console_watchers_refused_total") == refused_before + 1
     finally:
@@ -464,3 +466,51 @@ def test_console_requests_are_counted_by_route_and_status(console: Console) -> N
     console.get("/console/api/overview")
     assert console.stack.edge_metric('iop_edge_requests_total{model="",route="console.me",status="200"}') >= 1
     assert console.stack.edge_metric('iop_edge_requests_total{model="",route="console.overview",status="403"}') >= 1
+
+
+def _stream(console: Console, key: str) -> contextlib.AbstractContextManager[httpx.Response]:
+    return httpx.stream("GET", console.url + "/console/api/live", headers=_auth(key), timeout=10)
+
+
+def test_a_key_holds_at_most_max_watchers_per_key_streams(console: Console) -> None:
+    wait_for(lambda: console.watchers() == 0, 10, 0.05, "no live stream left open")
+    refused_before = console.stack.edge_metric("iop_edge_console_watchers_refused_total")
+    with contextlib.ExitStack() as streams:
+        for _ in range(PER_KEY):
+            assert streams.enter_context(_stream(console, console.other)).status_code == 200
+        over = console.get("/console/api/live", console.other)
+        assert over.status_code == 429 and "console.max_watchers_per_key" in over.json()["error"]["message"]
+        assert streams.enter_context(_stream(console, console.admin)).status_code == 200  # another key still may
+    assert console.stack.edge_metric("iop_edge_console_watchers_refused_total") == refused_before + 1
+    wait_for(lambda: console.watchers() == 0, 10, 0.05, "every live stream closed")
+
+
+def test_a_revoked_keys_live_stream_ends(console: Console) -> None:
+    key = create_key(console.stack.keys_path, "short-lived")
+    wait_for(lambda: console.get("/console/api/me", key).status_code == 200, 10, 0.05, "the new key")
+    with _stream(console, key) as stream:
+        lines = stream.iter_lines()
+        assert next(lines) == ": live"
+        assert revoke_key(console.stack.keys_path, "short-lived")
+        deadline, ended = time.monotonic() + 10, True
+        for _ in lines:  # ends once the edge re-reads its keys and ticks
+            if time.monotonic() > deadline:
+                ended = False
+                break
+    assert ended, "the revoked key's stream went on"
+    assert console.get("/console/api/me", key).status_code == 401
+
+
+def test_stopping_the_edge_ends_its_live_streams_first(console: Console) -> None:
+    """Last in the module: the edge is stopped (SIGTERM) with a stream open, then started again."""
+    edge = console.stack.edge
+    assert edge is not None
+    with _stream(console, console.admin) as stream:
+        lines = stream.iter_lines()
+        assert next(lines) == ": live"
+        edge.popen.send_signal(signal.SIGTERM)
+        edge.popen.wait(timeout=3)  # before the 5 s graceful shutdown's cut: the stream did not hold it
+        rest = list(lines)
+    assert edge.popen.returncode == 0 and "ASGI callable returned without completing" not in edge.log.read_text()
+    assert all(not line.startswith("event: error") for line in rest)
+    edge.restart()

@@ -176,3 +176,45 @@ def test_usage_csv_keeps_names_that_look_like_formulas_as_text() -> None:
     )
     carriage = usage_csv([{**rows[0], "key": "\rkey", "model": None}])
     assert "'\rkey" in carriage.split("\n")[1]
+
+
+async def test_a_revoked_keys_stream_ends_at_the_next_tick_and_a_changed_scope_is_followed() -> None:
+    polls, metrics = _Polls(), EdgeMetrics()
+    hub = _hub(polls, metrics)
+    keys = {"alice": False, "bob": False}
+    alice = hub.join("alice", admin=False, recheck=lambda: keys.get("alice"))
+    bob = hub.join("bob", admin=False, recheck=lambda: keys.get("bob"))
+    await hub.aclose()
+    await hub.tick()
+    assert not alice.dropped.is_set() and alice.queue[-1].startswith(b"event: usage")
+    del keys["alice"]  # revoked
+    keys["bob"] = True  # made an admin
+    await hub.tick()
+    assert alice.dropped.is_set() and alice not in hub.watchers
+    assert bob.admin and bob.queue[-1].startswith(b"event: overview")
+    assert _value(metrics, "iop_edge_console_watchers") == 1
+
+
+async def test_one_key_may_hold_only_max_per_key_streams() -> None:
+    polls, metrics = _Polls(), EdgeMetrics()
+    hub = LiveHub(polls, interval=3600, max_watchers=8, max_per_key=2, metrics=metrics)
+    hub.join("alice", admin=False)
+    hub.join("alice", admin=False)
+    with pytest.raises(ApiError) as refused:
+        hub.join("alice", admin=False)
+    assert refused.value.status == 429 and "console.max_watchers_per_key" in refused.value.message
+    assert _value(metrics, "iop_edge_console_watchers_refused_total") == 1
+    hub.join("bob", admin=False)  # another key still gets one
+    await hub.aclose()
+
+
+async def test_end_all_ends_every_stream_and_takes_no_more() -> None:
+    polls, metrics = _Polls(), EdgeMetrics()
+    hub = _hub(polls, metrics)
+    watchers = [hub.join("ops", admin=True), hub.join("alice", admin=False)]
+    hub.end_all()
+    assert all(watcher.dropped.is_set() for watcher in watchers) and not hub.watchers
+    with pytest.raises(ApiError) as refused:
+        hub.join("ops", admin=True)
+    assert refused.value.status == 503
+    await hub.aclose()
