@@ -174,6 +174,10 @@ def test_keys_are_created_listed_and_revoked_by_an_admin(console: Console) -> No
     assert revoked.status_code == 200 and revoked.json() == {"name": "team-c", "revoked": True}
     assert console.delete("/console/api/keys/team-c", console.admin).status_code == 404
     wait_for(lambda: console.get("/console/api/me", secret).status_code == 401, 10, 0.05, "the revoked key refused")
+    reused = console.post("/console/api/keys", console.admin, {"name": "team-c"})  # would inherit its records
+    assert reused.status_code == 409 and "was used by a revoked key" in reused.json()["error"]["message"]
+    reserved = console.post("/console/api/keys", console.admin, {"name": "anonymous"})
+    assert reserved.status_code == 400 and reserved.json()["error"]["param"] == "name"
 
 
 # -- nodes ------------------------------------------------------------------------------------
