@@ -84,12 +84,12 @@ def test_create_refuses_a_name_used_before_even_revoked_and_the_reserved_one(tmp
         create_key(path, "alice")
     assert revoke_key(path, "alice")
     assert not revoke_key(path, "alice")
-    with pytest.raises(ValueError, match="^key name 'alice' was used by a revoked key; pick another") as caught:
+    with pytest.raises(ValueError, match=r"^key name 'alice' was used by a revoked key; pick another") as caught:
         create_key(path, "alice", rpm=3)  # it would inherit the old key's runs, usage and files
     assert "\n" not in str(caught.value)
     [info] = list_keys(path)
     assert info.revoked_at is not None and info.rpm is None
-    with pytest.raises(ValueError, match="^key name 'anonymous' is reserved"):
+    with pytest.raises(ValueError, match=r"^key name 'anonymous' is reserved"):
         create_key(path, "anonymous")
 
 
