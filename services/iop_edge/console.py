@@ -16,10 +16,11 @@ The live stream is :mod:`iop_edge.live`'s; the JSON shapes are :mod:`iop_edge.vi
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,7 @@ from iop_edge.access import ANONYMOUS, JSON, authenticate, error_response, read_
 from iop_edge.admin import AdminLinks
 from iop_edge.batches import batch_object
 from iop_edge.files import file_chunks, page_limit, read_file
+from iop_edge.key_storage import STORE_ERRORS
 from iop_edge.keys import ApiKey, check_limits, check_name, digest, new_secret
 from iop_edge.live import LiveHub, LiveStream, Snapshot, sse_event
 from iop_edge.views import grouped, nodes_view, overview_view, run_view, usage_csv
@@ -67,6 +69,12 @@ _ASSET_TYPES = {
 ASK_TIMEOUT = 10.0
 """Seconds the control-plane has to answer one console request."""
 _RUNS_PAGE, _RUNS_MAX = 50, 500
+_NUMBER_CHARS = 40
+"""Longest number a query parameter may hold (``int`` refuses 4,300 digits; a time needs 20)."""
+_NANOS_FROM = 10**11
+"""A whole ``before`` this large is nanoseconds (as seconds it would be past the year 5000)."""
+_INT32_MAX = 2**31 - 1
+"""The largest key limit (the stores' integer columns)."""
 _DAY = 86_400
 _STATUSES = ("completed", "failed", "cancelled")
 _KEY_FIELDS = frozenset({"name", "admin", "rpm", "tpm", "max_concurrent"})
@@ -117,16 +125,28 @@ async def ask_control_plane(connection: Connection, envelope: pb.Envelope, answe
 
 
 def _time(value: str | None, param: str) -> float | None:
-    """A unix-seconds query parameter; 400 naming it when it is not a number."""
+    """A unix-seconds query parameter; 400 naming it when it is not a number (ASCII only: ``float``
+    also reads other scripts' digits)."""
     if value is None or value == "":
         return None
     try:
-        seconds = float(value)
+        seconds = float(value) if value.isascii() and len(value) <= _NUMBER_CHARS else float("nan")
     except ValueError:
         seconds = float("nan")
     if not 0 <= seconds < 1e11:  # also NaN
         raise ApiError(400, f"{param} must be a time in unix seconds, not {value[:40]!r}", param=param)
     return seconds
+
+
+def _before(value: str | None) -> Timestamp | None:
+    """``runs?before=``: the ``next_before`` of a page (an integer of nanoseconds, exact, so the next
+    page starts right after its last run), or unix seconds written by hand."""
+    if value and value.isascii() and value.isdigit() and len(value) <= _NUMBER_CHARS and int(value) >= _NANOS_FROM:
+        stamp = Timestamp()
+        stamp.FromNanoseconds(int(value))
+        return stamp
+    seconds = _time(value, "before")
+    return None if seconds is None else _timestamp(seconds)
 
 
 def _timestamp(seconds: float) -> Timestamp:
@@ -323,7 +343,7 @@ class Console:
             reason = data.get("reason", "") or ""
             if not isinstance(reason, str):
                 raise ApiError(400, "reason must be a string", param="reason")
-            reason = reason or f"from the console by {caller.name}"
+            reason = f"{reason} (console, key {caller.name})" if reason else f"(console, key {caller.name})"
             if action == "drain":
                 envelope = pb.Envelope(nodes_drain=pb.NodesDrain(node_id=node_id, reason=reason))
             elif action == "undrain":
@@ -362,11 +382,11 @@ class Console:
             )
             if (since := _time(query.get("since"), "since")) is not None:
                 listing.since.CopyFrom(_timestamp(since))
-            if (before := _time(query.get("before"), "before")) is not None:
-                listing.before.CopyFrom(_timestamp(before))
+            if (before := _before(query.get("before"))) is not None:
+                listing.before.CopyFrom(before)
             listed = (await self._ask(pb.Envelope(runs_list=listing), "runs_listed")).runs_listed
             shown = [run_view(run) for run in listed.runs]
-            oldest = shown[-1]["received_at"] if shown and listed.more else None
+            oldest = listed.runs[-1].received_at.ToNanoseconds() if shown and listed.more else None
             return {"runs": shown, "more": listed.more, "next_before": oldest}
 
         return await self._serve("runs", request, runs)
@@ -457,7 +477,8 @@ class Console:
 
         async def keys(caller: Who) -> dict[str, Any]:
             caller.require_admin()
-            return {"keys": [_key_view(info) for info in await self._storage().list_keys()]}
+            with _store_away():
+                return {"keys": [_key_view(info) for info in await self._storage().list_keys()]}
 
         return await self._serve("keys.list", request, keys)
 
@@ -482,11 +503,12 @@ class Console:
             check_limits(**limits)  # each is checked above; this is the store's own rule
             secret = new_secret()
             storage = self._storage()
-            try:
-                await storage.create(name, digest(secret), **limits, admin=admin)
-            except ValueError as exc:
-                raise ApiError(409, str(exc), param="name", code="key_exists") from None
-            info = next(info for info in await storage.list_keys() if info.name == name)
+            with _store_away():
+                try:
+                    await storage.create(name, digest(secret), **limits, admin=admin)
+                except ValueError as exc:
+                    raise ApiError(409, str(exc), param="name", code="key_exists") from None
+                info = next(info for info in await storage.list_keys() if info.name == name)
             body = json_bytes({**_key_view(info), "key": secret})
             return Response(body, status_code=201, media_type=JSON)
 
@@ -497,7 +519,9 @@ class Console:
 
         async def revoke(caller: Who) -> dict[str, Any]:
             caller.require_admin()
-            if not await self._storage().revoke(name):
+            with _store_away():
+                revoked = await self._storage().revoke(name)
+            if not revoked:
                 raise ApiError(404, f"no active key {name[:100]!r}", param="name", code="key_not_found")
             return {"name": name, "revoked": True}
 
@@ -551,6 +575,16 @@ class Console:
         return await self._serve("files.content", request, content)
 
 
+@contextlib.contextmanager
+def _store_away() -> Iterator[None]:
+    """A key store that cannot be read or written (its file locked, its server away): 503, not 500."""
+    try:
+        yield
+    except STORE_ERRORS as exc:
+        message = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise ApiError(503, f"the key store cannot be used: {message}; retry", retry_after=1.0) from None
+
+
 def _page_headers() -> dict[str, str]:
     return {"content-security-policy": CSP, "x-content-type-options": "nosniff", "cache-control": "no-cache"}
 
@@ -558,7 +592,7 @@ def _page_headers() -> dict[str, str]:
 def _limit(value: str | None) -> int:
     if value is None or value == "":
         return _RUNS_PAGE
-    if not value.isdigit() or not 1 <= int(value) <= _RUNS_MAX:
+    if not (value.isascii() and value.isdigit() and len(value) <= 3 and 1 <= int(value) <= _RUNS_MAX):
         raise ApiError(400, f"limit must be a whole number from 1 to {_RUNS_MAX}, not {value[:40]!r}", param="limit")
     return int(value)
 
@@ -567,8 +601,9 @@ def _key_limit(data: dict[str, Any], field: str) -> int | None:
     value = data.get(field)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ApiError(400, f"{field} must be a whole number of at least 1, or null", param=field, code="invalid_value")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _INT32_MAX:
+        message = f"{field} must be a whole number from 1 to {_INT32_MAX}, or null"
+        raise ApiError(400, message, param=field, code="invalid_value")
     return value
 
 

@@ -35,6 +35,8 @@ _WIDTHS = {"1h": (3600, pb.USAGE_BUCKET_HOUR, 24, 168), "1d": (86_400, pb.USAGE_
 _GROUPS = ("api_key_id", "model")
 _LATEST = 1e11
 """Past any plausible unix time: a larger start_time or end_time is refused."""
+_DIGITS = 20
+"""Longest integer parameter read (``int`` refuses 4,300 digits)."""
 
 
 def _integer(query: QueryParams, name: str, *, required: bool = False) -> int | None:
@@ -43,7 +45,7 @@ def _integer(query: QueryParams, name: str, *, required: bool = False) -> int | 
         if required:
             raise ApiError(400, f"Missing required parameter: '{name}'.", param=name, code="missing_required_parameter")
         return None
-    if not value.isdigit() or int(value) >= _LATEST:
+    if not (value.isascii() and value.isdigit() and len(value) <= _DIGITS) or int(value) >= _LATEST:
         message = f"Invalid '{name}': expected an integer (unix seconds or a count), got {value[:40]!r}."
         raise ApiError(400, message, param=name, code="invalid_value")
     return int(value)
@@ -76,7 +78,11 @@ class _Question:
         self.first = start - start % self.width
         page = query.get("page")
         if page:
-            if not page.isdigit() or int(page) % self.width or not self.first <= int(page) < self.end:
+            if (
+                not (page.isascii() and page.isdigit() and len(page) <= _DIGITS)
+                or int(page) % self.width
+                or not self.first <= int(page) < self.end
+            ):
                 raise ApiError(400, f"Invalid 'page': {page[:40]!r} is not a cursor of this query.", param="page")
             self.first = int(page)
         groups = [*query.getlist("group_by"), *query.getlist("group_by[]")]

@@ -132,7 +132,7 @@ def run_view(run: pb.LedgerRun) -> dict[str, Any]:
     """One run of ``GET /console/api/runs``, as the ledger recorded it."""
     error = None
     if run.error_code or run.error_message:
-        code = pb.ErrorCode.Name(run.error_code).removeprefix("ERROR_CODE_").lower()
+        code = _error_code(run.error_code)
         error = {"code": code, "message": run.error_message}
     usage = run.usage
     return {
@@ -165,6 +165,15 @@ def run_view(run: pb.LedgerRun) -> dict[str, Any]:
             for attempt in run.attempts
         ],
     }
+
+
+def _error_code(number: pb.ErrorCode.ValueType) -> str:
+    """An error code's name (``ERROR_CODE_OVERLOADED``: ``overloaded``); its number as text when
+    this edge does not know it (a newer control-plane's)."""
+    try:
+        return pb.ErrorCode.Name(number).removeprefix("ERROR_CODE_").lower()
+    except ValueError:
+        return str(number)
 
 
 @dataclass(slots=True)

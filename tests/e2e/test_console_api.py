@@ -13,6 +13,7 @@ import functools
 import json
 import signal
 import socket
+import sqlite3
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -166,6 +167,8 @@ def test_keys_are_created_listed_and_revoked_by_an_admin(console: Console) -> No
         ({"name": "x", "max_concurrent": 1.5}, "max_concurrent"),
         ({"name": "x", "admin": "yes"}, "admin"),
         ({"name": "x", "colour": "red"}, "colour"),
+        ({"name": "x", "rpm": 2**31}, "rpm"),  # past the stores' integer columns
+        ({"name": "x", "tpm": 10**30}, "tpm"),
     ):
         refused = console.post("/console/api/keys", console.admin, bad)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (bad, refused.text)
@@ -188,6 +191,8 @@ def test_nodes_are_drained_and_undrained_over_the_admin_certificate(console: Con
     try:
         assert drained.status_code == 200, drained.text
         assert "node-a" in drained.json()["message"]
+        [node] = console.get("/console/api/nodes", console.admin).json()["nodes"]
+        assert node["reason"] == "maintenance (console, key ops)"  # who did it, even with a reason given
     finally:
         undrained = console.post("/console/api/nodes/node-a/undrain", console.admin)
     assert undrained.status_code == 200, undrained.text
@@ -271,7 +276,30 @@ def test_runs_are_paged_newest_first_and_scoped_to_the_key(console: Console) -> 
         query["before"] = page["next_before"]
     assert pages == 3 and seen == [run["id"] for run in runs] and len(set(ids)) == 5
 
-    for bad, param in (({"limit": 0}, "limit"), ({"limit": 501}, "limit"), ({"status": "odd"}, "status")):
+    one_by_one: list[str] = []
+    query = {"caller": "pager", "limit": 1}
+    while True:  # next_before is exact (integer nanoseconds): no page repeats its boundary run
+        page = console.get("/console/api/runs", key, **query).json()
+        one_by_one += [run["id"] for run in page["runs"]]
+        if not page["more"]:
+            break
+        assert isinstance(page["next_before"], int)
+        query["before"] = page["next_before"]
+        assert len(one_by_one) <= 5, one_by_one
+    assert one_by_one == seen
+    by_hand = console.get("/console/api/runs", key, before=f"{runs[0]['received_at'] + 1:.6f}").json()
+    assert [run["id"] for run in by_hand["runs"]] == seen  # unix seconds, written by hand
+
+    for bad, param in (
+        ({"limit": 0}, "limit"),
+        ({"limit": 501}, "limit"),
+        ({"limit": "\u00b2"}, "limit"),  # a digit to str.isdigit, not to int
+        ({"limit": "\u0663"}, "limit"),  # ARABIC-INDIC DIGIT THREE
+        ({"limit": "9" * 5000}, "limit"),
+        ({"before": "\u0661\u0662"}, "before"),
+        ({"since": "9" * 5000}, "since"),
+        ({"status": "odd"}, "status"),
+    ):
         refused = console.get("/console/api/runs", key, **bad)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param
     refused = console.get("/console/api/runs", key, before="yesterday")
@@ -365,13 +393,18 @@ def test_openai_usage_api_follows_the_spec_and_pages(console: Console) -> None:
     results = wait_for(counted, 10, 0.1, "the usage API counting the chats")
     assert sum(r["input_tokens"] for r in results) == prompt and sum(r["output_tokens"] for r in results) == completion
 
+    hour_ago = now - 3600  # an end_time (now, by default) after it, however fast the test runs
     for bad, param in (
-        ({"start_time": now, "bucket_width": "1m"}, "bucket_width"),
+        ({"start_time": hour_ago, "bucket_width": "1m"}, "bucket_width"),
         ({}, "start_time"),
         ({"start_time": "yesterday"}, "start_time"),
-        ({"start_time": now, "group_by": "project"}, "group_by"),
-        ({"start_time": now, "limit": 500}, "limit"),
-        ({"start_time": now, "page": "elsewhere"}, "page"),
+        ({"start_time": hour_ago, "group_by": "project"}, "group_by"),
+        ({"start_time": hour_ago, "limit": 500}, "limit"),
+        ({"start_time": hour_ago, "page": "elsewhere"}, "page"),
+        ({"start_time": "\u0661\u0662"}, "start_time"),  # digits to str.isdigit, not unix seconds
+        ({"start_time": hour_ago, "limit": "\u00b2"}, "limit"),
+        ({"start_time": "9" * 5000}, "start_time"),
+        ({"start_time": hour_ago, "page": "\u00b3"}, "page"),
     ):
         refused = console.get(path, console.admin, **bad)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (bad, refused.text)
@@ -518,3 +551,15 @@ def test_stopping_the_edge_ends_its_live_streams_first(console: Console) -> None
     assert edge.popen.returncode == 0 and "ASGI callable returned without completing" not in edge.log.read_text()
     assert all(not line.startswith("event: error") for line in rest)
     edge.restart()
+
+
+def test_a_key_store_that_cannot_be_written_is_503_not_500(console: Console) -> None:
+    holder = sqlite3.connect(console.stack.keys_path, timeout=0)
+    try:
+        holder.execute("BEGIN EXCLUSIVE")  # writers wait the store's busy timeout (5 s), then fail
+        refused = console.post("/console/api/keys", console.admin, {"name": "locked-out"})
+    finally:
+        holder.rollback()
+        holder.close()
+    assert refused.status_code == 503 and "key store" in refused.json()["error"]["message"], refused.text
+    assert refused.headers["retry-after"]

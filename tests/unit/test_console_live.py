@@ -11,7 +11,7 @@ import pytest
 
 from iop_edge.live import QUEUED, STALL_TICKS, LiveHub, Snapshot
 from iop_edge.metrics import EdgeMetrics
-from iop_edge.views import grouped, usage_csv
+from iop_edge.views import grouped, run_view, usage_csv
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.openai.errors import ApiError
 
@@ -218,3 +218,11 @@ async def test_end_all_ends_every_stream_and_takes_no_more() -> None:
         hub.join("ops", admin=True)
     assert refused.value.status == 503
     await hub.aclose()
+
+
+def test_a_run_with_an_error_code_this_edge_does_not_know_shows_its_number() -> None:
+    run = pb.LedgerRun(run_id="run-1", status="failed", error_message="from a newer control-plane")
+    run.error_code = 9999  # type: ignore[assignment]
+    assert run_view(run)["error"] == {"code": "9999", "message": "from a newer control-plane"}
+    run.error_code = pb.ERROR_CODE_MODEL_NOT_FOUND
+    assert run_view(run)["error"]["code"] == "model_not_found"
