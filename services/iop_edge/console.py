@@ -49,7 +49,7 @@ from iop_wire.openai.responses import json_bytes
 if TYPE_CHECKING:
     from iop_edge.edge import Edge
 
-__all__ = ["CSP", "PAGES", "Console", "UsageQuery", "Who", "ask_control_plane", "usage_query", "who"]
+__all__ = ["CSP", "PAGES", "USAGE_SPANS", "Console", "UsageQuery", "Who", "ask_control_plane", "usage_query", "who"]
 
 PAGES = Path(__file__).with_name("console")
 """The console's files: ``index.html`` and its assets."""
@@ -76,6 +76,8 @@ _NANOS_FROM = 10**11
 _INT32_MAX = 2**31 - 1
 """The largest key limit (the stores' integer columns)."""
 _DAY = 86_400
+USAGE_SPANS = {"hour": 31 * _DAY + 3600, "day": 400 * _DAY}
+"""The longest range of one usage question, by bucket (a month of hours, a bit more than a year of days)."""
 _STATUSES = ("completed", "failed", "cancelled")
 _KEY_FIELDS = frozenset({"name", "admin", "rpm", "tpm", "max_concurrent"})
 
@@ -172,13 +174,13 @@ class UsageQuery:
     by_model: bool
 
     def envelope(self) -> pb.Envelope:
-        """usage.list asking for every caller and model (the edge groups and filters them)."""
+        """usage.list for this question: the control-plane filters and groups (the edge only shapes)."""
         listing = pb.UsageList(
             bucket=pb.USAGE_BUCKET_DAY if self.bucket == "day" else pb.USAGE_BUCKET_HOUR,
             caller=self.key,
             model=self.model,
-            by_caller=True,
-            by_model=True,
+            by_caller=self.by_key,
+            by_model=self.by_model,
         )
         listing.start.CopyFrom(_timestamp(self.start))
         listing.end.CopyFrom(_timestamp(self.end))
@@ -196,6 +198,10 @@ def usage_query(query: Any, caller: Who, now: float) -> UsageQuery:
         start = end - (_DAY if bucket == "hour" else 7 * _DAY)
     if start >= end:
         raise ApiError(400, "start must be before end", param="start")
+    longest = USAGE_SPANS[bucket]
+    if end - start > longest:
+        message = f"by {bucket}, a range is at most {longest / _DAY:g} days: start must be later"
+        raise ApiError(400, message, param="start")
     groups = [part.strip() for part in (query.get("group") or "key,model").split(",") if part.strip()]
     if any(part not in ("key", "model") for part in groups):
         raise ApiError(400, f"group takes key and model (comma-separated), not {query.get('group')!r}", param="group")
@@ -393,9 +399,8 @@ class Console:
 
     async def _usage(self, request: Request, caller: Who) -> dict[str, Any]:
         question = usage_query(request.query_params, caller, time.time())
-        entries = (await self._ask(question.envelope(), "usage_listed")).usage_listed.entries
-        keys = None if caller.admin else frozenset({caller.name})
-        rows, totals = grouped(entries, by_key=question.by_key, by_model=question.by_model, keys=keys)
+        entries = (await self._ask(question.envelope(), "usage_listed")).usage_listed.entries  # a plain key's own
+        rows, totals = grouped(entries, by_key=question.by_key, by_model=question.by_model)
         return {"bucket": question.bucket, "start": question.start, "end": question.end, "rows": rows, "totals": totals}
 
     async def usage(self, request: Request) -> Response:

@@ -334,6 +334,9 @@ def test_usage_by_hour_and_day_matches_the_chat_completions(console: Console) ->
     assert all(row["model"] is None for row in everyone["rows"])
     mine = console.get("/console/api/usage", console.admin, key="counted", group="model").json()
     assert mine["totals"]["completion_tokens"] == completion
+    assert [(row["key"], row["model"], row["requests"]) for row in mine["rows"]] == [(None, "mock-small", 3)]
+    month = console.get("/console/api/usage", key, start=str(time.time() - 31 * 86_400)).json()
+    assert month["totals"]["requests"] == 3  # the longest range by hour
 
     csv = console.get("/console/api/usage.csv", key, bucket="day")
     assert csv.status_code == 200 and csv.headers["content-type"].startswith("text/csv")
@@ -351,6 +354,8 @@ def test_usage_by_hour_and_day_matches_the_chat_completions(console: Console) ->
         ({"end": "-1"}, "end"),
         ({"group": "key,colour"}, "group"),
         ({"start": "2000", "end": "1000"}, "start"),
+        ({"start": str(time.time() - 32 * 86_400)}, "start"),  # by hour: a month at most
+        ({"bucket": "day", "start": str(time.time() - 401 * 86_400)}, "start"),  # by day: 400 days
     ):
         refused = console.get("/console/api/usage", key, **bad)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, bad
@@ -393,6 +398,17 @@ def test_openai_usage_api_follows_the_spec_and_pages(console: Console) -> None:
     results = wait_for(counted, 10, 0.1, "the usage API counting the chats")
     assert sum(r["input_tokens"] for r in results) == prompt and sum(r["output_tokens"] for r in results) == completion
 
+    def filtered(**params: Any) -> list[dict[str, Any]]:
+        page = console.get(path, console.admin, start_time=now - 60, bucket_width="1d", **params).json()
+        return [result for bucket in page["data"] for result in bucket["results"]]
+
+    [one] = filtered(api_key_ids="openai-usage")  # one key: filtered by the control-plane, summed there
+    assert (one["api_key_id"], one["num_model_requests"], one["output_tokens"]) == (None, 2, completion)
+    several = filtered(api_key_ids=["openai-usage", "nobody"], group_by="api_key_id")
+    assert [(r["api_key_id"], r["num_model_requests"]) for r in several] == [("openai-usage", 2)]
+    [both] = filtered(api_key_ids=["openai-usage", "nobody"], models="mock-small")
+    assert both["num_model_requests"] == 2
+
     hour_ago = now - 3600  # an end_time (now, by default) after it, however fast the test runs
     for bad, param in (
         ({"start_time": hour_ago, "bucket_width": "1m"}, "bucket_width"),
@@ -405,6 +421,11 @@ def test_openai_usage_api_follows_the_spec_and_pages(console: Console) -> None:
         ({"start_time": hour_ago, "limit": "\u00b2"}, "limit"),
         ({"start_time": "9" * 5000}, "start_time"),
         ({"start_time": hour_ago, "page": "\u00b3"}, "page"),
+        ({"start_time": now - 32 * 86_400, "bucket_width": "1h"}, "start_time"),
+        ({"start_time": now - 401 * 86_400}, "start_time"),
+        ({"start_time": hour_ago, "project_ids": "proj_1"}, "project_ids"),
+        ({"start_time": hour_ago, "user_ids[]": "user_1"}, "user_ids"),
+        ({"start_time": hour_ago, "batch": "true"}, "batch"),
     ):
         refused = console.get(path, console.admin, **bad)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (bad, refused.text)
