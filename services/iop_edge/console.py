@@ -16,6 +16,7 @@ The live stream is :mod:`iop_edge.live`'s; the JSON shapes are :mod:`iop_edge.vi
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import socket
@@ -36,7 +37,7 @@ from iop_edge.files import file_chunks, page_limit, read_file
 from iop_edge.key_storage import STORE_ERRORS
 from iop_edge.keys import ApiKey, check_limits, check_name, digest, new_secret
 from iop_edge.live import LiveHub, LiveStream, Snapshot, sse_event
-from iop_edge.views import grouped, nodes_view, overview_view, run_view, usage_csv
+from iop_edge.views import grouped, nodes_view, overview_view, run_view, summed_overview, usage_csv
 from iop_edge.worker import Worker
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import ConnectionClosed, IopError
@@ -322,9 +323,34 @@ class Console:
         return await self._serve("overview", request, overview)
 
     async def _overview(self) -> dict[str, Any]:
-        shown = (await self._ask(pb.Envelope(overview_show=pb.OverviewShow()), "overview_shown")).overview_shown
+        shown, answered = await self._overview_shown()
         nodes = await self._nodes()
-        return overview_view(shown, nodes, time.time())
+        return overview_view(shown, nodes, time.time(), answered)
+
+    async def _overview_shown(self) -> tuple[pb.OverviewShown, list[str]]:
+        """Every control-plane connected asked for its overview at once, the answers summed; and the
+        control-planes that answered (none: the first one's error)."""
+        try:
+            peers = self.edge.upstream.per_peer()
+            if not peers:
+                self.edge.upstream.connection()  # the pool's error: none configured, or none up
+        except IopError as exc:
+            raise from_iop(exc) from None
+        envelope = pb.Envelope(overview_show=pb.OverviewShow())
+        asked = [ask_control_plane(connection, envelope, "overview_shown") for connection in peers.values()]
+        replies = await asyncio.gather(*asked, return_exceptions=True)
+        answers = [reply.overview_shown for reply in replies if isinstance(reply, pb.Envelope)]
+        if not answers:
+            failure = replies[0]
+            if isinstance(failure, ApiError):
+                raise failure
+            raise ApiError(502, f"the control-plane failed: {failure}", code="backend_error")
+        answered = [
+            reply.overview_shown.control_plane or address
+            for address, reply in zip(peers, replies, strict=True)
+            if isinstance(reply, pb.Envelope)
+        ]
+        return summed_overview(answers), answered
 
     async def _nodes(self) -> list[pb.NodeInfo]:
         return list((await self._ask(pb.Envelope(nodes_list=pb.NodesList()), "nodes_listed")).nodes_listed.nodes)
@@ -450,9 +476,9 @@ class Console:
         snapshot, now = Snapshot(), time.time()
         try:
             if admins:
-                shown = (await self._ask(pb.Envelope(overview_show=pb.OverviewShow()), "overview_shown")).overview_shown
+                shown, answered = await self._overview_shown()
                 nodes = await self._nodes()
-                overview = sse_event("overview", overview_view(shown, nodes, now))
+                overview = sse_event("overview", overview_view(shown, nodes, now, answered))
                 snapshot.admin = overview + sse_event("nodes", nodes_view(nodes, now))
             if others:
                 start = _floor(now, _DAY)

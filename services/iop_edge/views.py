@@ -27,6 +27,7 @@ __all__ = [
     "overview_view",
     "run_view",
     "seconds",
+    "summed_overview",
     "usage_csv",
 ]
 
@@ -63,8 +64,57 @@ def _rate(count: int, window: int) -> float:
     return round(count / window, 3) if window else 0.0
 
 
-def overview_view(shown: pb.OverviewShown, nodes: Sequence[pb.NodeInfo], at: float) -> dict[str, Any]:
-    """``GET /console/api/overview``: the control-plane's traffic figures and its nodes' states."""
+def _duration(target: Any, nanoseconds: float | None) -> None:
+    if nanoseconds is not None:
+        target.FromNanoseconds(round(nanoseconds))
+
+
+def _weighted_p50(parts: Sequence[Any]) -> float | None:
+    """The request-weighted mean of the parts' medians (nanoseconds); None when none has one."""
+    weighted: list[tuple[int, int]] = [
+        (int(part.requests), int(part.ttft_p50.ToNanoseconds())) for part in parts if part.HasField("ttft_p50")
+    ]
+    total = sum(requests for requests, _ in weighted)
+    if not weighted:
+        return None
+    if not total:
+        return sum(p50 for _, p50 in weighted) / len(weighted)
+    return sum(requests * p50 for requests, p50 in weighted) / total
+
+
+def summed_overview(answers: Sequence[pb.OverviewShown]) -> pb.OverviewShown:
+    """Several control-planes' overviews as one: counts summed, per model too; the TTFT median the
+    request-weighted mean of theirs and the p95 the largest of theirs (percentiles do not add up:
+    these are estimates, exact with one control-plane); ``control_plane`` names every one."""
+    if len(answers) == 1:
+        return answers[0]
+    total = pb.OverviewShown(
+        window_seconds=max(answer.window_seconds for answer in answers),
+        control_plane=", ".join(answer.control_plane for answer in answers),
+    )
+    for name in ("requests", "failed", "prompt_tokens", "completion_tokens", "queued", "running"):
+        setattr(total, name, sum(getattr(answer, name) for answer in answers))
+    _duration(total.ttft_p50, _weighted_p50(answers))
+    p95s = [answer.ttft_p95.ToNanoseconds() for answer in answers if answer.HasField("ttft_p95")]
+    _duration(total.ttft_p95, max(p95s) if p95s else None)
+    by_model: dict[str, list[pb.ModelTraffic]] = {}
+    for answer in answers:
+        for traffic in answer.models:
+            by_model.setdefault(traffic.model, []).append(traffic)
+    for model in sorted(by_model):
+        parts = by_model[model]
+        traffic = total.models.add(model=model)
+        for name in ("requests", "failed", "completion_tokens", "queued", "running"):
+            setattr(traffic, name, sum(getattr(part, name) for part in parts))
+        _duration(traffic.ttft_p50, _weighted_p50(parts))
+    return total
+
+
+def overview_view(
+    shown: pb.OverviewShown, nodes: Sequence[pb.NodeInfo], at: float, control_planes: Sequence[str] = ()
+) -> dict[str, Any]:
+    """``GET /console/api/overview``: the control-planes' traffic figures (summed, see
+    :func:`summed_overview`), who answered, and the nodes' states."""
     window = shown.window_seconds or 60
     states = dict.fromkeys(("ready", "draining", "unavailable"), 0)
     serving: dict[str, int] = {}
@@ -91,6 +141,7 @@ def overview_view(shown: pb.OverviewShown, nodes: Sequence[pb.NodeInfo], at: flo
         "at": at,
         "window_seconds": window,
         "control_plane": shown.control_plane,
+        "control_planes": list(control_planes) or [shown.control_plane],
         "nodes": {**states, "total": len(nodes)},
         "requests_per_s": _rate(shown.requests, window),
         "completion_tokens_per_s": _rate(shown.completion_tokens, window),

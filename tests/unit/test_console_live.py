@@ -11,7 +11,7 @@ import pytest
 
 from iop_edge.live import QUEUED, STALL_TICKS, LiveHub, Snapshot
 from iop_edge.metrics import EdgeMetrics
-from iop_edge.views import grouped, run_view, usage_csv
+from iop_edge.views import grouped, overview_view, run_view, summed_overview, usage_csv
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.openai.errors import ApiError
 
@@ -226,3 +226,27 @@ def test_a_run_with_an_error_code_this_edge_does_not_know_shows_its_number() -> 
     assert run_view(run)["error"] == {"code": "9999", "message": "from a newer control-plane"}
     run.error_code = pb.ERROR_CODE_MODEL_NOT_FOUND
     assert run_view(run)["error"]["code"] == "model_not_found"
+
+
+def _shown(name: str, requests: int, p50_ms: int, p95_ms: int, queued: int) -> pb.OverviewShown:
+    shown = pb.OverviewShown(window_seconds=60, requests=requests, failed=1, prompt_tokens=10 * requests)
+    shown.completion_tokens, shown.queued, shown.running, shown.control_plane = 5 * requests, queued, 2, name
+    shown.ttft_p50.FromMilliseconds(p50_ms)
+    shown.ttft_p95.FromMilliseconds(p95_ms)
+    traffic = shown.models.add(model="m", requests=requests, failed=1, completion_tokens=5 * requests)
+    traffic.ttft_p50.FromMilliseconds(p50_ms)
+    return shown
+
+
+def test_several_control_planes_overviews_are_summed_and_named() -> None:
+    total = summed_overview([_shown("cp-a", 30, 100, 400, 3), _shown("cp-b", 10, 200, 900, 1)])
+    view = overview_view(total, [], 0.0, ["cp-a", "cp-b"])
+    assert view["control_planes"] == ["cp-a", "cp-b"]
+    assert (total.requests, total.failed, total.prompt_tokens, total.completion_tokens) == (40, 2, 400, 200)
+    assert (view["queued"], view["running"]) == (4, 4)
+    assert view["ttft_p50_ms"] == 125.0  # (30 x 100 + 10 x 200) / 40: weighted by requests
+    assert view["ttft_p95_ms"] == 900.0  # the largest
+    [model] = view["models"]
+    assert (model["requests"], model["failed"], model["completion_tokens"], model["ttft_p50_ms"]) == (40, 2, 200, 125.0)
+    alone = _shown("cp-a", 30, 100, 400, 3)
+    assert summed_overview([alone]) is alone and overview_view(alone, [], 0.0)["control_planes"] == ["cp-a"]
