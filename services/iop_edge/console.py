@@ -16,10 +16,12 @@ The live stream is :mod:`iop_edge.live`'s; the JSON shapes are :mod:`iop_edge.vi
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,9 +34,10 @@ from iop_edge.access import ANONYMOUS, JSON, authenticate, error_response, read_
 from iop_edge.admin import AdminLinks
 from iop_edge.batches import batch_object
 from iop_edge.files import file_chunks, page_limit, read_file
+from iop_edge.key_storage import STORE_ERRORS
 from iop_edge.keys import ApiKey, check_limits, check_name, digest, new_secret
 from iop_edge.live import LiveHub, LiveStream, Snapshot, sse_event
-from iop_edge.views import grouped, nodes_view, overview_view, run_view, usage_csv
+from iop_edge.views import grouped, nodes_view, overview_view, run_view, summed_overview, usage_csv
 from iop_edge.worker import Worker
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import ConnectionClosed, IopError
@@ -47,7 +50,7 @@ from iop_wire.openai.responses import json_bytes
 if TYPE_CHECKING:
     from iop_edge.edge import Edge
 
-__all__ = ["CSP", "PAGES", "Console", "UsageQuery", "Who", "ask_control_plane", "usage_query", "who"]
+__all__ = ["CSP", "PAGES", "USAGE_SPANS", "Console", "UsageQuery", "Who", "ask_control_plane", "usage_query", "who"]
 
 PAGES = Path(__file__).with_name("console")
 """The console's files: ``index.html`` and its assets."""
@@ -67,7 +70,15 @@ _ASSET_TYPES = {
 ASK_TIMEOUT = 10.0
 """Seconds the control-plane has to answer one console request."""
 _RUNS_PAGE, _RUNS_MAX = 50, 500
+_NUMBER_CHARS = 40
+"""Longest number a query parameter may hold (``int`` refuses 4,300 digits; a time needs 20)."""
+_NANOS_FROM = 10**11
+"""A whole ``before`` this large is nanoseconds (as seconds it would be past the year 5000)."""
+_INT32_MAX = 2**31 - 1
+"""The largest key limit (the stores' integer columns)."""
 _DAY = 86_400
+USAGE_SPANS = {"hour": 31 * _DAY + 3600, "day": 400 * _DAY}
+"""The longest range of one usage question, by bucket (a month of hours, a bit more than a year of days)."""
 _STATUSES = ("completed", "failed", "cancelled")
 _KEY_FIELDS = frozenset({"name", "admin", "rpm", "tpm", "max_concurrent"})
 
@@ -117,16 +128,28 @@ async def ask_control_plane(connection: Connection, envelope: pb.Envelope, answe
 
 
 def _time(value: str | None, param: str) -> float | None:
-    """A unix-seconds query parameter; 400 naming it when it is not a number."""
+    """A unix-seconds query parameter; 400 naming it when it is not a number (ASCII only: ``float``
+    also reads other scripts' digits)."""
     if value is None or value == "":
         return None
     try:
-        seconds = float(value)
+        seconds = float(value) if value.isascii() and len(value) <= _NUMBER_CHARS else float("nan")
     except ValueError:
         seconds = float("nan")
     if not 0 <= seconds < 1e11:  # also NaN
         raise ApiError(400, f"{param} must be a time in unix seconds, not {value[:40]!r}", param=param)
     return seconds
+
+
+def _before(value: str | None) -> Timestamp | None:
+    """``runs?before=``: the ``next_before`` of a page (an integer of nanoseconds, exact, so the next
+    page starts right after its last run), or unix seconds written by hand."""
+    if value and value.isascii() and value.isdigit() and len(value) <= _NUMBER_CHARS and int(value) >= _NANOS_FROM:
+        stamp = Timestamp()
+        stamp.FromNanoseconds(int(value))
+        return stamp
+    seconds = _time(value, "before")
+    return None if seconds is None else _timestamp(seconds)
 
 
 def _timestamp(seconds: float) -> Timestamp:
@@ -152,13 +175,13 @@ class UsageQuery:
     by_model: bool
 
     def envelope(self) -> pb.Envelope:
-        """usage.list asking for every caller and model (the edge groups and filters them)."""
+        """usage.list for this question: the control-plane filters and groups (the edge only shapes)."""
         listing = pb.UsageList(
             bucket=pb.USAGE_BUCKET_DAY if self.bucket == "day" else pb.USAGE_BUCKET_HOUR,
             caller=self.key,
             model=self.model,
-            by_caller=True,
-            by_model=True,
+            by_caller=self.by_key,
+            by_model=self.by_model,
         )
         listing.start.CopyFrom(_timestamp(self.start))
         listing.end.CopyFrom(_timestamp(self.end))
@@ -176,6 +199,10 @@ def usage_query(query: Any, caller: Who, now: float) -> UsageQuery:
         start = end - (_DAY if bucket == "hour" else 7 * _DAY)
     if start >= end:
         raise ApiError(400, "start must be before end", param="start")
+    longest = USAGE_SPANS[bucket]
+    if end - start > longest:
+        message = f"by {bucket}, a range is at most {longest / _DAY:g} days: start must be later"
+        raise ApiError(400, message, param="start")
     groups = [part.strip() for part in (query.get("group") or "key,model").split(",") if part.strip()]
     if any(part not in ("key", "model") for part in groups):
         raise ApiError(400, f"group takes key and model (comma-separated), not {query.get('group')!r}", param="group")
@@ -191,7 +218,11 @@ class Console:
         self.worker = Worker(edge.worker)
         console = edge.settings.console
         self.hub = LiveHub(
-            self._poll, interval=console.push_interval, max_watchers=console.max_watchers, metrics=edge.metrics
+            self._poll,
+            interval=console.push_interval,
+            max_watchers=console.max_watchers,
+            max_per_key=console.max_watchers_per_key,
+            metrics=edge.metrics,
         )
         self._etags: dict[Path, tuple[float, str]] = {}
 
@@ -292,9 +323,34 @@ class Console:
         return await self._serve("overview", request, overview)
 
     async def _overview(self) -> dict[str, Any]:
-        shown = (await self._ask(pb.Envelope(overview_show=pb.OverviewShow()), "overview_shown")).overview_shown
+        shown, answered = await self._overview_shown()
         nodes = await self._nodes()
-        return overview_view(shown, nodes, time.time())
+        return overview_view(shown, nodes, time.time(), answered)
+
+    async def _overview_shown(self) -> tuple[pb.OverviewShown, list[str]]:
+        """Every control-plane connected asked for its overview at once, the answers summed; and the
+        control-planes that answered (none: the first one's error)."""
+        try:
+            peers = self.edge.upstream.per_peer()
+            if not peers:
+                self.edge.upstream.connection()  # the pool's error: none configured, or none up
+        except IopError as exc:
+            raise from_iop(exc) from None
+        envelope = pb.Envelope(overview_show=pb.OverviewShow())
+        asked = [ask_control_plane(connection, envelope, "overview_shown") for connection in peers.values()]
+        replies = await asyncio.gather(*asked, return_exceptions=True)
+        answers = [reply.overview_shown for reply in replies if isinstance(reply, pb.Envelope)]
+        if not answers:
+            failure = replies[0]
+            if isinstance(failure, ApiError):
+                raise failure
+            raise ApiError(502, f"the control-plane failed: {failure}", code="backend_error")
+        answered = [
+            reply.overview_shown.control_plane or address
+            for address, reply in zip(peers, replies, strict=True)
+            if isinstance(reply, pb.Envelope)
+        ]
+        return summed_overview(answers), answered
 
     async def _nodes(self) -> list[pb.NodeInfo]:
         return list((await self._ask(pb.Envelope(nodes_list=pb.NodesList()), "nodes_listed")).nodes_listed.nodes)
@@ -319,7 +375,7 @@ class Console:
             reason = data.get("reason", "") or ""
             if not isinstance(reason, str):
                 raise ApiError(400, "reason must be a string", param="reason")
-            reason = reason or f"from the console by {caller.name}"
+            reason = f"{reason} (console, key {caller.name})" if reason else f"(console, key {caller.name})"
             if action == "drain":
                 envelope = pb.Envelope(nodes_drain=pb.NodesDrain(node_id=node_id, reason=reason))
             elif action == "undrain":
@@ -358,20 +414,19 @@ class Console:
             )
             if (since := _time(query.get("since"), "since")) is not None:
                 listing.since.CopyFrom(_timestamp(since))
-            if (before := _time(query.get("before"), "before")) is not None:
-                listing.before.CopyFrom(_timestamp(before))
+            if (before := _before(query.get("before"))) is not None:
+                listing.before.CopyFrom(before)
             listed = (await self._ask(pb.Envelope(runs_list=listing), "runs_listed")).runs_listed
             shown = [run_view(run) for run in listed.runs]
-            oldest = shown[-1]["received_at"] if shown and listed.more else None
+            oldest = listed.runs[-1].received_at.ToNanoseconds() if shown and listed.more else None
             return {"runs": shown, "more": listed.more, "next_before": oldest}
 
         return await self._serve("runs", request, runs)
 
     async def _usage(self, request: Request, caller: Who) -> dict[str, Any]:
         question = usage_query(request.query_params, caller, time.time())
-        entries = (await self._ask(question.envelope(), "usage_listed")).usage_listed.entries
-        keys = None if caller.admin else frozenset({caller.name})
-        rows, totals = grouped(entries, by_key=question.by_key, by_model=question.by_model, keys=keys)
+        entries = (await self._ask(question.envelope(), "usage_listed")).usage_listed.entries  # a plain key's own
+        rows, totals = grouped(entries, by_key=question.by_key, by_model=question.by_model)
         return {"bucket": question.bucket, "start": question.start, "end": question.end, "rows": rows, "totals": totals}
 
     async def usage(self, request: Request) -> Response:
@@ -395,7 +450,7 @@ class Console:
         """GET /console/api/live: the server-sent events of :mod:`iop_edge.live`."""
         try:
             caller = who(self.edge, request)
-            watcher = self.hub.join(caller.name, admin=caller.admin)
+            watcher = self.hub.join(caller.name, admin=caller.admin, recheck=self._recheck(request))
         except ApiError as error:
             response = error_response(error)
             self.edge.metrics.requests.labels("console.live", "", str(response.status_code)).inc()
@@ -403,14 +458,27 @@ class Console:
         self.edge.metrics.requests.labels("console.live", "", "200").inc()
         return LiveStream(self.hub, watcher)
 
+    def _recheck(self, request: Request) -> Callable[[], bool | None] | None:
+        """The live stream's key looked up again (admin now, or None once revoked); None with keys off."""
+        keys = self.edge.keys
+        if keys is None:
+            return None
+        token = request.headers.get("authorization", "").partition(" ")[2].strip()
+
+        def recheck() -> bool | None:
+            key = keys.authenticate(token)
+            return None if key is None else key.admin
+
+        return recheck
+
     async def _poll(self, admins: bool, others: bool) -> Snapshot:
         """One poll for the live stream: overview and nodes for admins, today's usage for the others."""
         snapshot, now = Snapshot(), time.time()
         try:
             if admins:
-                shown = (await self._ask(pb.Envelope(overview_show=pb.OverviewShow()), "overview_shown")).overview_shown
+                shown, answered = await self._overview_shown()
                 nodes = await self._nodes()
-                overview = sse_event("overview", overview_view(shown, nodes, now))
+                overview = sse_event("overview", overview_view(shown, nodes, now, answered))
                 snapshot.admin = overview + sse_event("nodes", nodes_view(nodes, now))
             if others:
                 start = _floor(now, _DAY)
@@ -440,7 +508,8 @@ class Console:
 
         async def keys(caller: Who) -> dict[str, Any]:
             caller.require_admin()
-            return {"keys": [_key_view(info) for info in await self._storage().list_keys()]}
+            with _store_away():
+                return {"keys": [_key_view(info) for info in await self._storage().list_keys()]}
 
         return await self._serve("keys.list", request, keys)
 
@@ -465,11 +534,12 @@ class Console:
             check_limits(**limits)  # each is checked above; this is the store's own rule
             secret = new_secret()
             storage = self._storage()
-            try:
-                await storage.create(name, digest(secret), **limits, admin=admin)
-            except ValueError as exc:
-                raise ApiError(409, str(exc), param="name", code="key_exists") from None
-            info = next(info for info in await storage.list_keys() if info.name == name)
+            with _store_away():
+                try:
+                    await storage.create(name, digest(secret), **limits, admin=admin)
+                except ValueError as exc:
+                    raise ApiError(409, str(exc), param="name", code="key_exists") from None
+                info = next(info for info in await storage.list_keys() if info.name == name)
             body = json_bytes({**_key_view(info), "key": secret})
             return Response(body, status_code=201, media_type=JSON)
 
@@ -480,7 +550,9 @@ class Console:
 
         async def revoke(caller: Who) -> dict[str, Any]:
             caller.require_admin()
-            if not await self._storage().revoke(name):
+            with _store_away():
+                revoked = await self._storage().revoke(name)
+            if not revoked:
                 raise ApiError(404, f"no active key {name[:100]!r}", param="name", code="key_not_found")
             return {"name": name, "revoked": True}
 
@@ -534,6 +606,16 @@ class Console:
         return await self._serve("files.content", request, content)
 
 
+@contextlib.contextmanager
+def _store_away() -> Iterator[None]:
+    """A key store that cannot be read or written (its file locked, its server away): 503, not 500."""
+    try:
+        yield
+    except STORE_ERRORS as exc:
+        message = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise ApiError(503, f"the key store cannot be used: {message}; retry", retry_after=1.0) from None
+
+
 def _page_headers() -> dict[str, str]:
     return {"content-security-policy": CSP, "x-content-type-options": "nosniff", "cache-control": "no-cache"}
 
@@ -541,7 +623,7 @@ def _page_headers() -> dict[str, str]:
 def _limit(value: str | None) -> int:
     if value is None or value == "":
         return _RUNS_PAGE
-    if not value.isdigit() or not 1 <= int(value) <= _RUNS_MAX:
+    if not (value.isascii() and value.isdigit() and len(value) <= 3 and 1 <= int(value) <= _RUNS_MAX):
         raise ApiError(400, f"limit must be a whole number from 1 to {_RUNS_MAX}, not {value[:40]!r}", param="limit")
     return int(value)
 
@@ -550,8 +632,9 @@ def _key_limit(data: dict[str, Any], field: str) -> int | None:
     value = data.get(field)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ApiError(400, f"{field} must be a whole number of at least 1, or null", param=field, code="invalid_value")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _INT32_MAX:
+        message = f"{field} must be a whole number from 1 to {_INT32_MAX}, or null"
+        raise ApiError(400, message, param=field, code="invalid_value")
     return value
 
 

@@ -45,6 +45,7 @@ __all__ = [
     "api_key",
     "check_version",
     "key_info",
+    "name_taken",
     "retry_after",
 ]
 
@@ -92,6 +93,16 @@ class KeyInfo:
     """Requests in progress at once; None: no limit."""
     admin: bool = False
     """An admin key (see ``ApiKey.admin``)."""
+
+
+def name_taken(name: str, *, revoked: bool) -> str:
+    """Why ``name`` cannot be given to a new key (one line): it has a key, or had one."""
+    if revoked:
+        return (
+            f"key name {name!r} was used by a revoked key; pick another name (records are kept by name:"
+            " a new key under it would inherit the old one's runs, usage and files)"
+        )
+    return f"key {name!r} exists; pick another name"
 
 
 def key_info(row: Sequence[Any]) -> KeyInfo:
@@ -181,8 +192,9 @@ class KeyStorage(Protocol):
         max_concurrent: int | None,
         admin: bool = False,
     ) -> None:
-        """Add a key (a revoked key's name is reused), an admin key with ``admin``; ValueError if
-        ``name`` has an active key."""
+        """Add a key, an admin key with ``admin``; ValueError (:func:`name_taken`) if ``name`` was
+        ever used, even by a revoked key: runs, usage and files are recorded by the key's name, so a
+        name taken again would inherit another's records."""
 
     async def revoke(self, name: str) -> bool:
         """Revoke the active key ``name``; whether there was one."""

@@ -25,6 +25,7 @@ from iop_edge.sqlite_keys import SqliteKeyStorage
 from iop_wire.settings import Problem, StartError
 
 __all__ = [
+    "RESERVED_NAMES",
     "SECRET_PREFIX",
     "ApiKey",
     "KeyInfo",
@@ -63,10 +64,17 @@ def new_secret() -> str:
     return SECRET_PREFIX + secrets.token_urlsafe(_SECRET_BYTES)
 
 
+RESERVED_NAMES = frozenset({"anonymous"})
+"""Names no key may take: ``anonymous`` is the caller of every request when keys are off (``auth: none``)."""
+
+
 def check_name(name: str) -> None:
-    """ValueError (one line) for a name that is empty, too long, or has spaces or control characters."""
+    """ValueError (one line) for a name that is empty, too long, has spaces or control characters,
+    or is reserved (:data:`RESERVED_NAMES`)."""
     if not name or len(name) > _MAX_NAME_CHARS or any(ch.isspace() or not ch.isprintable() for ch in name):
         raise ValueError(f"key name {name!r} must be 1-{_MAX_NAME_CHARS} printable characters without spaces")
+    if name in RESERVED_NAMES:
+        raise ValueError(f"key name {name!r} is reserved (the caller of requests with auth: none); pick another")
 
 
 def check_limits(rpm: int | None, tpm: int | None, max_concurrent: int | None) -> None:
@@ -89,8 +97,8 @@ def create_key(
 
     ``admin``: an admin key (the console's platform pages and actions, every caller's records).
 
-    A revoked key's name may be reused: its row is replaced. ValueError (one line) for a bad name,
-    a limit below 1, or a name whose key is active.
+    ValueError (one line) for a bad or reserved name, a limit below 1, or a name used before
+    (even by a revoked key: records are kept by name).
     """
     check_name(name)
     check_limits(rpm, tpm, max_concurrent)

@@ -5,8 +5,11 @@ seconds (overview and nodes while an admin watches; today's usage by caller whil
 does) and offers each watcher its events; the last watcher to leave stops it. So the
 control-plane's load is one poll per edge, whatever the number of watchers.
 
-Bounds: at most ``console.max_watchers`` watchers (more get 429, counted, logged at most once
-a minute). A watcher holds at most :data:`QUEUED` messages; a new one replaces the oldest (the
+Bounds: at most ``console.max_watchers`` watchers, and ``console.max_watchers_per_key`` of one
+key (more get 429, counted, logged at most once a minute). Each tick re-checks every watcher's
+key: a revoked key's stream ends, a key whose admin flag changed gets what it now may see. When
+the edge stops, every stream is ended first (:meth:`LiveHub.end_all`), so the server's graceful
+shutdown does not wait on them. A watcher holds at most :data:`QUEUED` messages; a new one replaces the oldest (the
 latest wins), and a watcher that has taken none for :data:`STALL_TICKS` pushes in a row is
 dropped (its stream closed, counted): a client that stops reading costs a bounded queue for
 a bounded time, and never holds up the others. A tick with nothing for a watcher (the
@@ -72,6 +75,8 @@ class Watcher:
     """Pushes in a row that met a full queue."""
     dropped: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when the hub drops it: its stream is closed, even mid-write."""
+    recheck: Recheck | None = None
+    """Its key looked up again at each tick (None: nothing to re-check, keys are off)."""
 
     def offer(self, message: bytes) -> bool:
         """Queue ``message`` (the oldest goes when full); False once the watcher should be dropped."""
@@ -95,6 +100,8 @@ class Watcher:
                 yield self.queue.popleft()
 
 
+Recheck = Callable[[], bool | None]
+"""A watcher's key looked up again: whether it is an admin now, None once it is revoked."""
 Poll = Callable[[bool, bool], Awaitable[Snapshot]]
 """Asks the control-plane: (admins watch, non-admins watch) -> what to push."""
 
@@ -102,21 +109,32 @@ Poll = Callable[[bool, bool], Awaitable[Snapshot]]
 class LiveHub:
     """The watchers of one edge and the poller that feeds them."""
 
-    def __init__(self, poll: Poll, *, interval: float, max_watchers: int, metrics: EdgeMetrics) -> None:
+    def __init__(
+        self, poll: Poll, *, interval: float, max_watchers: int, metrics: EdgeMetrics, max_per_key: int | None = None
+    ) -> None:
         self._poll, self.interval, self.max_watchers, self.metrics = poll, interval, max_watchers, metrics
+        self.max_per_key = max_watchers if max_per_key is None else max_per_key
         self.watchers: set[Watcher] = set()
+        self.stopping = False
         self._task: asyncio.Task[None] | None = None
         self._refused_logged = 0.0
         self._refused_since = 0
 
-    def join(self, caller: str, *, admin: bool) -> Watcher:
-        """A new watcher; 429 once ``max_watchers`` are open. Starts the poller for the first."""
-        if len(self.watchers) >= self.max_watchers:
+    def join(self, caller: str, *, admin: bool, recheck: Recheck | None = None) -> Watcher:
+        """A new watcher; 429 once ``max_watchers`` are open, or ``max_per_key`` of this caller's;
+        503 while the edge stops. Starts the poller for the first."""
+        if self.stopping:
+            raise ApiError(503, "this edge is stopping; reconnect to another", retry_after=1.0)
+        mine = sum(1 for watcher in self.watchers if watcher.caller == caller)
+        if len(self.watchers) >= self.max_watchers or mine >= self.max_per_key:
             self.metrics.watchers_refused.inc()
-            self._log_refusal()
-            message = f"this edge has {len(self.watchers)} live streams open, its limit (console.max_watchers)"
+            self._log_refusal(caller)
+            if mine >= self.max_per_key:
+                message = f"key {caller!r} has {mine} live streams open, its limit (console.max_watchers_per_key)"
+            else:
+                message = f"this edge has {len(self.watchers)} live streams open, its limit (console.max_watchers)"
             raise ApiError(429, message, code="too_many_requests", retry_after=self.interval * 5)
-        watcher = Watcher(caller, admin)
+        watcher = Watcher(caller, admin, recheck=recheck)
         self.watchers.add(watcher)
         self.metrics.watchers.set(len(self.watchers))
         if self._task is None or self._task.done():
@@ -128,6 +146,14 @@ class LiveHub:
         self.watchers.discard(watcher)
         self.metrics.watchers.set(len(self.watchers))
 
+    def end_all(self) -> None:
+        """End every stream and take no more (the edge is stopping: its graceful shutdown must not
+        wait on streams that never end by themselves)."""
+        self.stopping = True
+        for watcher in list(self.watchers):
+            watcher.dropped.set()
+            self.leave(watcher)
+
     async def aclose(self) -> None:
         """Stop the poller (the edge is stopping)."""
         if self._task is not None:
@@ -135,11 +161,17 @@ class LiveHub:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
-    def _log_refusal(self) -> None:
+    def _log_refusal(self, caller: str) -> None:
         self._refused_since += 1
         now = time.monotonic()
         if now - self._refused_logged >= _LOG_EVERY:
-            _log.warning("console live streams refused", limit=self.max_watchers, refused=self._refused_since)
+            _log.warning(
+                "console live streams refused",
+                limit=self.max_watchers,
+                per_key=self.max_per_key,
+                caller=caller,
+                refused=self._refused_since,
+            )
             self._refused_logged, self._refused_since = now, 0
 
     async def _run(self) -> None:
@@ -151,14 +183,28 @@ class LiveHub:
             await asyncio.sleep(self.interval)
 
     async def tick(self) -> None:
-        """One poll, offered to every watcher; those that stopped reading are dropped."""
-        watchers = list(self.watchers)
+        """One poll, offered to every watcher; those that stopped reading are dropped, those whose
+        key was revoked ended."""
+        watchers = [watcher for watcher in list(self.watchers) if self._still_allowed(watcher)]
         snapshot = await self._poll(any(w.admin for w in watchers), any(not w.admin for w in watchers))
         for watcher in watchers:
             if not watcher.offer(self._message(watcher, snapshot)):
                 self.metrics.watchers_dropped.inc()
                 _log.info("console live stream dropped: its client stopped reading", caller=watcher.caller)
                 self.leave(watcher)
+
+    def _still_allowed(self, watcher: Watcher) -> bool:
+        """Re-check the watcher's key: ended (False) once revoked, its scope updated when changed."""
+        if watcher.recheck is None:
+            return True
+        admin = watcher.recheck()
+        if admin is None:
+            _log.info("console live stream ended: its key was revoked", caller=watcher.caller)
+            watcher.dropped.set()
+            self.leave(watcher)
+            return False
+        watcher.admin = admin
+        return True
 
     @staticmethod
     def _message(watcher: Watcher, snapshot: Snapshot) -> bytes:
@@ -179,6 +225,7 @@ class LiveStream(Response):
         self.status_code = 200
         self.background = None
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
+        self._started = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         tasks = (
@@ -193,10 +240,13 @@ class LiveStream(Response):
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self.hub.leave(self.watcher)
+        if self.watcher.dropped.is_set() and self._started:
+            await _end(send)
 
     async def _send(self, send: Send) -> None:
         with contextlib.suppress(OSError):  # the client went away mid-write
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            self._started = True
             await send({"type": "http.response.body", "body": b": live\n\n", "more_body": True})
             async for message in self.watcher.messages():
                 await send({"type": "http.response.body", "body": message, "more_body": True})
@@ -207,3 +257,11 @@ async def _disconnected(receive: Receive) -> None:
         message = await receive()
         if message["type"] == "http.disconnect":
             return
+
+
+async def _end(send: Send) -> None:
+    """The stream's last chunk, so its client sees it end (not a cut connection); bounded: a client
+    that stopped reading may never take it."""
+    with contextlib.suppress(OSError, RuntimeError, TimeoutError):
+        async with asyncio.timeout(1.0):
+            await send({"type": "http.response.body", "body": b"", "more_body": False})

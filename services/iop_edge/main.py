@@ -4,8 +4,8 @@ uvicorn runs the FastAPI app on uvloop with httptools (HTTP/1.1), on sockets bou
 address of ``http.host``, all on one port) so that a port in use is one line naming it.
 Start-up problems end the process with exit code 2 and one line on stderr naming the setting.
 ``--ready-file PATH`` is written once it serves (JSON: pid, port) and removed when it stops.
-SIGTERM stops taking connections, lets requests in progress finish (uvicorn's graceful
-shutdown), then closes the control-plane and worker connections.
+SIGTERM ends the console's live streams, stops taking connections, lets requests in progress
+finish (uvicorn's graceful shutdown, at most 5 s), then closes the control-plane and worker connections.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from iop_wire.settings import bind_error, run_service, write_ready_file
 __all__ = ["run"]
 
 _log = structlog.get_logger("iop.edge")
+_GRACEFUL_SECONDS = 5
+"""Seconds requests in progress have to finish once the edge is told to stop; then they are cut."""
 
 
 def run(config: Path, *, ready_file: Path | None = None, log_level: str | None = None) -> int:
@@ -137,11 +139,17 @@ async def _serve(settings: Settings, ready_file: Path | None) -> int:
             timeout_keep_alive=int(settings.http.keep_alive),
             limit_concurrency=settings.http.max_connections,
             server_header=False,
+            timeout_graceful_shutdown=_GRACEFUL_SECONDS,
         )
     )
     loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        app.state.console.hub.end_all()  # live streams never end by themselves: end them first
+        server.stop()
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, server.stop)
+        loop.add_signal_handler(signum, stop)
     edge.upstream.start()
     worker.start()
     port = sockets[0].getsockname()[1]

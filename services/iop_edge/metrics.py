@@ -56,7 +56,7 @@ class EdgeMetrics:
         )
         self.watchers_refused = Counter(
             "iop_edge_console_watchers_refused_total",
-            "Console live streams refused: console.max_watchers were open.",
+            "Console live streams refused: console.max_watchers, or console.max_watchers_per_key of one key, open.",
             registry=self.registry,
         )
         self.watchers_dropped = Counter(

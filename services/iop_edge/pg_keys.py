@@ -26,6 +26,7 @@ from iop_edge.key_storage import (
     api_key,
     check_version,
     key_info,
+    name_taken,
     retry_after,
 )
 from iop_wire.pg import Connection, commit_once, on_fresh_sessions, shown_url
@@ -107,15 +108,14 @@ class PgKeyStorage:
         max_concurrent: int | None,
         admin: bool = False,
     ) -> None:
-        """Add a key; ValueError if ``name`` has an active one (once: run again after it committed,
+        """Add a key; ValueError if ``name`` was ever used, revoked keys' included (once: run again after it committed,
         it would find the key it added)."""
 
         async def add(conn: Connection) -> None:
             await conn.execute(_LOCK_KEY, name)
             revoked = await conn.fetchrow("SELECT revoked_at FROM keys WHERE name = $1", name)
-            if revoked is not None and revoked[0] is None:
-                raise ValueError(f"key {name!r} exists; revoke it first or pick another name")
-            await conn.execute("DELETE FROM keys WHERE name = $1", name)
+            if revoked is not None:
+                raise ValueError(name_taken(name, revoked=revoked[0] is not None))
             await conn.execute(
                 _INSERT,
                 name,

@@ -122,6 +122,9 @@ class ConsoleSettings(_Section):
     control-plane per edge, whatever the number of watchers."""
     max_watchers: int = Field(64, ge=1, le=10_000)
     """Live streams open at once; more are answered 429."""
+    max_watchers_per_key: int = Field(4, ge=1, le=10_000)
+    """Live streams one key may have open at once; more are answered 429 (one key cannot take
+    the whole ``max_watchers``)."""
     admin_cert: Path | None = None
     """An admin certificate (role admin, signed by ``tls.ca``) for what the edge's own certificate may
     not do: drain, undrain and remove nodes, every caller's batches and files. Written by ``iop up``;

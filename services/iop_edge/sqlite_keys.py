@@ -27,6 +27,7 @@ from iop_edge.key_storage import (
     api_key,
     check_version,
     key_info,
+    name_taken,
     retry_after,
 )
 
@@ -148,7 +149,7 @@ class SqliteKeyStorage:
         max_concurrent: int | None,
         admin: bool = False,
     ) -> None:
-        """Add a key; ValueError if ``name`` has an active one."""
+        """Add a key; ValueError if ``name`` was ever used (revoked keys keep theirs)."""
         self.create_sync(name, digest, rpm=rpm, tpm=tpm, max_concurrent=max_concurrent, admin=admin)
 
     def create_sync(
@@ -165,8 +166,8 @@ class SqliteKeyStorage:
         db = self.db
         with _immediate(db):
             row = db.execute("SELECT revoked_at FROM keys WHERE name = ?", (name,)).fetchone()
-            if row is not None and row[0] is None:
-                raise ValueError(f"key {name!r} exists; revoke it first or pick another name")
+            if row is not None:
+                raise ValueError(name_taken(name, revoked=row[0] is not None))
             db.execute(
                 _INSERT,
                 (name, f"key_{digest[:12]}", digest, time.time(), rpm, tpm, max_concurrent, admin),

@@ -83,6 +83,14 @@ class Pool:
         """Connections of the pool that are up."""
         return len(self.links.up())
 
+    def per_peer(self) -> dict[str, Connection]:
+        """One connection that is up to each peer (address -> connection): to ask every one of them."""
+        first_up: dict[str, Connection] = {}
+        for link in self.links.up():
+            if link.connection is not None:
+                first_up.setdefault(link.target.address, link.connection)
+        return first_up
+
     @property
     def peers_up(self) -> int:
         """Peers with at least one connection up."""
@@ -125,10 +133,7 @@ class Upstream(Pool):
     async def _ask(self) -> pb.CapabilityResponse:
         """Every control-plane that is up asked at once; the answers merged (one is enough)."""
         self.connection()  # the error when none is configured or up
-        first_up: dict[str, Connection] = {}
-        for link in self.links.up():
-            if link.connection is not None:
-                first_up.setdefault(link.target.address, link.connection)
+        first_up = self.per_peer()
         asked = [connection.capabilities(timeout=_CAPABILITIES_TIMEOUT) for connection in first_up.values()]
         answers = await asyncio.gather(*asked, return_exceptions=True)
         good = [answer for answer in answers if isinstance(answer, pb.CapabilityResponse)]

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from iop_edge.access import JSON, error_response
-from iop_edge.console import Who, ask_control_plane, who
+from iop_edge.console import USAGE_SPANS, Who, ask_control_plane, who
 from iop_edge.views import seconds
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import IopError
@@ -30,11 +30,18 @@ if TYPE_CHECKING:
 
 __all__ = ["UsageRoutes"]
 
-_WIDTHS = {"1h": (3600, pb.USAGE_BUCKET_HOUR, 24, 168), "1d": (86_400, pb.USAGE_BUCKET_DAY, 7, 31)}
-"""bucket_width -> seconds, usage.list's bucket, default and largest ``limit`` (OpenAI's)."""
+_WIDTHS = {
+    "1h": (3600, pb.USAGE_BUCKET_HOUR, 24, 168, USAGE_SPANS["hour"]),
+    "1d": (86_400, pb.USAGE_BUCKET_DAY, 7, 31, USAGE_SPANS["day"]),
+}
+"""bucket_width -> seconds, usage.list's bucket, default and largest ``limit`` (OpenAI's), longest range."""
+_UNSUPPORTED = ("project_ids", "user_ids", "batch")
+"""OpenAI's filters this platform has nothing for (no projects, users, or batch flag on runs)."""
 _GROUPS = ("api_key_id", "model")
 _LATEST = 1e11
 """Past any plausible unix time: a larger start_time or end_time is refused."""
+_DIGITS = 20
+"""Longest integer parameter read (``int`` refuses 4,300 digits)."""
 
 
 def _integer(query: QueryParams, name: str, *, required: bool = False) -> int | None:
@@ -43,7 +50,7 @@ def _integer(query: QueryParams, name: str, *, required: bool = False) -> int | 
         if required:
             raise ApiError(400, f"Missing required parameter: '{name}'.", param=name, code="missing_required_parameter")
         return None
-    if not value.isdigit() or int(value) >= _LATEST:
+    if not (value.isascii() and value.isdigit() and len(value) <= _DIGITS) or int(value) >= _LATEST:
         message = f"Invalid '{name}': expected an integer (unix seconds or a count), got {value[:40]!r}."
         raise ApiError(400, message, param=name, code="invalid_value")
     return int(value)
@@ -60,7 +67,11 @@ class _Question:
                 "use '1h' or '1d'."
             )
             raise ApiError(400, message, param="bucket_width", code="invalid_value")
-        self.width, self.bucket, default_limit, most = _WIDTHS[width_name]
+        self.width, self.bucket, default_limit, most, longest = _WIDTHS[width_name]
+        for name in _UNSUPPORTED:
+            if query.getlist(name) or query.getlist(name + "[]"):
+                message = f"Invalid '{name}': this platform has no {name.removesuffix('_ids')} to filter usage by."
+                raise ApiError(400, message, param=name, code="invalid_value")
         start = _integer(query, "start_time", required=True)
         assert start is not None
         end = _integer(query, "end_time")
@@ -68,6 +79,11 @@ class _Question:
         if self.end <= start:
             message = "Invalid 'end_time': it must be after start_time."
             raise ApiError(400, message, param="end_time", code="invalid_value")
+        if self.end - start > longest:
+            message = (
+                f"Invalid 'start_time': with bucket_width={width_name} a range is at most {longest // 86_400} days."
+            )
+            raise ApiError(400, message, param="start_time", code="invalid_value")
         limit = _integer(query, "limit")
         if limit is not None and not 1 <= limit <= most:
             message = f"Invalid 'limit': with bucket_width={width_name} it must be from 1 to {most}."
@@ -76,7 +92,11 @@ class _Question:
         self.first = start - start % self.width
         page = query.get("page")
         if page:
-            if not page.isdigit() or int(page) % self.width or not self.first <= int(page) < self.end:
+            if (
+                not (page.isascii() and page.isdigit() and len(page) <= _DIGITS)
+                or int(page) % self.width
+                or not self.first <= int(page) < self.end
+            ):
                 raise ApiError(400, f"Invalid 'page': {page[:40]!r} is not a cursor of this query.", param="page")
             self.first = int(page)
         groups = [*query.getlist("group_by"), *query.getlist("group_by[]")]
@@ -94,10 +114,28 @@ class _Question:
         return list(range(self.first, last, self.width))
 
     def envelope(self, starts: list[int]) -> pb.Envelope:
-        listing = pb.UsageList(bucket=self.bucket, by_caller=True, by_model=True)  # filtered and summed here
+        """usage.list for the page: one key or model filtered by the control-plane; several are
+        filtered here, so their rows are asked for one by one (grouped) and summed here."""
+        listing = pb.UsageList(
+            bucket=self.bucket,
+            caller=_single(self.keys),
+            model=_single(self.models),
+            by_caller=self.by_key or _several(self.keys),
+            by_model=self.by_model or _several(self.models),
+        )
         listing.start.FromSeconds(starts[0])
         listing.end.FromSeconds(starts[-1] + self.width)
         return pb.Envelope(usage_list=listing)
+
+
+def _single(values: frozenset[str] | None) -> str:
+    """The one value of a filter with one (the control-plane applies it), else empty."""
+    return next(iter(values)) if values is not None and len(values) == 1 else ""
+
+
+def _several(values: frozenset[str] | None) -> bool:
+    """Whether a filter has several values (the edge applies it)."""
+    return values is not None and len(values) > 1
 
 
 def _result(key: str | None, model: str | None) -> dict[str, Any]:
@@ -129,8 +167,9 @@ def usage_page(question: _Question, entries: list[pb.UsageEntry]) -> dict[str, A
         start = int(seconds(entry.start) or 0)
         if start not in results:
             continue
-        if (question.keys is not None and entry.caller not in question.keys) or (
-            question.models is not None and entry.model not in question.models
+        keys, models = question.keys, question.models
+        if (keys is not None and len(keys) > 1 and entry.caller not in keys) or (
+            models is not None and len(models) > 1 and entry.model not in models
         ):
             continue
         group = (entry.caller if question.by_key else None, entry.model if question.by_model else None)

@@ -27,6 +27,7 @@ __all__ = [
     "overview_view",
     "run_view",
     "seconds",
+    "summed_overview",
     "usage_csv",
 ]
 
@@ -63,8 +64,57 @@ def _rate(count: int, window: int) -> float:
     return round(count / window, 3) if window else 0.0
 
 
-def overview_view(shown: pb.OverviewShown, nodes: Sequence[pb.NodeInfo], at: float) -> dict[str, Any]:
-    """``GET /console/api/overview``: the control-plane's traffic figures and its nodes' states."""
+def _duration(target: Any, nanoseconds: float | None) -> None:
+    if nanoseconds is not None:
+        target.FromNanoseconds(round(nanoseconds))
+
+
+def _weighted_p50(parts: Sequence[Any]) -> float | None:
+    """The request-weighted mean of the parts' medians (nanoseconds); None when none has one."""
+    weighted: list[tuple[int, int]] = [
+        (int(part.requests), int(part.ttft_p50.ToNanoseconds())) for part in parts if part.HasField("ttft_p50")
+    ]
+    total = sum(requests for requests, _ in weighted)
+    if not weighted:
+        return None
+    if not total:
+        return sum(p50 for _, p50 in weighted) / len(weighted)
+    return sum(requests * p50 for requests, p50 in weighted) / total
+
+
+def summed_overview(answers: Sequence[pb.OverviewShown]) -> pb.OverviewShown:
+    """Several control-planes' overviews as one: counts summed, per model too; the TTFT median the
+    request-weighted mean of theirs and the p95 the largest of theirs (percentiles do not add up:
+    these are estimates, exact with one control-plane); ``control_plane`` names every one."""
+    if len(answers) == 1:
+        return answers[0]
+    total = pb.OverviewShown(
+        window_seconds=max(answer.window_seconds for answer in answers),
+        control_plane=", ".join(answer.control_plane for answer in answers),
+    )
+    for name in ("requests", "failed", "prompt_tokens", "completion_tokens", "queued", "running"):
+        setattr(total, name, sum(getattr(answer, name) for answer in answers))
+    _duration(total.ttft_p50, _weighted_p50(answers))
+    p95s = [answer.ttft_p95.ToNanoseconds() for answer in answers if answer.HasField("ttft_p95")]
+    _duration(total.ttft_p95, max(p95s) if p95s else None)
+    by_model: dict[str, list[pb.ModelTraffic]] = {}
+    for answer in answers:
+        for traffic in answer.models:
+            by_model.setdefault(traffic.model, []).append(traffic)
+    for model in sorted(by_model):
+        parts = by_model[model]
+        traffic = total.models.add(model=model)
+        for name in ("requests", "failed", "completion_tokens", "queued", "running"):
+            setattr(traffic, name, sum(getattr(part, name) for part in parts))
+        _duration(traffic.ttft_p50, _weighted_p50(parts))
+    return total
+
+
+def overview_view(
+    shown: pb.OverviewShown, nodes: Sequence[pb.NodeInfo], at: float, control_planes: Sequence[str] = ()
+) -> dict[str, Any]:
+    """``GET /console/api/overview``: the control-planes' traffic figures (summed, see
+    :func:`summed_overview`), who answered, and the nodes' states."""
     window = shown.window_seconds or 60
     states = dict.fromkeys(("ready", "draining", "unavailable"), 0)
     serving: dict[str, int] = {}
@@ -91,6 +141,7 @@ def overview_view(shown: pb.OverviewShown, nodes: Sequence[pb.NodeInfo], at: flo
         "at": at,
         "window_seconds": window,
         "control_plane": shown.control_plane,
+        "control_planes": list(control_planes) or [shown.control_plane],
         "nodes": {**states, "total": len(nodes)},
         "requests_per_s": _rate(shown.requests, window),
         "completion_tokens_per_s": _rate(shown.completion_tokens, window),
@@ -132,7 +183,7 @@ def run_view(run: pb.LedgerRun) -> dict[str, Any]:
     """One run of ``GET /console/api/runs``, as the ledger recorded it."""
     error = None
     if run.error_code or run.error_message:
-        code = pb.ErrorCode.Name(run.error_code).removeprefix("ERROR_CODE_").lower()
+        code = _error_code(run.error_code)
         error = {"code": code, "message": run.error_message}
     usage = run.usage
     return {
@@ -165,6 +216,15 @@ def run_view(run: pb.LedgerRun) -> dict[str, Any]:
             for attempt in run.attempts
         ],
     }
+
+
+def _error_code(number: pb.ErrorCode.ValueType) -> str:
+    """An error code's name (``ERROR_CODE_OVERLOADED``: ``overloaded``); its number as text when
+    this edge does not know it (a newer control-plane's)."""
+    try:
+        return pb.ErrorCode.Name(number).removeprefix("ERROR_CODE_").lower()
+    except ValueError:
+        return str(number)
 
 
 @dataclass(slots=True)
@@ -207,11 +267,22 @@ def _iso(start: float) -> str:
     return datetime.datetime.fromtimestamp(start, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _cell(text: str) -> str:
+    """``text`` safe in a spreadsheet: a leading ``'`` when it would start a formula (key and model
+    names are a caller's choice; ``=HYPERLINK(...)`` must stay text when the CSV is opened)."""
+    return "'" + text if text.startswith(_FORMULA_STARTS) else text
+
+
 def usage_csv(rows: Sequence[dict[str, Any]]) -> str:
-    """The usage rows as CSV: a header line, then one line per row (start as ISO 8601 UTC)."""
+    """The usage rows as CSV: a header line, then one line per row (start as ISO 8601 UTC); a name
+    that would start a spreadsheet formula (= + - @ tab CR) gets a leading ``'``."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(CSV_COLUMNS)
     for row in rows:
-        writer.writerow([_iso(row["start"]), row["key"] or "", row["model"] or "", *(row[name] for name in _COUNTS)])
+        cells = [_iso(row["start"]), _cell(row["key"] or ""), _cell(row["model"] or "")]
+        writer.writerow([*cells, *(row[name] for name in _COUNTS)])
     return out.getvalue()

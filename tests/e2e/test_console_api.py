@@ -8,9 +8,12 @@ against real chat completions sent through the edge; the live stream is read as 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import signal
 import socket
+import sqlite3
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,7 +23,7 @@ import httpx2 as httpx
 import pytest
 import yaml
 
-from iop_edge.keys import create_key
+from iop_edge.keys import create_key, revoke_key
 from iop_wire.certs import tls_section
 
 from .conftest import MOCK_ROUTES, Stack, _spawn, running_stack, wait_for
@@ -30,7 +33,8 @@ CSP = (
     "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
     "connect-src 'self'; frame-ancestors 'none'"
 )
-MAX_WATCHERS = 3
+MAX_WATCHERS = 6
+PER_KEY = 4
 
 
 @dataclass
@@ -163,6 +167,8 @@ def test_keys_are_created_listed_and_revoked_by_an_admin(console: Console) -> No
         ({"name": "x", "max_concurrent": 1.5}, "max_concurrent"),
         ({"name": "x", "admin": "yes"}, "admin"),
         ({"name": "x", "colour": "red"}, "colour"),
+        ({"name": "x", "rpm": 2**31}, "rpm"),  # past the stores' integer columns
+        ({"name": "x", "tpm": 10**30}, "tpm"),
     ):
         refused = console.post("/console/api/keys", console.admin, bad)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (bad, refused.text)
@@ -171,6 +177,10 @@ def test_keys_are_created_listed_and_revoked_by_an_admin(console: Console) -> No
     assert revoked.status_code == 200 and revoked.json() == {"name": "team-c", "revoked": True}
     assert console.delete("/console/api/keys/team-c", console.admin).status_code == 404
     wait_for(lambda: console.get("/console/api/me", secret).status_code == 401, 10, 0.05, "the revoked key refused")
+    reused = console.post("/console/api/keys", console.admin, {"name": "team-c"})  # would inherit its records
+    assert reused.status_code == 409 and "was used by a revoked key" in reused.json()["error"]["message"]
+    reserved = console.post("/console/api/keys", console.admin, {"name": "anonymous"})
+    assert reserved.status_code == 400 and reserved.json()["error"]["param"] == "name"
 
 
 # -- nodes ------------------------------------------------------------------------------------
@@ -181,6 +191,8 @@ def test_nodes_are_drained_and_undrained_over_the_admin_certificate(console: Con
     try:
         assert drained.status_code == 200, drained.text
         assert "node-a" in drained.json()["message"]
+        [node] = console.get("/console/api/nodes", console.admin).json()["nodes"]
+        assert node["reason"] == "maintenance (console, key ops)"  # who did it, even with a reason given
     finally:
         undrained = console.post("/console/api/nodes/node-a/undrain", console.admin)
     assert undrained.status_code == 200, undrained.text
@@ -264,7 +276,30 @@ def test_runs_are_paged_newest_first_and_scoped_to_the_key(console: Console) -> 
         query["before"] = page["next_before"]
     assert pages == 3 and seen == [run["id"] for run in runs] and len(set(ids)) == 5
 
-    for bad, param in (({"limit": 0}, "limit"), ({"limit": 501}, "limit"), ({"status": "odd"}, "status")):
+    one_by_one: list[str] = []
+    query = {"caller": "pager", "limit": 1}
+    while True:  # next_before is exact (integer nanoseconds): no page repeats its boundary run
+        page = console.get("/console/api/runs", key, **query).json()
+        one_by_one += [run["id"] for run in page["runs"]]
+        if not page["more"]:
+            break
+        assert isinstance(page["next_before"], int)
+        query["before"] = page["next_before"]
+        assert len(one_by_one) <= 5, one_by_one
+    assert one_by_one == seen
+    by_hand = console.get("/console/api/runs", key, before=f"{runs[0]['received_at'] + 1:.6f}").json()
+    assert [run["id"] for run in by_hand["runs"]] == seen  # unix seconds, written by hand
+
+    for bad, param in (
+        ({"limit": 0}, "limit"),
+        ({"limit": 501}, "limit"),
+        ({"limit": "\u00b2"}, "limit"),  # a digit to str.isdigit, not to int
+        ({"limit": "\u0663"}, "limit"),  # ARABIC-INDIC DIGIT THREE
+        ({"limit": "9" * 5000}, "limit"),
+        ({"before": "\u0661\u0662"}, "before"),
+        ({"since": "9" * 5000}, "since"),
+        ({"status": "odd"}, "status"),
+    ):
         refused = console.get("/console/api/runs", key, **bad)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param
     refused = console.get("/console/api/runs", key, before="yesterday")
@@ -299,6 +334,9 @@ def test_usage_by_hour_and_day_matches_the_chat_completions(console: Console) ->
     assert all(row["model"] is None for row in everyone["rows"])
     mine = console.get("/console/api/usage", console.admin, key="counted", group="model").json()
     assert mine["totals"]["completion_tokens"] == completion
+    assert [(row["key"], row["model"], row["requests"]) for row in mine["rows"]] == [(None, "mock-small", 3)]
+    month = console.get("/console/api/usage", key, start=str(time.time() - 31 * 86_400)).json()
+    assert month["totals"]["requests"] == 3  # the longest range by hour
 
     csv = console.get("/console/api/usage.csv", key, bucket="day")
     assert csv.status_code == 200 and csv.headers["content-type"].startswith("text/csv")
@@ -316,6 +354,8 @@ def test_usage_by_hour_and_day_matches_the_chat_completions(console: Console) ->
         ({"end": "-1"}, "end"),
         ({"group": "key,colour"}, "group"),
         ({"start": "2000", "end": "1000"}, "start"),
+        ({"start": str(time.time() - 32 * 86_400)}, "start"),  # by hour: a month at most
+        ({"bucket": "day", "start": str(time.time() - 401 * 86_400)}, "start"),  # by day: 400 days
     ):
         refused = console.get("/console/api/usage", key, **bad)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, bad
@@ -358,13 +398,34 @@ def test_openai_usage_api_follows_the_spec_and_pages(console: Console) -> None:
     results = wait_for(counted, 10, 0.1, "the usage API counting the chats")
     assert sum(r["input_tokens"] for r in results) == prompt and sum(r["output_tokens"] for r in results) == completion
 
+    def filtered(**params: Any) -> list[dict[str, Any]]:
+        page = console.get(path, console.admin, start_time=now - 60, bucket_width="1d", **params).json()
+        return [result for bucket in page["data"] for result in bucket["results"]]
+
+    [one] = filtered(api_key_ids="openai-usage")  # one key: filtered by the control-plane, summed there
+    assert (one["api_key_id"], one["num_model_requests"], one["output_tokens"]) == (None, 2, completion)
+    several = filtered(api_key_ids=["openai-usage", "nobody"], group_by="api_key_id")
+    assert [(r["api_key_id"], r["num_model_requests"]) for r in several] == [("openai-usage", 2)]
+    [both] = filtered(api_key_ids=["openai-usage", "nobody"], models="mock-small")
+    assert both["num_model_requests"] == 2
+
+    hour_ago = now - 3600  # an end_time (now, by default) after it, however fast the test runs
     for bad, param in (
-        ({"start_time": now, "bucket_width": "1m"}, "bucket_width"),
+        ({"start_time": hour_ago, "bucket_width": "1m"}, "bucket_width"),
         ({}, "start_time"),
         ({"start_time": "yesterday"}, "start_time"),
-        ({"start_time": now, "group_by": "project"}, "group_by"),
-        ({"start_time": now, "limit": 500}, "limit"),
-        ({"start_time": now, "page": "elsewhere"}, "page"),
+        ({"start_time": hour_ago, "group_by": "project"}, "group_by"),
+        ({"start_time": hour_ago, "limit": 500}, "limit"),
+        ({"start_time": hour_ago, "page": "elsewhere"}, "page"),
+        ({"start_time": "\u0661\u0662"}, "start_time"),  # digits to str.isdigit, not unix seconds
+        ({"start_time": hour_ago, "limit": "\u00b2"}, "limit"),
+        ({"start_time": "9" * 5000}, "start_time"),
+        ({"start_time": hour_ago, "page": "\u00b3"}, "page"),
+        ({"start_time": now - 32 * 86_400, "bucket_width": "1h"}, "start_time"),
+        ({"start_time": now - 401 * 86_400}, "start_time"),
+        ({"start_time": hour_ago, "project_ids": "proj_1"}, "project_ids"),
+        ({"start_time": hour_ago, "user_ids[]": "user_1"}, "user_ids"),
+        ({"start_time": hour_ago, "batch": "true"}, "batch"),
     ):
         refused = console.get(path, console.admin, **bad)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (bad, refused.text)
@@ -430,8 +491,14 @@ def test_live_stream_pushes_overview_and_nodes_to_admins_and_usage_to_others(con
     admin = _events(console, console.admin, {"overview", "nodes"})
     assert admin["overview"]["nodes"]["total"] == 1 and admin["nodes"]["nodes"][0]["id"] == "node-a"
     console.chat(console.other)
-    plain = _events(console, console.other, {"usage"})
-    assert plain["usage"]["bucket"] == "day" and all(row["key"] == "team-b" for row in plain["usage"]["rows"])
+
+    def counted() -> dict[str, Any] | None:  # the ledger has the chat: a row to check, not an empty list
+        usage: dict[str, Any] = _events(console, console.other, {"usage"})["usage"]
+        return usage if usage["rows"] else None
+
+    usage = wait_for(counted, 10, 0.1, "team-b's usage pushed")
+    assert usage["bucket"] == "day" and {row["key"] for row in usage["rows"]} == {"team-b"}
+    assert usage["totals"]["requests"] >= 1
 
 
 def test_a_watcher_that_never_reads_does_not_hold_the_others_and_the_limit_is_429(console: Console) -> None:
@@ -446,12 +513,11 @@ def test_a_watcher_that_never_reads_does_not_hold_the_others_and_the_limit_is_42
         for _ in range(3):  # the stream of a reader keeps flowing beside it
             assert _events(console, console.admin, {"overview"})["overview"]["nodes"]["total"] == 1
         refused_before = console.stack.edge_metric("iop_edge_console_watchers_refused_total")
-        with (
-            httpx.stream("GET", console.url + "/console/api/live", headers=_auth(console.admin), timeout=10) as one,
-            httpx.stream("GET", console.url + "/console/api/live", headers=_auth(console.other), timeout=10) as two,
-        ):
-            assert one.status_code == two.status_code == 200
-            over = console.get("/console/api/live", console.admin)
+        with contextlib.ExitStack() as streams:
+            for key in (console.admin, console.admin, console.other, console.other, console.stack.key):
+                opened = streams.enter_context(_stream(console, key))
+                assert opened.status_code == 200
+            over = console.get("/console/api/live", console.stack.key)
             assert over.status_code == 429 and "console.max_watchers" in over.json()["error"]["message"]
         assert console.stack.edge_metric("iop_edge_console_watchers_refused_total") == refused_before + 1
     finally:
@@ -464,3 +530,63 @@ def test_console_requests_are_counted_by_route_and_status(console: Console) -> N
     console.get("/console/api/overview")
     assert console.stack.edge_metric('iop_edge_requests_total{model="",route="console.me",status="200"}') >= 1
     assert console.stack.edge_metric('iop_edge_requests_total{model="",route="console.overview",status="403"}') >= 1
+
+
+def _stream(console: Console, key: str) -> contextlib.AbstractContextManager[httpx.Response]:
+    return httpx.stream("GET", console.url + "/console/api/live", headers=_auth(key), timeout=10)
+
+
+def test_a_key_holds_at_most_max_watchers_per_key_streams(console: Console) -> None:
+    wait_for(lambda: console.watchers() == 0, 10, 0.05, "no live stream left open")
+    refused_before = console.stack.edge_metric("iop_edge_console_watchers_refused_total")
+    with contextlib.ExitStack() as streams:
+        for _ in range(PER_KEY):
+            assert streams.enter_context(_stream(console, console.other)).status_code == 200
+        over = console.get("/console/api/live", console.other)
+        assert over.status_code == 429 and "console.max_watchers_per_key" in over.json()["error"]["message"]
+        assert streams.enter_context(_stream(console, console.admin)).status_code == 200  # another key still may
+    assert console.stack.edge_metric("iop_edge_console_watchers_refused_total") == refused_before + 1
+    wait_for(lambda: console.watchers() == 0, 10, 0.05, "every live stream closed")
+
+
+def test_a_revoked_keys_live_stream_ends(console: Console) -> None:
+    key = create_key(console.stack.keys_path, "short-lived")
+    wait_for(lambda: console.get("/console/api/me", key).status_code == 200, 10, 0.05, "the new key")
+    with _stream(console, key) as stream:
+        lines = stream.iter_lines()
+        assert next(lines) == ": live"
+        assert revoke_key(console.stack.keys_path, "short-lived")
+        deadline, ended = time.monotonic() + 10, True
+        for _ in lines:  # ends once the edge re-reads its keys and ticks
+            if time.monotonic() > deadline:
+                ended = False
+                break
+    assert ended, "the revoked key's stream went on"
+    assert console.get("/console/api/me", key).status_code == 401
+
+
+def test_a_key_store_that_cannot_be_written_is_503_not_500(console: Console) -> None:
+    holder = sqlite3.connect(console.stack.keys_path, timeout=0)
+    try:
+        holder.execute("BEGIN EXCLUSIVE")  # writers wait the store's busy timeout (5 s), then fail
+        refused = console.post("/console/api/keys", console.admin, {"name": "locked-out"})
+    finally:
+        holder.rollback()
+        holder.close()
+    assert refused.status_code == 503 and "key store" in refused.json()["error"]["message"], refused.text
+    assert refused.headers["retry-after"]
+
+
+def test_stopping_the_edge_ends_its_live_streams_first(console: Console) -> None:
+    """Last in the module: the edge is stopped (SIGTERM) with a stream open, then started again."""
+    edge = console.stack.edge
+    assert edge is not None
+    with _stream(console, console.admin) as stream:
+        lines = stream.iter_lines()
+        assert next(lines) == ": live"
+        edge.popen.send_signal(signal.SIGTERM)
+        edge.popen.wait(timeout=3)  # before the 5 s graceful shutdown's cut: the stream did not hold it
+        rest = list(lines)
+    assert edge.popen.returncode == 0 and "ASGI callable returned without completing" not in edge.log.read_text()
+    assert all(not line.startswith("event: error") for line in rest)
+    console.stack.edge_port = int(edge.restart()["port"])  # a new port (the config asks for any)

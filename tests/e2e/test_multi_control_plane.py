@@ -216,3 +216,25 @@ def test_runs_before_their_first_output_survive_their_control_plane(ha: TwoContr
         assert result["status"] == 200 and result["end"] == "done", results
         assert len(result["text"].split()) == 5 and result["roles"] == 1, result
     assert _edge_log(ha, "run opened again") >= 1, "no run was waiting on cp-a"
+
+
+def test_the_console_overview_sums_every_control_plane(ha: TwoControlPlanes) -> None:
+    admin = create_key(ha.root / "edge-keys.db", "ops", admin=True)
+    headers = {"authorization": f"Bearer {admin}"}
+    wait_for(
+        lambda: httpx.get(f"{ha.base}/console/api/me", headers=headers, timeout=5).status_code == 200,
+        10,
+        0.05,
+        "the edge reading the admin key",
+    )
+    chats = 6  # the edge opens runs on its connections in turn: both control-planes get some
+    for _ in range(chats):
+        assert ha.stream("mock-small")["end"] == "done"
+
+    def summed() -> dict[str, Any] | None:
+        overview: dict[str, Any] = httpx.get(f"{ha.base}/console/api/overview", headers=headers, timeout=10).json()
+        return overview if sum(model["requests"] for model in overview["models"]) == chats else None
+
+    overview = wait_for(summed, 10, 0.1, "both control-planes' runs in the overview")
+    assert len(overview["control_planes"]) == 2, overview["control_planes"]
+    assert overview["nodes"]["total"] == 2 and overview["failed"] == 0

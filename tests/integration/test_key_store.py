@@ -53,7 +53,7 @@ async def _open(make: StorageFactory) -> KeyStorage:
     return store
 
 
-async def test_keys_are_created_listed_revoked_and_their_names_reused(make: StorageFactory) -> None:
+async def test_keys_are_created_listed_revoked_and_their_names_never_reused(make: StorageFactory) -> None:
     store = await _open(make)
     await store.create("alice", digest("sk-iop-a"), rpm=10, tpm=1000, max_concurrent=2)
     await store.create("bob", digest("sk-iop-b"), rpm=None, tpm=None, max_concurrent=None)
@@ -63,10 +63,12 @@ async def test_keys_are_created_listed_revoked_and_their_names_reused(make: Stor
     assert active[digest("sk-iop-a")].name == "alice" and active[digest("sk-iop-a")].max_concurrent == 2
     assert await store.revoke("alice") and not await store.revoke("alice") and not await store.revoke("nobody")
     assert set((await store.active()).values()) == {active[digest("sk-iop-b")]}
-    await store.create("alice", digest("sk-iop-d"), rpm=3, tpm=None, max_concurrent=None)
+    with pytest.raises(ValueError, match="key name 'alice' was used by a revoked key"):
+        await store.create("alice", digest("sk-iop-d"), rpm=3, tpm=None, max_concurrent=None)
     infos = {info.name: info for info in await store.list_keys()}
-    assert infos["alice"].rpm == 3 and infos["alice"].revoked_at is None and infos["bob"].rpm is None
-    assert infos["alice"].key_id == "key_" + digest("sk-iop-d")[:12]
+    assert infos["alice"].rpm == 10 and infos["alice"].revoked_at is not None and infos["bob"].rpm is None
+    assert infos["alice"].key_id == "key_" + digest("sk-iop-a")[:12]
+    assert digest("sk-iop-d") not in await store.active()
 
 
 async def test_admin_keys_are_kept_as_admin(make: StorageFactory) -> None:

@@ -90,8 +90,12 @@ def test_ls_says_no_keys_and_lists_revoked_ones(tmp_path: Path) -> None:
 def test_errors_are_one_line_with_the_right_exit_code(tmp_path: Path) -> None:
     db = str(tmp_path / "keys.db")
     assert _keys("create", "alice", "--db", db).returncode == 0
+    assert _keys("create", "gone", "--db", db).returncode == 0
+    assert _keys("revoke", "gone", "--db", db).returncode == 0
     cases = [
         (("create", "alice", "--db", db), 2, "iop keys: key 'alice' exists"),
+        (("create", "gone", "--db", db), 2, "iop keys: key name 'gone' was used by a revoked key; pick another"),
+        (("create", "anonymous", "--db", db), 2, "iop keys: key name 'anonymous' is reserved"),
         (("create", "bob", "--rpm", "0", "--db", db), 2, "iop keys: --rpm must be at least 1, not 0"),
         (("create", "bad name", "--db", db), 2, "iop keys: key name 'bad name'"),
         (("revoke", "nobody", "--db", db), 1, "iop keys: no key 'nobody'"),

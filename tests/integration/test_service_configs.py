@@ -22,6 +22,7 @@ def _run(service: str, config: Path) -> subprocess.CompletedProcess[str]:
         ("edge", "auth: maybe\n", "auth"),
         ("edge", "control_plane: {address: cp.internal}\n", "control_plane.address"),
         ("edge", "console: {max_watchers: 0}\n", "console.max_watchers"),
+        ("edge", "console: {max_watchers_per_key: 0}\n", "console.max_watchers_per_key"),
         ("edge", "console: {push_interval: 0}\n", "console.push_interval"),
         ("edge", "console: {admin_cert: admin.crt}\n", "console"),  # without its admin_key
         ("worker", "batches: {concurrency: 0}\n", "batches.concurrency"),

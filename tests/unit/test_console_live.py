@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import csv
+import io
 from collections.abc import AsyncIterator
 
 import pytest
 
 from iop_edge.live import QUEUED, STALL_TICKS, LiveHub, Snapshot
 from iop_edge.metrics import EdgeMetrics
-from iop_edge.views import grouped, usage_csv
+from iop_edge.views import grouped, overview_view, run_view, summed_overview, usage_csv
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.openai.errors import ApiError
 
@@ -150,3 +152,101 @@ def test_usage_rows_are_grouped_filtered_and_written_as_csv() -> None:
         "1970-01-01T01:00:00Z,,m2,2,20,6,0,0",
         "1970-01-01T02:00:00Z,,m1,4,40,8,0,0",
     ]
+
+
+def test_usage_csv_keeps_names_that_look_like_formulas_as_text() -> None:
+    rows, _ = grouped(
+        [
+            _entry(3600, '=HYPERLINK("http://evil","x")', "+cmd", (1, 1, 1)),
+            _entry(3600, "@sum", "-2", (1, 1, 1)),
+            _entry(3600, "\tkey", "\tmodel", (1, 1, 1)),
+            _entry(3600, "plain", "mock-small", (1, 1, 1)),
+        ],
+        by_key=True,
+        by_model=True,
+    )
+    parsed = [row[1:3] for row in csv.reader(io.StringIO(usage_csv(rows), newline=""))][1:]
+    assert sorted(parsed) == sorted(
+        [
+            ['\'=HYPERLINK("http://evil","x")', "'+cmd"],
+            ["'@sum", "'-2"],
+            ["'\tkey", "'\tmodel"],
+            ["plain", "mock-small"],
+        ]
+    )
+    carriage = usage_csv([{**rows[0], "key": "\rkey", "model": None}])
+    assert "'\rkey" in carriage.split("\n")[1]
+
+
+async def test_a_revoked_keys_stream_ends_at_the_next_tick_and_a_changed_scope_is_followed() -> None:
+    polls, metrics = _Polls(), EdgeMetrics()
+    hub = _hub(polls, metrics)
+    keys = {"alice": False, "bob": False}
+    alice = hub.join("alice", admin=False, recheck=lambda: keys.get("alice"))
+    bob = hub.join("bob", admin=False, recheck=lambda: keys.get("bob"))
+    await hub.aclose()
+    await hub.tick()
+    assert not alice.dropped.is_set() and alice.queue[-1].startswith(b"event: usage")
+    del keys["alice"]  # revoked
+    keys["bob"] = True  # made an admin
+    await hub.tick()
+    assert alice.dropped.is_set() and alice not in hub.watchers
+    assert bob.admin and bob.queue[-1].startswith(b"event: overview")
+    assert _value(metrics, "iop_edge_console_watchers") == 1
+
+
+async def test_one_key_may_hold_only_max_per_key_streams() -> None:
+    polls, metrics = _Polls(), EdgeMetrics()
+    hub = LiveHub(polls, interval=3600, max_watchers=8, max_per_key=2, metrics=metrics)
+    hub.join("alice", admin=False)
+    hub.join("alice", admin=False)
+    with pytest.raises(ApiError) as refused:
+        hub.join("alice", admin=False)
+    assert refused.value.status == 429 and "console.max_watchers_per_key" in refused.value.message
+    assert _value(metrics, "iop_edge_console_watchers_refused_total") == 1
+    hub.join("bob", admin=False)  # another key still gets one
+    await hub.aclose()
+
+
+async def test_end_all_ends_every_stream_and_takes_no_more() -> None:
+    polls, metrics = _Polls(), EdgeMetrics()
+    hub = _hub(polls, metrics)
+    watchers = [hub.join("ops", admin=True), hub.join("alice", admin=False)]
+    hub.end_all()
+    assert all(watcher.dropped.is_set() for watcher in watchers) and not hub.watchers
+    with pytest.raises(ApiError) as refused:
+        hub.join("ops", admin=True)
+    assert refused.value.status == 503
+    await hub.aclose()
+
+
+def test_a_run_with_an_error_code_this_edge_does_not_know_shows_its_number() -> None:
+    run = pb.LedgerRun(run_id="run-1", status="failed", error_message="from a newer control-plane")
+    run.error_code = 9999  # type: ignore[assignment]
+    assert run_view(run)["error"] == {"code": "9999", "message": "from a newer control-plane"}
+    run.error_code = pb.ERROR_CODE_MODEL_NOT_FOUND
+    assert run_view(run)["error"]["code"] == "model_not_found"
+
+
+def _shown(name: str, requests: int, p50_ms: int, p95_ms: int, queued: int) -> pb.OverviewShown:
+    shown = pb.OverviewShown(window_seconds=60, requests=requests, failed=1, prompt_tokens=10 * requests)
+    shown.completion_tokens, shown.queued, shown.running, shown.control_plane = 5 * requests, queued, 2, name
+    shown.ttft_p50.FromMilliseconds(p50_ms)
+    shown.ttft_p95.FromMilliseconds(p95_ms)
+    traffic = shown.models.add(model="m", requests=requests, failed=1, completion_tokens=5 * requests)
+    traffic.ttft_p50.FromMilliseconds(p50_ms)
+    return shown
+
+
+def test_several_control_planes_overviews_are_summed_and_named() -> None:
+    total = summed_overview([_shown("cp-a", 30, 100, 400, 3), _shown("cp-b", 10, 200, 900, 1)])
+    view = overview_view(total, [], 0.0, ["cp-a", "cp-b"])
+    assert view["control_planes"] == ["cp-a", "cp-b"]
+    assert (total.requests, total.failed, total.prompt_tokens, total.completion_tokens) == (40, 2, 400, 200)
+    assert (view["queued"], view["running"]) == (4, 4)
+    assert view["ttft_p50_ms"] == 125.0  # (30 x 100 + 10 x 200) / 40: weighted by requests
+    assert view["ttft_p95_ms"] == 900.0  # the largest
+    [model] = view["models"]
+    assert (model["requests"], model["failed"], model["completion_tokens"], model["ttft_p50_ms"]) == (40, 2, 200, 125.0)
+    alone = _shown("cp-a", 30, 100, 400, 3)
+    assert summed_overview([alone]) is alone and overview_view(alone, [], 0.0)["control_planes"] == ["cp-a"]

@@ -77,17 +77,20 @@ def test_create_refuses_bad_names_and_limits(tmp_path: Path, name: str, limits: 
     assert "\n" not in str(caught.value)
 
 
-def test_create_refuses_an_active_name_but_reuses_a_revoked_one(tmp_path: Path) -> None:
+def test_create_refuses_a_name_used_before_even_revoked_and_the_reserved_one(tmp_path: Path) -> None:
     path = tmp_path / "keys.db"
-    old = create_key(path, "alice")
+    create_key(path, "alice")
     with pytest.raises(ValueError, match="key 'alice' exists"):
         create_key(path, "alice")
     assert revoke_key(path, "alice")
     assert not revoke_key(path, "alice")
-    new = create_key(path, "alice", rpm=3)
-    assert new != old
+    with pytest.raises(ValueError, match=r"^key name 'alice' was used by a revoked key; pick another") as caught:
+        create_key(path, "alice", rpm=3)  # it would inherit the old key's runs, usage and files
+    assert "\n" not in str(caught.value)
     [info] = list_keys(path)
-    assert info.revoked_at is None and info.rpm == 3
+    assert info.revoked_at is not None and info.rpm is None
+    with pytest.raises(ValueError, match=r"^key name 'anonymous' is reserved"):
+        create_key(path, "anonymous")
 
 
 def test_revoke_unknown_name_is_false_and_reading_a_missing_file_fails(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 // Batches: OpenAI batch objects (an admin sees every caller's) with progress, cancel, and
-// the output and error files fetched with the key. Refreshed every few seconds while open.
+// the output and error files fetched with the key. Refreshed every few seconds while the tab is
+// visible and a batch on the page is still in progress (no polling for a hidden or settled page).
 
 import { api, request } from "./api.js";
 import { busy, confirmAction, toast } from "./ui.js";
@@ -7,6 +8,7 @@ import { $, esc, num, query, saveBlob, time } from "./util.js";
 
 const REFRESH_MS = 3000;
 const CANCELLABLE = new Set(["validating", "in_progress", "finalizing"]);
+const IN_PROGRESS = new Set([...CANCELLABLE, "cancelling"]);
 
 export function render(main, { signal }) {
   main.innerHTML = `
@@ -22,18 +24,30 @@ export function render(main, { signal }) {
       <button type="button" id="first" disabled>First page</button>
       <button type="button" id="more" disabled>Next page</button>
     </nav>`;
-  const view = { after: null, last: null };
+  const view = { after: null, last: null, timer: null, moving: false };
   const load = async () => {
+    clearTimeout(view.timer);
+    view.timer = null;
     try {
       const page = await api(`/console/api/batches${query({ after: view.after, limit: 50 })}`, { signal });
       paint(main, page);
       view.last = page.data.length ? page.data[page.data.length - 1].id : null;
+      view.moving = page.data.some((b) => IN_PROGRESS.has(b.status));
       $(main, "#more").disabled = !page.has_more;
       $(main, "#first").disabled = view.after === null;
     } catch (err) {
-      if (err.name !== "AbortError") toast(err.message, "error");
+      if (err.name === "AbortError") return;
+      toast(err.message, "error");
+    }
+    // Again in a few seconds only while something can change and someone can see it.
+    if (view.moving && document.visibilityState === "visible" && !signal.aborted) {
+      view.timer = setTimeout(load, REFRESH_MS);
     }
   };
+  const shown = () => {
+    if (document.visibilityState === "visible" && view.timer === null) load();
+  };
+  document.addEventListener("visibilitychange", shown);
   $(main, "#more").addEventListener("click", () => {
     view.after = view.last;
     load();
@@ -44,8 +58,10 @@ export function render(main, { signal }) {
   });
   $(main, "#rows").addEventListener("click", (event) => act(event, load, signal));
   load();
-  const timer = setInterval(load, REFRESH_MS);
-  return () => clearInterval(timer);
+  return () => {
+    clearTimeout(view.timer);
+    document.removeEventListener("visibilitychange", shown);
+  };
 }
 
 function progress(b) {
@@ -76,7 +92,7 @@ function paint(main, page) {
         <td>${time(b.created_at)}</td><td>${esc(b.endpoint)}</td><td class="actions">${buttons}</td></tr>`;
     }).join("")
     : `<tr><td colspan="7">No batches.</td></tr>`;
-  $(main, "#summary").textContent = `${num(page.data.length)} batches on this page; refreshed every ${REFRESH_MS / 1000} s.`;
+  $(main, "#summary").textContent = `${num(page.data.length)} batches on this page; refreshed every ${REFRESH_MS / 1000} s while one is in progress.`;
 }
 
 async function act(event, load, signal) {

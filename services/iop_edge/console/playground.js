@@ -94,7 +94,8 @@ async function send(main, chat, pageSignal) {
   const messages = $(main, "#messages");
   messages.setAttribute("aria-busy", "true");
   const controller = new AbortController();
-  pageSignal.addEventListener("abort", () => controller.abort());
+  const leave = () => controller.abort(); // the page closed: stop the answer
+  pageSignal.addEventListener("abort", leave);
   chat.controller = controller;
   $(main, "#send").disabled = true;
   $(main, "#stop").disabled = false;
@@ -131,6 +132,7 @@ async function send(main, chat, pageSignal) {
       answer.append(p);
     }
   } finally {
+    pageSignal.removeEventListener("abort", leave); // one listener per send, gone with it
     chat.controller = null;
     messages.removeAttribute("aria-busy");
     if (answer.textContent) chat.history.push({ role: "assistant", content: answer.firstChild?.nodeType === 3 ? answer.firstChild.data : "" });

@@ -1,7 +1,7 @@
 // Runs: the ledger, newest first, filtered by model, status, caller, node and time, a page
 // at a time (next_before). A run's details show its attempts as a timeline.
 
-import { api } from "./api.js";
+import { request } from "./api.js";
 import { timeline, toast } from "./ui.js";
 import { $, esc, fillRows, ms, num, parseUtc, prefill, query, time } from "./util.js";
 
@@ -47,8 +47,8 @@ export function render(main, { me, signal, params }) {
       node: f.get("node").trim(), since: parseUtc(f.get("since")), limit: f.get("limit") || PAGE, before,
     };
     try {
-      const page = await api(`/console/api/runs${query(params)}`, { signal });
-      show(main, state, page);
+      const response = await request(`/console/api/runs${query(params)}`, { signal });
+      show(main, state, runsPage(await response.text()));
     } catch (err) {
       if (err.name !== "AbortError") toast(err.message, "error");
     }
@@ -82,6 +82,17 @@ function row(r) {
     <td class="n">${ms(r.ttft_ms)}</td><td class="n">${ms(r.duration_ms)}</td>
     <td class="n">${num(r.prompt_tokens)}</td><td class="n">${num(r.completion_tokens)}${r.estimated ? "*" : ""}</td>
     <td class="n">${num(r.attempts.length)}</td></tr>`;
+}
+
+/**
+ * The page's JSON, its next_before kept as the server wrote it (a string of digits): nanoseconds
+ * past 2^53 lose their last digits as a JS number, and the next page must start exactly there.
+ */
+function runsPage(text) {
+  const page = JSON.parse(text);
+  const exact = text.match(/"next_before":(\d+)/);
+  if (exact) page.next_before = exact[1];
+  return page;
 }
 
 function show(main, state, page) {
