@@ -142,8 +142,8 @@ def _time(value: str | None, param: str) -> float | None:
 
 
 def _before(value: str | None) -> Timestamp | None:
-    """``runs?before=``: the ``next_before`` of a page (an integer of nanoseconds, exact, so the next
-    page starts right after its last run), or unix seconds written by hand."""
+    """``runs?before=``: the ``next_before`` of a page (a string of integer nanoseconds, exact, so the
+    next page starts right after its last run), or unix seconds written by hand."""
     if value and value.isascii() and value.isdigit() and len(value) <= _NUMBER_CHARS and int(value) >= _NANOS_FROM:
         stamp = Timestamp()
         stamp.FromNanoseconds(int(value))
@@ -418,7 +418,8 @@ class Console:
                 listing.before.CopyFrom(before)
             listed = (await self._ask(pb.Envelope(runs_list=listing), "runs_listed")).runs_listed
             shown = [run_view(run) for run in listed.runs]
-            oldest = listed.runs[-1].received_at.ToNanoseconds() if shown and listed.more else None
+            # A string: nanoseconds since 1970 are past 2**53, where a JavaScript number loses digits.
+            oldest = str(listed.runs[-1].received_at.ToNanoseconds()) if shown and listed.more else None
             return {"runs": shown, "more": listed.more, "next_before": oldest}
 
         return await self._serve("runs", request, runs)

@@ -278,12 +278,12 @@ def test_runs_are_paged_newest_first_and_scoped_to_the_key(console: Console) -> 
 
     one_by_one: list[str] = []
     query = {"caller": "pager", "limit": 1}
-    while True:  # next_before is exact (integer nanoseconds): no page repeats its boundary run
+    while True:  # next_before is exact (nanoseconds, as a string): no page repeats its boundary run
         page = console.get("/console/api/runs", key, **query).json()
         one_by_one += [run["id"] for run in page["runs"]]
         if not page["more"]:
             break
-        assert isinstance(page["next_before"], int)
+        assert isinstance(page["next_before"], str) and page["next_before"].isdigit()
         query["before"] = page["next_before"]
         assert len(one_by_one) <= 5, one_by_one
     assert one_by_one == seen
