@@ -108,3 +108,29 @@ async def test_bad_usage_and_overview_requests_are_invalid_argument(pki: Pki, tm
         assert too_long.value.code == pb.ERROR_CODE_INVALID_ARGUMENT and "3600" in too_long.value.message
         shown = (await admin.request(pb.Envelope(overview_show=pb.OverviewShow(window_seconds=3600)))).overview_shown
         assert (shown.window_seconds, shown.requests, shown.HasField("ttft_p50")) == (3600, 0, False)
+
+
+async def test_runs_naming_models_no_node_serves_are_counted_under_one_unknown_model(pki: Pki, tmp_path: Path) -> None:
+    """Any key may name thousands of models that do not exist: the rollup and the overview count them as one
+    ``(unknown)`` model (else each would be a row for ever, until usage.list is over its cap for everyone);
+    the ledger keeps the name each run asked for, clipped."""
+    async with build_control_plane(cp_settings(pki, tmp_path)) as cp:
+        edge = await client(cp, pki)
+        for n in range(500):
+            events = await collect(await edge.open_run(chat(model=f"bogus-{n}", caller=pb.Caller(id="team-x"))))
+            assert events[-1].error.code == pb.ERROR_CODE_MODEL_NOT_FOUND
+        long = "x" * 300  # over NAME_CHARS: refused INVALID_ARGUMENT, counted under (unknown) too
+        assert (await collect(await edge.open_run(chat(model=long, caller=pb.Caller(id="team-x")))))[-1].error.code == (
+            pb.ERROR_CODE_INVALID_ARGUMENT
+        )
+        entries = (await _recorded(edge, 501, by_caller=True, by_model=True)).entries
+        assert [(e.caller, e.model, e.requests, e.failed) for e in entries] == [("team-x", "(unknown)", 501, 501)]
+        by_day = (await _usage(edge, bucket=pb.USAGE_BUCKET_DAY, by_model=True)).entries
+        assert [(e.model, e.requests) for e in by_day] == [("(unknown)", 501)]
+
+        shown = (await edge.request(pb.Envelope(overview_show=pb.OverviewShow()))).overview_shown
+        assert [(m.model, m.requests, m.failed) for m in shown.models] == [("(unknown)", 501, 501)]
+        one = (await edge.request(pb.Envelope(runs_list=pb.RunsList(model="bogus-7")))).runs_listed
+        assert [(run.model, run.status) for run in one.runs] == [("bogus-7", "failed")]
+        clipped = (await edge.request(pb.Envelope(runs_list=pb.RunsList(limit=1)))).runs_listed.runs[0].model
+        assert clipped.startswith("x" * 256) and len(clipped) < 300
