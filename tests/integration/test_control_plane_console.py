@@ -103,6 +103,11 @@ async def test_bad_usage_and_overview_requests_are_invalid_argument(pki: Pki, tm
         with pytest.raises(IopError) as window:
             await admin.request(pb.Envelope(usage_list=backwards))
         assert window.value.code == pb.ERROR_CODE_INVALID_ARGUMENT and "must be before end" in window.value.message
+        years = pb.UsageList(bucket=pb.USAGE_BUCKET_DAY)
+        years.start.seconds, years.end.seconds = 0, 2 * 365 * 86_400
+        with pytest.raises(IopError) as too_wide:
+            await admin.request(pb.Envelope(usage_list=years))
+        assert too_wide.value.code == pb.ERROR_CODE_INVALID_ARGUMENT and too_wide.value.message.startswith("start (0)")
         with pytest.raises(IopError) as too_long:
             await admin.request(pb.Envelope(overview_show=pb.OverviewShow(window_seconds=3601)))
         assert too_long.value.code == pb.ERROR_CODE_INVALID_ARGUMENT and "3600" in too_long.value.message
