@@ -56,15 +56,16 @@ async def test_an_edge_reads_usage_overview_runs_and_nodes_but_may_not_operate(p
             team_a, team_b, team_c = entries
             assert (team_a.caller, team_a.model, team_a.failed) == ("team-a", "mock-small", 0)
             assert (team_a.prompt_tokens, team_a.completion_tokens) == (usage.prompt_tokens, usage.completion_tokens)
-            assert (team_b.caller, team_b.requests, team_b.failed, team_b.estimated) == ("team-b", 1, 1, 1)
+            # Failed: the mock counted its prompt before its output and each delta is a token: exact.
+            assert (team_b.caller, team_b.requests, team_b.failed, team_b.estimated) == ("team-b", 1, 1, 0)
             assert (team_b.prompt_tokens, team_b.completion_tokens) == (
-                failed[-1].error.usage.prompt_tokens,  # the node's estimates: ~4 characters a token
+                failed[-1].error.usage.prompt_tokens,
                 failed[-1].error.usage.completion_tokens,
             )
-            assert team_b.prompt_tokens > 0
+            assert (team_b.prompt_tokens, team_b.completion_tokens) == (3, 2)  # "user: hello there"; fail_after 2
             # Cancelled by its requester: recorded with the node's count once its end of the run comes
-            # (test_control_plane_cancel_usage.py), estimated by the node from the text as the failed run's.
-            assert (team_c.caller, team_c.requests, team_c.failed, team_c.estimated) == ("team-c", 1, 1, 1)
+            # (test_control_plane_cancel_usage.py), exact as the failed run's.
+            assert (team_c.caller, team_c.requests, team_c.failed, team_c.estimated) == ("team-c", 1, 1, 0)
             assert team_c.prompt_tokens == team_b.prompt_tokens and team_c.completion_tokens >= 2
             assert team_a.start.seconds % 3600 == 0
 
