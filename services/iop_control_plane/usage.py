@@ -23,6 +23,7 @@ from typing import Any
 
 from iop_control_plane.text import NAME_CHARS
 from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire.continuation import STOPPED_CODES
 
 __all__ = [
     "HOUR",
@@ -32,6 +33,7 @@ __all__ = [
     "UNKNOWN",
     "UsageRow",
     "delta",
+    "handed_on",
     "listed",
     "rollup",
     "run_usage",
@@ -82,6 +84,16 @@ def usage_model(model: str, error_code: int, node_id: str) -> str:
     return UNKNOWN if refused or len(model) > NAME_CHARS else model
 
 
+def handed_on(row: Sequence[Any]) -> bool:
+    """Whether a ``runs`` row is a run this control-plane gave back unplaced for its requester to open on
+    another replica: never placed on a node (no tokens), and ended UNAVAILABLE or SHUTTING_DOWN (refused
+    retryably: no node yet, the control-plane stopping; or ``interrupted`` before placement, the
+    control-plane gone). An edge's failover opens that same run on another control-plane before any
+    output, which counts it: counted here too, the key's one request would be two."""
+    node_id, error_code = row[5], row[7]
+    return not node_id and error_code in STOPPED_CODES  # the codes an edge's failover reopens on
+
+
 def run_usage(row: Sequence[Any]) -> tuple[float, str, str, int, int, int, int, int]:
     """What a ``runs`` row (in ``ledger.RUN_COLUMNS`` order) adds to the rollup: (received_at, caller, model,
     prompt, completion, cached, failed, estimated)."""
@@ -94,8 +106,8 @@ def run_usage(row: Sequence[Any]) -> tuple[float, str, str, int, int, int, int, 
 def rollup(runs: Sequence[Sequence[Any]]) -> list[tuple[str, list[UsageRow]]]:
     """What ``runs`` (``runs`` rows) add to each table of :data:`TABLES`: (table, rows summed per bucket start,
     caller and model, in key order: replicas upserting the same keys take their row locks in one order, as
-    two orders deadlock in PostgreSQL)."""
-    usages = [run_usage(run) for run in runs]
+    two orders deadlock in PostgreSQL). A run :func:`handed_on` to another replica adds nothing."""
+    usages = [run_usage(run) for run in runs if not handed_on(run)]
     return [(table, _summed(usages, width)) for table, width in TABLES]
 
 

@@ -557,6 +557,29 @@ async def test_a_run_left_open_and_settled_moves_its_tokens_into_the_usage(open_
     assert _rows(await live.usage(_window(_DAY0, _DAY0 + 3600))) == [(_DAY0, "", "", 1, 5, 8, 2, 0, 0)]
 
 
+async def test_a_run_handed_unplaced_to_another_replica_is_one_request_in_the_usage(open_store: Open) -> None:
+    """Replicas share the store. A run cp-a refused retryably before placement (UNAVAILABLE: no node yet),
+    or held unplaced when it died (recorded interrupted), is opened again by the edge's failover on cp-b,
+    which serves it: one request, cp-b's. A run refused for good before placement (MODEL_NOT_FOUND) counts."""
+    cp_a, cp_b = await open_store("cp-a"), await open_store("cp-b")
+    refused = LedgerEntry("r1", "edge-1", "conn-1", "alice", "m1", received_at=_DAY0 + 10)
+    refused.ending(pb.RunEvent(error=pb.Error(code=pb.ERROR_CODE_UNAVAILABLE, message="no node yet", retryable=True)))
+    unknown = LedgerEntry("r3", "edge-1", "conn-1", "alice", "nope", received_at=_DAY0 + 30)
+    unknown.ending(pb.RunEvent(error=pb.Error(code=pb.ERROR_CODE_MODEL_NOT_FOUND, message="no node serves 'nope'")))
+    await cp_a.commit([refused, unknown], {})
+    dead = await open_store("cp-dead")
+    await dead.commit([Opened(LedgerEntry("r2", "edge-1", "conn-2", "alice", "m1", received_at=_DAY0 + 20))], {})
+    assert len(await cp_b.recover(0.0)) == 1  # cp-dead's unplaced run, recorded interrupted
+    served = [_run(run_id, "alice", "m1", _DAY0 + 11, prompt_tokens=3, completion_tokens=5) for run_id in ("r1", "r2")]
+    await cp_b.commit(served, {})
+    listed = await cp_b.runs(pb.RunsList(caller="alice"))
+    assert sorted((run.run_id, run.status) for run in listed.runs) == [
+        ("r1", "completed"), ("r1", "failed"), ("r2", "completed"), ("r2", "interrupted"), ("r3", "failed"),
+    ]  # fmt: skip
+    usage_rows = _rows(await cp_a.usage(_window(_DAY0, _DAY0 + 3600, by_model=True)))
+    assert usage_rows == [(_DAY0, "", "(unknown)", 1, 0, 0, 0, 1, 0), (_DAY0, "", "m1", 2, 6, 10, 0, 0, 0)]
+
+
 async def test_runs_are_listed_by_caller_and_paged_by_arrival(open_store: Open) -> None:
     store = await open_store("cp-a")
     late_short = _run("late-short", "alice", "m1", _DAY0 + 30)
