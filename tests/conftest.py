@@ -69,6 +69,9 @@ class TextSink:
     def annotate(self, key: str, value: str) -> None:
         pass
 
+    def counting(self, prompt_tokens: int, *, token_per_delta: bool = False) -> None:
+        pass
+
     @property
     def text(self) -> str:
         return "".join(self.deltas)

@@ -131,7 +131,11 @@ _V4 = (  # token usage per caller, model and UTC hour or day (the console), fill
     _USAGE_BACKFILL.replace("{table}", "usage_hours").replace("{width}", "3600").replace("{bucket}", "{hour}"),
     _USAGE_BACKFILL.replace("{table}", "usage_days").replace("{width}", "86400").replace("{bucket}", "{day}"),
 )
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4)
+_V5 = (  # usage.list of one caller (the console's own-key view) reads its rows, not every caller's in the range
+    "CREATE INDEX usage_hours_by_caller ON usage_hours (caller, start)",
+    "CREATE INDEX usage_days_by_caller ON usage_days (caller, start)",
+)
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4, _V5)
 """Step ``n`` (from 0) takes the schema from version ``n`` to ``n + 1``."""
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -9,6 +9,9 @@ same second are summed under :data:`OTHER`, counted in
 same chance of being among them, so the percentiles stay unbiased at any rate). An answer reads
 at most 3,600 slots, whatever the number of nodes.
 
+A run refused for its model (no node serves it, or its name is over the limit) is counted under
+``(unknown)``, as in the usage rollup: names a client makes up never fill the ring's slots.
+
 ``failed`` counts runs that ended failed, not cancelled ones (a client that goes away is not a
 fault of the platform); ``requests`` counts both.
 """
@@ -25,6 +28,7 @@ import structlog
 from prometheus_client import Counter
 
 from iop_control_plane.ledger import LedgerEntry
+from iop_control_plane.usage import usage_model
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.logs import RateLimitedLog
 
@@ -86,11 +90,13 @@ class Traffic:
         self._fold_log = RateLimitedLog(every=1.0)
 
     def ended(self, entry: LedgerEntry, now: float | None = None) -> None:
-        """Count a run that ended (its status, usage and first output are set)."""
+        """Count a run that ended (its status, usage and first output are set), under ``(unknown)`` when it
+        was refused for its model (:func:`~iop_control_plane.usage.usage_model`)."""
         usage = entry.usage
         ttft = None if entry.first_output is None else entry.first_output - entry.received
+        node_id = entry.attempts[-1].node_id if entry.attempts else ""
         self.add(
-            entry.model,
+            usage_model(entry.model, entry.error_code, node_id),
             failed=entry.status == "failed",
             prompt_tokens=usage.prompt_tokens if usage is not None else 0,
             completion_tokens=usage.completion_tokens if usage is not None else 0,

@@ -21,19 +21,25 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from iop_control_plane.text import NAME_CHARS
 from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire.continuation import STOPPED_CODES
 
 __all__ = [
     "HOUR",
     "MAX_ENTRIES",
+    "MAX_SPAN",
     "TABLES",
+    "UNKNOWN",
     "UsageRow",
     "delta",
+    "handed_on",
     "listed",
     "rollup",
     "run_usage",
     "select",
     "upsert_sql",
+    "usage_model",
 ]
 
 HOUR, DAY = 3600, 86400
@@ -44,6 +50,13 @@ MAX_ENTRIES = 50_000
 MAX_BYTES = 3 << 20
 """Most bytes of rows one usage.listed carries, counting each row's names and 64 bytes for the rest:
 inside the 4 MiB frame whatever the names' length (up to 256 characters each)."""
+MAX_SPAN = {HOUR: 31 * DAY + HOUR, DAY: 400 * DAY}
+"""The longest range one usage.list may ask for, per bucket width (a month by hour, about a year by day):
+one request reads at most 745 hours' or 400 days' rows, never years of them."""
+UNKNOWN = "(unknown)"
+"""The model the rollup and the overview count a run under when it was refused for its model (no node
+serves it, or its name is over the limit): any key may name thousands of models that do not exist, and
+each would otherwise stay a row of its own for ever. Its ledger row keeps the name asked for (clipped)."""
 _DEFAULT_SPAN = {HOUR: 24 * HOUR, DAY: 7 * DAY}
 """How far back an unset start is, per bucket width."""
 _COUNTS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "failed", "estimated")
@@ -63,10 +76,29 @@ def upsert_sql(table: str, mark: Callable[[int], str]) -> str:
     )
 
 
+def usage_model(model: str, error_code: int, node_id: str) -> str:
+    """The model a run is counted under in the rollup and the overview: :data:`UNKNOWN` for a run never
+    placed because no node serves its model (MODEL_NOT_FOUND) or whose model's name is over the limit
+    (its ledger row holds it clipped: longer than NAME_CHARS), else ``model``."""
+    refused = error_code == pb.ERROR_CODE_MODEL_NOT_FOUND and not node_id
+    return UNKNOWN if refused or len(model) > NAME_CHARS else model
+
+
+def handed_on(row: Sequence[Any]) -> bool:
+    """Whether a ``runs`` row is a run this control-plane gave back unplaced for its requester to open on
+    another replica: never placed on a node (no tokens), and ended UNAVAILABLE or SHUTTING_DOWN (refused
+    retryably: no node yet, the control-plane stopping; or ``interrupted`` before placement, the
+    control-plane gone). An edge's failover opens that same run on another control-plane before any
+    output, which counts it: counted here too, the key's one request would be two."""
+    node_id, error_code = row[5], row[7]
+    return not node_id and error_code in STOPPED_CODES  # the codes an edge's failover reopens on
+
+
 def run_usage(row: Sequence[Any]) -> tuple[float, str, str, int, int, int, int, int]:
     """What a ``runs`` row (in ``ledger.RUN_COLUMNS`` order) adds to the rollup: (received_at, caller, model,
     prompt, completion, cached, failed, estimated)."""
-    caller, model, status, received_at = row[3], row[4], row[6], row[9]
+    caller, node_id, status, error_code, received_at = row[3], row[5], row[6], row[7], row[9]
+    model = usage_model(row[4], error_code, node_id)
     prompt, completion, estimated, cached = row[12], row[13], row[14], row[18]
     return (received_at, caller, model, prompt, completion, cached, int(status != "completed"), int(estimated))
 
@@ -74,8 +106,8 @@ def run_usage(row: Sequence[Any]) -> tuple[float, str, str, int, int, int, int, 
 def rollup(runs: Sequence[Sequence[Any]]) -> list[tuple[str, list[UsageRow]]]:
     """What ``runs`` (``runs`` rows) add to each table of :data:`TABLES`: (table, rows summed per bucket start,
     caller and model, in key order: replicas upserting the same keys take their row locks in one order, as
-    two orders deadlock in PostgreSQL)."""
-    usages = [run_usage(run) for run in runs]
+    two orders deadlock in PostgreSQL). A run :func:`handed_on` to another replica adds nothing."""
+    usages = [run_usage(run) for run in runs if not handed_on(run)]
     return [(table, _summed(usages, width)) for table, width in TABLES]
 
 
@@ -114,6 +146,12 @@ def select(request: pb.UsageList, mark: Callable[[int], str], now: float | None 
     start = request.start.ToNanoseconds() / 1e9 if request.HasField("start") else end - _DEFAULT_SPAN[width]
     if start >= end:
         raise ValueError(f"start ({start:.0f}) must be before end ({end:.0f})")
+    if end - start > MAX_SPAN[width]:
+        most = "31 days and an hour by hour" if width == HOUR else "400 days by day"
+        raise ValueError(
+            f"start ({start:.0f}) is {(end - start) / DAY:.1f} days before end ({end:.0f}), over the most one "
+            f"usage.list reads ({most}): ask for a later start{', or days' if width == HOUR else ''}"
+        )
     params: list[object] = [int(start // width) * width, math.ceil(end)]  # whole seconds: the column's type
     where = [f"start >= {mark(1)}", f"start < {mark(2)}"]
     for column in ("caller", "model"):

@@ -48,9 +48,12 @@ class MeteredSink:
 
     __slots__ = (
         "_chars",
+        "_deltas",
         "_ids",
         "_last",
         "_metrics",
+        "_per_delta",
+        "_prompt",
         "_record",
         "_spec",
         "_started",
@@ -69,11 +72,21 @@ class MeteredSink:
         """Token ids the deltas carried."""
         self._untokenized = False
         """Whether some delta with text carried no token ids (then the ids do not count the output)."""
+        self._deltas = 0
+        """Deltas with text and no token ids."""
+        self._prompt: int | None = None
+        """The prompt's tokens as the backend counted them (:meth:`counting`); None: estimated from its text."""
+        self._per_delta = False
+        """Whether the adapter said each ``delta`` is one token."""
         self.completed = False
+
+    def counting(self, prompt_tokens: int, *, token_per_delta: bool = False) -> None:
+        self._prompt, self._per_delta = prompt_tokens, token_per_delta
 
     async def delta(self, text: str) -> None:
         self._tick(len(text))
         self._untokenized = self._untokenized or bool(text)
+        self._deltas += bool(text)
         try:
             await self._wire.delta(text)
         except UnicodeEncodeError as exc:  # a lone surrogate, e.g. half an emoji from a JSON backend
@@ -85,6 +98,7 @@ class MeteredSink:
         self._tick(len(delta.text))
         self._ids += len(delta.token_ids)
         self._untokenized = self._untokenized or (bool(delta.text) and not delta.token_ids)
+        self._deltas += bool(delta.text) and not delta.token_ids
         await self._wire.output(delta)
 
     def _tick(self, chars: int) -> None:
@@ -111,11 +125,23 @@ class MeteredSink:
         await self._wire.complete(finish_reason, usage, self._timings(timings))
 
     def estimated_usage(self) -> pb.Usage:
-        """Usage counted on the node: the prompt at ~4 characters a token, and the output streamed so far:
-        its token ids when every delta carried them, else its text at ~4 characters a token."""
-        completion = self._ids if self._ids and not self._untokenized else _estimate(self._chars)
+        """Usage counted on the node: the prompt as the backend counted it (:meth:`counting`), else at ~4
+        characters a token; and the output streamed so far: its token ids when every delta carried them,
+        one token a delta when the adapter said so, none when there was none, else its text at ~4
+        characters a token. Estimated only when one of the two is."""
+        prompt = self._prompt
+        if self._ids and not self._untokenized:
+            completion: int | None = self._ids
+        elif self._per_delta and not self._ids:
+            completion = self._deltas  # one token a delta of text
+        elif not self._chars and not self._ids:
+            completion = 0  # nothing streamed: nothing to estimate
+        else:
+            completion = None
         return pb.Usage(
-            prompt_tokens=_estimate(len(self._spec.prompt_text())), completion_tokens=completion, estimated=True
+            prompt_tokens=_estimate(len(self._spec.prompt_text())) if prompt is None else prompt,
+            completion_tokens=_estimate(self._chars) if completion is None else completion,
+            estimated=prompt is None or completion is None,
         )
 
     def record_unfinished(self) -> None:

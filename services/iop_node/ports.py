@@ -46,6 +46,12 @@ class EventSink(Protocol):
         """Keep ``value`` in the run record (``stderr_tail``, or any other key in ``extra``)."""
         ...
 
+    def counting(self, prompt_tokens: int, *, token_per_delta: bool = False) -> None:
+        """The backend's exact count of the prompt's tokens, known before its output (the mock's; a backend
+        that reports it early); ``token_per_delta``: each ``delta`` is one token (the mock's). Then a run
+        that ends without ``complete`` (cancelled, failed) is counted exactly, not estimated."""
+        ...
+
 
 class Adapter(Protocol):
     """Executes runs against one kind of backend."""

@@ -121,11 +121,12 @@ def test_a_stream_the_sdk_closes_early_is_counted_as_its_node_counted_it(stack: 
     totals = wait_for(
         lambda: (used := _usage(stack, "closes-early"))["requests"] and used, 10, 0.1, "usage to count it"
     )
-    # The node's count of the prompt (~4 characters a token, role included) and of all it streamed, not the
-    # control-plane's estimate (which counts the prompt without roles, and one token per delta it relayed).
+    # The node's count of the prompt (the mock's, before its output: a word a token, role included) and of
+    # all it streamed, exact; not the control-plane's estimate (the prompt's characters without roles / 4,
+    # and one token per delta it relayed).
     assert (totals["prompt_tokens"], totals["completion_tokens"]) == (
         record["prompt_tokens"],
         record["completion_tokens"],
     )
-    assert (totals["requests"], totals["failed"], totals["estimated"]) == (1, 1, int(bool(record["usage_estimated"])))
-    assert totals["prompt_tokens"] == (len("user: count the tokens I was sent") + 3) // 4
+    assert (totals["requests"], totals["failed"], totals["estimated"], record["usage_estimated"]) == (1, 1, 0, False)
+    assert totals["prompt_tokens"] == 7  # "user: count the tokens I was sent": a word a token

@@ -56,15 +56,16 @@ async def test_an_edge_reads_usage_overview_runs_and_nodes_but_may_not_operate(p
             team_a, team_b, team_c = entries
             assert (team_a.caller, team_a.model, team_a.failed) == ("team-a", "mock-small", 0)
             assert (team_a.prompt_tokens, team_a.completion_tokens) == (usage.prompt_tokens, usage.completion_tokens)
-            assert (team_b.caller, team_b.requests, team_b.failed, team_b.estimated) == ("team-b", 1, 1, 1)
+            # Failed: the mock counted its prompt before its output and each delta is a token: exact.
+            assert (team_b.caller, team_b.requests, team_b.failed, team_b.estimated) == ("team-b", 1, 1, 0)
             assert (team_b.prompt_tokens, team_b.completion_tokens) == (
-                failed[-1].error.usage.prompt_tokens,  # the node's estimates: ~4 characters a token
+                failed[-1].error.usage.prompt_tokens,
                 failed[-1].error.usage.completion_tokens,
             )
-            assert team_b.prompt_tokens > 0
+            assert (team_b.prompt_tokens, team_b.completion_tokens) == (3, 2)  # "user: hello there"; fail_after 2
             # Cancelled by its requester: recorded with the node's count once its end of the run comes
-            # (test_control_plane_cancel_usage.py), estimated by the node from the text as the failed run's.
-            assert (team_c.caller, team_c.requests, team_c.failed, team_c.estimated) == ("team-c", 1, 1, 1)
+            # (test_control_plane_cancel_usage.py), exact as the failed run's.
+            assert (team_c.caller, team_c.requests, team_c.failed, team_c.estimated) == ("team-c", 1, 1, 0)
             assert team_c.prompt_tokens == team_b.prompt_tokens and team_c.completion_tokens >= 2
             assert team_a.start.seconds % 3600 == 0
 
@@ -103,8 +104,39 @@ async def test_bad_usage_and_overview_requests_are_invalid_argument(pki: Pki, tm
         with pytest.raises(IopError) as window:
             await admin.request(pb.Envelope(usage_list=backwards))
         assert window.value.code == pb.ERROR_CODE_INVALID_ARGUMENT and "must be before end" in window.value.message
+        years = pb.UsageList(bucket=pb.USAGE_BUCKET_DAY)
+        years.start.seconds, years.end.seconds = 0, 2 * 365 * 86_400
+        with pytest.raises(IopError) as too_wide:
+            await admin.request(pb.Envelope(usage_list=years))
+        assert too_wide.value.code == pb.ERROR_CODE_INVALID_ARGUMENT and too_wide.value.message.startswith("start (0)")
         with pytest.raises(IopError) as too_long:
             await admin.request(pb.Envelope(overview_show=pb.OverviewShow(window_seconds=3601)))
         assert too_long.value.code == pb.ERROR_CODE_INVALID_ARGUMENT and "3600" in too_long.value.message
         shown = (await admin.request(pb.Envelope(overview_show=pb.OverviewShow(window_seconds=3600)))).overview_shown
         assert (shown.window_seconds, shown.requests, shown.HasField("ttft_p50")) == (3600, 0, False)
+
+
+async def test_runs_naming_models_no_node_serves_are_counted_under_one_unknown_model(pki: Pki, tmp_path: Path) -> None:
+    """Any key may name thousands of models that do not exist: the rollup and the overview count them as one
+    ``(unknown)`` model (else each would be a row for ever, until usage.list is over its cap for everyone);
+    the ledger keeps the name each run asked for, clipped."""
+    async with build_control_plane(cp_settings(pki, tmp_path)) as cp:
+        edge = await client(cp, pki)
+        for n in range(500):
+            events = await collect(await edge.open_run(chat(model=f"bogus-{n}", caller=pb.Caller(id="team-x"))))
+            assert events[-1].error.code == pb.ERROR_CODE_MODEL_NOT_FOUND
+        long = "x" * 300  # over NAME_CHARS: refused INVALID_ARGUMENT, counted under (unknown) too
+        assert (await collect(await edge.open_run(chat(model=long, caller=pb.Caller(id="team-x")))))[-1].error.code == (
+            pb.ERROR_CODE_INVALID_ARGUMENT
+        )
+        entries = (await _recorded(edge, 501, by_caller=True, by_model=True)).entries
+        assert [(e.caller, e.model, e.requests, e.failed) for e in entries] == [("team-x", "(unknown)", 501, 501)]
+        by_day = (await _usage(edge, bucket=pb.USAGE_BUCKET_DAY, by_model=True)).entries
+        assert [(e.model, e.requests) for e in by_day] == [("(unknown)", 501)]
+
+        shown = (await edge.request(pb.Envelope(overview_show=pb.OverviewShow()))).overview_shown
+        assert [(m.model, m.requests, m.failed) for m in shown.models] == [("(unknown)", 501, 501)]
+        one = (await edge.request(pb.Envelope(runs_list=pb.RunsList(model="bogus-7")))).runs_listed
+        assert [(run.model, run.status) for run in one.runs] == [("bogus-7", "failed")]
+        clipped = (await edge.request(pb.Envelope(runs_list=pb.RunsList(limit=1)))).runs_listed.runs[0].model
+        assert clipped.startswith("x" * 256) and len(clipped) < 300

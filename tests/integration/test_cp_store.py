@@ -19,6 +19,7 @@ from cp_store_helpers import fresh_database, postgres  # noqa: F401 - the sessio
 from pg_faults import lost_reply
 from worker.pg_server import PgServer, end_sessions
 
+from iop_control_plane import usage
 from iop_control_plane.bootstrap import build_control_plane
 from iop_control_plane.ledger import Attempt, LedgerEntry
 from iop_control_plane.metrics import ControlPlaneMetrics
@@ -476,6 +477,71 @@ async def test_usage_rows_are_bounded_with_a_way_out(open_store: Open, monkeypat
     assert len((await store.usage(_window(_DAY0, _DAY0 + 3 * 3600))).entries) == 3
 
 
+async def test_usage_refuses_a_range_over_a_month_by_hour_or_400_days_by_day(open_store: Open) -> None:
+    store = await open_store("cp-a")
+    await store.commit([_run("a1", "alice", "m1", _DAY0 + 10, prompt_tokens=3)], {})
+    month = 31 * 86_400 + 3600
+    assert len((await store.usage(_window(_DAY0, _DAY0 + month))).entries) == 1  # a month by hour, unaligned
+    with pytest.raises(ValueError, match=r"start \(\d+\) is 31\.0 days before end .*\(31 days and an hour by hour\)"):
+        await store.usage(_window(_DAY0 - 1, _DAY0 + month))
+    by_day = pb.USAGE_BUCKET_DAY
+    assert len((await store.usage(_window(_DAY0, _DAY0 + 400 * 86_400, bucket=by_day))).entries) == 1
+    with pytest.raises(ValueError, match=r"start \(\d+\) is 400\.0 days before end .*\(400 days by day\)"):
+        await store.usage(_window(_DAY0 - 1, _DAY0 + 400 * 86_400, bucket=by_day))
+
+
+async def test_a_callers_usage_is_read_through_an_index_added_by_the_migration(open_store: Open) -> None:
+    """The rollup's key starts with the bucket's start: one caller's usage (the console's own-key view)
+    reads an index by caller, added to a store of version 4, rather than every caller's rows in the range."""
+    store = await open_store("cp-a")
+    today = [_run(f"t{n}", f"caller-{n}", "m1", _DAY0 + n * 150) for n in range(500)]  # 500 callers in its day
+    earlier = [_run(f"e{n}", f"caller-{n}", "m1", _DAY0 - n * 86_400 - 7) for n in range(500)]  # and each day before
+    others = today + earlier
+    await store.commit([_run("a1", "alice", "m1", _DAY0 + 10, prompt_tokens=3), *others], {})
+    await store.aclose()
+    undo = ["DROP INDEX usage_hours_by_caller", "DROP INDEX usage_days_by_caller",
+            "UPDATE control_plane_schema SET version = 4"]  # fmt: skip
+    await _execute(store, [*undo, "ANALYZE"])
+    again = await open_store("cp-b")
+    for bucket, table in ((pb.USAGE_BUCKET_HOUR, "usage_hours"), (pb.USAGE_BUCKET_DAY, "usage_days")):
+        request = _window(_DAY0, _DAY0 + 86_400, bucket=bucket, caller="alice", by_model=True)
+        assert _rows(await again.usage(request)) == [(_DAY0, "", "m1", 1, 3, 0, 0, 0, 0)]
+        assert f"{table}_by_caller" in await _plan(again, request)
+
+
+async def _execute(store: StateStore, statements: list[str]) -> None:
+    """Run ``statements`` on ``store``'s file or database, outside the store."""
+    if isinstance(store, SqliteStore):
+        with sqlite3.connect(store.path) as db:
+            for sql in statements:
+                db.execute(sql)
+        return
+    assert isinstance(store, PgStore)
+    connection = await asyncpg.connect(store.url)
+    try:
+        for sql in statements:
+            await connection.execute(sql)
+    finally:
+        await connection.close()
+
+
+async def _plan(store: StateStore, request: pb.UsageList) -> str:
+    """The query plan of ``request``'s usage.list on ``store`` (PostgreSQL's with sequential scans off:
+    a table of a few rows is read whole otherwise)."""
+    if isinstance(store, SqliteStore):
+        sql, params = usage.select(request, lambda _: "?")
+        with sqlite3.connect(store.path) as db:
+            return " ".join(str(row) for row in db.execute(f"EXPLAIN QUERY PLAN {sql}", params))
+    assert isinstance(store, PgStore)
+    sql, params = usage.select(request, lambda n: f"${n}")
+    connection = await asyncpg.connect(store.url)
+    try:
+        await connection.execute("SET enable_seqscan = off")
+        return " ".join(row[0] for row in await connection.fetch(f"EXPLAIN {sql}", *params))
+    finally:
+        await connection.close()
+
+
 async def test_a_run_left_open_and_settled_moves_its_tokens_into_the_usage(open_store: Open) -> None:
     dead = await open_store("cp-dead")
     entry = LedgerEntry("left", "edge-1", "conn-1", "alice", "m1", received_at=_DAY0 + 60)
@@ -489,6 +555,29 @@ async def test_a_run_left_open_and_settled_moves_its_tokens_into_the_usage(open_
     assert _rows(await live.usage(_window(_DAY0, _DAY0 + 3600))) == [(_DAY0, "", "", 1, 5, 8, 2, 0, 0)]
     assert not await live.settle(left, found)  # once
     assert _rows(await live.usage(_window(_DAY0, _DAY0 + 3600))) == [(_DAY0, "", "", 1, 5, 8, 2, 0, 0)]
+
+
+async def test_a_run_handed_unplaced_to_another_replica_is_one_request_in_the_usage(open_store: Open) -> None:
+    """Replicas share the store. A run cp-a refused retryably before placement (UNAVAILABLE: no node yet),
+    or held unplaced when it died (recorded interrupted), is opened again by the edge's failover on cp-b,
+    which serves it: one request, cp-b's. A run refused for good before placement (MODEL_NOT_FOUND) counts."""
+    cp_a, cp_b = await open_store("cp-a"), await open_store("cp-b")
+    refused = LedgerEntry("r1", "edge-1", "conn-1", "alice", "m1", received_at=_DAY0 + 10)
+    refused.ending(pb.RunEvent(error=pb.Error(code=pb.ERROR_CODE_UNAVAILABLE, message="no node yet", retryable=True)))
+    unknown = LedgerEntry("r3", "edge-1", "conn-1", "alice", "nope", received_at=_DAY0 + 30)
+    unknown.ending(pb.RunEvent(error=pb.Error(code=pb.ERROR_CODE_MODEL_NOT_FOUND, message="no node serves 'nope'")))
+    await cp_a.commit([refused, unknown], {})
+    dead = await open_store("cp-dead")
+    await dead.commit([Opened(LedgerEntry("r2", "edge-1", "conn-2", "alice", "m1", received_at=_DAY0 + 20))], {})
+    assert len(await cp_b.recover(0.0)) == 1  # cp-dead's unplaced run, recorded interrupted
+    served = [_run(run_id, "alice", "m1", _DAY0 + 11, prompt_tokens=3, completion_tokens=5) for run_id in ("r1", "r2")]
+    await cp_b.commit(served, {})
+    listed = await cp_b.runs(pb.RunsList(caller="alice"))
+    assert sorted((run.run_id, run.status) for run in listed.runs) == [
+        ("r1", "completed"), ("r1", "failed"), ("r2", "completed"), ("r2", "interrupted"), ("r3", "failed"),
+    ]  # fmt: skip
+    usage_rows = _rows(await cp_a.usage(_window(_DAY0, _DAY0 + 3600, by_model=True)))
+    assert usage_rows == [(_DAY0, "", "(unknown)", 1, 0, 0, 0, 1, 0), (_DAY0, "", "m1", 2, 6, 10, 0, 0, 0)]
 
 
 async def test_runs_are_listed_by_caller_and_paged_by_arrival(open_store: Open) -> None:

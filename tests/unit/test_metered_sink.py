@@ -43,3 +43,24 @@ async def test_text_counts_the_output_when_a_delta_has_no_ids() -> None:
     await sink.output(pb.RunDelta(text="a long word", token_ids=[1, 2]))
     await sink.delta("another")  # 18 characters in all
     assert sink.estimated_usage() == pb.Usage(prompt_tokens=10, completion_tokens=5, estimated=True)
+
+
+async def test_a_prompt_the_backend_counted_and_token_ids_make_the_usage_exact() -> None:
+    sink = _sink()
+    sink.counting(7)  # a backend that reports its prompt's tokens before its output
+    await sink.output(pb.RunDelta(text="a long word", token_ids=[1, 2]))
+    assert sink.estimated_usage() == pb.Usage(prompt_tokens=7, completion_tokens=2, estimated=False)
+    await sink.output(pb.RunDelta(text="no ids"))  # a part without ids: the output is estimated from its text
+    assert sink.estimated_usage() == pb.Usage(prompt_tokens=7, completion_tokens=5, estimated=True)
+
+
+async def test_a_token_a_delta_counts_the_output_exactly_and_nothing_streamed_is_zero() -> None:
+    sink = _sink()
+    sink.counting(7, token_per_delta=True)  # the mock: a word a token
+    assert sink.estimated_usage() == pb.Usage(prompt_tokens=7, completion_tokens=0, estimated=False)
+    for word in ("the ", "cluster ", "answer "):
+        await sink.delta(word)
+    assert sink.estimated_usage() == pb.Usage(prompt_tokens=7, completion_tokens=3, estimated=False)
+    unsaid = _sink()  # no count of the prompt: estimated from its text, whatever the output
+    await unsaid.output(pb.RunDelta(text="abc", token_ids=[1]))
+    assert unsaid.estimated_usage() == pb.Usage(prompt_tokens=10, completion_tokens=1, estimated=True)

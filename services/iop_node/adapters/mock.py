@@ -145,6 +145,8 @@ class MockAdapter:
         options = _options(self._models[spec.request.model], spec.request.metadata)
         prompt = spec.prompt_text()
         words = random.Random(_seed(spec, prompt))  # noqa: S311 - reproducible text, not secrets
+        if not spec.request.HasField("continuation"):  # a continued attempt's usage is the whole run's
+            sink.counting(len(prompt.split()), token_per_delta=True)  # a word a token: exact if it ends early
         if options.ttft:
             await asyncio.sleep(options.ttft)
         if spec.kind == pb.RUN_KIND_EMBEDDING:
