@@ -44,7 +44,7 @@ from iop_cli.ggufs import engine_models, gguf_models, llama_routes
 from iop_cli.llama import llama_python
 from iop_cli.output import CliError
 from iop_cli.platform import JOINED, Platform, is_joined, read_joined
-from iop_cli.preflight import only_up
+from iop_cli.preflight import choosing_ports, only_up
 from iop_cli.shell import iop_command
 from iop_cli.up import run_attached, start_supervised
 from iop_gen.pb.iop import runtime_pb2 as pb
@@ -76,19 +76,27 @@ def join(args: argparse.Namespace) -> int:
     routes = backend_routes(args.backend) if args.backend else None  # before anything is sent: nothing wasted
     created = not state.exists()
     state.mkdir(parents=True, exist_ok=True)
+    ports = contextlib.ExitStack()
     try:
         with only_up(state, "join"):
             _refuse_taken(state)
             if ggufs:  # before joining: the token may expire while llama.cpp compiles, the node's certificate not
                 routes = llama_routes(ggufs, llama_python(state, args.llama_python))
             asyncio.run(_join(state, (host, port), name, args.token, args.ca))
+            # The node's metrics port is chosen free as its config is written: held until the node
+            # listens, as `iop up` holds it, or an `iop up` starting meanwhile may choose it too.
+            ports.enter_context(choosing_ports())
             _write_node(state, name, args.address, host, routes)
             (state / JOINED).write_text(json.dumps(_joined(args.address, name, args.ca), indent=2) + "\n")
     except BaseException:
+        ports.close()
         if created:  # a refused join leaves no folder behind (its key was for a certificate never issued)
             shutil.rmtree(state, ignore_errors=True)
         raise
-    return start_joined(state, args.log_level, foreground=args.foreground)
+    if args.foreground:  # attached for as long as it runs: not holding the machine's port lock meanwhile
+        ports.close()
+    with ports:
+        return start_joined(state, args.log_level, foreground=args.foreground)
 
 
 def start_joined(state: Path, log_level: str | None, *, foreground: bool) -> int:
