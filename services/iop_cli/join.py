@@ -34,6 +34,7 @@ import re
 import shutil
 import socket
 import ssl
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,22 +94,22 @@ def join(args: argparse.Namespace) -> int:
         if created:  # a refused join leaves no folder behind (its key was for a certificate never issued)
             shutil.rmtree(state, ignore_errors=True)
         raise
-    if args.foreground:  # attached for as long as it runs: not holding the machine's port lock meanwhile
-        ports.close()
-    with ports:
-        return start_joined(state, args.log_level, foreground=args.foreground)
+    with ports:  # attached (--foreground), released once the node is up, not for as long as it runs
+        return start_joined(state, args.log_level, foreground=args.foreground, started=ports.close)
 
 
-def start_joined(state: Path, log_level: str | None, *, foreground: bool) -> int:
+def start_joined(
+    state: Path, log_level: str | None, *, foreground: bool, started: Callable[[], None] = lambda: None
+) -> int:
     """Start the node of a folder that joined (by ``iop join``, or ``iop up`` there after ``iop down``
     or a reboot: the certificate it holds, renewed or not, is still its own); the exit code."""
     if foreground:
-        return _foreground(Platform(state, log_level, foreground=True))
+        return _foreground(Platform(state, log_level, foreground=True), started)
     try:
-        started = start_supervised(state, log_level)
+        running = start_supervised(state, log_level)
     except CliError as exc:
         raise CliError(str(exc), 2) from None
-    _print_joined(state, started["node"])
+    _print_joined(state, running["node"])
     return 0
 
 
@@ -268,9 +269,14 @@ def _models(state: Path) -> list[str]:
     return []
 
 
-def _foreground(platform: Platform) -> int:
-    """--foreground: the node attached, its output relayed; Ctrl-C or SIGTERM stop it."""
+def _foreground(platform: Platform, started: Callable[[], None]) -> int:
+    """--foreground: the node attached, its output relayed; Ctrl-C or SIGTERM stop it; ``started()`` once it is up."""
+
+    def up(services: dict[str, Any]) -> None:
+        started()
+        _print_joined(platform.state, services["node"])
+
     try:
-        return run_attached(platform, lambda services: _print_joined(platform.state, services["node"]))
+        return run_attached(platform, up)
     except CliError as exc:
         raise CliError(str(exc), 2) from None

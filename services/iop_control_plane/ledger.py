@@ -20,6 +20,7 @@ that control-plane has been silent for a while in a shared store. Every string i
 from __future__ import annotations
 
 import datetime
+import math
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -313,13 +314,29 @@ def filters(request: pb.RunsList, mark: Callable[[int], str]) -> tuple[str, list
         params.append(request.since.ToNanoseconds() / 1e9)
         where.append(f"received_at >= {mark(len(params))}")
     if request.HasField("before"):
-        params.append(request.before.ToNanoseconds() / 1e9)
-        where.append(f"received_at < {mark(len(params))}")
+        params.append(_below(request.before.ToNanoseconds()))
+        where.append(f"received_at <= {mark(len(params))}")
     if request.node_id:
         params.append(request.node_id)
         where.append(f"id IN (SELECT run FROM run_attempts WHERE node_id = {mark(len(params))})")  # noqa: S608 - a placeholder
     limit = min(request.limit or _DEFAULT_LIST, MAX_LIST)
     return (f"WHERE {' AND '.join(where)}" if where else ""), params, limit
+
+
+def _below(nanoseconds: int) -> float:
+    """The largest ``received_at`` (float seconds, as stored) that a run shows as before ``nanoseconds``.
+
+    A run's time is shown as ``int(received_at * 1e9)`` (:func:`run_message`); ``nanoseconds / 1e9``
+    back is not always below the run it came from (1 in 30 times it rounds up), and the next page
+    would start with the last run of the page before. Stepping to the float neighbour keeps
+    ``int(x * 1e9) < nanoseconds`` exactly for every stored ``x <= `` the answer.
+    """
+    seconds = nanoseconds / 1e9
+    while int(seconds * 1e9) >= nanoseconds:
+        seconds = math.nextafter(seconds, -math.inf)
+    while int((higher := math.nextafter(seconds, math.inf)) * 1e9) < nanoseconds:
+        seconds = higher
+    return seconds
 
 
 def query(path: Path, request: pb.RunsList) -> pb.RunsListed:

@@ -74,6 +74,8 @@ _NUMBER_CHARS = 40
 """Longest number a query parameter may hold (``int`` refuses 4,300 digits; a time needs 20)."""
 _NANOS_FROM = 10**11
 """A whole ``before`` this large is nanoseconds (as seconds it would be past the year 5000)."""
+_NANOS_TO = 10**20
+"""Nanoseconds past the last time ``_time`` takes (1e11 s): a Timestamp refuses far larger."""
 _INT32_MAX = 2**31 - 1
 """The largest key limit (the stores' integer columns)."""
 _DAY = 86_400
@@ -145,6 +147,8 @@ def _before(value: str | None) -> Timestamp | None:
     """``runs?before=``: the ``next_before`` of a page (a string of integer nanoseconds, exact, so the
     next page starts right after its last run), or unix seconds written by hand."""
     if value and value.isascii() and value.isdigit() and len(value) <= _NUMBER_CHARS and int(value) >= _NANOS_FROM:
+        if int(value) >= _NANOS_TO:
+            raise ApiError(400, f"before must be a time in nanoseconds, not {value[:40]!r}", param="before")
         stamp = Timestamp()
         stamp.FromNanoseconds(int(value))
         return stamp

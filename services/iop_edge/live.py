@@ -121,11 +121,12 @@ class LiveHub:
         self._refused_since = 0
 
     def join(self, caller: str, *, admin: bool, recheck: Recheck | None = None) -> Watcher:
-        """A new watcher; 429 once ``max_watchers`` are open, or ``max_per_key`` of this caller's;
+        """A new watcher; 429 once ``max_watchers`` are open, or ``max_per_key`` of this caller's (keys on);
         503 while the edge stops. Starts the poller for the first."""
         if self.stopping:
             raise ApiError(503, "this edge is stopping; reconnect to another", retry_after=1.0)
-        mine = sum(1 for watcher in self.watchers if watcher.caller == caller)
+        # With keys off (no recheck: auth none) every watcher is `anonymous`: only the edge's bound holds.
+        mine = sum(1 for watcher in self.watchers if watcher.caller == caller) if recheck is not None else 0
         if len(self.watchers) >= self.max_watchers or mine >= self.max_per_key:
             self.metrics.watchers_refused.inc()
             self._log_refusal(caller)
@@ -228,6 +229,10 @@ class LiveStream(Response):
         self._started = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.watcher.dropped.is_set():  # dropped (the edge stopping) between joining and now
+            self.hub.leave(self.watcher)
+            await _refuse(send)
+            return
         tasks = (
             asyncio.ensure_future(self._send(send)),
             asyncio.ensure_future(_disconnected(receive)),
@@ -240,7 +245,10 @@ class LiveStream(Response):
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self.hub.leave(self.watcher)
-        if self.watcher.dropped.is_set() and self._started:
+        if self.watcher.dropped.is_set():
+            if not self._started:  # dropped (the edge stopping) before the stream began: a 503, not a 500
+                await _refuse(send)
+                return
             await _end(send)
 
     async def _send(self, send: Send) -> None:
@@ -257,6 +265,16 @@ async def _disconnected(receive: Receive) -> None:
         message = await receive()
         if message["type"] == "http.disconnect":
             return
+
+
+async def _refuse(send: Send) -> None:
+    """A 503 in place of a stream the hub dropped before it began; bounded like :func:`_end`."""
+    error = ApiError(503, "this edge is stopping; reconnect to another", retry_after=1.0)
+    headers = [(b"content-type", b"application/json"), (b"retry-after", b"1")]
+    with contextlib.suppress(OSError, RuntimeError, TimeoutError):
+        async with asyncio.timeout(1.0):
+            await send({"type": "http.response.start", "status": 503, "headers": headers})
+            await send({"type": "http.response.body", "body": error.content()})
 
 
 async def _end(send: Send) -> None:

@@ -34,8 +34,10 @@ from iop_wire.settings import bind_error, run_service, write_ready_file
 __all__ = ["run"]
 
 _log = structlog.get_logger("iop.edge")
-_GRACEFUL_SECONDS = 5
-"""Seconds requests in progress have to finish once the edge is told to stop; then they are cut."""
+_GRACEFUL_SECONDS = 50
+"""Seconds requests in progress (a long streamed answer) have to finish once the edge is told to stop;
+then they are cut. Under ``iop down``'s 60 s before SIGKILL, so the edge still flushes its usage and
+removes its ready file. The console's live streams, which never end by themselves, are ended first."""
 
 
 def run(config: Path, *, ready_file: Path | None = None, log_level: str | None = None) -> int:

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from iop_edge.access import JSON, error_response
-from iop_edge.console import USAGE_SPANS, Who, ask_control_plane, who
+from iop_edge.console import Who, ask_control_plane, who
 from iop_edge.views import seconds
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire import IopError
@@ -31,10 +31,10 @@ if TYPE_CHECKING:
 __all__ = ["UsageRoutes"]
 
 _WIDTHS = {
-    "1h": (3600, pb.USAGE_BUCKET_HOUR, 24, 168, USAGE_SPANS["hour"]),
-    "1d": (86_400, pb.USAGE_BUCKET_DAY, 7, 31, USAGE_SPANS["day"]),
+    "1h": (3600, pb.USAGE_BUCKET_HOUR, 24, 168),
+    "1d": (86_400, pb.USAGE_BUCKET_DAY, 7, 31),
 }
-"""bucket_width -> seconds, usage.list's bucket, default and largest ``limit`` (OpenAI's), longest range."""
+"""bucket_width -> seconds, usage.list's bucket, default and largest ``limit`` (OpenAI's)."""
 _UNSUPPORTED = ("project_ids", "user_ids", "batch")
 """OpenAI's filters this platform has nothing for (no projects, users, or batch flag on runs)."""
 _GROUPS = ("api_key_id", "model")
@@ -67,7 +67,8 @@ class _Question:
                 "use '1h' or '1d'."
             )
             raise ApiError(400, message, param="bucket_width", code="invalid_value")
-        self.width, self.bucket, default_limit, most, longest = _WIDTHS[width_name]
+        # Any range: a page asks the control-plane for `limit` buckets at most (within its longest read).
+        self.width, self.bucket, default_limit, most = _WIDTHS[width_name]
         for name in _UNSUPPORTED:
             if query.getlist(name) or query.getlist(name + "[]"):
                 message = f"Invalid '{name}': this platform has no {name.removesuffix('_ids')} to filter usage by."
@@ -79,11 +80,6 @@ class _Question:
         if self.end <= start:
             message = "Invalid 'end_time': it must be after start_time."
             raise ApiError(400, message, param="end_time", code="invalid_value")
-        if self.end - start > longest:
-            message = (
-                f"Invalid 'start_time': with bucket_width={width_name} a range is at most {longest // 86_400} days."
-            )
-            raise ApiError(400, message, param="start_time", code="invalid_value")
         limit = _integer(query, "limit")
         if limit is not None and not 1 <= limit <= most:
             message = f"Invalid 'limit': with bucket_width={width_name} it must be from 1 to {most}."
@@ -105,8 +101,7 @@ class _Question:
                 message = f"Invalid 'group_by': {group[:40]!r}. This platform groups by {' and '.join(_GROUPS)}."
                 raise ApiError(400, message, param="group_by", code="invalid_value")
         self.by_key, self.by_model = "api_key_id" in groups, "model" in groups
-        self.keys = frozenset(query.getlist("api_key_ids") + query.getlist("api_key_ids[]")) or None
-        self.models = frozenset(query.getlist("models") + query.getlist("models[]")) or None
+        self.keys, self.models = _filter(query, "api_key_ids"), _filter(query, "models")
 
     def buckets(self) -> list[int]:
         """The starts of this page's buckets."""
@@ -126,6 +121,15 @@ class _Question:
         listing.start.FromSeconds(starts[0])
         listing.end.FromSeconds(starts[-1] + self.width)
         return pb.Envelope(usage_list=listing)
+
+
+def _filter(query: QueryParams, name: str) -> frozenset[str] | None:
+    """The values of the filter ``name`` (None: not given); 400 for an empty one, which the
+    control-plane would read as no filter at all."""
+    values = query.getlist(name) + query.getlist(name + "[]")
+    if any(not value for value in values):
+        raise ApiError(400, f"Invalid '{name}': an empty value names nothing.", param=name, code="invalid_value")
+    return frozenset(values) or None
 
 
 def _single(values: frozenset[str] | None) -> str:

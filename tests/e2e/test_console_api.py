@@ -297,6 +297,7 @@ def test_runs_are_paged_newest_first_and_scoped_to_the_key(console: Console) -> 
         ({"limit": "\u0663"}, "limit"),  # ARABIC-INDIC DIGIT THREE
         ({"limit": "9" * 5000}, "limit"),
         ({"before": "\u0661\u0662"}, "before"),
+        ({"before": "1" + "0" * 30}, "before"),  # digits a Timestamp cannot hold
         ({"since": "9" * 5000}, "since"),
         ({"status": "odd"}, "status"),
     ):
@@ -409,6 +410,9 @@ def test_openai_usage_api_follows_the_spec_and_pages(console: Console) -> None:
     [both] = filtered(api_key_ids=["openai-usage", "nobody"], models="mock-small")
     assert both["num_model_requests"] == 2
 
+    year = console.get(path, console.admin, start_time=now - 365 * 86_400, bucket_width="1h").json()
+    assert len(year["data"]) == 24 and year["has_more"]  # any range: a page reads `limit` buckets
+
     hour_ago = now - 3600  # an end_time (now, by default) after it, however fast the test runs
     for bad, param in (
         ({"start_time": hour_ago, "bucket_width": "1m"}, "bucket_width"),
@@ -421,8 +425,7 @@ def test_openai_usage_api_follows_the_spec_and_pages(console: Console) -> None:
         ({"start_time": hour_ago, "limit": "\u00b2"}, "limit"),
         ({"start_time": "9" * 5000}, "start_time"),
         ({"start_time": hour_ago, "page": "\u00b3"}, "page"),
-        ({"start_time": now - 32 * 86_400, "bucket_width": "1h"}, "start_time"),
-        ({"start_time": now - 401 * 86_400}, "start_time"),
+        ({"start_time": hour_ago, "api_key_ids": ""}, "api_key_ids"),  # empty: not "every key"
         ({"start_time": hour_ago, "project_ids": "proj_1"}, "project_ids"),
         ({"start_time": hour_ago, "user_ids[]": "user_1"}, "user_ids"),
         ({"start_time": hour_ago, "batch": "true"}, "batch"),
@@ -585,7 +588,7 @@ def test_stopping_the_edge_ends_its_live_streams_first(console: Console) -> None
         lines = stream.iter_lines()
         assert next(lines) == ": live"
         edge.popen.send_signal(signal.SIGTERM)
-        edge.popen.wait(timeout=3)  # before the 5 s graceful shutdown's cut: the stream did not hold it
+        edge.popen.wait(timeout=3)  # long before the 50 s graceful shutdown's cut: the stream did not hold it
         rest = list(lines)
     assert edge.popen.returncode == 0 and "ASGI callable returned without completing" not in edge.log.read_text()
     assert all(not line.startswith("event: error") for line in rest)

@@ -71,6 +71,22 @@ async def test_keys_are_created_listed_revoked_and_their_names_never_reused(make
     assert digest("sk-iop-d") not in await store.active()
 
 
+async def test_two_edges_creating_one_name_at_once_make_one_key(make: StorageFactory) -> None:
+    """Names are never given twice (records are kept by name), also to two creates racing from two edges."""
+    one, two = await _open(make), await _open(make)
+
+    async def create(store: KeyStorage, secret: str) -> bool:
+        try:
+            await store.create("carol", digest(secret), rpm=None, tpm=None, max_concurrent=None)
+        except ValueError:
+            return False
+        return True
+
+    made = await asyncio.gather(*(create(store, f"sk-iop-{i}") for i in range(8) for store in (one, two)))
+    assert made.count(True) == 1
+    assert [info.name for info in await one.list_keys()] == ["carol"]
+
+
 async def test_admin_keys_are_kept_as_admin(make: StorageFactory) -> None:
     store = await _open(make)
     await store.create("ops", digest("sk-iop-o"), rpm=None, tpm=None, max_concurrent=None, admin=True)

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from iop_edge.live import QUEUED, STALL_TICKS, LiveHub, Snapshot
+from iop_edge.live import QUEUED, STALL_TICKS, LiveHub, LiveStream, Snapshot
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.views import grouped, overview_view, run_view, summed_overview, usage_csv
 from iop_gen.pb.iop import runtime_pb2 as pb
@@ -198,13 +198,25 @@ async def test_a_revoked_keys_stream_ends_at_the_next_tick_and_a_changed_scope_i
 async def test_one_key_may_hold_only_max_per_key_streams() -> None:
     polls, metrics = _Polls(), EdgeMetrics()
     hub = LiveHub(polls, interval=3600, max_watchers=8, max_per_key=2, metrics=metrics)
-    hub.join("alice", admin=False)
-    hub.join("alice", admin=False)
+    hub.join("alice", admin=False, recheck=lambda: False)
+    hub.join("alice", admin=False, recheck=lambda: False)
     with pytest.raises(ApiError) as refused:
-        hub.join("alice", admin=False)
+        hub.join("alice", admin=False, recheck=lambda: False)
     assert refused.value.status == 429 and "console.max_watchers_per_key" in refused.value.message
     assert _value(metrics, "iop_edge_console_watchers_refused_total") == 1
-    hub.join("bob", admin=False)  # another key still gets one
+    hub.join("bob", admin=False, recheck=lambda: False)  # another key still gets one
+    await hub.aclose()
+
+
+async def test_with_keys_off_the_per_key_bound_does_not_make_the_edge_hold_only_that_many() -> None:
+    """auth: none: every watcher is `anonymous` (no key to re-check); only max_watchers bounds them."""
+    polls, metrics = _Polls(), EdgeMetrics()
+    hub = LiveHub(polls, interval=3600, max_watchers=4, max_per_key=2, metrics=metrics)
+    for _ in range(4):
+        hub.join("anonymous", admin=True)
+    with pytest.raises(ApiError) as refused:
+        hub.join("anonymous", admin=True)
+    assert refused.value.status == 429 and "console.max_watchers)" in refused.value.message
     await hub.aclose()
 
 
@@ -250,3 +262,25 @@ def test_several_control_planes_overviews_are_summed_and_named() -> None:
     assert (model["requests"], model["failed"], model["completion_tokens"], model["ttft_p50_ms"]) == (40, 2, 200, 125.0)
     alone = _shown("cp-a", 30, 100, 400, 3)
     assert summed_overview([alone]) is alone and overview_view(alone, [], 0.0)["control_planes"] == ["cp-a"]
+
+
+async def test_a_stream_dropped_before_it_began_is_answered_503_not_left_unanswered() -> None:
+    """end_all() (the edge stopping) right after a watcher joined: its response had not started, and
+    returning without one made the server answer 500 and log an ASGI error."""
+    polls, metrics = _Polls(), EdgeMetrics()
+    hub = _hub(polls, metrics)
+    watcher = hub.join("ops", admin=True)
+    hub.end_all()
+    sent: list[dict[str, object]] = []
+
+    async def receive() -> dict[str, object]:
+        await asyncio.Event().wait()  # the client stays
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    await LiveStream(hub, watcher)({"type": "http"}, receive, send)  # type: ignore[arg-type]
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 503
+    assert b"stopping" in sent[1]["body"]  # type: ignore[operator]
+    await hub.aclose()

@@ -4,6 +4,7 @@ killed control-plane are recorded as interrupted, and every string it stores is 
 from __future__ import annotations
 
 import contextlib
+import math
 import sqlite3
 from pathlib import Path
 
@@ -224,3 +225,17 @@ def test_a_cancelled_run_keeps_the_estimate_until_its_nodes_count_comes() -> Non
     used = pb.Usage(prompt_tokens=6, completion_tokens=5, estimated=True)
     assert entry.counted(pb.RunEvent(error=pb.Error(code=pb.ERROR_CODE_CANCELLED, usage=used)))
     assert (entry.status, entry.usage) == ("cancelled", used)
+
+
+def test_a_page_boundary_in_nanoseconds_excludes_exactly_the_runs_at_or_after_it() -> None:
+    """runs.list's ``before`` is the oldest run's time in nanoseconds (as shown); read back as seconds
+    it rounded up 1 time in 30, and the next page started with that same run."""
+    rounded_up = 0
+    for step in range(20_000):
+        stored = 1_764_000_000.0 + step * 0.000_123_457  # times as time.time() gives them
+        shown = int(stored * 1e9)
+        rounded_up += shown / 1e9 >= stored
+        below = ledger._below(shown)
+        assert below < stored, (stored, shown)
+        assert int(math.nextafter(below, math.inf) * 1e9) >= shown
+    assert rounded_up > 0  # the case the stepping is for does occur in these times
