@@ -5,8 +5,8 @@ An admin key made with ``iop keys create --admin`` signs in; the tests see both 
 chat in the playground while the answer streams, find that run in Runs and its tokens in Usage,
 create and revoke a key, cancel a batch made with the official SDK, use the nav and a button with
 the keyboard alone, and measure the contrast of every visible text on every page. Every test
-fails on an error in the browser's console. Screenshots go to ``.artifacts/console/``; the
-Overview one also to ``/tmp/iop-console-overview.png`` (the README's picture).
+fails on an error in the browser's console. Screenshots go to ``.artifacts/console/`` (the
+README's picture is ``overview.png``).
 
 The up node also serves ``mock-slow`` (20 tokens/s; added by ``iop nodes reload``) so that an
 answer is seen growing and a batch is still running when it is cancelled.
@@ -50,7 +50,6 @@ LOADED = {
     "playground": "#p-model option",
 }
 """What each page shows once its data came."""
-README_SCREENSHOT = Path("/tmp/iop-console-overview.png")  # noqa: S108 - where the lead picks up the README's picture
 
 
 def _iop(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
@@ -404,6 +403,4 @@ def test_every_page_renders_with_readable_contrast(console: Console) -> None:
         page.locator(LOADED[name]).first.wait_for(state="attached")
         failing = low_contrast(page)
         assert not failing, (name, failing)
-        path = screenshot(page, name)
-        if name == "overview":
-            README_SCREENSHOT.write_bytes(path.read_bytes())
+        screenshot(page, name)

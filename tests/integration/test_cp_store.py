@@ -604,18 +604,7 @@ async def _back_to_version_3(store: StateStore) -> None:
         "ALTER TABLE runs DROP COLUMN cached_tokens",
         "UPDATE control_plane_schema SET version = 3",
     ]
-    if isinstance(store, SqliteStore):
-        with sqlite3.connect(store.path) as db:
-            for sql in undo:
-                db.execute(sql)
-        return
-    assert isinstance(store, PgStore)
-    connection = await asyncpg.connect(store.url)
-    try:
-        for sql in undo:
-            await connection.execute(sql)
-    finally:
-        await connection.close()
+    await _execute(store, undo)
 
 
 async def test_the_usage_of_runs_recorded_before_it_was_kept_is_filled_in_by_the_migration(open_store: Open) -> None:
