@@ -40,8 +40,9 @@ STATUS: dict[int, int] = {
 }
 """HTTP status of each IOP error code (499: the client closed the request, as nginx counts it)."""
 
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error"}
-_TYPES |= {404: "invalid_request_error", 413: "invalid_request_error", 431: "invalid_request_error", 429: "requests"}
+_TYPES = {429: "requests"}
+"""OpenAI's error type where it is not the rule: a client's error (4xx) is an ``invalid_request_error``
+(a 409 name in use, a 408 body too slow, as much as a 400), a server's a ``server_error``."""
 _CODES: dict[int, str] = {
     pb.ERROR_CODE_MODEL_NOT_FOUND: "model_not_found",
     pb.ERROR_CODE_RESOURCE_EXHAUSTED: "rate_limit_exceeded",
@@ -77,7 +78,7 @@ class ApiError(Exception):
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or _TYPES.get(status, "server_error")
+        self.type = type or _TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
         self.retry_after = retry_after
         """Seconds, sent as the Retry-After header (whole seconds, rounded up) with 429 and 503."""
 
