@@ -13,18 +13,21 @@ import asyncio
 import io
 import json
 import re
+import signal
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import httpx2 as httpx
 import openai
 import pytest
 from worker.pg_server import create_database, pg_server, required_binaries
 
 from .batch_helpers import worker_reachable
-from .conftest import Stack, batch_ended, file_lines, running_stack, wait_for
+from .conftest import Process, Stack, batch_ended, file_lines, running_stack, wait_for
 
 # 4 tokens at 40 per second: about 0.1 s a line, 16 at once per node.
 PACED = {
@@ -172,6 +175,25 @@ def _metric(stack: Stack, worker: str, name: str) -> float:
     return sum(float(value) for value in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
 
 
+def _frozen_holding_leases(process: Process, url: str, owner_prefix: str) -> bool:
+    """SIGSTOP ``process``; True if it holds a lease now (it stays stopped), else SIGCONT and False."""
+    process.popen.send_signal(signal.SIGSTOP)
+
+    async def held() -> int:
+        conn = await asyncpg.connect(url)
+        try:
+            query = "SELECT count(*) FROM lines WHERE status = 'leased' AND lease_owner LIKE $1"
+            return int(await conn.fetchval(query, owner_prefix + "%"))
+        finally:
+            await conn.close()
+
+    if asyncio.run(held()) > 0:
+        return True
+    process.popen.send_signal(signal.SIGCONT)
+    time.sleep(0.02)
+    return False
+
+
 def test_two_workers_on_postgresql_share_a_batch_and_survive_one_killed(postgres_url: str, tmp_path: Path) -> None:
     settings = {
         "store": {"url": postgres_url},
@@ -186,7 +208,15 @@ def test_two_workers_on_postgresql_share_a_batch_and_survive_one_killed(postgres
         lines = "iop_worker_lines_total"
         wait_for(lambda: _metric(stack, "worker-b", lines) >= 10, 20.0, 0.05, "worker-b finishing lines")
         assert client.batches.retrieve(batch_id).status == "in_progress"
-        other.kill()  # with up to 8 lines leased: the survivor takes them once the leases lapse
+        # Killed between two leases (or once the survivor had leased the batch's last lines), worker-b
+        # would leave nothing to take over: freeze it until PostgreSQL shows it holding lines.
+        wait_for(
+            lambda: _frozen_holding_leases(other, postgres_url, "worker-b-"),
+            20.0,
+            0.0,
+            "worker-b frozen holding leases",
+        )
+        other.kill()  # with lines leased: the survivor takes them once the leases lapse
         _assert_exactly_once(client, batch_ended(client, batch_id), inputs)
         assert _metric(stack, "worker", lines) > 0
         assert _metric(stack, "worker", "iop_worker_lease_takeovers_total") > 0
