@@ -35,12 +35,17 @@ def caller_of(key: ApiKey | None) -> str:
     return key.name if key is not None else ANONYMOUS
 
 
-def authenticate(keys: KeyStore | None, request: Request) -> ApiKey | None:
-    """The request's API key; 401 without a valid one (None when keys are off: ``auth: none``)."""
+def authenticate(keys: KeyStore | None, request: Request, *, x_api_key: bool = False) -> ApiKey | None:
+    """The request's API key; 401 without a valid one (None when keys are off: ``auth: none``).
+
+    ``x_api_key``: an ``x-api-key`` header is taken too (Anthropic's SDKs send the key there).
+    """
     if keys is None:
         return None
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
+    if x_api_key and (given := request.headers.get("x-api-key", "")).strip():
+        scheme, token = "bearer", given
     if scheme.lower() != "bearer" or not token.strip():
         raise ApiError(401, _NO_KEY)
     key = keys.authenticate(token.strip())

@@ -56,11 +56,11 @@ from iop_wire.openai import responses as shape
 from iop_wire.openai.errors import ApiError, from_event, from_iop
 from iop_wire.runs import RunStream
 
-__all__ = ["Edge", "build_app"]
+__all__ = ["Api", "Call", "Chunks", "Edge", "build_app"]
 
 
 @dataclass(slots=True)
-class _Call:
+class Call:
     """One request being served."""
 
     route: str
@@ -83,7 +83,7 @@ def build_app(edge: Edge) -> FastAPI:
     # environment lookups; the edge's own metrics are on /metrics.
     telemetry = TelemetryConfig(tracing=False, metrics=False, logs=False, operation_spans=False)
     app = FastAPI(title="IOP edge", docs_url=None, redoc_url=None, openapi_url=None, telemetry=telemetry)
-    api = _Api(edge)
+    api = Api(edge)
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/embeddings", api.embeddings, methods=["POST"])
@@ -114,8 +114,8 @@ def build_app(edge: Edge) -> FastAPI:
     return app
 
 
-class _Api:
-    """The route handlers."""
+class Api:
+    """The route handlers, and the steps of serving a run that other APIs' routes (Responses, Messages) share."""
 
     def __init__(self, edge: Edge) -> None:
         self.edge = edge
@@ -126,23 +126,29 @@ class _Api:
 
     async def chat(self, request: Request) -> Response:
         """POST /v1/chat/completions."""
-        return await self._serve(request, "chat.completions", self._chat)
+        return await self.serve(request, "chat.completions", self._chat)
 
     async def completions(self, request: Request) -> Response:
         """POST /v1/completions."""
-        return await self._serve(request, "completions", self._completions)
+        return await self.serve(request, "completions", self._completions)
 
     async def embeddings(self, request: Request) -> Response:
         """POST /v1/embeddings."""
-        return await self._serve(request, "embeddings", self._embeddings)
+        return await self.serve(request, "embeddings", self._embeddings)
 
-    async def _serve(
+    async def serve(
         self,
         request: Request,
         route: str,
-        handle: Callable[[Request, _Call, dict[str, Any]], Awaitable[Response]],
+        handle: Callable[[Request, Call, dict[str, Any]], Awaitable[Response]],
+        *,
+        errors: Callable[[ApiError, str], Response] = error_response,
+        x_api_key: bool = False,
     ) -> Response:
-        call = _Call(route, request.scope.get(ARRIVED) or time.perf_counter(), secrets.token_hex(12), None)
+        """One inference request: the edge's and the key's limits, the body read and parsed, then
+        ``handle``; an :class:`ApiError` anywhere becomes ``errors(error, run_id)`` (OpenAI's shape
+        unless told otherwise). ``x_api_key``: the key may come in an ``x-api-key`` header too."""
+        call = Call(route, request.scope.get(ARRIVED) or time.perf_counter(), secrets.token_hex(12), None)
         edge = self.edge
         streaming = False
         try:
@@ -153,7 +159,7 @@ class _Api:
             edge.in_flight += 1
             self.metrics.in_flight.inc()
             try:
-                call.key = self._authenticate(request)
+                call.key = authenticate(self.edge.keys, request, x_api_key=x_api_key)
                 await self._admit(call)  # before the body: one still arriving holds its key's slot too
                 data = parse.parse_body(await self._body(request, call.route))
                 response = await handle(request, call, data)
@@ -162,13 +168,13 @@ class _Api:
                 if not streaming:  # a stream's own end releases these
                     self.finished(call)
         except ApiError as error:
-            response = self._error(call, error)
+            response = errors(error, call.run_id)
         if not streaming:
             self.metrics.requests.labels(route, call.model, str(response.status_code)).inc()
         response.headers["x-request-id"] = call.run_id
         return response
 
-    def finished(self, call: _Call) -> None:
+    def finished(self, call: Call) -> None:
         self.edge.in_flight -= 1
         self.metrics.in_flight.dec()
         if call.lease is not None:
@@ -177,31 +183,31 @@ class _Api:
         if call.key is not None and self.edge.usage is not None:
             self.edge.usage.record(call.key.name, call.tokens)
 
-    async def _chat(self, request: Request, call: _Call, data: dict[str, Any]) -> Response:
+    async def _chat(self, request: Request, call: Call, data: dict[str, Any]) -> Response:
         chat = parse.chat_request(data, call.run_id)
-        run = self._prepared(call, chat.request)
+        run = self.prepared(call, chat.request)
         run.stream = chat.stream
-        stream = await self._open(call, run)
+        stream = await self.open(call, run)
         if chat.stream:
             return await self._chat_stream(request, call, stream, chat.include_usage)
         outcome = shape.Outcome()
-        start, complete = await self._collect(request, call, stream, outcome)
+        start, complete = await self.collect(request, call, stream, outcome)
         model = start.model or run.model
         body = shape.chat_body(call.run_id, int(time.time()), model, outcome, complete)
-        return self._json(call, body, complete)
+        return self.json(call, body, complete)
 
-    async def _completions(self, request: Request, call: _Call, data: dict[str, Any]) -> Response:
+    async def _completions(self, request: Request, call: Call, data: dict[str, Any]) -> Response:
         completion = parse.completion_request(data, call.run_id)
-        runs = [self._prepared(call, run) for run in completion.requests]
+        runs = [self.prepared(call, run) for run in completion.requests]
         if completion.stream:
             if len(runs) > 1:
                 raise ApiError(400, "stream with more than one prompt is not supported", param="prompt")
-            stream = await self._open(call, runs[0])
+            stream = await self.open(call, runs[0])
             return await self._completion_stream(request, call, stream, completion.include_usage)
         streams = await self._open_all(call, runs)
         outcomes = [shape.Outcome() for _ in runs]
         results = await asyncio.gather(
-            *(self._collect(request, call, s, o) for s, o in zip(streams, outcomes, strict=True)),
+            *(self.collect(request, call, s, o) for s, o in zip(streams, outcomes, strict=True)),
             return_exceptions=True,
         )
         for result in results:
@@ -216,13 +222,13 @@ class _Api:
             (prompt if completion.echo else "") + "".join(o.text) for prompt, o in zip(prompts, outcomes, strict=True)
         ]
         body = shape.completion_body(call.run_id, int(time.time()), starts[0].model or runs[0].model, texts, completes)
-        return self._json(call, body, completes[-1])
+        return self.json(call, body, completes[-1])
 
-    async def _embeddings(self, request: Request, call: _Call, data: dict[str, Any]) -> Response:
+    async def _embeddings(self, request: Request, call: Call, data: dict[str, Any]) -> Response:
         embedding = parse.embedding_request(data, call.run_id)
-        run = self._prepared(call, embedding.request)
+        run = self.prepared(call, embedding.request)
         outcome = shape.Outcome()
-        start, complete = await self._collect(request, call, await self._open(call, run), outcome)
+        start, complete = await self.collect(request, call, await self.open(call, run), outcome)
         body = shape.embedding_body(
             start.model or run.model,
             outcome.embeddings,
@@ -230,11 +236,11 @@ class _Api:
             as_base64=embedding.base64,
             dimensions=embedding.dimensions,
         )
-        return self._json(call, body, complete)
+        return self.json(call, body, complete)
 
     # -- runs ---------------------------------------------------------------------------------
 
-    async def _admit(self, call: _Call) -> None:
+    async def _admit(self, call: Call) -> None:
         """The key's limits taken for the request (429 over them); released when it ends."""
         if call.key is None:
             return
@@ -245,7 +251,7 @@ class _Api:
             self.metrics.refused.labels(exc.limit).inc()
             raise ApiError(429, exc.message, code="rate_limit_exceeded", retry_after=exc.retry_after) from None
 
-    def _prepared(self, call: _Call, run: pb.RunRequest) -> pb.RunRequest:
+    def prepared(self, call: Call, run: pb.RunRequest) -> pb.RunRequest:
         """The run with its caller (the key) and deadline."""
         key = call.key
         run.caller.id = caller_of(key)
@@ -255,7 +261,7 @@ class _Api:
         run.metadata["request_id"] = call.run_id
         return run
 
-    async def _open(self, call: _Call, run: pb.RunRequest) -> RunStream:
+    async def open(self, call: Call, run: pb.RunRequest) -> RunStream:
         """The run submitted (413 in the request's terms when it is more than a run carries)."""
         call.requested = run.model
         try:
@@ -269,20 +275,20 @@ class _Api:
             raise ApiError(503, message, code="service_unavailable", retry_after=1.0) from None
         return stream
 
-    async def _open_all(self, call: _Call, runs: list[pb.RunRequest]) -> list[RunStream]:
+    async def _open_all(self, call: Call, runs: list[pb.RunRequest]) -> list[RunStream]:
         """Every run submitted, or none: those opened before one that fails are cancelled."""
         streams: list[RunStream] = []
         try:
             for run in runs:
-                streams.append(await self._open(call, run))  # noqa: PERF401 - those opened before a failure are cancelled
+                streams.append(await self.open(call, run))  # noqa: PERF401 - those opened before a failure are cancelled
         except BaseException:
             for stream in streams:
                 stream.cancel_nowait("another prompt of the request could not start")
             raise
         return streams
 
-    async def _collect(
-        self, request: Request, call: _Call, stream: RunStream, outcome: shape.Outcome
+    async def collect(
+        self, request: Request, call: Call, stream: RunStream, outcome: shape.Outcome
     ) -> tuple[pb.RunStart, pb.RunComplete]:
         """A run's events gathered until it ends; the run is cancelled if the client goes away first."""
         async with self._departure(request, call, stream):
@@ -296,9 +302,7 @@ class _Api:
         call.tokens += end.complete.usage.prompt_tokens + end.complete.usage.completion_tokens
         return start, end.complete
 
-    async def _opening(
-        self, request: Request, call: _Call, stream: RunStream
-    ) -> tuple[list[pb.RunEvent], float | None]:
+    async def _opening(self, request: Request, call: Call, stream: RunStream) -> tuple[list[pb.RunEvent], float | None]:
         """Events up to the first output (or the end): the HTTP status depends on them."""
         events: list[pb.RunEvent] = []
         started_at = None
@@ -316,7 +320,7 @@ class _Api:
         raise ApiError(502, "the run ended without a result", code="backend_error")
 
     @contextlib.asynccontextmanager
-    async def _departure(self, request: Request, call: _Call, stream: RunStream) -> AsyncIterator[None]:
+    async def _departure(self, request: Request, call: Call, stream: RunStream) -> AsyncIterator[None]:
         """While inside, a client that goes away cancels this task: the run is cancelled, 499.
 
         One watcher task per request rather than a race per event: a run's events are read at
@@ -345,25 +349,36 @@ class _Api:
         finally:
             watcher.cancel()
 
-    async def _chat_stream(self, request: Request, call: _Call, stream: RunStream, include_usage: bool) -> Response:
-        events, started_at = await self._opening(request, call, stream)
-        start = next((event.start for event in events if event.HasField("start")), pb.RunStart())
-        chunks = shape.ChatStream(call.run_id, int(time.time()), start.model or call.model, include_usage=include_usage)
-        return _Streamed(self, call, stream, opening=events, started_at=started_at, chunks=chunks).response()
+    async def _chat_stream(self, request: Request, call: Call, stream: RunStream, include_usage: bool) -> Response:
+        def chunks(start: pb.RunStart) -> Chunks:
+            model = start.model or call.model
+            return shape.ChatStream(call.run_id, int(time.time()), model, include_usage=include_usage)
+
+        return await self.stream(request, call, stream, chunks)
 
     async def _completion_stream(
-        self, request: Request, call: _Call, stream: RunStream, include_usage: bool
+        self, request: Request, call: Call, stream: RunStream, include_usage: bool
     ) -> Response:
+        def chunks(start: pb.RunStart) -> Chunks:
+            model = start.model or call.model
+            return shape.CompletionStream(call.run_id, int(time.time()), model, include_usage=include_usage)
+
+        return await self.stream(request, call, stream, chunks)
+
+    async def stream(
+        self, request: Request, call: Call, stream: RunStream, chunks: Callable[[pb.RunStart], Chunks]
+    ) -> Response:
+        """A streaming answer of ``stream``, once its first output (or its end) is known: a run refused
+        before any output is the request's error status; after that, ``chunks`` (made from the run's
+        start) shape every event, its errors included."""
         events, started_at = await self._opening(request, call, stream)
         start = next((event.start for event in events if event.HasField("start")), pb.RunStart())
-        model = start.model or call.model
-        chunks = shape.CompletionStream(call.run_id, int(time.time()), model, include_usage=include_usage)
-        return _Streamed(self, call, stream, opening=events, started_at=started_at, chunks=chunks).response()
+        return _Streamed(self, call, stream, opening=events, started_at=started_at, chunks=chunks(start)).response()
 
-    def _json(self, call: _Call, body: dict[str, Any], complete: pb.RunComplete) -> Response:
+    def json(self, call: Call, body: dict[str, Any], complete: pb.RunComplete) -> Response:
         return _Answer(shape.json_bytes(body), call.received, complete.timings.generation.ToNanoseconds() / 1e9)
 
-    def _error(self, call: _Call, error: ApiError) -> Response:
+    def _error(self, call: Call, error: ApiError) -> Response:
         return error_response(error, call.run_id)
 
     # -- checks -------------------------------------------------------------------------------
@@ -403,7 +418,7 @@ class _Api:
             self._authenticate(request)
             models = await self._models()
         except ApiError as error:
-            return self._error(_Call("models", time.perf_counter(), "", None), error)
+            return self._error(Call("models", time.perf_counter(), "", None), error)
         body = {"object": "list", "data": [self._model_object(name) for name in sorted(models)]}
         return Response(shape.json_bytes(body), media_type=JSON)
 
@@ -416,7 +431,7 @@ class _Api:
                 message = f"The model '{model_id}' does not exist or you do not have access to it."
                 raise ApiError(404, message, param="model", code="model_not_found")
         except ApiError as error:
-            return self._error(_Call("model", time.perf_counter(), "", None), error)
+            return self._error(Call("model", time.perf_counter(), "", None), error)
         return Response(shape.json_bytes(self._model_object(model_id)), media_type=JSON)
 
     async def health(self) -> Response:
@@ -464,10 +479,24 @@ class _Answer(Response):
         await super().__call__(scope, receive, send)
 
 
-class _Chunks(Protocol):
-    def first(self) -> bytes: ...
-    def delta(self, delta: pb.RunDelta) -> bytes: ...
-    def last(self, complete: pb.RunComplete) -> bytes: ...
+class Chunks(Protocol):
+    """How one API shapes a run's events as SSE bytes (chat completions, Responses, Messages)."""
+
+    def first(self) -> bytes:
+        """What goes before the first delta (may be empty)."""
+        ...
+
+    def delta(self, delta: pb.RunDelta) -> bytes:
+        """One delta's events."""
+        ...
+
+    def last(self, complete: pb.RunComplete) -> bytes:
+        """The events that end a run that completed."""
+        ...
+
+    def error(self, error: ApiError) -> bytes:
+        """The events that end a run that failed after the stream started."""
+        ...
 
 
 class _Streamed:
@@ -475,13 +504,13 @@ class _Streamed:
 
     def __init__(
         self,
-        api: _Api,
-        call: _Call,
+        api: Api,
+        call: Call,
         stream: RunStream,
         *,
         opening: list[pb.RunEvent],
         started_at: float | None,
-        chunks: _Chunks,
+        chunks: Chunks,
     ) -> None:
         self.api, self.call, self.stream, self.opening, self.chunks = api, call, stream, opening, chunks
         self.overhead = ((started_at or time.perf_counter()) - call.received) * 1000
@@ -524,7 +553,7 @@ class _Streamed:
                 if event is None:
                     event = await anext(stream)
             except StopAsyncIteration:
-                yield b"".join(out) + shape.sse({"error": ApiError(502, "the run ended without a result").body()})
+                yield b"".join(out) + self.chunks.error(ApiError(502, "the run ended without a result"))
                 return
             if self._chunk(event, out):
                 yield b"".join(out)
@@ -553,7 +582,7 @@ class _Streamed:
         elif kind == "error":
             error = from_event(event)
             self.status = str(error.status)
-            out.append(shape.sse({"error": error.body()}))
+            out.append(chunks.error(error))
             return True
         return False
 

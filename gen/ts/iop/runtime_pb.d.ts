@@ -785,6 +785,14 @@ export declare type Sampling = Message<"iop.Sampling"> & {
    * @generated from field: optional double frequency_penalty = 7;
    */
   frequencyPenalty?: number | undefined;
+
+  /**
+   * Sample only from the k most likely tokens (Anthropic's top_k); an adapter
+   * whose backend has no such setting refuses it (param "top_k").
+   *
+   * @generated from field: optional int32 top_k = 8;
+   */
+  topK?: number | undefined;
 };
 
 /**
@@ -1346,6 +1354,14 @@ export declare type RunComplete = Message<"iop.RunComplete"> & {
    * @generated from field: iop.Timings timings = 3;
    */
   timings?: Timings | undefined;
+
+  /**
+   * RUN_KIND_COUNT_TOKENS: the prompt's tokens as the backend counts them.
+   * usage stays zero: counting generates nothing and is not billed.
+   *
+   * @generated from field: uint32 counted_tokens = 4;
+   */
+  countedTokens: number;
 };
 
 /**
@@ -4189,6 +4205,16 @@ export enum RunKind {
    * @generated from enum value: RUN_KIND_EMBEDDING = 3;
    */
   EMBEDDING = 3,
+
+  /**
+   * The tokens of messages (the conversation a chat run would read, with
+   * openai_fields' tools) counted by the backend, nothing generated: the run
+   * ends with RunComplete.counted_tokens and no delta. A route whose backend
+   * cannot count refuses it (ERROR_CODE_INVALID_ARGUMENT, param "model").
+   *
+   * @generated from enum value: RUN_KIND_COUNT_TOKENS = 4;
+   */
+  COUNT_TOKENS = 4,
 }
 
 /**

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire.openai.errors import ApiError
 
 __all__ = [
     "DONE",
@@ -212,6 +213,10 @@ class ChatStream:
             end += sse({**self._head, "choices": [], "usage": usage_body(complete.usage)})
         return end + DONE
 
+    def error(self, error: ApiError) -> bytes:
+        """A failure after the stream started: a last ``data: {"error": ...}`` event (no [DONE])."""
+        return sse({"error": error.body()})
+
 
 class CompletionStream:
     """Text completion chunks of one run, as SSE events."""
@@ -243,6 +248,10 @@ class CompletionStream:
         if self.include_usage:
             end += sse({**self._head, "choices": [], "usage": usage_body(complete.usage)})
         return end + DONE
+
+    def error(self, error: ApiError) -> bytes:
+        """A failure after the stream started: a last ``data: {"error": ...}`` event (no [DONE])."""
+        return sse({"error": error.body()})
 
 
 def _tool_call_delta(fragment: pb.ToolCallDelta) -> dict[str, Any]:

@@ -659,6 +659,14 @@ class RunKind(betterproto2.Enum):
     Embedding vectors of the prompt entries.
     """
 
+    COUNT_TOKENS = 4
+    """
+    The tokens of messages (the conversation a chat run would read, with
+    openai_fields' tools) counted by the backend, nothing generated: the run
+    ends with RunComplete.counted_tokens and no delta. A route whose backend
+    cannot count refuses it (ERROR_CODE_INVALID_ARGUMENT, param "model").
+    """
+
     @classmethod
     def betterproto_value_to_renamed_proto_names(cls) -> dict[int, str]:
         return {
@@ -666,6 +674,7 @@ class RunKind(betterproto2.Enum):
             1: "RUN_KIND_CHAT",
             2: "RUN_KIND_COMPLETION",
             3: "RUN_KIND_EMBEDDING",
+            4: "RUN_KIND_COUNT_TOKENS",
         }
 
     @classmethod
@@ -675,6 +684,7 @@ class RunKind(betterproto2.Enum):
             "RUN_KIND_CHAT": 1,
             "RUN_KIND_COMPLETION": 2,
             "RUN_KIND_EMBEDDING": 3,
+            "RUN_KIND_COUNT_TOKENS": 4,
         }
 
 
@@ -3257,6 +3267,12 @@ class RunComplete(betterproto2.Message):
     Where the time went.
     """
 
+    counted_tokens: "int" = betterproto2.field(4, betterproto2.TYPE_UINT32)
+    """
+    RUN_KIND_COUNT_TOKENS: the prompt's tokens as the backend counts them.
+    usage stays zero: counting generates nothing and is not billed.
+    """
+
 
 default_message_pool.register_message("iop", "RunComplete", RunComplete)
 
@@ -3582,6 +3598,12 @@ class Sampling(betterproto2.Message):
     frequency_penalty: "float | None" = betterproto2.field(7, betterproto2.TYPE_DOUBLE, optional=True)
     """
     -2 to 2; penalises tokens by their frequency so far.
+    """
+
+    top_k: "int | None" = betterproto2.field(8, betterproto2.TYPE_INT32, optional=True)
+    """
+    Sample only from the k most likely tokens (Anthropic's top_k); an adapter
+    whose backend has no such setting refuses it (param "top_k").
     """
 
 

@@ -44,6 +44,12 @@ class _RunKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RunKind.Value
     """Text completion from a prompt."""
     RUN_KIND_EMBEDDING: _RunKind.ValueType  # 3
     """Embedding vectors of the prompt entries."""
+    RUN_KIND_COUNT_TOKENS: _RunKind.ValueType  # 4
+    """The tokens of messages (the conversation a chat run would read, with
+    openai_fields' tools) counted by the backend, nothing generated: the run
+    ends with RunComplete.counted_tokens and no delta. A route whose backend
+    cannot count refuses it (ERROR_CODE_INVALID_ARGUMENT, param "model").
+    """
 
 class RunKind(_RunKind, metaclass=_RunKindEnumTypeWrapper):
     """The kinds of run a node can execute."""
@@ -56,6 +62,12 @@ RUN_KIND_COMPLETION: RunKind.ValueType  # 2
 """Text completion from a prompt."""
 RUN_KIND_EMBEDDING: RunKind.ValueType  # 3
 """Embedding vectors of the prompt entries."""
+RUN_KIND_COUNT_TOKENS: RunKind.ValueType  # 4
+"""The tokens of messages (the conversation a chat run would read, with
+openai_fields' tools) counted by the backend, nothing generated: the run
+ends with RunComplete.counted_tokens and no delta. A route whose backend
+cannot count refuses it (ERROR_CODE_INVALID_ARGUMENT, param "model").
+"""
 Global___RunKind: _TypeAlias = RunKind  # noqa: Y015
 
 class _Role:
@@ -1115,6 +1127,7 @@ class Sampling(_message.Message):
     SEED_FIELD_NUMBER: _builtins.int
     PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
     FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """0 to 2; higher is more random."""
     top_p: _builtins.float
@@ -1127,6 +1140,10 @@ class Sampling(_message.Message):
     """-2 to 2; penalises tokens already present."""
     frequency_penalty: _builtins.float
     """-2 to 2; penalises tokens by their frequency so far."""
+    top_k: _builtins.int
+    """Sample only from the k most likely tokens (Anthropic's top_k); an adapter
+    whose backend has no such setting refuses it (param "top_k").
+    """
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Up to 4 sequences at which generation stops (not included in the text)."""
@@ -1141,10 +1158,11 @@ class Sampling(_message.Message):
         seed: _builtins.int | None = ...,
         presence_penalty: _builtins.float | None = ...,
         frequency_penalty: _builtins.float | None = ...,
+        top_k: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_max_tokens", b"_max_tokens", "_presence_penalty", b"_presence_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "max_tokens", b"max_tokens", "presence_penalty", b"presence_penalty", "seed", b"seed", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_max_tokens", b"_max_tokens", "_presence_penalty", b"_presence_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "max_tokens", b"max_tokens", "presence_penalty", b"presence_penalty", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_max_tokens", b"_max_tokens", "_presence_penalty", b"_presence_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "max_tokens", b"max_tokens", "presence_penalty", b"presence_penalty", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_max_tokens", b"_max_tokens", "_presence_penalty", b"_presence_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "max_tokens", b"max_tokens", "presence_penalty", b"presence_penalty", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__frequency_penalty: _TypeAlias = _typing.Literal["frequency_penalty"]  # noqa: Y015
     _WhichOneofArgType__frequency_penalty: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty"]  # noqa: Y015
@@ -1156,6 +1174,8 @@ class Sampling(_message.Message):
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
     _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
     _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    _WhichOneofReturnType__top_k: _TypeAlias = _typing.Literal["top_k"]  # noqa: Y015
+    _WhichOneofArgType__top_k: _TypeAlias = _typing.Literal["_top_k", b"_top_k"]  # noqa: Y015
     _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
     @_typing.overload
@@ -1168,6 +1188,8 @@ class Sampling(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_k) -> _WhichOneofReturnType__top_k | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
 
@@ -1655,8 +1677,13 @@ class RunComplete(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
+    COUNTED_TOKENS_FIELD_NUMBER: _builtins.int
     finish_reason: Global___FinishReason.ValueType
     """Why generation stopped."""
+    counted_tokens: _builtins.int
+    """RUN_KIND_COUNT_TOKENS: the prompt's tokens as the backend counts them.
+    usage stays zero: counting generates nothing and is not billed.
+    """
     @_builtins.property
     def usage(self) -> Global___Usage:
         """Token counts."""
@@ -1671,10 +1698,11 @@ class RunComplete(_message.Message):
         finish_reason: Global___FinishReason.ValueType = ...,
         usage: Global___Usage | None = ...,
         timings: Global___Timings | None = ...,
+        counted_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["counted_tokens", b"counted_tokens", "finish_reason", b"finish_reason", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
