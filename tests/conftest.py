@@ -54,6 +54,7 @@ class TextSink:
         self.deltas: list[str] = []
         self.finish: pb.FinishReason.ValueType | None = None
         self.usage: pb.Usage | None = None
+        self.counted_tokens: int | None = None
 
     async def delta(self, text: str) -> None:
         self.deltas.append(text)
@@ -65,6 +66,9 @@ class TextSink:
         self, finish_reason: pb.FinishReason.ValueType, usage: pb.Usage | None = None, timings: pb.Timings | None = None
     ) -> None:
         self.finish, self.usage = finish_reason, usage
+
+    async def counted(self, tokens: int) -> None:
+        self.finish, self.usage, self.counted_tokens = pb.FINISH_REASON_STOP, pb.Usage(), tokens
 
     def annotate(self, key: str, value: str) -> None:
         pass

@@ -124,6 +124,12 @@ class MeteredSink:
         self.completed = True
         await self._wire.complete(finish_reason, usage, self._timings(timings))
 
+    async def counted(self, tokens: int) -> None:
+        self._record_usage(pb.Usage())
+        self._record.finish_reason = "stop"
+        self.completed = True
+        await self._wire.complete(pb.FINISH_REASON_STOP, pb.Usage(), self._timings(None), counted_tokens=tokens)
+
     def estimated_usage(self) -> pb.Usage:
         """Usage counted on the node: the prompt as the backend counted it (:meth:`counting`), else at ~4
         characters a token; and the output streamed so far: its token ids when every delta carried them,

@@ -42,6 +42,10 @@ class EventSink(Protocol):
         """The run finished; ``usage`` and ``timings`` where the backend reported them."""
         ...
 
+    async def counted(self, tokens: int) -> None:
+        """A RUN_KIND_COUNT_TOKENS run finished: the prompt is ``tokens`` tokens (its usage stays zero)."""
+        ...
+
     def annotate(self, key: str, value: str) -> None:
         """Keep ``value`` in the run record (``stderr_tail``, or any other key in ``extra``)."""
         ...

@@ -285,9 +285,13 @@ class EventSink:
         finish_reason: pb.FinishReason.ValueType,
         usage: pb.Usage | None = None,
         timings: pb.Timings | None = None,
+        *,
+        counted_tokens: int = 0,
     ) -> None:
-        """The run finished normally."""
-        complete = pb.RunComplete(finish_reason=finish_reason, usage=usage, timings=timings)
+        """The run finished normally (``counted_tokens``: a RUN_KIND_COUNT_TOKENS run's count)."""
+        complete = pb.RunComplete(
+            finish_reason=finish_reason, usage=usage, timings=timings, counted_tokens=counted_tokens
+        )
         await self._send(self._envelope(pb.RunEvent(complete=complete)), terminal=True)
 
     async def error(self, error: IopError) -> None:

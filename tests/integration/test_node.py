@@ -165,8 +165,8 @@ def _struct(**fields: object) -> Struct:
         (
             {"openai_fields": _struct(tools=[{"type": "function"}])},
             pb.ERROR_CODE_INVALID_ARGUMENT,
-            "support tools",
-            "tools",
+            "is not a function tool with a name",
+            "tools[0]",
         ),
         ({"openai_fields": _struct(n=2)}, pb.ERROR_CODE_INVALID_ARGUMENT, "n > 1", "n"),
         ({"model": "missing"}, pb.ERROR_CODE_BACKEND_ERROR, "not found", ""),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import random
 from collections.abc import Mapping
 from typing import Any
@@ -19,7 +20,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_node.domain import ExecutionSpec
+from iop_node.adapters.schema_values import value_for
+from iop_node.domain import ExecutionSpec, refuse_continuation
 from iop_node.ports import EventSink
 from iop_node.settings import one_line
 from iop_wire.errors import IopError
@@ -134,7 +136,7 @@ class MockAdapter:
         """Nothing to start: the mock model runs in the node."""
 
     async def capabilities(self) -> list[pb.ModelInfo]:
-        kinds = [pb.RUN_KIND_CHAT, pb.RUN_KIND_COMPLETION, pb.RUN_KIND_EMBEDDING]
+        kinds = [pb.RUN_KIND_CHAT, pb.RUN_KIND_COMPLETION, pb.RUN_KIND_EMBEDDING, pb.RUN_KIND_COUNT_TOKENS]
         continuable = [pb.RUN_KIND_CHAT, pb.RUN_KIND_COMPLETION]
         return [
             pb.ModelInfo(name=name, kinds=kinds, available=True, continuable_kinds=continuable) for name in self._models
@@ -144,43 +146,166 @@ class MockAdapter:
         _refuse_unsupported(spec)
         options = _options(self._models[spec.request.model], spec.request.metadata)
         prompt = spec.prompt_text()
+        prompt_tokens = _prompt_tokens(spec, prompt)
+        if spec.kind == pb.RUN_KIND_COUNT_TOKENS:
+            await sink.counted(prompt_tokens)
+            return
         words = random.Random(_seed(spec, prompt))  # noqa: S311 - reproducible text, not secrets
         if not spec.request.HasField("continuation"):  # a continued attempt's usage is the whole run's
-            sink.counting(len(prompt.split()), token_per_delta=True)  # a word a token: exact if it ends early
+            sink.counting(prompt_tokens, token_per_delta=True)  # a word a token: exact if it ends early
         if options.ttft:
             await asyncio.sleep(options.ttft)
         if spec.kind == pb.RUN_KIND_EMBEDDING:
             await _embed(spec, options, words, sink)
             return
         limit = spec.sampling.max_tokens if spec.sampling.HasField("max_tokens") else None
-        count = options.tokens if limit is None else min(limit, options.tokens)
-        interval = 1.0 / options.tokens_per_second if options.tokens_per_second else 0.0
-        faulty = (options.fail_after, options.stall_after, options.crash_after) != (None, None, None)
-        # A continuation goes on exactly: the text is a function of the request, so the tokens
-        # delivered before are drawn again and skipped, and the rest is what the run would have said.
-        delivered = spec.request.continuation.completion_tokens
+        tool = _chosen_tool(spec) if spec.kind == pb.RUN_KIND_CHAT else None
+        if tool is not None:
+            refuse_continuation(spec, "the mock does not continue a tool call")
+            await _call_tool(tool, words, sink, options=options, limit=limit, prompt_tokens=prompt_tokens)
+            return
+        await _write(spec, words, sink, options=options, limit=limit, prompt_tokens=prompt_tokens)
+
+
+async def _write(
+    spec: ExecutionSpec,
+    words: random.Random,
+    sink: EventSink,
+    *,
+    options: MockOptions,
+    limit: int | None,
+    prompt_tokens: int,
+) -> None:
+    """The answer's text (words, or JSON when ``response_format`` asks), a token a delta."""
+    structured = _structured(spec, words)
+    pieces = _fragments(structured) if structured is not None else None
+    planned = options.tokens if pieces is None else len(pieces)
+    count = planned if limit is None else min(limit, planned)
+    interval = 1.0 / options.tokens_per_second if options.tokens_per_second else 0.0
+    faulty = (options.fail_after, options.stall_after, options.crash_after) != (None, None, None)
+    # A continuation goes on exactly: the text is a function of the request, so the tokens
+    # delivered before are drawn again and skipped, and the rest is what the run would have said.
+    delivered = spec.request.continuation.completion_tokens
+    if pieces is None:
         for _ in range(min(delivered, count)):
             words.choice(_WORDS)
-        for index in range(delivered, count):
-            if faulty:
-                await _inject(options, index)
-            await sink.delta(words.choice(_WORDS) + " ")
-            if interval:
-                await asyncio.sleep(interval)
-            elif index % _YIELD_EVERY == _YIELD_EVERY - 1:
-                await asyncio.sleep(0)
+    for index in range(delivered, count):
         if faulty:
-            await _inject(options, count)
-        reason = pb.FINISH_REASON_LENGTH if limit is not None and limit <= options.tokens else pb.FINISH_REASON_STOP
-        usage = pb.Usage(prompt_tokens=len(prompt.split()), completion_tokens=count)
-        if spec.request.HasField("continuation"):  # this attempt re-read the delivered tokens
-            usage.continuation_prompt_tokens = spec.request.continuation.continuation_prompt_tokens + delivered
-        await sink.complete(reason, usage)
+            await _inject(options, index)
+        await sink.delta(words.choice(_WORDS) + " " if pieces is None else pieces[index])
+        if interval:
+            await asyncio.sleep(interval)
+        elif index % _YIELD_EVERY == _YIELD_EVERY - 1:
+            await asyncio.sleep(0)
+    if faulty:
+        await _inject(options, count)
+    reason = pb.FINISH_REASON_LENGTH if limit is not None and limit <= planned else pb.FINISH_REASON_STOP
+    if pieces is not None and limit is not None and limit == planned:
+        reason = pb.FINISH_REASON_STOP  # the whole structured answer fitted
+    usage = pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=count)
+    if spec.request.HasField("continuation"):  # this attempt re-read the delivered tokens
+        usage.continuation_prompt_tokens = spec.request.continuation.continuation_prompt_tokens + delivered
+    await sink.complete(reason, usage)
 
 
-_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logprobs", "top_logprobs")
+_UNSUPPORTED = ("functions", "function_call", "logprobs", "top_logprobs")
 """OpenAI request fields the mock cannot honour; set to anything but their off value, the run is refused."""
-_OFF: dict[str, object] = {"tool_choice": "none", "logprobs": False, "response_format": {"type": "text"}}
+_OFF: dict[str, object] = {"logprobs": False}
+_FRAGMENT = 8
+"""Characters of a streamed tool call's arguments (or a structured answer) a token: one delta each."""
+
+
+def _prompt_tokens(spec: ExecutionSpec, prompt: str) -> int:
+    """The mock's count of the prompt: a word a token, the tools' definitions included."""
+    tools = spec.openai_fields.get("tools")
+    return len(prompt.split()) + (len(json.dumps(tools).split()) if tools else 0)
+
+
+def _tools(spec: ExecutionSpec) -> list[dict[str, Any]]:
+    """The request's function tools (each a ``function`` object with a name); INVALID_ARGUMENT otherwise."""
+    functions = []
+    for index, tool in enumerate(spec.openai_fields.get("tools") or []):
+        function = (
+            tool.get("function") if isinstance(tool, dict) and tool.get("type", "function") == "function" else None
+        )
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            message = f"tools[{index}] is not a function tool with a name: the mock calls function tools only"
+            raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, message, param=f"tools[{index}]")
+        functions.append(function)
+    return functions
+
+
+def _chosen_tool(spec: ExecutionSpec) -> dict[str, Any] | None:
+    """The function to call now: the one ``tool_choice`` names, else the first; None when there are no
+    tools, tool_choice is ``none``, or the conversation ends with a tool's result (time to answer)."""
+    tools = _tools(spec)
+    choice = spec.openai_fields.get("tool_choice", "auto")
+    if not tools or choice == "none":
+        return None
+    messages = spec.request.messages
+    if messages and messages[-1].role == pb.ROLE_TOOL:
+        return None
+    if isinstance(choice, dict):
+        named = choice.get("function")
+        name = (named if isinstance(named, dict) else choice).get("name")
+        found = next((tool for tool in tools if tool["name"] == name), None)
+        if found is None:
+            message = f"tool_choice names {name!r}, which is not one of the request's tools"
+            raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, message, param="tool_choice")
+        return found
+    if choice not in ("auto", "required"):
+        raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, f"tool_choice {choice!r} is not understood", param="tool_choice")
+    return tools[0]
+
+
+async def _call_tool(
+    tool: dict[str, Any],
+    words: random.Random,
+    sink: EventSink,
+    *,
+    options: MockOptions,
+    limit: int | None,
+    prompt_tokens: int,
+) -> None:
+    """One call of ``tool``, its arguments made from its parameters' schema and streamed as OpenAI
+    streams them: the id and name first, then the arguments' text a fragment (a token) at a time."""
+    call_id = f"call_{words.getrandbits(96):024x}"
+    arguments = json.dumps(value_for(tool.get("parameters") or {}, words, _WORDS), ensure_ascii=False)
+    pieces = _fragments(arguments)
+    count = len(pieces) if limit is None else min(limit, len(pieces))
+    interval = 1.0 / options.tokens_per_second if options.tokens_per_second else 0.0
+    head = pb.ToolCallDelta(index=0, id=call_id, function_name=tool["name"], arguments="")
+    await sink.output(pb.RunDelta(tool_calls=[head]))
+    for index in range(count):
+        await _inject(options, index)
+        await sink.output(pb.RunDelta(tool_calls=[pb.ToolCallDelta(index=0, arguments=pieces[index])]))
+        if interval:
+            await asyncio.sleep(interval)
+        elif index % _YIELD_EVERY == _YIELD_EVERY - 1:
+            await asyncio.sleep(0)
+    await _inject(options, count)
+    reason = pb.FINISH_REASON_TOOL_CALLS if count == len(pieces) else pb.FINISH_REASON_LENGTH
+    await sink.complete(reason, pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=count))
+
+
+def _structured(spec: ExecutionSpec, words: random.Random) -> str | None:
+    """The answer as JSON text when ``response_format`` asks for JSON (an object made from the schema
+    for ``json_schema``); None for plain text."""
+    wanted = spec.openai_fields.get("response_format")
+    if not isinstance(wanted, dict) or wanted.get("type") in (None, "text"):
+        return None
+    kind = wanted.get("type")
+    if kind == "json_object":
+        return json.dumps({"answer": " ".join(words.choice(_WORDS) for _ in range(4))})
+    schema = wanted.get("json_schema") if kind == "json_schema" else None
+    if not isinstance(schema, dict):
+        message = f"response_format {json.dumps(wanted)[:80]} is not text, json_object or json_schema with a schema"
+        raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, message, param="response_format")
+    return json.dumps(value_for(schema.get("schema") or {}, words, _WORDS), ensure_ascii=False)
+
+
+def _fragments(text: str) -> list[str]:
+    return [text[start : start + _FRAGMENT] for start in range(0, len(text), _FRAGMENT)] or [""]
 
 
 def _refuse_unsupported(spec: ExecutionSpec) -> None:
