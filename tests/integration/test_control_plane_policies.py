@@ -74,7 +74,10 @@ async def test_weighted_route_splits_a_thousand_runs(pki: Pki, tmp_path: Path) -
     900/100 exactly; ±1 point leaves room for a rare busy pick, which gives up its turn. (Were the
     pick random, n=1000 p=0.1 would have an sd of 0.95 points and ±1 would be flaky; ±3 would not.)"""
     policy = write_policy(tmp_path, "routes: {chat: {mock-a: 90, mock-b: 10}}\n")
-    async with build_control_plane(cp_settings(pki, tmp_path, policy_path=policy)) as cp:
+    # Heartbeats every 2 s (a 6 s window), not the helpers' 0.5 s: this loop also drives 1,000 runs, and
+    # on a loaded host a 1.5 s stall dropped a node ("has no connection"), which no other node replaces.
+    settings = cp_settings(pki, tmp_path, policy_path=policy, heartbeat_interval=2.0)
+    async with build_control_plane(settings) as cp:
         fast = {"tokens": 4}
         routes = {
             "node-a": [_mock("mock-a", **fast)],
