@@ -317,3 +317,10 @@ def test_an_error_after_the_start_is_an_error_event() -> None:
     chunks = MessageStream("r1", "m")
     events = _parse(chunks.first() + chunks.delta(pb.RunDelta(text="a")) + chunks.error(ApiError(503, "gone")))
     assert events[-1] == {"type": "error", "error": {"type": "overloaded_error", "message": "gone"}}
+
+
+def test_tool_choice_without_tools_is_left_out_and_system_messages_are_kept() -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    run = messages_request({**_BASE, "messages": messages, "tool_choice": {"type": "auto"}}, "r1").request
+    assert not run.HasField("openai_fields")
+    assert [message.role for message in run.messages] == [pb.ROLE_SYSTEM, pb.ROLE_USER]

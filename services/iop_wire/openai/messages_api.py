@@ -315,8 +315,10 @@ def _tools(data: Mapping[str, Any]) -> dict[str, Any]:
     kind = choice.get("type") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or kind not in ("auto", "any", "tool", "none"):
         raise _invalid("tool_choice", "Input should be an object of type auto, any, tool or none")
-    if kind in ("any", "tool") and not functions:
-        raise _invalid("tool_choice", f"tool_choice {kind} needs tools")
+    if not functions:  # auto and none are what no tools mean anyway
+        if kind in ("any", "tool"):
+            raise _invalid("tool_choice", f"tool_choice {kind} needs tools")
+        return fields
     if kind == "tool":
         name = _string(choice, "name", "tool_choice")
         if name not in {function["function"]["name"] for function in functions}:
@@ -324,7 +326,7 @@ def _tools(data: Mapping[str, Any]) -> dict[str, Any]:
         fields["tool_choice"] = {"type": "function", "function": {"name": name}}
     else:
         fields["tool_choice"] = {"any": "required"}.get(kind, kind)
-    if choice.get("disable_parallel_tool_use") is True and functions:
+    if choice.get("disable_parallel_tool_use") is True:
         fields["parallel_tool_calls"] = False
     return fields
 
