@@ -264,6 +264,43 @@ def test_a_server_tool_is_refused_naming_it(client: anthropic.Anthropic) -> None
     _refused(caught, "invalid_request_error", "tools.0.type")
 
 
+def test_a_stream_refused_before_its_first_token_has_its_status(client: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        client.messages.create(model="no-such-model", max_tokens=5, messages=HELLO, stream=True)
+    _refused(caught, "not_found_error", "no-such-model")
+
+
+_ONE = {"model": "mock-small", "max_tokens": 5, "messages": HELLO}
+
+
+@pytest.mark.parametrize(
+    ("content", "headers", "expected"),
+    [
+        (b'{"model": "mock-small", ', {}, (400, "invalid_request_error", "JSON")),
+        (
+            {**_ONE, "thinking": {"type": "enabled", "budget_tokens": 1024}},
+            {},
+            (400, "invalid_request_error", "thinking"),
+        ),
+        ({**_ONE, "stop_sequences": list("12345")}, {}, (400, "invalid_request_error", "stop_sequences")),
+        (_ONE, {"x-api-key": ""}, (401, "authentication_error", "API key")),
+    ],
+    ids=["bad-json", "thinking", "stop-sequences", "no-key"],
+)
+def test_raw_bad_requests_in_anthropics_shape(
+    stack: Stack, content: bytes | dict[str, Any], headers: dict[str, str], expected: tuple[int, str, str]
+) -> None:
+    sent = {"x-api-key": stack.key, "content-type": "application/json", **headers}
+    raw = content if isinstance(content, bytes) else json.dumps(content).encode()
+    with httpx.Client(base_url=_root(stack), timeout=30) as http:
+        response = http.post("/v1/messages", content=raw, headers=sent)
+    status, kind, named = expected
+    assert response.status_code == status
+    body = response.json()
+    assert body["type"] == "error" and body["error"]["type"] == kind and named in body["error"]["message"]
+    assert body["request_id"] == response.headers["request-id"] == response.headers["x-request-id"]
+
+
 def test_revoked_key(stack: Stack) -> None:
     secret = stack.new_key("anthropic-revoked")
     with anthropic.Anthropic(base_url=_root(stack), api_key=secret, max_retries=0, timeout=30.0) as sdk:
