@@ -104,7 +104,7 @@ def count_request(data: Mapping[str, Any], run_id: str) -> pb.RunRequest:
 def _request(data: Mapping[str, Any], run_id: str, kind: pb.RunKind.ValueType) -> pb.RunRequest:
     for name in data:
         if name not in _FIELDS and name not in _IGNORED:
-            raise _invalid(name, "Extra inputs are not permitted")
+            raise _invalid(_shown(name), "Extra inputs are not permitted")
     _refuse_unsupported(data)
     request = pb.RunRequest(run_id=run_id, model=_model(data), kind=kind)
     if (system := data.get("system")) is not None:
@@ -131,9 +131,14 @@ def _request(data: Mapping[str, Any], run_id: str, kind: pb.RunKind.ValueType) -
     return request
 
 
-def _invalid(where: str, problem: str, **options: Any) -> ApiError:
+def _invalid(where: str, problem: str) -> ApiError:
     """A 400 as Anthropic words it: the field's path, then the problem."""
-    return ApiError(400, f"{where}: {problem}", param=where, **options)
+    return ApiError(400, f"{where}: {problem}", param=where)
+
+
+def _shown(name: str) -> str:
+    """A client's field name as echoed in an error: a megabyte one is not."""
+    return name if len(name) <= 64 else name[:61] + "..."
 
 
 def _refuse_unsupported(data: Mapping[str, Any]) -> None:
@@ -214,7 +219,7 @@ def _message(message: Any, where: str) -> list[pb.ChatMessage]:
         raise _invalid(where, f"Input should be an object, got {kind_of(message)}")
     for name in message:
         if name not in ("role", "content"):
-            raise _invalid(f"{where}.{name}", "Extra inputs are not permitted")
+            raise _invalid(f"{where}.{_shown(name)}", "Extra inputs are not permitted")
     role = message.get("role")
     if role not in _ROLES:
         raise _invalid(f"{where}.role", f"Input should be 'user', 'assistant' or 'system', got {json.dumps(role)[:40]}")
