@@ -46,6 +46,7 @@ from iop_edge.edge import Edge
 from iop_edge.files import FileRoutes
 from iop_edge.head import ARRIVED
 from iop_edge.keys import ApiKey, LimitExceeded
+from iop_edge.responses_api import ResponsesRoutes
 from iop_edge.shared import Held
 from iop_edge.usage_api import UsageRoutes
 from iop_gen.pb.iop import runtime_pb2 as pb
@@ -89,6 +90,7 @@ def build_app(edge: Edge) -> FastAPI:
     app.add_api_route("/v1/embeddings", api.embeddings, methods=["POST"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
+    ResponsesRoutes(api, edge).register(app)
     FileRoutes(edge).register(app)
     BatchRoutes(edge).register(app)
     UsageRoutes(edge).register(app)
