@@ -24,10 +24,11 @@ from typing import Any, Protocol
 import structlog
 from prometheus_client import CollectorRegistry, Counter
 
-from iop_edge.key_storage import KeyStorage
+from iop_edge.key_storage import STORE_ERRORS, KeyStorage
 from iop_edge.pg_keys import PgKeyStorage
 from iop_edge.settings import ResponsesSettings
 from iop_edge.sqlite_keys import SqliteKeyStorage, _immediate
+from iop_wire.openai.errors import ApiError
 
 __all__ = ["ResponseStorage", "ResponseStore", "StoredResponse", "storage_for"]
 
@@ -195,7 +196,7 @@ class ResponseStore:
         self.dropped = Counter(
             "iop_edge_responses_dropped_total",
             "Stored responses deleted before their owner did: max_per_key (a key's oldest, past responses.max_per_key),"
-            " retention (older than responses.retention_days).",
+            " retention (older than responses.retention_days), store_error (never stored: the store was away).",
             ["reason"],
             registry=registry,
         )
@@ -205,7 +206,17 @@ class ResponseStore:
         return time.time() - self.settings.retention_days * 86_400
 
     async def put(self, row: StoredResponse) -> None:
-        """Store ``row``; the owner's oldest dropped past the cap; expired rows swept now and then."""
+        """Store ``row``; the owner's oldest dropped past the cap; expired rows swept now and then.
+
+        A store that is away loses the row (logged, counted as ``store_error``), not the answer: the
+        run ran and its client gets it; only a later retrieve or ``previous_response_id`` misses it."""
+        try:
+            await self._put(row)
+        except STORE_ERRORS as exc:
+            self.dropped.labels("store_error").inc()
+            _log.warning("a response could not be stored", response_id=row.id, owner=row.owner, error=str(exc))
+
+    async def _put(self, row: StoredResponse) -> None:
         dropped = await self.storage.put(row, max_per_key=self.settings.max_per_key)
         self.stored.inc()
         if dropped:
@@ -225,29 +236,40 @@ class ResponseStore:
                 )
 
     def put_soon(self, row: StoredResponse) -> None:
-        """Store ``row`` in a task of its own (from a stream's end, which cannot wait); a failure is logged."""
-        task = asyncio.ensure_future(self._put_logged(row))
+        """Store ``row`` in a task of its own (from a stream's end, which cannot wait)."""
+        task = asyncio.ensure_future(self.put(row))
         self._writes[row.id] = task
         task.add_done_callback(lambda _: self._writes.pop(row.id, None))
 
-    async def _put_logged(self, row: StoredResponse) -> None:
-        try:
-            await self.put(row)
-        except Exception:  # noqa: BLE001 - the stream is over: log, the client finds it missing
-            _log.exception("a streamed response could not be stored", response_id=row.id, owner=row.owner)
-
     async def get(self, owner: str, response_id: str) -> StoredResponse | None:
-        """``owner``'s response, unless expired (after its write, when one is under way here)."""
+        """``owner``'s response, unless expired (after its write, when one is under way here); 503 when
+        the store is away."""
         if (writing := self._writes.get(response_id)) is not None:
             await asyncio.shield(writing)
-        return await self.storage.get(owner, response_id, since=self._since)
+        try:
+            return await self.storage.get(owner, response_id, since=self._since)
+        except STORE_ERRORS as exc:
+            raise _away(exc) from None
 
     async def delete(self, owner: str, response_id: str) -> bool:
-        """Delete ``owner``'s response; whether there was one."""
+        """Delete ``owner``'s response; whether there was one; 503 when the store is away."""
         if (writing := self._writes.get(response_id)) is not None:
             await asyncio.shield(writing)
-        return await self.storage.delete(owner, response_id)
+        try:
+            return await self.storage.delete(owner, response_id)
+        except STORE_ERRORS as exc:
+            raise _away(exc) from None
 
     async def aclose(self) -> None:
         """Wait for the writes under way."""
         await asyncio.gather(*self._writes.values(), return_exceptions=True)
+
+
+def _away(exc: Exception) -> ApiError:
+    _log.warning("the response store failed", error=str(exc) or type(exc).__name__)
+    return ApiError(
+        503,
+        "stored responses cannot be read now: the edge's store is unavailable; retry shortly",
+        code="service_unavailable",
+        retry_after=1.0,
+    )

@@ -14,8 +14,11 @@ from prometheus_client import CollectorRegistry
 from worker.pg_server import PgServer, pg_server, required_binaries
 
 from iop_edge.key_storage import KeyStorage
+from iop_edge.pg_keys import PgKeyStorage
 from iop_edge.settings import ResponsesSettings
+from iop_edge.sqlite_keys import SqliteKeyStorage
 from iop_edge.stored_responses import ResponseStore, StoredResponse, storage_for
+from iop_wire.openai.errors import ApiError
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +48,13 @@ async def make(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[
 
 
 async def _store(make: StorageFactory, **settings: float) -> ResponseStore:
+    return ResponseStore(storage_for(await _keys(make)), ResponsesSettings(**settings), CollectorRegistry())
+
+
+async def _keys(make: StorageFactory) -> KeyStorage:
     keys = make()
     await keys.open()
-    return ResponseStore(storage_for(keys), ResponsesSettings(**settings), CollectorRegistry())
+    return keys
 
 
 def _row(response_id: str, owner: str = "alice", created_at: float | None = None) -> StoredResponse:
@@ -94,3 +101,18 @@ async def test_two_edges_on_one_store_share_their_responses(make: StorageFactory
     await one.aclose()
     found = await two.get("alice", "resp_shared")
     assert found is not None and found.conversation[-1] == {"type": "message", "text": "é"}
+
+
+async def test_a_store_that_is_away_loses_the_row_not_the_answer(make: StorageFactory) -> None:
+    keys = await _keys(make)
+    store = ResponseStore(storage_for(keys), ResponsesSettings(), CollectorRegistry())
+    if isinstance(keys, PgKeyStorage):
+        keys.pool.terminate()
+    else:
+        assert isinstance(keys, SqliteKeyStorage)
+        keys.db.close()
+    await store.put(_row("resp_lost"))  # logged and counted, not raised: the client still gets its answer
+    assert store.dropped.labels("store_error")._value.get() == 1
+    with pytest.raises(ApiError) as caught:
+        await store.get("alice", "resp_lost")
+    assert caught.value.status == 503 and caught.value.retry_after == 1.0
