@@ -12,6 +12,9 @@ import openai
 import pytest
 
 from iop_edge.keys import revoke_key
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire.openai import responses_api as shape
+from iop_wire.openai.errors import ApiError
 
 from .conftest import Stack, wait_for
 from .openai_schema import validate
@@ -144,6 +147,40 @@ def test_a_function_tool_is_called_then_its_output_answered(stack: Stack) -> Non
     assert message["type"] == "message" and message["content"][0]["text"]
     assert answer["previous_response_id"] == body["id"]
     assert client.responses.retrieve(answer["id"]).output_text == message["content"][0]["text"]
+    with stack.http() as http:
+        listed = http.get(f"/responses/{answer['id']}/input_items").json()
+    validate("ResponseItemList", listed)
+    assert [(item["type"], item["call_id"]) for item in listed["data"]] == [("function_call_output", call["call_id"])]
+
+
+def test_echoed_fields_are_valid_in_the_response(stack: Stack) -> None:
+    body = _created(
+        stack.client(),
+        model="mock-small",
+        input="hi",
+        reasoning={"effort": "low"},
+        metadata={"ticket": "42"},
+        tool_choice="none",
+        tools=[WEATHER],
+        text={"format": {"type": "json_object"}, "verbosity": "low"},
+        service_tier="auto",
+        user="someone",
+    )
+    assert body["reasoning"]["effort"] == "low" and body["metadata"] == {"ticket": "42"}
+    assert body["tool_choice"] == "none" and body["output"][0]["type"] == "message"  # none: no call
+    assert isinstance(json.loads(body["output"][0]["content"][0]["text"]), dict)
+
+
+def test_a_failure_mid_stream_is_a_valid_response_failed_event() -> None:
+    """A run cannot be made to fail mid-stream on the mock: the event is built as the stream would build it."""
+    parsed = shape.parse_create({"model": "m", "input": "x"})
+    events = shape.ResponseEvents(shape.skeleton("resp_1", "m", parsed))
+    events.first()
+    events.delta(pb.RunDelta(text="partial"))
+    block = events.error(ApiError(502, "the node was lost")).decode()
+    event = json.loads(block.split("\n")[1].removeprefix("data: "))
+    validate("ResponseFailedEvent", event)
+    assert event["response"]["error"] == {"code": "server_error", "message": "the node was lost"}
 
 
 def test_a_streamed_tool_call_sends_the_argument_events(stack: Stack) -> None:

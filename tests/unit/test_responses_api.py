@@ -124,6 +124,7 @@ def test_input_items_are_stored_with_ids_and_statuses() -> None:
         ({"text": {"format": {"type": "xml"}}}, "text.format.type", "xml"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", "Missing"),
         ({"background": True}, "background", "background"),
+        ({"reasoning": {"effort": "huge"}}, "reasoning.effort", "huge"),
         ({"prompt": {"id": "pmpt_1"}}, "prompt", "prompt"),
         ({"conversation": "conv_1"}, "conversation", "previous_response_id"),
         ({"truncation": "auto"}, "truncation", "auto"),

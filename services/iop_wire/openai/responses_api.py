@@ -62,6 +62,7 @@ _MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 _ROLES = {"user": pb.ROLE_USER, "system": pb.ROLE_SYSTEM, "developer": pb.ROLE_DEVELOPER}
 _TOOL_CHOICES = ("none", "auto", "required")
 _FORMATS = ("text", "json_object", "json_schema")
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
 def new_id(prefix: str) -> str:
@@ -308,8 +309,10 @@ def _reasoning(reasoning: Any) -> dict[str, Any] | None:
     if not isinstance(reasoning, dict):
         raise _invalid_type("reasoning", "an object", reasoning)
     effort = reasoning.get("effort")
-    if effort is not None and not isinstance(effort, str):
-        raise _invalid_type("reasoning.effort", "a string", effort)
+    if effort is not None and effort not in _EFFORTS:
+        allowed = ", ".join(f"'{name}'" for name in _EFFORTS)
+        message = f"Invalid value: {chat._show(effort)}. Supported values are: {allowed}."
+        raise ApiError(400, message, param="reasoning.effort", code="invalid_value")
     return {"effort": effort, "summary": None}
 
 
