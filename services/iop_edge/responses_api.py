@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -24,6 +25,7 @@ from iop_edge.keyring import storage_of
 from iop_edge.stored_responses import ResponseStore, StoredResponse, storage_for
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.openai import responses_api as shape
+from iop_wire.openai import responses_output
 from iop_wire.openai.errors import ApiError
 from iop_wire.openai.responses import Outcome, json_bytes
 
@@ -86,14 +88,16 @@ class ResponsesRoutes:
         if parsed.stream:
 
             def events(start: pb.RunStart) -> Chunks:
-                base = shape.skeleton(response_id, start.model or parsed.model, parsed)
+                base = responses_output.skeleton(response_id, start.model or parsed.model, parsed)
                 ended = None if keep is None else lambda body: keep.put_soon(_row(owner, parsed, history, body))
-                return shape.ResponseEvents(base, ended)
+                return responses_output.ResponseEvents(base, ended)
 
             return await self.api.stream(request, call, stream, events)
         outcome = Outcome()
         start, complete = await self.api.collect(request, call, stream, outcome)
-        body = shape.response_body(shape.skeleton(response_id, start.model or parsed.model, parsed), outcome, complete)
+        body = responses_output.response_body(
+            responses_output.skeleton(response_id, start.model or parsed.model, parsed), outcome, complete
+        )
         if keep is not None:
             await keep.put(_row(owner, parsed, history, body))
         return self.api.json(call, body, complete)
@@ -153,7 +157,10 @@ class ResponsesRoutes:
             raise _not_found(response_id)
         return stored
 
-    async def _serve(self, route: str, request: Request, produce: Any) -> Response:
+    async def _serve(
+        self, route: str, request: Request, produce: Callable[[str], Awaitable[dict[str, Any]]]
+    ) -> Response:
+        """The request authenticated, then ``produce(owner)``'s object as JSON, or its ApiError; counted."""
         try:
             key = authenticate(self.edge.keys, request)
             response = Response(json_bytes(await produce(caller_of(key))), media_type=JSON)

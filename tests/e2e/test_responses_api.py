@@ -14,6 +14,7 @@ import pytest
 from iop_edge.keys import revoke_key
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.openai import responses_api as shape
+from iop_wire.openai import responses_output
 from iop_wire.openai.errors import ApiError
 
 from .conftest import Stack, wait_for
@@ -141,8 +142,8 @@ def test_a_function_tool_is_called_then_its_output_answered(stack: Stack) -> Non
     assert call["call_id"].startswith("call_") and call["id"].startswith("fc_")
     assert isinstance(json.loads(call["arguments"])["city"], str)
     assert body["tools"][0]["name"] == "get_weather" and body["tool_choice"] == "auto"
-    output = {"type": "function_call_output", "call_id": call["call_id"], "output": '{"sky": "clear"}'}
-    answer = _created(client, model="mock-small", previous_response_id=body["id"], input=[output], tools=[WEATHER])
+    result = {"type": "function_call_output", "call_id": call["call_id"], "output": '{"sky": "clear"}'}
+    answer = _created(client, model="mock-small", previous_response_id=body["id"], input=[result], tools=[WEATHER])
     [message] = answer["output"]
     assert message["type"] == "message" and message["content"][0]["text"]
     assert answer["previous_response_id"] == body["id"]
@@ -174,7 +175,7 @@ def test_echoed_fields_are_valid_in_the_response(stack: Stack) -> None:
 def test_a_failure_mid_stream_is_a_valid_response_failed_event() -> None:
     """A run cannot be made to fail mid-stream on the mock: the event is built as the stream would build it."""
     parsed = shape.parse_create({"model": "m", "input": "x"})
-    events = shape.ResponseEvents(shape.skeleton("resp_1", "m", parsed))
+    events = responses_output.ResponseEvents(responses_output.skeleton("resp_1", "m", parsed))
     events.first()
     events.delta(pb.RunDelta(text="partial"))
     block = events.error(ApiError(502, "the node was lost")).decode()

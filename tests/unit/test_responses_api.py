@@ -11,6 +11,7 @@ from google.protobuf.json_format import MessageToDict
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.openai import responses_api as shape
+from iop_wire.openai import responses_output
 from iop_wire.openai.errors import ApiError
 from iop_wire.openai.responses import Outcome, collect_delta
 
@@ -173,7 +174,7 @@ def test_the_response_object_holds_text_calls_usage_and_the_echoed_fields() -> N
     collect_delta(outcome, pb.RunDelta(text="hi "))
     collect_delta(outcome, pb.RunDelta(tool_calls=[pb.ToolCallDelta(index=0, id="call_9", function_name="lookup")]))
     collect_delta(outcome, pb.RunDelta(tool_calls=[pb.ToolCallDelta(index=0, arguments="{}")]))
-    body = shape.response_body(shape.skeleton("resp_1", "m", parsed), outcome, _complete())
+    body = responses_output.response_body(responses_output.skeleton("resp_1", "m", parsed), outcome, _complete())
     assert body["status"] == "completed" and body["completed_at"] and body["metadata"] == {"a": "b"}
     message, call = body["output"]
     assert message["content"][0]["text"] == "hi " and call["call_id"] == "call_9" and call["arguments"] == "{}"
@@ -185,8 +186,8 @@ def test_the_response_object_holds_text_calls_usage_and_the_echoed_fields() -> N
         "total_tokens": 6,
     }
     assert body["tools"][0]["name"] == "lookup" and "output_text" not in body
-    cut = shape.response_body(
-        shape.skeleton("resp_2", "m", parsed), Outcome(text=["a"]), _complete(pb.FINISH_REASON_LENGTH)
+    cut = responses_output.response_body(
+        responses_output.skeleton("resp_2", "m", parsed), Outcome(text=["a"]), _complete(pb.FINISH_REASON_LENGTH)
     )
     assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "max_output_tokens"}
     assert cut["output"][0]["status"] == "incomplete"
@@ -205,7 +206,7 @@ def _decoded(raw: bytes) -> list[dict[str, Any]]:
 def test_the_event_stream_opens_and_closes_items_in_order() -> None:
     parsed = shape.parse_create({"model": "m", "input": "x"})
     stored: list[dict[str, Any]] = []
-    events = shape.ResponseEvents(shape.skeleton("resp_1", "m", parsed), stored.append)
+    events = responses_output.ResponseEvents(responses_output.skeleton("resp_1", "m", parsed), stored.append)
     raw = events.first() + events.delta(pb.RunDelta(text="a"))
     raw += events.delta(pb.RunDelta(tool_calls=[pb.ToolCallDelta(index=0, id="call_1", function_name="f")]))
     raw += events.delta(pb.RunDelta(tool_calls=[pb.ToolCallDelta(index=0, arguments='{"k"')]))
@@ -237,7 +238,7 @@ def test_the_event_stream_opens_and_closes_items_in_order() -> None:
 def test_a_failure_mid_stream_is_response_failed() -> None:
     parsed = shape.parse_create({"model": "m", "input": "x"})
     stored: list[dict[str, Any]] = []
-    events = shape.ResponseEvents(shape.skeleton("resp_1", "m", parsed), stored.append)
+    events = responses_output.ResponseEvents(responses_output.skeleton("resp_1", "m", parsed), stored.append)
     events.first()
     events.delta(pb.RunDelta(text="partial"))
     [failed] = _decoded(events.error(ApiError(502, "the node was lost")))
