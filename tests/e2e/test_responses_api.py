@@ -10,6 +10,7 @@ from typing import Any
 
 import openai
 import pytest
+import yaml
 
 from iop_edge.keys import revoke_key
 from iop_gen.pb.iop import runtime_pb2 as pb
@@ -17,7 +18,7 @@ from iop_wire.openai import responses_api as shape
 from iop_wire.openai import responses_output
 from iop_wire.openai.errors import ApiError
 
-from .conftest import Stack, wait_for
+from .conftest import Stack, _spawn, wait_for
 from .openai_schema import validate
 
 WEATHER = {
@@ -90,7 +91,14 @@ def _events(stack: Stack, body: dict[str, Any], key: str | None = None) -> list[
 
 def test_text_in_text_out_and_retrieved_as_it_was_sent(stack: Stack) -> None:
     client = stack.client()
-    body = _created(client, model="mock-small", input="tell me a story", instructions="Be brief.", temperature=0.5)
+    raw = client.responses.with_raw_response.create(
+        model="mock-small", input="tell me a story", instructions="Be brief.", temperature=0.5
+    )
+    body = raw.http_response.json()
+    validate("Response", body)
+    # One run underneath, as a chat completion's: the node recorded it, for the key, done.
+    record = wait_for(lambda: stack.run("node-a", raw.headers["x-request-id"]), 5, 0.05, "the node's record")
+    assert record["caller"] == "e2e" and record["status"] == "completed", record
     assert body["status"] == "completed" and body["id"].startswith("resp_") and "output_text" not in body
     [message] = body["output"]
     assert message["type"] == "message" and message["role"] == "assistant" and message["status"] == "completed"
@@ -383,3 +391,25 @@ def test_a_client_leaving_a_stream_cancels_the_run(stack: Stack) -> None:
     )
     assert record["status"] == "cancelled", record
     assert time.time() - gone < 5
+
+
+def test_without_keys_responses_are_anonymous_and_kept_in_the_same_store(stack: Stack) -> None:
+    """An edge with ``auth: none`` opens the store itself (the same key file here): its responses
+    belong to ``anonymous``, which no key is."""
+    config = yaml.safe_load((stack.root / "edge.yaml").read_text())
+    config["http"]["port"] = 0
+    config["auth"] = "none"
+    (stack.root / "edge-open.yaml").write_text(yaml.safe_dump(config))
+    edge = _spawn(stack.root, "edge-open", "edge", stack.root / "edge-open.yaml")
+    try:
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{edge.wait_ready()['port']}/v1", api_key="unused", max_retries=0
+        )
+        first = client.responses.create(model="mock-small", input="one two")
+        after = client.responses.create(model="mock-small", input="three", previous_response_id=first.id)
+        assert after.previous_response_id == first.id and client.responses.retrieve(after.id).id == after.id
+        client.close()
+    finally:
+        edge.stop()
+    with pytest.raises(openai.NotFoundError):
+        stack.client().responses.retrieve(first.id)
