@@ -273,7 +273,7 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
     (
         """CREATE TABLE responses (
             id TEXT PRIMARY KEY, owner TEXT NOT NULL, created_at {real} NOT NULL,
-            body TEXT NOT NULL, input_items TEXT NOT NULL, conversation TEXT NOT NULL
+            body TEXT NOT NULL, input_items TEXT NOT NULL, conversation TEXT NOT NULL, size BIGINT NOT NULL
         )""",
         "CREATE INDEX responses_owner ON responses (owner, created_at)",
         "CREATE INDEX responses_age ON responses (created_at)",

@@ -131,6 +131,9 @@ class ResponsesSettings(_Section):
     max_per_key: int = Field(10_000, ge=1)
     """Stored responses one key (``anonymous`` with ``auth: none``) may have; storing one more drops its
     oldest (logged, counted in ``iop_edge_responses_dropped_total{reason="max_per_key"}``)."""
+    max_bytes_per_key: int = Field(256 * 1024 * 1024, ge=1024)
+    """Bytes of stored JSON (responses, their input items and conversations) one key may have; storing
+    past it drops its oldest, as ``max_per_key`` does (the newest is always kept)."""
     sweep_interval: float = Field(60.0, gt=0)
     """Seconds between two deletions of expired responses (done by the next store after it)."""
 

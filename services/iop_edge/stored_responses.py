@@ -9,8 +9,8 @@ only after its run ran, so a row is no larger than what one run carries.
 
 Bounds (:class:`ResponseStore`): a response older than ``responses.retention_days`` is not
 found, and is deleted by the sweep that runs with the first store after ``sweep_interval``;
-storing past ``responses.max_per_key`` drops the key's oldest. Both are logged and counted
-(``iop_edge_responses_dropped_total{reason}``).
+storing past ``responses.max_per_key`` responses or ``max_bytes_per_key`` bytes drops the key's
+oldest. Both are logged and counted (``iop_edge_responses_dropped_total{reason}``).
 """
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ from iop_edge.settings import ResponsesSettings
 from iop_edge.sqlite_keys import SqliteKeyStorage, _immediate
 from iop_wire.openai.errors import ApiError
 
-__all__ = ["ResponseStorage", "ResponseStore", "StoredResponse", "storage_for"]
+__all__ = ["Cap", "ResponseStorage", "ResponseStore", "StoredResponse", "storage_for"]
 
 _log = structlog.get_logger("iop.edge.responses")
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
-_OLDEST = "SELECT id FROM responses WHERE owner = {p1} ORDER BY created_at, id LIMIT {p2}"
+_HELD = "SELECT count(*), coalesce(sum(size), 0) FROM responses WHERE owner = {p}"
+_BY_AGE = "SELECT id, size FROM responses WHERE owner = {p} ORDER BY created_at, id"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -57,8 +58,8 @@ class StoredResponse:
 class ResponseStorage(Protocol):
     """Rows of the ``responses`` table."""
 
-    async def put(self, row: StoredResponse, *, max_per_key: int) -> int:
-        """Store ``row``; drop its owner's oldest past ``max_per_key``; how many were dropped."""
+    async def put(self, row: StoredResponse, *, cap: Cap) -> int:
+        """Store ``row``; drop its owner's oldest past ``cap``; how many were dropped."""
 
     async def get(self, owner: str, response_id: str, *, since: float) -> StoredResponse | None:
         """``owner``'s response made after ``since``, if any."""
@@ -70,20 +71,35 @@ class ResponseStorage(Protocol):
         """Delete every response made before ``before``; how many."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Cap:
+    """What one owner may keep."""
+
+    responses: int
+    """Stored responses."""
+    bytes: int
+    """Their stored JSON, in bytes."""
+
+    def overflow(self, by_age: list[tuple[str, int]]) -> list[str]:
+        """The ids to drop, oldest first, for ``by_age`` (id, size; oldest first) to fit; the newest stays."""
+        count, size = len(by_age), sum(item_size for _, item_size in by_age)
+        dropped = []
+        for response_id, item_size in by_age[:-1]:
+            if count <= self.responses and size <= self.bytes:
+                break
+            dropped.append(response_id)
+            count, size = count - 1, size - item_size
+        return dropped
+
+
 def _row(values: Any) -> StoredResponse:
-    response_id, owner, created_at, body, items, conversation = values
+    response_id, owner, created_at, body, items, conversation = values[:6]
     return StoredResponse(response_id, owner, created_at, json.loads(body), json.loads(items), json.loads(conversation))
 
 
 def _values(row: StoredResponse) -> tuple[Any, ...]:
-    return (
-        row.id,
-        row.owner,
-        row.created_at,
-        _dumps(row.body),
-        _dumps(row.input_items),
-        _dumps(row.conversation),
-    )
+    texts = (_dumps(row.body), _dumps(row.input_items), _dumps(row.conversation))
+    return (row.id, row.owner, row.created_at, *texts, sum(len(text.encode()) for text in texts))
 
 
 class SqliteResponses:
@@ -92,17 +108,17 @@ class SqliteResponses:
     def __init__(self, storage: SqliteKeyStorage) -> None:
         self.storage = storage
 
-    async def put(self, row: StoredResponse, *, max_per_key: int) -> int:
-        """Store ``row``, dropping the owner's oldest past ``max_per_key``."""
+    async def put(self, row: StoredResponse, *, cap: Cap) -> int:
+        """Store ``row``, dropping the owner's oldest past ``cap``."""
         db = self.storage.db
         with _immediate(db):
-            db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)", _values(row))
-            held = db.execute("SELECT count(*) FROM responses WHERE owner = ?", (row.owner,)).fetchone()[0]
-            if held <= max_per_key:
+            db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)", _values(row))
+            count, size = db.execute(_HELD.format(p="?"), (row.owner,)).fetchone()
+            if count <= cap.responses and size <= cap.bytes:
                 return 0
-            oldest = _OLDEST.format(p1="?", p2="?")
-            cursor = db.execute(f"DELETE FROM responses WHERE id IN ({oldest})", (row.owner, held - max_per_key))  # noqa: S608 - no input in the SQL
-        return cursor.rowcount
+            dropped = cap.overflow(db.execute(_BY_AGE.format(p="?"), (row.owner,)).fetchall())
+            db.executemany("DELETE FROM responses WHERE id = ?", [(response_id,) for response_id in dropped])
+        return len(dropped)
 
     async def get(self, owner: str, response_id: str, *, since: float) -> StoredResponse | None:
         """The row, if ``owner``'s and recent enough."""
@@ -129,23 +145,22 @@ class PgResponses:
     def __init__(self, storage: PgKeyStorage) -> None:
         self.storage = storage
 
-    async def put(self, row: StoredResponse, *, max_per_key: int) -> int:
-        """Store ``row``, dropping the owner's oldest past ``max_per_key`` (under the owner's lock)."""
+    async def put(self, row: StoredResponse, *, cap: Cap) -> int:
+        """Store ``row``, dropping the owner's oldest past ``cap`` (under the owner's lock)."""
         async with self.storage.pool.acquire() as conn, conn.transaction():
             await conn.execute("SELECT pg_advisory_xact_lock(hashtext('iop_edge_responses:' || $1))", row.owner)
             await conn.execute(
-                "INSERT INTO responses VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (id) DO NOTHING", *_values(row)
+                "INSERT INTO responses VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (id) DO NOTHING", *_values(row)
             )
-            held = await conn.fetchval("SELECT count(*) FROM responses WHERE owner = $1", row.owner)
-            if held <= max_per_key:
+            held = await conn.fetchrow(_HELD.format(p="$1"), row.owner)
+            assert held is not None  # an aggregate: always one row
+            count, size = held
+            if count <= cap.responses and size <= cap.bytes:
                 return 0
-            oldest = _OLDEST.format(p1="$1", p2="$2")
-            status: str = await conn.execute(
-                f"DELETE FROM responses WHERE id IN ({oldest})",  # noqa: S608 - no input in the SQL
-                row.owner,
-                held - max_per_key,
-            )
-        return int(status.rsplit(maxsplit=1)[-1])
+            by_age = [(item[0], item[1]) for item in await conn.fetch(_BY_AGE.format(p="$1"), row.owner)]
+            dropped = cap.overflow(by_age)
+            await conn.execute("DELETE FROM responses WHERE id = ANY($1::text[])", dropped)
+        return len(dropped)
 
     async def get(self, owner: str, response_id: str, *, since: float) -> StoredResponse | None:
         """The row, if ``owner``'s and recent enough."""
@@ -186,6 +201,7 @@ class ResponseStore:
     def __init__(self, storage: ResponseStorage, settings: ResponsesSettings, registry: CollectorRegistry) -> None:
         self.storage = storage
         self.settings = settings
+        self.cap = Cap(settings.max_per_key, settings.max_bytes_per_key)
         self._swept = 0.0
         self._writes: dict[str, asyncio.Task[None]] = {}
         self.stored = Counter(
@@ -195,7 +211,8 @@ class ResponseStore:
         )
         self.dropped = Counter(
             "iop_edge_responses_dropped_total",
-            "Stored responses deleted before their owner did: max_per_key (a key's oldest, past responses.max_per_key),"
+            "Stored responses deleted before their owner did: max_per_key (a key's oldest, past responses.max_per_key"
+            " or max_bytes_per_key),"
             " retention (older than responses.retention_days), store_error (never stored: the store was away).",
             ["reason"],
             registry=registry,
@@ -217,15 +234,16 @@ class ResponseStore:
             _log.warning("a response could not be stored", response_id=row.id, owner=row.owner, error=str(exc))
 
     async def _put(self, row: StoredResponse) -> None:
-        dropped = await self.storage.put(row, max_per_key=self.settings.max_per_key)
+        dropped = await self.storage.put(row, cap=self.cap)
         self.stored.inc()
         if dropped:
             self.dropped.labels("max_per_key").inc(dropped)
             _log.warning(
-                "stored responses dropped: key over responses.max_per_key",
+                "stored responses dropped: key over responses.max_per_key or max_bytes_per_key",
                 owner=row.owner,
                 dropped=dropped,
-                max_per_key=self.settings.max_per_key,
+                max_per_key=self.cap.responses,
+                max_bytes_per_key=self.cap.bytes,
             )
         if time.monotonic() - self._swept >= self.settings.sweep_interval:
             self._swept = time.monotonic()

@@ -17,7 +17,7 @@ from iop_edge.key_storage import KeyStorage
 from iop_edge.pg_keys import PgKeyStorage
 from iop_edge.settings import ResponsesSettings
 from iop_edge.sqlite_keys import SqliteKeyStorage
-from iop_edge.stored_responses import ResponseStore, StoredResponse, storage_for
+from iop_edge.stored_responses import Cap, ResponseStore, StoredResponse, storage_for
 from iop_wire.openai.errors import ApiError
 
 
@@ -57,8 +57,8 @@ async def _keys(make: StorageFactory) -> KeyStorage:
     return keys
 
 
-def _row(response_id: str, owner: str = "alice", created_at: float | None = None) -> StoredResponse:
-    output: list[dict[str, Any]] = [{"type": "message", "text": "é"}]
+def _row(response_id: str, owner: str = "alice", created_at: float | None = None, text: str = "é") -> StoredResponse:
+    output: list[dict[str, Any]] = [{"type": "message", "text": text}]
     body = {"id": response_id, "object": "response", "output": output}
     items = [{"id": "msg_1", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]
     return StoredResponse(response_id, owner, created_at or time.time(), body, items, [*items, *output])
@@ -77,7 +77,7 @@ async def test_a_response_is_found_only_by_its_owner_and_deleted_once(make: Stor
 
 async def test_an_expired_response_is_not_found_and_is_swept(make: StorageFactory) -> None:
     store = await _store(make, retention_days=1, sweep_interval=0.01)
-    await store.storage.put(_row("resp_old", created_at=time.time() - 2 * 86_400), max_per_key=10)  # no sweep
+    await store.storage.put(_row("resp_old", created_at=time.time() - 2 * 86_400), cap=Cap(10, 10**6))  # no sweep
     assert await store.get("alice", "resp_old") is None  # past retention: gone at once for readers
     await store.put(_row("resp_new"))  # the edge's first write sweeps
     assert store.dropped.labels("retention")._value.get() == 1
@@ -93,6 +93,16 @@ async def test_past_the_per_key_cap_the_oldest_are_dropped_and_counted(make: Sto
     kept = [index for index in range(5) if await store.get("alice", f"resp_{index}") is not None]
     assert kept == [2, 3, 4] and await store.get("bob", "resp_bob") is not None
     assert store.dropped.labels("max_per_key")._value.get() == 2 and store.stored._value.get() == 6
+
+
+async def test_past_the_per_key_bytes_the_oldest_are_dropped_the_newest_kept(make: StorageFactory) -> None:
+    store = await _store(make, max_bytes_per_key=1024)  # each row below is 400-500 bytes: two fit
+    now = time.time()
+    for index in range(4):
+        await store.put(_row(f"resp_{index}", created_at=now + index, text="x" * 100))
+    kept = [index for index in range(4) if await store.get("alice", f"resp_{index}") is not None]
+    assert kept == [2, 3] and store.dropped.labels("max_per_key")._value.get() == 2
+    assert Cap(10, 1).overflow([("a", 5), ("b", 5)]) == ["a"]  # over alone, the newest is kept
 
 
 async def test_two_edges_on_one_store_share_their_responses(make: StorageFactory) -> None:
