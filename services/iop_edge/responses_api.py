@@ -11,6 +11,7 @@ another key's id is a 404, as a missing one; ``previous_response_id`` replays it
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -21,6 +22,7 @@ from fastapi.responses import Response
 
 from iop_edge.access import JSON, authenticate, caller_of, error_response
 from iop_edge.edge import Edge
+from iop_edge.key_storage import STORE_ERRORS, KeyStorage, SchemaTooNew
 from iop_edge.keyring import storage_of
 from iop_edge.stored_responses import ResponseStore, StoredResponse, storage_for
 from iop_gen.pb.iop import runtime_pb2 as pb
@@ -35,6 +37,7 @@ if TYPE_CHECKING:  # app.py registers these routes: importing it here at run tim
 __all__ = ["ResponsesRoutes"]
 
 _MAX_LIMIT = 100
+_OPEN_ERRORS: tuple[type[Exception], ...] = (*STORE_ERRORS, SchemaTooNew)
 
 
 class ResponsesRoutes:
@@ -44,6 +47,7 @@ class ResponsesRoutes:
         self.api = api
         self.edge = edge
         self._store: ResponseStore | None = None
+        self._opening = asyncio.Lock()
 
     def register(self, app: FastAPI) -> None:
         """Add the routes to ``app``."""
@@ -53,16 +57,26 @@ class ResponsesRoutes:
         app.add_api_route("/v1/responses/{response_id}/input_items", self.input_items, methods=["GET"])
 
     async def store(self) -> ResponseStore:
-        """The stored responses: the key store's table, or (``auth: none``) the store the settings name, opened once."""
-        if self._store is None:
-            keys = self.edge.keys
-            if keys is not None:
-                storage = keys.storage
-            else:
-                storage = storage_of(self.edge.settings)
-                await storage.open()
-            self._store = ResponseStore(storage_for(storage), self.edge.settings.responses, self.edge.metrics.registry)
+        """The stored responses: the key store's table, or (``auth: none``) the store the settings name,
+        opened once (503 while it cannot be)."""
+        async with self._opening:
+            if self._store is None:
+                self._store = ResponseStore(
+                    storage_for(await self._storage()), self.edge.settings.responses, self.edge.metrics.registry
+                )
         return self._store
+
+    async def _storage(self) -> KeyStorage:
+        if self.edge.keys is not None:
+            return self.edge.keys.storage
+        storage = storage_of(self.edge.settings)
+        try:
+            await storage.open()
+        except _OPEN_ERRORS as exc:
+            await storage.aclose()
+            message = f"stored responses are unavailable: the store {storage.name} cannot be opened ({exc})"
+            raise ApiError(503, message, code="service_unavailable", retry_after=1.0) from None
+        return storage
 
     # -- create -------------------------------------------------------------------------------
 
