@@ -82,61 +82,30 @@ class ResponsesRequest:
 def parse_create(data: Mapping[str, Any]) -> ResponsesRequest:
     """A ``CreateResponse`` body checked (``data`` from ``requests.parse_body``); 400 naming the field otherwise."""
     chat.known_fields(data, _HANDLED | _IGNORED | _REFUSED.keys())
-    for name, why in _REFUSED.items():
-        if data.get(name) is not None:
-            raise ApiError(400, f"'{name}' is not supported: {why}.", param=name, code="unsupported_parameter")
-    if data.get("background"):
-        message = "'background' is not supported: responses are made while the request waits (stream for progress)."
-        raise ApiError(400, message, param="background", code="unsupported_parameter")
+    _refuse(data)
     model = chat._model(data)
     sampling = pb.Sampling()
     chat._sampling(_sampling_fields(data), sampling, max_tokens=("max_output_tokens",))
-    fields: dict[str, Any] = {}
-    tools = _tools(data.get("tools"))
-    if tools:
-        fields["tools"] = [_chat_tool(tool) for tool in tools]
-    tool_choice = _tool_choice(data.get("tool_choice"), tools)
-    if tool_choice is not None:
-        fields["tool_choice"] = _chat_tool_choice(tool_choice)
-    parallel = _flag(data, "parallel_tool_calls")
-    if parallel is not None and tools:
-        fields["parallel_tool_calls"] = parallel
-    text = _text(data.get("text"))
-    if (text_format := text["format"])["type"] != "text":
-        fields["response_format"] = _chat_format(text_format)
-    reasoning = _reasoning(data.get("reasoning"))
-    if reasoning and reasoning.get("effort"):
-        fields["reasoning_effort"] = reasoning["effort"]
+    fields, echo = _carried(data)
     _check_rest(data)
-    instructions = data.get("instructions")
-    if instructions is not None and not isinstance(instructions, str):
-        raise _invalid_type("instructions", "a string", instructions)
-    previous = data.get("previous_response_id")
-    if previous is not None and (not isinstance(previous, str) or not previous):
-        raise _invalid_type("previous_response_id", "a string", previous)
-    metadata = _metadata(data.get("metadata"))
+    instructions = _string_field(data, "instructions")
+    previous = _string_field(data, "previous_response_id") or None
     store = _flag(data, "store") is not False
-    echo = {
+    user = data.get("user") if isinstance(data.get("user"), str) else ""
+    echo |= {
         "instructions": instructions,
-        "tools": tools,
-        "tool_choice": tool_choice if tool_choice is not None else "auto",
         "temperature": sampling.temperature if sampling.HasField("temperature") else 1.0,
         "top_p": sampling.top_p if sampling.HasField("top_p") else 1.0,
         "max_output_tokens": data.get("max_output_tokens"),
-        "parallel_tool_calls": True if parallel is None else parallel,
         "previous_response_id": previous,
-        "metadata": metadata,
-        "reasoning": reasoning,
-        "text": text,
+        "metadata": _metadata(data.get("metadata")),
         "truncation": "disabled",
         "store": store,
         "background": False,
         "service_tier": "default",
         "top_logprobs": 0,
+        **({"user": user} if user else {}),
     }
-    user = data.get("user") if isinstance(data.get("user"), str) else ""
-    if user:
-        echo["user"] = user
     return ResponsesRequest(
         model=model,
         input_items=_input_items(data.get("input")),
@@ -177,6 +146,51 @@ def conversation(
 
 
 # -- the request's fields ---------------------------------------------------------------------
+
+
+def _refuse(data: Mapping[str, Any]) -> None:
+    """400 for the fields asking what this server does not do."""
+    for name, why in _REFUSED.items():
+        if data.get(name) is not None:
+            raise ApiError(400, f"'{name}' is not supported: {why}.", param=name, code="unsupported_parameter")
+    if data.get("background"):
+        message = "'background' is not supported: responses are made while the request waits (stream for progress)."
+        raise ApiError(400, message, param="background", code="unsupported_parameter")
+
+
+def _carried(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The fields the node's adapter receives, in chat completions' shape; and how the Response echoes them."""
+    fields: dict[str, Any] = {}
+    tools = _tools(data.get("tools"))
+    if tools:
+        fields["tools"] = [_chat_tool(tool) for tool in tools]
+    tool_choice = _tool_choice(data.get("tool_choice"), tools)
+    if tool_choice is not None:
+        fields["tool_choice"] = _chat_tool_choice(tool_choice)
+    parallel = _flag(data, "parallel_tool_calls")
+    if parallel is not None and tools:
+        fields["parallel_tool_calls"] = parallel
+    text = _text(data.get("text"))
+    if (text_format := text["format"])["type"] != "text":
+        fields["response_format"] = _chat_format(text_format)
+    reasoning = _reasoning(data.get("reasoning"))
+    if reasoning and reasoning.get("effort"):
+        fields["reasoning_effort"] = reasoning["effort"]
+    echo = {
+        "tools": tools,
+        "tool_choice": tool_choice if tool_choice is not None else "auto",
+        "parallel_tool_calls": True if parallel is None else parallel,
+        "text": text,
+        "reasoning": reasoning,
+    }
+    return fields, echo
+
+
+def _string_field(data: Mapping[str, Any], name: str) -> str | None:
+    value = data.get(name)
+    if value is not None and not isinstance(value, str):
+        raise _invalid_type(name, "a string", value)
+    return value
 
 
 def _sampling_fields(data: Mapping[str, Any]) -> dict[str, Any]:
