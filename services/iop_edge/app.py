@@ -47,6 +47,7 @@ from iop_edge.files import FileRoutes
 from iop_edge.head import ARRIVED
 from iop_edge.keys import ApiKey, LimitExceeded
 from iop_edge.messages_api import MessagesRoutes
+from iop_edge.responses_api import ResponsesRoutes
 from iop_edge.shared import Held
 from iop_edge.usage_api import UsageRoutes
 from iop_gen.pb.iop import runtime_pb2 as pb
@@ -90,6 +91,7 @@ def build_app(edge: Edge) -> FastAPI:
     app.add_api_route("/v1/embeddings", api.embeddings, methods=["POST"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
+    ResponsesRoutes(api, edge).register(app)
     MessagesRoutes(api).register(app)
     FileRoutes(edge).register(app)
     BatchRoutes(edge).register(app)

@@ -19,6 +19,9 @@ this edge refuses to open (:class:`SchemaTooNew`, one line naming the store).
 - ``key_slots``: the concurrency slots each edge holds per key, renewed while in use, lapsing
   ``ttl`` seconds after an edge stops renewing them (a dead edge frees its slots).
 - ``key_edges``: the edges seen recently, so that an edge cut off from the store knows its share.
+- ``responses``: the Responses API's stored responses (version 5), by id, with their owner (the
+  key's name), their input items and the conversation a ``previous_response_id`` continues
+  (``iop_edge.stored_responses``).
 """
 
 from __future__ import annotations
@@ -229,7 +232,7 @@ class KeyStorage(Protocol):
         """Note ``edge`` alive; how many edges were seen within ``ttl`` seconds (itself included)."""
 
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 # Each step takes the tables from the version before it to its own; {real} and {id} are the
 # backend's float type and auto-numbered key. Step 1 is the key file as it was before versions.
@@ -267,6 +270,14 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
     ),
     ("CREATE TABLE key_usage_writes (edge TEXT PRIMARY KEY, batch TEXT NOT NULL, at {real} NOT NULL)",),
     ("ALTER TABLE keys ADD COLUMN admin BOOLEAN NOT NULL DEFAULT FALSE",),  # keys made before it: not admin
+    (
+        """CREATE TABLE responses (
+            id TEXT PRIMARY KEY, owner TEXT NOT NULL, created_at {real} NOT NULL,
+            body TEXT NOT NULL, input_items TEXT NOT NULL, conversation TEXT NOT NULL, size BIGINT NOT NULL
+        )""",
+        "CREATE INDEX responses_owner ON responses (owner, created_at)",
+        "CREATE INDEX responses_age ON responses (created_at)",
+    ),
 )
 assert len(MIGRATIONS) == SCHEMA_VERSION
 

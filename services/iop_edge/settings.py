@@ -26,7 +26,16 @@ from iop_wire.settings import (
 from iop_wire.settings import Section as _Section
 from iop_wire.settings import load_settings as _load
 
-__all__ = ["ConfigError", "ConsoleSettings", "Problem", "Settings", "StartError", "StoreSettings", "load_settings"]
+__all__ = [
+    "ConfigError",
+    "ConsoleSettings",
+    "Problem",
+    "ResponsesSettings",
+    "Settings",
+    "StartError",
+    "StoreSettings",
+    "load_settings",
+]
 
 
 class HttpSettings(_Section):
@@ -114,6 +123,21 @@ class StoreSettings(_Section):
         return url
 
 
+class ResponsesSettings(_Section):
+    """The Responses API's stored responses (``store: true``, the default), kept in the key store."""
+
+    retention_days: float = Field(30.0, gt=0)
+    """Days a stored response is kept (OpenAI keeps them 30); older ones are gone and deleted by the next sweep."""
+    max_per_key: int = Field(10_000, ge=1)
+    """Stored responses one key (``anonymous`` with ``auth: none``) may have; storing one more drops its
+    oldest (logged, counted in ``iop_edge_responses_dropped_total{reason="max_per_key"}``)."""
+    max_bytes_per_key: int = Field(256 * 1024 * 1024, ge=1024)
+    """Bytes of stored JSON (responses, their input items and conversations) one key may have; storing
+    past it drops its oldest, as ``max_per_key`` does (the newest is always kept)."""
+    sweep_interval: float = Field(60.0, gt=0)
+    """Seconds between two deletions of expired responses (done by the next store after it)."""
+
+
 class ConsoleSettings(_Section):
     """The web console (``/console``) and its API (``/console/api/*``)."""
 
@@ -160,6 +184,8 @@ class Settings(BaseSettings):
     store: StoreSettings = StoreSettings()
     """The key store shared by several edges (PostgreSQL)."""
     console: ConsoleSettings = ConsoleSettings()
+    responses: ResponsesSettings = ResponsesSettings()
+    """How long stored responses (the Responses API) are kept, and how many per key."""
     """The web console: its live stream's pace and bound, and the admin certificate for its admin actions."""
     request_timeout: float = Field(600.0, gt=0)
     """Seconds a request may take, queueing included; then 504. Sent as the run's deadline."""

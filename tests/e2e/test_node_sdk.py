@@ -36,3 +36,28 @@ def test_streaming_chat_with_the_npm_openai_package(stack: Stack) -> None:
     text = "".join(chunk["choices"][0]["delta"].get("content") or "" for chunk in received if chunk["choices"])
     assert len(text.split()) == 8
     assert received[-1]["choices"] == [] and received[-1]["usage"]["completion_tokens"] == 8
+
+
+def test_streaming_a_response_with_the_npm_openai_package(stack: Stack) -> None:
+    node = shutil.which("node")
+    if node is None or not PACKAGE.exists():
+        pytest.fail("node and tests/ts/node_modules/openai are needed: run `just ts-install`")
+    result = subprocess.run(
+        [node, str(HERE / "stream_responses.mjs"), stack.base_url, stack.key, "mock-small"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    *received, end = [json.loads(line) for line in result.stdout.splitlines()]
+    assert end == {"done": True}
+    for event in received:
+        validate("ResponseStreamEvent", event)
+    kinds = [event["type"] for event in received]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert [event["sequence_number"] for event in received] == list(range(len(received)))
+    text = "".join(event["delta"] for event in received if event["type"] == "response.output_text.delta")
+    assert len(text.split()) == 8
+    assert received[-1]["response"]["output"][0]["content"][0]["text"] == text
+    assert received[-1]["response"]["usage"]["output_tokens"] == 8

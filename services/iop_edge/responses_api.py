@@ -1,0 +1,204 @@
+"""OpenAI's Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``,
+``GET /v1/responses/{id}/input_items``.
+
+A create is served by :class:`iop_edge.app.Api` as a chat completion is (the key's limits, the
+body, one run whose caller is the key, its deadline, cancellation when the client goes away;
+route label ``responses``); :mod:`iop_wire.openai.responses_api` maps the body onto the run and
+the run's events onto the Response or its event stream. With ``store`` (the default) the
+Response is kept in the edge's store (:mod:`iop_edge.stored_responses`) under the key's name:
+another key's id is a 404, as a missing one; ``previous_response_id`` replays its conversation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from iop_edge.access import JSON, authenticate, caller_of, error_response
+from iop_edge.edge import Edge
+from iop_edge.key_storage import STORE_ERRORS, KeyStorage, SchemaTooNew
+from iop_edge.keyring import storage_of
+from iop_edge.stored_responses import ResponseStore, StoredResponse, storage_for
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire.openai import responses_api as shape
+from iop_wire.openai import responses_output
+from iop_wire.openai.errors import ApiError
+from iop_wire.openai.responses import Outcome, json_bytes
+
+if TYPE_CHECKING:  # app.py registers these routes: importing it here at run time would be a cycle
+    from iop_edge.app import Api, Call, Chunks
+
+__all__ = ["ResponsesRoutes"]
+
+_MAX_LIMIT = 100
+_OPEN_ERRORS: tuple[type[Exception], ...] = (*STORE_ERRORS, SchemaTooNew)
+
+
+class ResponsesRoutes:
+    """The Responses API's routes over :class:`Api`."""
+
+    def __init__(self, api: Api, edge: Edge) -> None:
+        self.api = api
+        self.edge = edge
+        self._store: ResponseStore | None = None
+        self._opening = asyncio.Lock()
+
+    def register(self, app: FastAPI) -> None:
+        """Add the routes to ``app``."""
+        app.add_api_route("/v1/responses", self.create, methods=["POST"])
+        app.add_api_route("/v1/responses/{response_id}", self.retrieve, methods=["GET"])
+        app.add_api_route("/v1/responses/{response_id}", self.delete, methods=["DELETE"])
+        app.add_api_route("/v1/responses/{response_id}/input_items", self.input_items, methods=["GET"])
+
+    async def store(self) -> ResponseStore:
+        """The stored responses: the key store's table, or (``auth: none``) the store the settings name,
+        opened once (503 while it cannot be)."""
+        async with self._opening:
+            if self._store is None:
+                self._store = ResponseStore(
+                    storage_for(await self._storage()), self.edge.settings.responses, self.edge.metrics.registry
+                )
+        return self._store
+
+    async def _storage(self) -> KeyStorage:
+        if self.edge.keys is not None:
+            return self.edge.keys.storage
+        storage = storage_of(self.edge.settings)
+        try:
+            await storage.open()
+        except _OPEN_ERRORS as exc:
+            await storage.aclose()
+            message = f"stored responses are unavailable: the store {storage.name} cannot be opened ({exc})"
+            raise ApiError(503, message, code="service_unavailable", retry_after=1.0) from None
+        return storage
+
+    # -- create -------------------------------------------------------------------------------
+
+    async def create(self, request: Request) -> Response:
+        """POST /v1/responses."""
+        return await self.api.serve(request, "responses", self._create)
+
+    async def _create(self, request: Request, call: Call, data: dict[str, Any]) -> Response:
+        parsed = shape.parse_create(data)
+        owner = caller_of(call.key)
+        history: list[dict[str, Any]] = []
+        store = await self.store() if parsed.store or parsed.previous_response_id is not None else None
+        keep = store if parsed.store else None
+        if store is not None and parsed.previous_response_id is not None:
+            previous = await store.get(owner, parsed.previous_response_id)
+            if previous is None:
+                message = f"Previous response with id '{parsed.previous_response_id}' not found."
+                raise ApiError(400, message, param="previous_response_id", code="previous_response_not_found")
+            history = previous.conversation
+        run = self.api.prepared(call, shape.run_request(parsed, call.run_id, history))
+        response_id = f"resp_{call.run_id}{secrets.token_hex(12)}"  # the run's id in it: one to look for in logs
+        stream = await self.api.open(call, run)
+        if parsed.stream:
+
+            def events(start: pb.RunStart) -> Chunks:
+                base = responses_output.skeleton(response_id, start.model or parsed.model, parsed)
+                ended = None if keep is None else lambda body: keep.put_soon(_row(owner, parsed, history, body))
+                return responses_output.ResponseEvents(base, ended)
+
+            return await self.api.stream(request, call, stream, events)
+        outcome = Outcome()
+        start, complete = await self.api.collect(request, call, stream, outcome)
+        body = responses_output.response_body(
+            responses_output.skeleton(response_id, start.model or parsed.model, parsed), outcome, complete
+        )
+        if keep is not None:
+            await keep.put(_row(owner, parsed, history, body))
+        return self.api.json(call, body, complete)
+
+    # -- stored responses ---------------------------------------------------------------------
+
+    async def retrieve(self, request: Request, response_id: str) -> Response:
+        """GET /v1/responses/{id}: a stored response of the caller's."""
+
+        async def body(owner: str) -> dict[str, Any]:
+            return (await self._found(owner, response_id)).body
+
+        return await self._serve("responses.retrieve", request, body)
+
+    async def delete(self, request: Request, response_id: str) -> Response:
+        """DELETE /v1/responses/{id}."""
+
+        async def deleted(owner: str) -> dict[str, Any]:
+            if not await (await self.store()).delete(owner, response_id):
+                raise _not_found(response_id)
+            return {"id": response_id, "object": "response", "deleted": True}
+
+        return await self._serve("responses.delete", request, deleted)
+
+    async def input_items(self, request: Request, response_id: str) -> Response:
+        """GET /v1/responses/{id}/input_items: ``after``, ``limit`` (1-100, 20) and ``order`` (desc) paging."""
+
+        async def listed(owner: str) -> dict[str, Any]:
+            query = request.query_params
+            limit = _limit(query.get("limit"))
+            order = query.get("order") or "desc"
+            if order not in ("asc", "desc"):
+                message = f"Invalid value: '{order}'. Supported values are: 'asc' and 'desc'."
+                raise ApiError(400, message, param="order", code="invalid_value")
+            items = list((await self._found(owner, response_id)).input_items)
+            if order == "desc":
+                items.reverse()
+            if (after := query.get("after")) is not None:
+                ids = [item["id"] for item in items]
+                if after not in ids:
+                    raise ApiError(400, f"No item with id '{after}' in this response's input.", param="after")
+                items = items[ids.index(after) + 1 :]
+            page = items[:limit]
+            return {
+                "object": "list",
+                "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": len(items) > limit,
+            }
+
+        return await self._serve("responses.input_items", request, listed)
+
+    async def _found(self, owner: str, response_id: str) -> StoredResponse:
+        stored = await (await self.store()).get(owner, response_id)
+        if stored is None:
+            raise _not_found(response_id)
+        return stored
+
+    async def _serve(
+        self, route: str, request: Request, produce: Callable[[str], Awaitable[dict[str, Any]]]
+    ) -> Response:
+        """The request authenticated, then ``produce(owner)``'s object as JSON, or its ApiError; counted."""
+        try:
+            key = authenticate(self.edge.keys, request)
+            response = Response(json_bytes(await produce(caller_of(key))), media_type=JSON)
+        except ApiError as error:
+            response = error_response(error)
+        self.edge.metrics.requests.labels(route, "", str(response.status_code)).inc()
+        return response
+
+
+def _row(
+    owner: str, parsed: shape.ResponsesRequest, history: list[dict[str, Any]], body: dict[str, Any]
+) -> StoredResponse:
+    conversation = shape.conversation(history, parsed, body)
+    return StoredResponse(body["id"], owner, time.time(), body, parsed.input_items, conversation)
+
+
+def _not_found(response_id: str) -> ApiError:
+    return ApiError(404, f"Response with id '{response_id}' not found.", param="response_id", code="not_found")
+
+
+def _limit(given: str | None) -> int:
+    if given is None:
+        return 20
+    if not given.isdigit() or not 1 <= int(given) <= _MAX_LIMIT:
+        message = f"Invalid 'limit': {given!r}; it must be an integer from 1 to {_MAX_LIMIT}."
+        raise ApiError(400, message, param="limit", code="invalid_value")
+    return int(given)

@@ -1,0 +1,221 @@
+"""A run's events as OpenAI's Responses API answers them: the ``Response`` object, and the
+Responses event stream (:class:`ResponseEvents`, an ``app.Chunks`` of the edge).
+
+Shapes follow OpenAI's ``Response``, ``ResponseUsage`` and the ``ResponseStreamEvent`` members;
+the end-to-end tests validate every body and event against the official OpenAPI document.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from iop_gen.pb.iop import runtime_pb2 as pb
+from iop_wire.openai.errors import ApiError
+from iop_wire.openai.responses import Outcome, json_bytes
+from iop_wire.openai.responses_api import ResponsesRequest, new_id, text_part
+
+__all__ = ["ResponseEvents", "failed", "finished", "response_body", "skeleton", "usage_body"]
+
+
+def usage_body(usage: pb.Usage) -> dict[str, Any]:
+    """OpenAI's ResponseUsage."""
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+
+
+def skeleton(response_id: str, model: str, parsed: ResponsesRequest) -> dict[str, Any]:
+    """The Response while in progress: no output yet, the request's fields echoed."""
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "in_progress",
+        "completed_at": None,
+        "error": None,
+        "incomplete_details": None,
+        "model": model,
+        "output": [],
+        **parsed.echo,
+    }
+
+
+def response_body(base: Mapping[str, Any], outcome: Outcome, complete: pb.RunComplete) -> dict[str, Any]:
+    """The whole Response of a run that completed (``base`` from :func:`skeleton`)."""
+    output: list[dict[str, Any]] = []
+    text = "".join(outcome.text)
+    if text or not outcome.tool_calls:
+        output.append(_message_output(new_id("msg"), text, "completed"))
+    for index in sorted(outcome.tool_calls):
+        call = outcome.tool_calls[index]
+        output.append(_call_output(new_id("fc"), call["id"], call["function"]["name"], call["function"]["arguments"]))
+    return finished(base, output, complete)
+
+
+def finished(base: Mapping[str, Any], output: list[dict[str, Any]], complete: pb.RunComplete) -> dict[str, Any]:
+    """``base`` completed (or incomplete at the token limit) with ``output`` and the run's usage."""
+    body = {**base, "output": output, "usage": usage_body(complete.usage)}
+    if complete.finish_reason == pb.FINISH_REASON_LENGTH:
+        body["status"], body["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
+    elif complete.finish_reason == pb.FINISH_REASON_CONTENT_FILTER:
+        body["status"], body["incomplete_details"] = "incomplete", {"reason": "content_filter"}
+    else:
+        body["status"], body["completed_at"] = "completed", int(time.time())
+    if body["status"] == "incomplete":
+        for item in output:
+            if item["type"] == "message":
+                item["status"] = "incomplete"
+    return body
+
+
+def failed(base: Mapping[str, Any], output: list[dict[str, Any]], error: ApiError) -> dict[str, Any]:
+    """``base`` failed: ResponseError's code is one of a few (rate_limit_exceeded, else server_error)."""
+    code = "rate_limit_exceeded" if error.status == 429 else "server_error"
+    return {**base, "status": "failed", "output": output, "error": {"code": code, "message": error.message}}
+
+
+def _message_output(item_id: str, text: str, status: str) -> dict[str, Any]:
+    content = [text_part("output_text", text)]
+    return {"id": item_id, "type": "message", "role": "assistant", "content": content, "status": status}
+
+
+def _call_output(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+# -- the event stream -------------------------------------------------------------------------
+
+
+class ResponseEvents:
+    """The Responses event stream of one run (``app.Chunks``): ``event: <type>`` / ``data: <json>`` pairs,
+    ``sequence_number`` counting from 0.
+
+    response.created, response.in_progress, then per output item: output_item.added, for a message
+    content_part.added, output_text.delta..., output_text.done, content_part.done; for a function
+    call function_call_arguments.delta..., function_call_arguments.done; then output_item.done.
+    Last: response.completed (response.incomplete at the token limit), or response.failed.
+    ``ended`` is called with the final Response (to store it).
+    """
+
+    def __init__(self, base: dict[str, Any], ended: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.base = base
+        self.ended = ended
+        self.sequence = 0
+        self.output: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None
+        """The output item being streamed."""
+        self._calls: dict[int, dict[str, Any]] = {}
+        """Function-call items by the run's tool-call index."""
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return b"event: " + kind.encode() + b"\ndata: " + json_bytes(payload) + b"\n\n"
+
+    def first(self) -> bytes:
+        """response.created and response.in_progress."""
+        return self._event("response.created", response=self.base) + self._event(
+            "response.in_progress", response=self.base
+        )
+
+    def delta(self, delta: pb.RunDelta) -> bytes:
+        """Text as output_text.delta events, tool-call fragments as function_call_arguments.delta
+        events, opening (and closing) output items as they start."""
+        out: list[bytes] = []
+        if delta.text:
+            if self._open is None or self._open["type"] != "message":
+                out.append(self._close())
+                out.append(self._open_message())
+            assert self._open is not None
+            self._open["content"][0]["text"] += delta.text
+            out.append(
+                self._event(
+                    "response.output_text.delta", **self._where(), content_index=0, delta=delta.text, logprobs=[]
+                )
+            )
+        for fragment in delta.tool_calls:
+            item = self._calls.get(fragment.index)
+            if item is None:
+                out.append(self._close())
+                item = _call_output(new_id("fc"), fragment.id, fragment.function_name, "", "in_progress")
+                self._calls[fragment.index] = item
+                out.append(self._add(item))
+            if fragment.arguments:
+                item["arguments"] += fragment.arguments
+                where = {"item_id": item["id"], "output_index": self.output.index(item)}
+                out.append(self._event("response.function_call_arguments.delta", **where, delta=fragment.arguments))
+        return b"".join(out)
+
+    def last(self, complete: pb.RunComplete) -> bytes:
+        """The open item closed, then response.completed (or response.incomplete)."""
+        out = self._close()
+        if not self.output:  # a run that said nothing still answers with an (empty) message
+            out += self._open_message() + self._close()
+        body = finished(self.base, self.output, complete)
+        kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
+        if self.ended is not None:
+            self.ended(body)
+        return out + self._event(kind, response=body)
+
+    def error(self, error: ApiError) -> bytes:
+        """response.failed with the error (the items streamed so far as they were)."""
+        body = failed(self.base, self.output, error)
+        if self.ended is not None:
+            self.ended(body)
+        return self._event("response.failed", response=body)
+
+    def _where(self) -> dict[str, Any]:
+        assert self._open is not None
+        return {"item_id": self._open["id"], "output_index": self.output.index(self._open)}
+
+    def _add(self, item: dict[str, Any]) -> bytes:
+        self.output.append(item)
+        self._open = item
+        return self._event("response.output_item.added", output_index=len(self.output) - 1, item=_copy(item))
+
+    def _open_message(self) -> bytes:
+        item = _message_output(new_id("msg"), "", "in_progress")
+        added = self._add(item)
+        part = text_part("output_text", "")
+        return added + self._event("response.content_part.added", **self._where(), content_index=0, part=part)
+
+    def _close(self) -> bytes:
+        item = self._open
+        if item is None:
+            return b""
+        where = self._where()
+        out = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            out.append(
+                self._event("response.output_text.done", **where, content_index=0, text=part["text"], logprobs=[])
+            )
+            out.append(self._event("response.content_part.done", **where, content_index=0, part=_copy(part)))
+        else:
+            done = {"name": item["name"], "arguments": item["arguments"]}
+            out.append(self._event("response.function_call_arguments.done", **where, **done))
+        item["status"] = "completed"
+        out.append(self._event("response.output_item.done", output_index=where["output_index"], item=_copy(item)))
+        self._open = None
+        return b"".join(out)
+
+
+def _copy(item: Mapping[str, Any]) -> dict[str, Any]:
+    """A snapshot of an item as it is now (it changes as the stream goes on)."""
+    copied = dict(item)
+    if "content" in copied:
+        copied["content"] = [dict(part) for part in copied["content"]]
+    return copied
