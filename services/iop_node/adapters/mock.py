@@ -240,22 +240,37 @@ def _chosen_tool(spec: ExecutionSpec) -> dict[str, Any] | None:
     tools, tool_choice is ``none``, or the conversation ends with a tool's result (time to answer)."""
     tools = _tools(spec)
     choice = spec.openai_fields.get("tool_choice", "auto")
+    name = _named(choice)
+    if not tools and choice not in ("auto", "none"):
+        message = f"tool_choice {json.dumps(choice)[:80]} is only allowed when tools are given"
+        raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, message, param="tool_choice")
     if not tools or choice == "none":
         return None
     messages = spec.request.messages
     if messages and messages[-1].role == pb.ROLE_TOOL:
         return None
-    if isinstance(choice, dict):
-        named = choice.get("function")
-        name = (named if isinstance(named, dict) else choice).get("name")
+    if name is not None:
         found = next((tool for tool in tools if tool["name"] == name), None)
         if found is None:
             message = f"tool_choice names {name!r}, which is not one of the request's tools"
             raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, message, param="tool_choice")
         return found
-    if choice not in ("auto", "required"):
-        raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, f"tool_choice {choice!r} is not understood", param="tool_choice")
     return tools[0]
+
+
+def _named(choice: Any) -> str | None:
+    """The function ``tool_choice`` names (``{"type": "function", "function": {"name": X}}``, or the
+    Responses API's ``{"type": "function", "name": X}``); None for auto, none and required;
+    INVALID_ARGUMENT for anything else."""
+    if choice in ("auto", "none", "required"):
+        return None
+    if isinstance(choice, dict) and choice.get("type", "function") == "function":
+        named = choice.get("function")
+        name = (named if isinstance(named, dict) else choice).get("name")
+        if isinstance(name, str) and name:
+            return name
+    message = f"tool_choice {json.dumps(choice)[:80]} is not auto, none, required or a function with a name"
+    raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, message, param="tool_choice")
 
 
 async def _call_tool(
