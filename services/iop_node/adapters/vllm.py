@@ -298,14 +298,14 @@ def _request_body(
 
 
 def _message(message: pb.ChatMessage, *, developer: bool) -> dict[str, Any]:
-    """A ChatMessage in OpenAI's shape; ``developer`` false sends that role as ``system``."""
+    """A ChatMessage in OpenAI's shape, its content always there; ``developer`` false sends that role as ``system``."""
     role = "system" if message.role == pb.ROLE_DEVELOPER and not developer else ROLE_NAMES[message.role]
     result: dict[str, Any] = {"role": role}
     parts = [_part(part) for part in message.content]
     if len(parts) == 1 and parts[0]["type"] == "text":
         result["content"] = parts[0]["text"]
-    elif parts:
-        result["content"] = parts
+    else:  # "" for none (an assistant's tool calls): llama-cpp-python's chat templates read every message's content
+        result["content"] = parts or ""
     if message.name:
         result["name"] = message.name
     if message.tool_calls:
