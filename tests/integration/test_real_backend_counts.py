@@ -1,7 +1,9 @@
-"""The vllm adapter's token counts and top_k against llama-cpp-python (tests/backends, the tiny model):
-a count by chat is the prompt's usage a chat of the same conversation reports, a route that asks the
-server for vLLM's /tokenize is refused saying the backend cannot count, and top_k reaches the sampler.
-Skipped (failed with IOP_BACKENDS_REQUIRED=1) when tests/backends/install.sh has not run."""
+"""Token counts and top_k against real servers (tests/backends, the tiny model): through the vllm
+adapter to llama-cpp-python, a count by chat is the prompt's usage a chat of the same conversation
+reports, a route that asks it for vLLM's /tokenize is refused saying the backend cannot count, and
+top_k reaches the sampler; through the ollama adapter to Ollama, top_k reaches it as its option and
+a count is refused. Skipped (failed with IOP_BACKENDS_REQUIRED=1) when tests/backends/install.sh has
+not run."""
 
 from __future__ import annotations
 
@@ -91,3 +93,25 @@ async def test_top_k_1_samples_greedily_whatever_the_temperature(connection: Con
     assert all(
         [await answer(pb.Sampling(max_tokens=12, temperature=2, seed=seed, top_k=1)) == greedy for seed in (1, 2, 3)]
     )
+
+
+async def test_ollama_takes_top_k_as_its_option_and_cannot_count(
+    pki: Pki, tmp_path: Path, ollama_backend: BackendServer
+) -> None:
+    routes = [{"model": "tiny", "adapter": "ollama", "options": {"base_url": ollama_backend.base_url}}]
+    async with running_node(node_settings(pki, tmp_path, routes)) as app:
+        connection = await client(app, pki)
+
+        async def answer(sampling: pb.Sampling) -> str:
+            events = await collect(await connection.open_run(chat(model="tiny", sampling=sampling)))
+            assert kinds(events)[-1] == "complete", events[-1]
+            return text(events)
+
+        greedy = await answer(pb.Sampling(max_tokens=12, temperature=0))
+        hot = [await answer(pb.Sampling(max_tokens=12, temperature=2, seed=seed)) for seed in (1, 2, 3)]
+        assert any(sample != greedy for sample in hot), "at temperature 2 the tiny model's samples differ"
+        for seed in (1, 2, 3):
+            assert await answer(pb.Sampling(max_tokens=12, temperature=2, seed=seed, top_k=1)) == greedy
+        refused = await collect(await connection.open_run(chat(model="tiny", kind=pb.RUN_KIND_COUNT_TOKENS)))
+        assert refused[-1].error.code == pb.ERROR_CODE_INVALID_ARGUMENT and refused[-1].error.param == "model"
+        await connection.close()
