@@ -8,10 +8,12 @@ import json
 from typing import Any
 
 import pytest
+import structlog
 from jsonschema import Draft202012Validator  # type: ignore[import-untyped]  # no stubs installed
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.adapters.mock import MockAdapter, MockOptions
+from iop_node.adapters.schema_values import MAX_STRING
 from iop_node.domain import ExecutionSpec
 from iop_wire.errors import IopError
 
@@ -54,6 +56,7 @@ class Sink:
         self.finish: pb.FinishReason.ValueType | None = None
         self.usage: pb.Usage | None = None
         self.counted_tokens: int | None = None
+        self.annotations: dict[str, str] = {}
 
     async def delta(self, text: str) -> None:
         self.texts.append(text)
@@ -70,7 +73,7 @@ class Sink:
         self.counted_tokens = tokens
 
     def annotate(self, key: str, value: str) -> None:
-        pass
+        self.annotations[key] = value
 
     def counting(self, prompt_tokens: int, *, token_per_delta: bool = False) -> None:
         pass
@@ -289,3 +292,17 @@ async def test_top_k_is_accepted_and_changes_nothing() -> None:
 async def test_the_mock_says_it_counts_tokens() -> None:
     (model,) = await MockAdapter({"m": MockOptions()}).capabilities()
     assert pb.RUN_KIND_COUNT_TOKENS in model.kinds and pb.RUN_KIND_COUNT_TOKENS not in model.continuable_kinds
+
+
+async def test_a_schema_past_the_bounds_is_cut_logged_and_noted_in_the_run_record() -> None:
+    big = {"type": "function", "function": {"name": "big", "parameters": {"type": "string", "minLength": 10**9}}}
+    with structlog.testing.capture_logs() as logs:
+        sink = await _run(_spec({"tools": [big]}))
+        plain = await _run(_spec({"tools": [WEATHER]}))
+    assert len(json.loads(sink.call()[2])) == MAX_STRING and sink.finish == pb.FINISH_REASON_TOOL_CALLS
+    assert sink.annotations == {"schema_bounded": "tool 'big': string"} and plain.annotations == {}
+    (line,) = [log for log in logs if log["event"] == "schema value bounded"]
+    assert (line["run_id"], line["bound"], line["log_level"]) == ("r", "string", "warning")
+    schema = {"type": "array", "minItems": 10**6}
+    fields = {"response_format": {"type": "json_schema", "json_schema": {"name": "many", "schema": schema}}}
+    assert (await _run(_spec(fields))).annotations == {"schema_bounded": "response_format: items"}

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator  # type: ignore[import-untyped]  # no stubs installed
 
-from iop_node.adapters.schema_values import MAX_CHARS, MAX_DEPTH, MAX_STRING, MAX_VALUES, value_for
+from iop_node.adapters.schema_values import MAX_CHARS, MAX_DEPTH, MAX_STRING, MAX_VALUES, bounded_value, value_for
 
 WORDS = ("alpha", "beta", "gamma", "delta")
 
@@ -125,6 +125,22 @@ def test_hostile_schemas_cost_a_bounded_time_and_size(schema: dict[str, Any]) ->
     assert time.monotonic() - started < 1.0
     size = len(json.dumps(value))
     assert size < MAX_CHARS + 64 * MAX_VALUES, size  # the strings' budget, and a little for each value's syntax
+
+
+@pytest.mark.parametrize(
+    ("schema", "bound"),
+    [
+        (WEATHER, ""),
+        ({"type": "string", "minLength": MAX_STRING}, ""),
+        ({"type": "string", "minLength": MAX_STRING + 1}, "string"),
+        ({"type": "array", "minItems": MAX_VALUES + 1}, "items"),
+        ({"type": "array", "minItems": 100, "items": {"type": "string", "minLength": MAX_STRING}}, "characters"),
+        ({"type": "object", "properties": {str(i): {} for i in range(MAX_VALUES + 1)}}, "values"),
+        ({"$defs": {"loop": {"$ref": "#/$defs/loop"}}, "$ref": "#/$defs/loop"}, "depth"),
+    ],
+)
+def test_the_first_bound_that_cut_the_value_is_named(schema: dict[str, Any], bound: str) -> None:
+    assert bounded_value(schema, random.Random(1), WORDS)[1] == bound
 
 
 def test_a_schema_nested_deeper_than_the_bound_is_cut_with_null() -> None:

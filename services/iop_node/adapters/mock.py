@@ -17,10 +17,11 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
+import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_node.adapters.schema_values import value_for
+from iop_node.adapters.schema_values import bounded_value
 from iop_node.domain import ExecutionSpec, refuse_continuation
 from iop_node.ports import EventSink
 from iop_node.settings import one_line
@@ -90,6 +91,7 @@ _WORDS = (
     "prompt",
     "reply",
 )
+_log = structlog.get_logger("iop.node.mock")
 _YIELD_EVERY = 32  # at full speed, let other runs use the loop every this many tokens
 
 
@@ -162,7 +164,10 @@ class MockAdapter:
         tool = _chosen_tool(spec) if spec.kind == pb.RUN_KIND_CHAT else None
         if tool is not None:
             refuse_continuation(spec, "the mock does not continue a tool call")
-            await _call_tool(tool, words, sink, options=options, limit=limit, prompt_tokens=prompt_tokens)
+            arguments = _made(tool.get("parameters") or {}, words, spec, sink, f"tool {tool['name']!r}")
+            await _call_tool(
+                tool["name"], arguments, words, sink, options=options, limit=limit, prompt_tokens=prompt_tokens
+            )
             return
         await _write(spec, words, sink, options=options, limit=limit, prompt_tokens=prompt_tokens)
 
@@ -177,7 +182,7 @@ async def _write(
     prompt_tokens: int,
 ) -> None:
     """The answer's text (words, or JSON when ``response_format`` asks), a token a delta."""
-    structured = _structured(spec, words)
+    structured = _structured(spec, words, sink)
     pieces = _fragments(structured) if structured is not None else None
     planned = options.tokens if pieces is None else len(pieces)
     count = planned if limit is None else min(limit, planned)
@@ -274,7 +279,8 @@ def _named(choice: Any) -> str | None:
 
 
 async def _call_tool(
-    tool: dict[str, Any],
+    name: str,
+    arguments: Any,
     words: random.Random,
     sink: EventSink,
     *,
@@ -282,14 +288,13 @@ async def _call_tool(
     limit: int | None,
     prompt_tokens: int,
 ) -> None:
-    """One call of ``tool``, its arguments made from its parameters' schema and streamed as OpenAI
-    streams them: the id and name first, then the arguments' text a fragment (a token) at a time."""
+    """One call of the tool ``name`` with ``arguments``, streamed as OpenAI streams a call: the id and
+    name first, then the arguments' JSON text a fragment (a token) at a time."""
     call_id = f"call_{words.getrandbits(96):024x}"
-    arguments = json.dumps(value_for(tool.get("parameters") or {}, words, _WORDS), ensure_ascii=False)
-    pieces = _fragments(arguments)
+    pieces = _fragments(json.dumps(arguments, ensure_ascii=False))
     count = len(pieces) if limit is None else min(limit, len(pieces))
     interval = 1.0 / options.tokens_per_second if options.tokens_per_second else 0.0
-    head = pb.ToolCallDelta(index=0, id=call_id, function_name=tool["name"], arguments="")
+    head = pb.ToolCallDelta(index=0, id=call_id, function_name=name, arguments="")
     await sink.output(pb.RunDelta(tool_calls=[head]))
     for index in range(count):
         await _inject(options, index)
@@ -303,7 +308,7 @@ async def _call_tool(
     await sink.complete(reason, pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=count))
 
 
-def _structured(spec: ExecutionSpec, words: random.Random) -> str | None:
+def _structured(spec: ExecutionSpec, words: random.Random, sink: EventSink) -> str | None:
     """The answer as JSON text when ``response_format`` asks for JSON (an object made from the schema
     for ``json_schema``); None for plain text."""
     wanted = spec.openai_fields.get("response_format")
@@ -316,7 +321,20 @@ def _structured(spec: ExecutionSpec, words: random.Random) -> str | None:
     if not isinstance(schema, dict):
         message = f"response_format {json.dumps(wanted)[:80]} is not text, json_object or json_schema with a schema"
         raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, message, param="response_format")
-    return json.dumps(value_for(schema.get("schema") or {}, words, _WORDS), ensure_ascii=False)
+    value = _made(schema.get("schema") or {}, words, spec, sink, "response_format")
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _made(schema: Any, words: random.Random, spec: ExecutionSpec, sink: EventSink, what: str) -> Any:
+    """A value for ``schema`` (schema_values.py); where one of its bounds cut it, one log line and the
+    bound in the run record (``schema_bounded``): the client asked for more than the mock makes."""
+    value, bound = bounded_value(schema, words, _WORDS)
+    if bound:
+        _log.warning(
+            "schema value bounded", run_id=spec.request.run_id, model=spec.request.model, what=what, bound=bound
+        )
+        sink.annotate("schema_bounded", f"{what}: {bound}")
+    return value
 
 
 def _fragments(text: str) -> list[str]:

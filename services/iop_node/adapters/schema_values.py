@@ -12,7 +12,7 @@ followed.
 A schema is a client's input: the value is bounded (:data:`MAX_DEPTH` levels, :data:`MAX_VALUES`
 values, :data:`MAX_STRING` characters a string and :data:`MAX_CHARS` in all), past which it is
 ``null`` (a string: cut short), whatever the schema asks: ``minLength: 1e9`` costs what
-``minLength: 4096`` does.
+``minLength: 4096`` does. :func:`bounded_value` says which bound bit first, for the caller to log.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["MAX_CHARS", "MAX_DEPTH", "MAX_STRING", "MAX_VALUES", "value_for"]
+__all__ = ["MAX_CHARS", "MAX_DEPTH", "MAX_STRING", "MAX_VALUES", "bounded_value", "value_for"]
 
 MAX_DEPTH = 12
 """Nesting followed (a recursive ``$ref`` stops here)."""
@@ -48,19 +48,35 @@ _MERGED = ("properties", "$defs", "definitions")
 
 def value_for(schema: Any, rng: random.Random, words: Sequence[str]) -> Any:
     """A value valid for ``schema`` as far as the rules above go; the same for the same ``rng`` state."""
-    return _Maker(schema, rng, words).make(schema, 0)
+    return bounded_value(schema, rng, words)[0]
+
+
+def bounded_value(schema: Any, rng: random.Random, words: Sequence[str]) -> tuple[Any, str]:
+    """:func:`value_for`'s value, and the first bound it met ("" for none): ``depth``, ``values``,
+    ``items`` (a ``minItems`` above MAX_VALUES), ``string`` (a ``minLength`` above MAX_STRING) or
+    ``characters`` (MAX_CHARS)."""
+    maker = _Maker(schema, rng, words)
+    return maker.make(schema, 0), maker.bound
 
 
 class _Maker:
-    __slots__ = ("budget", "chars", "rng", "root", "words")
+    __slots__ = ("bound", "budget", "chars", "rng", "root", "words")
 
     def __init__(self, root: Any, rng: random.Random, words: Sequence[str]) -> None:
         self.root, self.rng, self.words = root, rng, words
         self.budget = MAX_VALUES
         self.chars = MAX_CHARS
+        self.bound = ""
+
+    def bit(self, bound: str) -> None:
+        """Note that ``bound`` cut the value (the first one is kept)."""
+        self.bound = self.bound or bound
 
     def make(self, schema: Any, depth: int) -> Any:  # noqa: PLR0911 - one return a schema keyword
-        if not isinstance(schema, dict) or depth > MAX_DEPTH or self.budget <= 0:
+        if not isinstance(schema, dict):
+            return None
+        if depth > MAX_DEPTH or self.budget <= 0:
+            self.bit("depth" if depth > MAX_DEPTH else "values")
             return None
         self.budget -= 1
         if isinstance(ref := schema.get("$ref"), str):
@@ -115,6 +131,8 @@ class _Maker:
         properties = schema.get("properties")
         properties = properties if isinstance(properties, dict) else {}
         value = {str(name): self.make(sub, depth + 1) for name, sub in properties.items() if self.budget > 0}
+        if len(value) < len(properties):
+            self.bit("values")
         required = schema.get("required")
         extra = schema.get("additionalProperties")
         for name in required if isinstance(required, list) else ():
@@ -126,12 +144,15 @@ class _Maker:
         low = _int(schema.get("minItems"), 1)
         high = _int(schema.get("maxItems"), max(low, _MAX_ITEMS))
         count = max(0, min(max(low, min(high, _MAX_ITEMS)), high, MAX_VALUES))
+        if count < min(low, high):
+            self.bit("items")
         prefix = schema.get("prefixItems")
         prefix = prefix if isinstance(prefix, list) else []
         items = schema.get("items", {})
         value = []
         for index in range(count):
             if self.budget <= 0:
+                self.bit("values")
                 break
             value.append(self.make(prefix[index] if index < len(prefix) else items, depth + 1))
         return value
@@ -164,14 +185,20 @@ class _Maker:
     def _string(self, schema: dict[str, Any]) -> str:
         if isinstance(form := schema.get("format"), str) and form in _FORMATS:
             return _FORMATS[form]
-        least = min(_int(schema.get("minLength"), 0), MAX_STRING, self.chars)
-        most = min(_int(schema.get("maxLength"), MAX_STRING), MAX_STRING, self.chars)
+        wanted = _int(schema.get("minLength"), 0)
+        if wanted > MAX_STRING:
+            self.bit("string")
+        least = min(wanted, MAX_STRING)
+        most = min(_int(schema.get("maxLength"), MAX_STRING), MAX_STRING)
         words = [self.rng.choice(self.words) for _ in range(2)]
         size = len(words[0]) + len(words[1]) + 1
         while size < least:  # bounded: least <= MAX_STRING
             words.append(self.rng.choice(self.words))
             size += len(words[-1]) + 1
         text = " ".join(words)[: max(most, 0)]
+        if len(text) > self.chars:
+            self.bit("characters")
+            text = text[: self.chars]
         self.chars -= len(text)
         return text
 
