@@ -159,6 +159,11 @@ async def test_without_a_named_tool_the_first_is_called_with_valid_arguments_str
     assert sink.usage.prompt_tokens == PROMPT_WORDS + tools_words
 
 
+async def test_a_null_tool_choice_is_auto() -> None:
+    _, name, _ = (await _run(_spec({"tools": [TIME, WEATHER], "tool_choice": None}))).call()
+    assert name == "get_time"
+
+
 async def test_the_same_request_calls_with_the_same_id_and_arguments_another_prompt_with_others() -> None:
     fields = {"tools": [WEATHER]}
     first, again = await _run(_spec(fields)), await _run(_spec(fields))

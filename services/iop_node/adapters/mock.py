@@ -244,7 +244,8 @@ def _chosen_tool(spec: ExecutionSpec) -> dict[str, Any] | None:
     """The function to call now: the one ``tool_choice`` names, else the first; None when there are no
     tools, tool_choice is ``none``, or the conversation ends with a tool's result (time to answer)."""
     tools = _tools(spec)
-    choice = spec.openai_fields.get("tool_choice", "auto")
+    choice = spec.openai_fields.get("tool_choice")
+    choice = "auto" if choice is None else choice  # unset or null
     name = _named(choice)
     if not tools and choice not in ("auto", "none"):
         message = f"tool_choice {json.dumps(choice)[:80]} is only allowed when tools are given"
