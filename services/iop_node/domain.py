@@ -10,7 +10,7 @@ from typing import Any, TypeAlias
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.errors import IopError
 
-__all__ = ["ROLE_NAMES", "ExecutionSpec", "RunKind", "RunRecord", "RunStatus", "refuse_continuation"]
+__all__ = ["ROLE_NAMES", "ExecutionSpec", "RunKind", "RunRecord", "RunStatus", "cannot_count", "refuse_continuation"]
 
 RunKind: TypeAlias = pb.RunKind.ValueType
 """A ``RunKind`` value (``pb.RUN_KIND_CHAT``, ...)."""
@@ -41,7 +41,7 @@ class ExecutionSpec:
     target_model: str
     """The backend's name for the model (route ``target``; defaults to ``request.model``)."""
     kind: RunKind
-    """Chat, completion or embedding (an unset kind resolved to chat)."""
+    """Chat, completion, embedding or count tokens (an unset kind resolved to chat)."""
     sampling: pb.Sampling
     """The request's sampling over the route's defaults; an unset field means the backend's default."""
     openai_fields: dict[str, Any]
@@ -69,6 +69,13 @@ def refuse_continuation(spec: ExecutionSpec, why: str) -> None:
             f"model {spec.request.model!r} cannot continue delivered output: {why}",
             param="continuation",
         )
+
+
+def cannot_count(spec: ExecutionSpec, why: str = "") -> IopError:
+    """INVALID_ARGUMENT (param ``model``) for a RUN_KIND_COUNT_TOKENS run whose route's backend cannot
+    count tokens, ``why`` saying more where there is more to say."""
+    message = f"the backend of model {spec.request.model!r} cannot count tokens"
+    return IopError(pb.ERROR_CODE_INVALID_ARGUMENT, f"{message}: {why}" if why else message, param="model")
 
 
 ROLE_NAMES = {number: name.removeprefix("ROLE_").lower() for name, number in pb.Role.items()}

@@ -67,9 +67,10 @@ class Router:
         )
 
     def _check(self, request: pb.RunRequest, kind: RunKind) -> None:
-        if kind == pb.RUN_KIND_CHAT and not request.messages:
-            raise _invalid("messages is empty: a chat run needs at least one message", "messages")
-        if kind != pb.RUN_KIND_CHAT and not request.prompt:
+        if kind in _OF_MESSAGES and not request.messages:
+            what = "a chat run needs" if kind == pb.RUN_KIND_CHAT else "counting tokens needs"
+            raise _invalid(f"messages is empty: {what} at least one message", "messages")
+        if kind not in _OF_MESSAGES and not request.prompt:
             name = pb.RunKind.Name(kind).removeprefix("RUN_KIND_").lower()
             param = "input" if kind == pb.RUN_KIND_EMBEDDING else "prompt"
             raise _invalid(f"prompt is empty: {name} runs need a prompt", param)
@@ -105,6 +106,8 @@ def _check_continuation(request: pb.RunRequest, kind: RunKind) -> None:
     """The shapes a continuation can have (runtime.proto's Continuation): one output to extend."""
     if kind == pb.RUN_KIND_EMBEDDING:
         raise _invalid("an embedding run has no output to continue", "continuation")
+    if kind == pb.RUN_KIND_COUNT_TOKENS:
+        raise _invalid("counting tokens has no output to continue", "continuation")
     if kind == pb.RUN_KIND_COMPLETION and len(request.prompt) != 1:
         message = f"a continued completion has one prompt, not {len(request.prompt)}"
         raise _invalid(message, "continuation")
@@ -124,6 +127,8 @@ _SAMPLING_RANGES = {  # runtime.proto's Sampling comments (OpenAI's ranges), bou
 }
 _MAX_STOP = 4  # "up to 4 sequences"
 
+_OF_MESSAGES = (pb.RUN_KIND_CHAT, pb.RUN_KIND_COUNT_TOKENS)
+"""Kinds that read a conversation (``messages``); the others read ``prompt``."""
 _KINDS: dict[int, RunKind] = {kind: kind for kind in pb.RunKind.values()}
 _KINDS[pb.RUN_KIND_UNSPECIFIED] = pb.RUN_KIND_CHAT  # unset means chat
 

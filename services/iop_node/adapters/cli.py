@@ -23,7 +23,7 @@ import structlog
 from structlog.typing import FilteringBoundLogger
 
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_node.domain import ExecutionSpec, refuse_continuation
+from iop_node.domain import ExecutionSpec, cannot_count, refuse_continuation
 from iop_node.ports import EventSink
 from iop_wire.errors import IopError
 
@@ -103,6 +103,7 @@ class CliAdapter:
     async def execute(self, spec: ExecutionSpec, sink: EventSink) -> None:
         """Run the model's program for ``spec``, streaming its stdout to ``sink`` as it arrives."""
         refuse_continuation(spec, "the cli adapter runs a program, which cannot be asked to go on from a text")
+        _refuse_unsupported(spec)
         options = self._models[spec.request.model]
         proc = await _spawn(options, spec.prompt_text())
         log = _log.bind(run_id=spec.request.run_id, pid=proc.pid)
@@ -115,6 +116,15 @@ class CliAdapter:
         if code != 0:
             raise _failure(code, run.stderr_text())
         await sink.complete(pb.FINISH_REASON_STOP)
+
+
+def _refuse_unsupported(spec: ExecutionSpec) -> None:
+    """INVALID_ARGUMENT for what a program cannot be asked: to count tokens, to sample from the top k."""
+    if spec.kind == pb.RUN_KIND_COUNT_TOKENS:
+        raise cannot_count(spec, "it is a program (cli adapter)")
+    if spec.sampling.HasField("top_k"):
+        message = f"model {spec.request.model!r} (cli adapter) cannot take top_k: its program has no such setting"
+        raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, message, param="top_k")
 
 
 class _Run:

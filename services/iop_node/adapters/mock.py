@@ -17,10 +17,11 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
+import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_node.adapters.schema_values import value_for
+from iop_node.adapters.schema_values import bounded_value
 from iop_node.domain import ExecutionSpec, refuse_continuation
 from iop_node.ports import EventSink
 from iop_node.settings import one_line
@@ -90,6 +91,7 @@ _WORDS = (
     "prompt",
     "reply",
 )
+_log = structlog.get_logger("iop.node.mock")
 _YIELD_EVERY = 32  # at full speed, let other runs use the loop every this many tokens
 
 
@@ -162,7 +164,10 @@ class MockAdapter:
         tool = _chosen_tool(spec) if spec.kind == pb.RUN_KIND_CHAT else None
         if tool is not None:
             refuse_continuation(spec, "the mock does not continue a tool call")
-            await _call_tool(tool, words, sink, options=options, limit=limit, prompt_tokens=prompt_tokens)
+            arguments = _made(tool.get("parameters") or {}, words, spec, sink, f"tool {tool['name']!r}")
+            await _call_tool(
+                tool["name"], arguments, words, sink, options=options, limit=limit, prompt_tokens=prompt_tokens
+            )
             return
         await _write(spec, words, sink, options=options, limit=limit, prompt_tokens=prompt_tokens)
 
@@ -177,7 +182,7 @@ async def _write(
     prompt_tokens: int,
 ) -> None:
     """The answer's text (words, or JSON when ``response_format`` asks), a token a delta."""
-    structured = _structured(spec, words)
+    structured = _structured(spec, words, sink)
     pieces = _fragments(structured) if structured is not None else None
     planned = options.tokens if pieces is None else len(pieces)
     count = planned if limit is None else min(limit, planned)
@@ -239,27 +244,44 @@ def _chosen_tool(spec: ExecutionSpec) -> dict[str, Any] | None:
     """The function to call now: the one ``tool_choice`` names, else the first; None when there are no
     tools, tool_choice is ``none``, or the conversation ends with a tool's result (time to answer)."""
     tools = _tools(spec)
-    choice = spec.openai_fields.get("tool_choice", "auto")
+    choice = spec.openai_fields.get("tool_choice")
+    choice = "auto" if choice is None else choice  # unset or null
+    name = _named(choice)
+    if not tools and choice not in ("auto", "none"):
+        message = f"tool_choice {json.dumps(choice)[:80]} is only allowed when tools are given"
+        raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, message, param="tool_choice")
     if not tools or choice == "none":
         return None
     messages = spec.request.messages
     if messages and messages[-1].role == pb.ROLE_TOOL:
         return None
-    if isinstance(choice, dict):
-        named = choice.get("function")
-        name = (named if isinstance(named, dict) else choice).get("name")
+    if name is not None:
         found = next((tool for tool in tools if tool["name"] == name), None)
         if found is None:
             message = f"tool_choice names {name!r}, which is not one of the request's tools"
             raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, message, param="tool_choice")
         return found
-    if choice not in ("auto", "required"):
-        raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, f"tool_choice {choice!r} is not understood", param="tool_choice")
     return tools[0]
 
 
+def _named(choice: Any) -> str | None:
+    """The function ``tool_choice`` names (``{"type": "function", "function": {"name": X}}``, or the
+    Responses API's ``{"type": "function", "name": X}``); None for auto, none and required;
+    INVALID_ARGUMENT for anything else."""
+    if choice in ("auto", "none", "required"):
+        return None
+    if isinstance(choice, dict) and choice.get("type", "function") == "function":
+        named = choice.get("function")
+        name = (named if isinstance(named, dict) else choice).get("name")
+        if isinstance(name, str) and name:
+            return name
+    message = f"tool_choice {json.dumps(choice)[:80]} is not auto, none, required or a function with a name"
+    raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, message, param="tool_choice")
+
+
 async def _call_tool(
-    tool: dict[str, Any],
+    name: str,
+    arguments: Any,
     words: random.Random,
     sink: EventSink,
     *,
@@ -267,14 +289,13 @@ async def _call_tool(
     limit: int | None,
     prompt_tokens: int,
 ) -> None:
-    """One call of ``tool``, its arguments made from its parameters' schema and streamed as OpenAI
-    streams them: the id and name first, then the arguments' text a fragment (a token) at a time."""
+    """One call of the tool ``name`` with ``arguments``, streamed as OpenAI streams a call: the id and
+    name first, then the arguments' JSON text a fragment (a token) at a time."""
     call_id = f"call_{words.getrandbits(96):024x}"
-    arguments = json.dumps(value_for(tool.get("parameters") or {}, words, _WORDS), ensure_ascii=False)
-    pieces = _fragments(arguments)
+    pieces = _fragments(json.dumps(arguments, ensure_ascii=False))
     count = len(pieces) if limit is None else min(limit, len(pieces))
     interval = 1.0 / options.tokens_per_second if options.tokens_per_second else 0.0
-    head = pb.ToolCallDelta(index=0, id=call_id, function_name=tool["name"], arguments="")
+    head = pb.ToolCallDelta(index=0, id=call_id, function_name=name, arguments="")
     await sink.output(pb.RunDelta(tool_calls=[head]))
     for index in range(count):
         await _inject(options, index)
@@ -288,7 +309,7 @@ async def _call_tool(
     await sink.complete(reason, pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=count))
 
 
-def _structured(spec: ExecutionSpec, words: random.Random) -> str | None:
+def _structured(spec: ExecutionSpec, words: random.Random, sink: EventSink) -> str | None:
     """The answer as JSON text when ``response_format`` asks for JSON (an object made from the schema
     for ``json_schema``); None for plain text."""
     wanted = spec.openai_fields.get("response_format")
@@ -301,7 +322,20 @@ def _structured(spec: ExecutionSpec, words: random.Random) -> str | None:
     if not isinstance(schema, dict):
         message = f"response_format {json.dumps(wanted)[:80]} is not text, json_object or json_schema with a schema"
         raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, message, param="response_format")
-    return json.dumps(value_for(schema.get("schema") or {}, words, _WORDS), ensure_ascii=False)
+    value = _made(schema.get("schema") or {}, words, spec, sink, "response_format")
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _made(schema: Any, words: random.Random, spec: ExecutionSpec, sink: EventSink, what: str) -> Any:
+    """A value for ``schema`` (schema_values.py); where one of its bounds cut it, one log line and the
+    bound in the run record (``schema_bounded``): the client asked for more than the mock makes."""
+    value, bound = bounded_value(schema, words, _WORDS)
+    if bound:
+        _log.warning(
+            "schema value bounded", run_id=spec.request.run_id, model=spec.request.model, what=what, bound=bound
+        )
+        sink.annotate("schema_bounded", f"{what}: {bound}")
+    return value
 
 
 def _fragments(text: str) -> list[str]:

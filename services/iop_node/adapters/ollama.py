@@ -2,9 +2,10 @@
 
 Chat runs stream NDJSON from /api/chat, completion runs from /api/generate, embedding runs use
 /api/embed; /api/tags lists the models. Sampling maps to Ollama options (temperature, top_p,
-seed, stop, num_predict, presence/frequency penalty), ``done_reason`` to the finish reason,
+top_k, seed, stop, num_predict, presence/frequency penalty), ``done_reason`` to the finish reason,
 ``prompt_eval_count`` / ``eval_count`` to usage (streamed lines counted where it is missing)
-and the reported durations to timings.
+and the reported durations to timings. Ollama cannot count tokens without generating (it has no
+tokenize endpoint): RUN_KIND_COUNT_TOKENS is refused.
 
 A run cut on another node continues here (``Continuation``, for the kinds in the route's
 ``continuation``) through /api/chat with the delivered text as a final assistant message, which
@@ -40,7 +41,7 @@ from iop_node.adapters.shapes import (
     model_names,
     protocol_error,
 )
-from iop_node.domain import ROLE_NAMES, ExecutionSpec
+from iop_node.domain import ROLE_NAMES, ExecutionSpec, cannot_count
 from iop_node.ports import EventSink
 from iop_wire.errors import IopError
 
@@ -49,6 +50,7 @@ __all__ = ["OllamaAdapter", "OllamaOptions"]
 _OPTION_NAMES = {  # every field of Sampling
     "temperature": "temperature",
     "top_p": "top_p",
+    "top_k": "top_k",
     "seed": "seed",
     "max_tokens": "num_predict",
     "presence_penalty": "presence_penalty",
@@ -113,6 +115,8 @@ class OllamaAdapter:
     async def execute(self, spec: ExecutionSpec, sink: EventSink) -> None:
         model = spec.request.model
         options = self._options[model]
+        if spec.kind == pb.RUN_KIND_COUNT_TOKENS:
+            raise cannot_count(spec, "Ollama has no tokenize endpoint")
         check_kind(spec, options)
         if spec.request.HasField("continuation"):
             check_continuable(spec, options.continuation)

@@ -2,24 +2,36 @@
 and structured answers (``response_format``).
 
 The value follows the schema's types, ``enum``/``const``, ``properties`` (every one, required or
-not), ``items`` with ``minItems``/``maxItems``, numeric bounds and a few string formats; ``anyOf``
-and ``oneOf`` take their first branch, ``allOf`` merges object branches, local ``$ref``s
-(``#/$defs/...``, ``#/definitions/...``) resolve. A schema is a client's input: the value is
-bounded (:data:`MAX_DEPTH` levels, :data:`MAX_VALUES` values in all), past which it is ``null``.
+not, and any ``required`` name the properties lack), ``items``/``prefixItems`` with
+``minItems``/``maxItems``, numeric bounds (exclusive ones and an integer's ``multipleOf`` too),
+string lengths and a few string formats; ``anyOf`` and ``oneOf`` take their first branch,
+``allOf`` merges its branches into one schema, local ``$ref``s (``#/$defs/...``,
+``#/definitions/...``) resolve. ``pattern``, ``not``, ``if``/``then`` and ``uniqueItems`` are not
+followed.
+
+A schema is a client's input: the value is bounded (:data:`MAX_DEPTH` levels, :data:`MAX_VALUES`
+values, :data:`MAX_STRING` characters a string and :data:`MAX_CHARS` in all), past which it is
+``null`` (a string: cut short), whatever the schema asks: ``minLength: 1e9`` costs what
+``minLength: 4096`` does. :func:`bounded_value` says which bound bit first, for the caller to log.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["MAX_DEPTH", "MAX_VALUES", "value_for"]
+__all__ = ["MAX_CHARS", "MAX_DEPTH", "MAX_STRING", "MAX_VALUES", "bounded_value", "value_for"]
 
 MAX_DEPTH = 12
 """Nesting followed (a recursive ``$ref`` stops here)."""
 MAX_VALUES = 512
 """Values made in all (objects, arrays and scalars), whatever the schema asks."""
+MAX_STRING = 4096
+"""Characters of one string at most (a larger ``minLength`` is not met)."""
+MAX_CHARS = 16384
+"""Characters of all strings together at most; past them strings are empty."""
 _MAX_ITEMS = 3
 """Items of an array when the schema sets no ``minItems`` above it."""
 _FORMATS = {
@@ -30,22 +42,41 @@ _FORMATS = {
     "uri": "https://example.com/",
     "uuid": "00000000-0000-4000-8000-000000000000",
 }
+_MERGED = ("properties", "$defs", "definitions")
+"""Keywords whose objects ``allOf`` branches add up; ``required`` adds up too, the rest are overwritten."""
 
 
 def value_for(schema: Any, rng: random.Random, words: Sequence[str]) -> Any:
     """A value valid for ``schema`` as far as the rules above go; the same for the same ``rng`` state."""
-    return _Maker(schema, rng, words).make(schema, 0)
+    return bounded_value(schema, rng, words)[0]
+
+
+def bounded_value(schema: Any, rng: random.Random, words: Sequence[str]) -> tuple[Any, str]:
+    """:func:`value_for`'s value, and the first bound it met ("" for none): ``depth``, ``values``,
+    ``items`` (a ``minItems`` above MAX_VALUES), ``string`` (a ``minLength`` above MAX_STRING) or
+    ``characters`` (MAX_CHARS)."""
+    maker = _Maker(schema, rng, words)
+    return maker.make(schema, 0), maker.bound
 
 
 class _Maker:
-    __slots__ = ("budget", "rng", "root", "words")
+    __slots__ = ("bound", "budget", "chars", "rng", "root", "words")
 
     def __init__(self, root: Any, rng: random.Random, words: Sequence[str]) -> None:
         self.root, self.rng, self.words = root, rng, words
         self.budget = MAX_VALUES
+        self.chars = MAX_CHARS
+        self.bound = ""
+
+    def bit(self, bound: str) -> None:
+        """Note that ``bound`` cut the value (the first one is kept)."""
+        self.bound = self.bound or bound
 
     def make(self, schema: Any, depth: int) -> Any:  # noqa: PLR0911 - one return a schema keyword
-        if not isinstance(schema, dict) or depth > MAX_DEPTH or self.budget <= 0:
+        if not isinstance(schema, dict):
+            return None
+        if depth > MAX_DEPTH or self.budget <= 0:
+            self.bit("depth" if depth > MAX_DEPTH else "values")
             return None
         self.budget -= 1
         if isinstance(ref := schema.get("$ref"), str):
@@ -57,49 +88,119 @@ class _Maker:
         for key in ("anyOf", "oneOf"):
             if isinstance(branches := schema.get(key), list) and branches:
                 return self.make(branches[0], depth + 1)
-        if isinstance(parts := schema.get("allOf"), list) and parts:
-            merged: dict[str, Any] = {}
-            for part in parts:
-                value = self.make(part, depth + 1)
-                if not isinstance(value, dict):
-                    return value
-                merged.update(value)
-            return merged
+        if isinstance(schema.get("allOf"), list):
+            return self.make(self._merged(schema, depth), depth + 1)
         return self._typed(schema, _kind(schema), depth)
 
+    def _merged(self, schema: dict[str, Any], depth: int) -> dict[str, Any]:
+        """``schema`` and its ``allOf`` branches (theirs merged first, references resolved) as one schema."""
+        merged = {key: value for key, value in schema.items() if key != "allOf"}
+        for branch in schema["allOf"]:
+            part, level = branch, depth
+            while isinstance(part, dict) and isinstance(part.get("$ref"), str) and level <= MAX_DEPTH:
+                part, level = self._resolve(part["$ref"]), level + 1
+            if isinstance(part, dict) and isinstance(part.get("allOf"), list) and level <= MAX_DEPTH:
+                part = self._merged(part, level + 1)
+            if not isinstance(part, dict):
+                continue
+            for key, value in part.items():
+                if key in _MERGED and isinstance(value, dict) and isinstance(merged.get(key), dict):
+                    merged[key] = {**merged[key], **value}
+                elif key == "required" and isinstance(value, list) and isinstance(merged.get(key), list):
+                    merged[key] = [*merged[key], *value]
+                else:
+                    merged[key] = value
+        return merged
+
     def _typed(self, schema: dict[str, Any], kind: str, depth: int) -> Any:  # noqa: PLR0911 - one return a type
-        rng = self.rng
         if kind == "object":
-            properties = schema.get("properties")
-            if not isinstance(properties, dict):
-                return {}
-            return {str(name): self.make(sub, depth + 1) for name, sub in properties.items() if self.budget > 0}
+            return self._object(schema, depth)
         if kind == "array":
-            low = _int(schema.get("minItems"), 1)
-            high = _int(schema.get("maxItems"), max(low, _MAX_ITEMS))
-            count = max(0, min(max(low, min(high, _MAX_ITEMS)), high, MAX_VALUES))
-            items = schema.get("items", {})
-            return [self.make(items, depth + 1) for _ in range(count) if self.budget > 0]
+            return self._array(schema, depth)
         if kind == "integer":
-            low = _int(schema.get("minimum"), 0)
-            high = _int(schema.get("maximum"), low + 100)
-            return rng.randint(low, high) if low <= high else low
+            return self._integer(schema)
         if kind == "number":
-            least = _float(schema.get("minimum"), 0.0)
-            most = _float(schema.get("maximum"), least + 100.0)
-            return round(rng.uniform(least, most), 2) if least <= most else least
+            return self._number(schema)
         if kind == "boolean":
-            return rng.random() < 0.5
+            return self.rng.random() < 0.5
         if kind == "null":
             return None
+        return self._string(schema)
+
+    def _object(self, schema: dict[str, Any], depth: int) -> dict[str, Any]:
+        properties = schema.get("properties")
+        properties = properties if isinstance(properties, dict) else {}
+        value = {str(name): self.make(sub, depth + 1) for name, sub in properties.items() if self.budget > 0}
+        if len(value) < len(properties):
+            self.bit("values")
+        required = schema.get("required")
+        extra = schema.get("additionalProperties")
+        for name in required if isinstance(required, list) else ():
+            if isinstance(name, str) and name not in value and self.budget > 0:
+                value[name] = self.make(extra if isinstance(extra, dict) else {"type": "string"}, depth + 1)
+        return value
+
+    def _array(self, schema: dict[str, Any], depth: int) -> list[Any]:
+        low = _int(schema.get("minItems"), 1)
+        high = _int(schema.get("maxItems"), max(low, _MAX_ITEMS))
+        count = max(0, min(max(low, min(high, _MAX_ITEMS)), high, MAX_VALUES))
+        if count < min(low, high):
+            self.bit("items")
+        prefix = schema.get("prefixItems")
+        prefix = prefix if isinstance(prefix, list) else []
+        items = schema.get("items", {})
+        value = []
+        for index in range(count):
+            if self.budget <= 0:
+                self.bit("values")
+                break
+            value.append(self.make(prefix[index] if index < len(prefix) else items, depth + 1))
+        return value
+
+    def _integer(self, schema: dict[str, Any]) -> int:
+        low = math.ceil(_float(schema.get("minimum"), 0.0))
+        if (above := _bound(schema.get("exclusiveMinimum"))) is not None:
+            low = max(low, math.floor(above) + 1)
+        high = math.floor(_float(schema.get("maximum"), low + 100.0))
+        if (below := _bound(schema.get("exclusiveMaximum"))) is not None:
+            high = min(high, math.ceil(below) - 1)
+        step = _int(schema.get("multipleOf"), 1)
+        if step > 1:  # the multiples of step in [low, high], if any
+            first, last = -(-low // step), high // step
+            return self.rng.randint(first, last) * step if first <= last else first * step
+        return self.rng.randint(low, high) if low <= high else low
+
+    def _number(self, schema: dict[str, Any]) -> float:
+        least, above = _bound(schema.get("minimum")), _bound(schema.get("exclusiveMinimum"))
+        most, below = _bound(schema.get("maximum")), _bound(schema.get("exclusiveMaximum"))
+        low = max((bound for bound in (least, above) if bound is not None), default=0.0)
+        high = min((bound for bound in (most, below) if bound is not None), default=low + 100.0)
+        if low > high:
+            return low
+        value = round(self.rng.uniform(low, high), 2)
+        if not low <= value <= high or value in (above, below):  # rounded out of a narrow range
+            value = (low + high) / 2
+        return value
+
+    def _string(self, schema: dict[str, Any]) -> str:
         if isinstance(form := schema.get("format"), str) and form in _FORMATS:
             return _FORMATS[form]
-        text = " ".join(rng.choice(self.words) for _ in range(2))
-        least = _int(schema.get("minLength"), 0)
-        while len(text) < least:
-            text += " " + rng.choice(self.words)
-        most = _int(schema.get("maxLength"), len(text))
-        return text[: max(most, 0)]
+        wanted = _int(schema.get("minLength"), 0)
+        if wanted > MAX_STRING:
+            self.bit("string")
+        least = min(wanted, MAX_STRING)
+        most = min(_int(schema.get("maxLength"), MAX_STRING), MAX_STRING)
+        words = [self.rng.choice(self.words) for _ in range(2)]
+        size = len(words[0]) + len(words[1]) + 1
+        while size < least:  # bounded: least <= MAX_STRING
+            words.append(self.rng.choice(self.words))
+            size += len(words[-1]) + 1
+        text = " ".join(words)[: max(most, 0)]
+        if len(text) > self.chars:
+            self.bit("characters")
+            text = text[: self.chars]
+        self.chars -= len(text)
+        return text
 
     def _resolve(self, ref: str) -> Any:
         """A local reference (``#/a/b``) in the root schema; None for any other."""
@@ -121,9 +222,9 @@ def _kind(schema: dict[str, Any]) -> str:
         return named[0] if named else "null"
     if isinstance(kind, str):
         return kind
-    if "properties" in schema:
+    if "properties" in schema or "required" in schema:
         return "object"
-    return "array" if "items" in schema else "string"
+    return "array" if "items" in schema or "prefixItems" in schema else "string"
 
 
 def _int(value: Any, default: int) -> int:
@@ -132,5 +233,11 @@ def _int(value: Any, default: int) -> int:
 
 
 def _float(value: Any, default: float) -> float:
+    found = _bound(value)
+    return default if found is None else found
+
+
+def _bound(value: Any) -> float | None:
+    """``value`` as a float when it is a number a schema may bound with (not a bool, below 2**53); else None."""
     ok = isinstance(value, int | float) and not isinstance(value, bool) and abs(value) < 2**53
-    return float(value) if ok else default
+    return float(value) if ok else None

@@ -2,11 +2,14 @@
 
 Chat runs go to /v1/chat/completions, completion runs to /v1/completions, embedding runs to
 /v1/embeddings; streamed (SSE) or not as the client asked. OpenAI fields the client sent
-(tools, tool_choice, response_format, logprobs, ...) pass through untouched; tool-call deltas and
-logprobs come back as run events. Usage is asked for (``stream_options.include_usage``); a
-server that sends none (llama.cpp's) has its streamed chunks counted, one token each. The
-``developer`` role goes out as ``system`` unless the route says the server knows it. The
-served models come from GET /v1/models, read while no run of this node is in flight there.
+(tools, tool_choice, response_format, logprobs, ...) pass through untouched, and so does sampling
+(``top_k`` too); tool-call deltas and logprobs come back as run events, a call's id and name in its
+first fragment only, as OpenAI streams them (llama-cpp-python repeats both in every fragment).
+Usage is asked for (``stream_options.include_usage``); a server that sends none (llama.cpp's) has
+its streamed chunks counted, one token each. The ``developer`` role goes out as ``system`` unless
+the route says the server knows it. The served models come from GET /v1/models, read while no run
+of this node is in flight there. A route with ``count_tokens`` counts a conversation's tokens
+(RUN_KIND_COUNT_TOKENS): vLLM's POST /tokenize, or any server's usage for a chat of one token.
 
 A run cut on another node continues here (``Continuation``, for the kinds in the route's
 ``continuation``): a completion by appending the delivered text to the prompt, a chat by sending
@@ -29,7 +32,7 @@ from iop_node.adapters.continuing import (
     remaining_tokens,
     whole_run_usage,
 )
-from iop_node.adapters.http import KINDS, Backends, BackendTime, Endpoint, HttpOptions, check_kind
+from iop_node.adapters.http import KINDS, Backends, BackendTime, Endpoint, HttpOptions, HttpStatusError, check_kind
 from iop_node.adapters.shapes import (
     embeddings,
     estimated_usage,
@@ -39,7 +42,7 @@ from iop_node.adapters.shapes import (
     model_names,
     protocol_error,
 )
-from iop_node.domain import ROLE_NAMES, ExecutionSpec, refuse_continuation
+from iop_node.domain import ROLE_NAMES, ExecutionSpec, cannot_count, refuse_continuation
 from iop_node.ports import EventSink
 from iop_wire.errors import IopError
 
@@ -64,6 +67,13 @@ class VllmOptions(HttpOptions):
     keeps the ids of what it delivered, and continue a completion from exact tokens (the prompt's
     ids from vLLM's POST /tokenize, then the delivered ids) rather than from re-tokenised text. Off
     by default: other servers send no ids, and it adds a logprob to every chunk."""
+    count_tokens: Literal["tokenize", "chat"] | None = None
+    """How the server counts a conversation's tokens (RUN_KIND_COUNT_TOKENS): ``tokenize``, vLLM's
+    POST /tokenize with the messages and tools (its chat template applied, nothing generated);
+    ``chat``, any server: the conversation sent as a chat completion of one token, whose
+    ``usage.prompt_tokens`` is the count (exact, for a prefill and a token; llama-cpp-python, whose
+    /extras/tokenize/count reads raw text, without the chat template or the tools). None (the
+    default, but an engine's: ``vllm`` tokenize, ``llama.cpp`` chat): refused, and not advertised."""
 
 
 def _model_ids(document: Any) -> set[str]:
@@ -95,20 +105,28 @@ class VllmAdapter:
             served = await backend.served()
             up = backend.available and (served is None or (options.target or model) in served)
             kinds = [KINDS[kind] for kind in options.kinds]
+            if options.count_tokens is not None:
+                kinds.append(pb.RUN_KIND_COUNT_TOKENS)
             continuable = continuable_kinds(options.continuation, options.kinds)
             infos.append(pb.ModelInfo(name=model, kinds=kinds, available=up, continuable_kinds=continuable))
         return infos
 
     async def execute(self, spec: ExecutionSpec, sink: EventSink) -> None:
         options = self._options[spec.request.model]
-        _check(spec, options)
+        counting = spec.kind == pb.RUN_KIND_COUNT_TOKENS
+        if counting and options.count_tokens is None:
+            raise cannot_count(spec, "its route sets no count_tokens")
+        if not counting:
+            _check(spec, options)
         endpoint = self._backends[spec.request.model]
         spent = limit_reached(spec)
         if spent is not None:
             await sink.complete(pb.FINISH_REASON_LENGTH, spent)
             return
         try:
-            if spec.kind == pb.RUN_KIND_EMBEDDING:
+            if counting:
+                await sink.counted(await _count(endpoint, spec, options))
+            elif spec.kind == pb.RUN_KIND_EMBEDDING:
                 await _embed(endpoint, spec, sink)
             elif spec.request.stream:
                 await _stream(endpoint, spec, sink, options)
@@ -129,9 +147,37 @@ def _check(spec: ExecutionSpec, options: VllmOptions) -> None:
             refuse_continuation(spec, "the request continues its own final message")
 
 
+async def _count(endpoint: Endpoint, spec: ExecutionSpec, options: VllmOptions) -> int:
+    """The conversation's tokens as the server counts them, the way the route's ``count_tokens`` says."""
+    if options.count_tokens == "tokenize":
+        messages = [_message(message, developer=options.developer_role) for message in spec.request.messages]
+        body: dict[str, Any] = {"model": spec.target_model, "messages": messages}
+        if tools := spec.openai_fields.get("tools"):
+            body["tools"] = tools
+        try:
+            document = await endpoint.post_json("/tokenize", body)
+        except HttpStatusError as exc:
+            if exc.status in (404, 405):  # no such endpoint: not vLLM
+                raise cannot_count(spec, f"{exc.message} (POST /tokenize is vLLM's)") from None
+            raise
+        count = document.get("count") if isinstance(document, dict) else None
+    else:
+        _, body = _request_body(spec, options, stream=False)
+        for name in ("max_completion_tokens", "n", "logprobs", "top_logprobs"):
+            body.pop(name, None)
+        body["max_tokens"] = 1
+        document = await endpoint.post_json("/v1/chat/completions", body)
+        usage = document.get("usage") if isinstance(document, dict) else None
+        count = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count < 2**32:
+        raise protocol_error(f"the backend's count of tokens is not a count: {str(document)[:200]}")
+    return count
+
+
 async def _stream(endpoint: Endpoint, spec: ExecutionSpec, sink: EventSink, options: VllmOptions) -> None:
     path, body = _request_body(spec, options, stream=True, token_prompt=await _token_prompt(endpoint, spec, options))
     ids = _streams_token_ids(spec, options)
+    named: dict[int, tuple[str, str]] = {}  # each tool call's id and name, as its first fragment said them
     held: list[int] = []  # ids of tokens whose text is still to come (a character split over tokens)
     finish: str | None = None
     usage: pb.Usage | None = None
@@ -148,6 +194,8 @@ async def _stream(endpoint: Endpoint, spec: ExecutionSpec, sink: EventSink, opti
             try:
                 usage = _usage(chunk.get("usage")) or usage
                 output, finished = _output(chunk)
+                if isinstance(output, pb.RunDelta) and output.tool_calls:
+                    output = _first_mentions(output, named)
                 if ids:
                     output, held = _with_token_ids(chunk, output, held)
             except (AttributeError, KeyError, TypeError, ValueError) as exc:  # ValueError: not UTF-8 either
@@ -250,14 +298,14 @@ def _request_body(
 
 
 def _message(message: pb.ChatMessage, *, developer: bool) -> dict[str, Any]:
-    """A ChatMessage in OpenAI's shape; ``developer`` false sends that role as ``system``."""
+    """A ChatMessage in OpenAI's shape, its content always there; ``developer`` false sends that role as ``system``."""
     role = "system" if message.role == pb.ROLE_DEVELOPER and not developer else ROLE_NAMES[message.role]
     result: dict[str, Any] = {"role": role}
     parts = [_part(part) for part in message.content]
     if len(parts) == 1 and parts[0]["type"] == "text":
         result["content"] = parts[0]["text"]
-    elif parts:
-        result["content"] = parts
+    else:  # "" for none (an assistant's tool calls): llama-cpp-python's chat templates read every message's content
+        result["content"] = parts or ""
     if message.name:
         result["name"] = message.name
     if message.tool_calls:
@@ -303,6 +351,26 @@ def _output(chunk: dict[str, Any]) -> tuple[str | pb.RunDelta, str | None]:
     calls = [_tool_call(call.get("index", i), call) for i, call in enumerate((delta or {}).get("tool_calls") or ())]
     logprobs = _logprobs(choice.get("logprobs")) if choice.get("logprobs") else []
     return _delta(text, calls, logprobs), choice.get("finish_reason")
+
+
+def _first_mentions(output: pb.RunDelta, named: dict[int, tuple[str, str]]) -> str | pb.RunDelta:
+    """``output`` with each tool call's id and name only where they first come, as OpenAI streams them:
+    a server that repeats both in every fragment (llama-cpp-python) would have a client that joins the
+    fragments read the name many times. Fragments left with nothing are dropped (a delta too)."""
+    calls = []
+    for call in output.tool_calls:
+        said = named.get(call.index)
+        if said is None:
+            named[call.index] = (call.id, call.function_name)
+        else:
+            if call.id == said[0]:
+                call.id = ""
+            if call.function_name == said[1]:
+                call.function_name = ""
+            named[call.index] = (said[0] or call.id, said[1] or call.function_name)
+        if call.id or call.function_name or call.arguments:
+            calls.append(call)
+    return _delta(output.text, calls, list(output.logprobs))
 
 
 def _with_token_ids(

@@ -30,6 +30,8 @@ from iop_wire.settings import problems, resolve_paths
 __all__ = ["ServedAdapter", "kill_leftovers", "served_adapter"]
 
 _CHECKED_URL = "http://127.0.0.1:1"  # a stand-in base_url while the route's options are checked
+_COUNTS = {"vllm": "tokenize", "llama.cpp": "chat"}
+"""How the server each engine runs counts tokens (the vllm adapter's ``count_tokens``), unless the route says."""
 
 
 def served_adapter(
@@ -53,6 +55,8 @@ def served_adapter(
     except ValidationError as exc:
         found += problems(exc, f"routes.{index}.serve")
     options_data = {**_resolved(options_model, route.options, base), "target": target}
+    if route.engine in _COUNTS and "count_tokens" in options_model.model_fields:
+        options_data.setdefault("count_tokens", _COUNTS[route.engine])
     try:
         options = options_model.model_validate({**options_data, "base_url": _CHECKED_URL})
     except ValidationError as exc:
@@ -65,6 +69,8 @@ def served_adapter(
         return adapter
 
     kinds = [KINDS[kind] for kind in getattr(options, "kinds", ())]
+    if getattr(options, "count_tokens", None) is not None:
+        kinds.append(pb.RUN_KIND_COUNT_TOKENS)
     return ServedAdapter(
         engine=route.engine,
         model=route.model,
