@@ -110,6 +110,7 @@ bench:
     python tests/bench/migration_bench.py
     python tests/bench/engine_bench.py
     python tests/bench/edge_bench.py
+    python tests/bench/apis_bench.py
     python tests/bench/batch_bench.py
     python tests/bench/ledger_bench.py
     python tests/bench/usage_bench.py

@@ -211,12 +211,7 @@ def test_streamed_tool_use_joins_to_the_same_input(client: anthropic.Anthropic) 
 
 def test_count_tokens_equals_the_input_tokens_of_the_same_request(client: anthropic.Anthropic) -> None:
     options: dict[str, Any] = {"model": "mock-small", "system": "be brief", "messages": HELLO, "tools": [WEATHER]}
-    try:
-        raw = client.messages.with_raw_response.count_tokens(**options)
-    except anthropic.BadRequestError as error:
-        if "runs need a prompt" not in str(error):
-            raise
-        pytest.xfail("the node's router takes count runs with a prompt only (fixed on branch w-tools: then drop this)")
+    raw = client.messages.with_raw_response.count_tokens(**options)
     counted = MessageTokensCount.model_validate(raw.http_response.json())
     assert raw.request_id
     used = client.messages.create(**options, max_tokens=200).usage.input_tokens
@@ -364,8 +359,6 @@ def test_count_tokens_where_the_backend_cannot_count(odd_models: Stack) -> None:
         assert sdk.messages.create(model="cli-hello", max_tokens=20, messages=HELLO).stop_reason == "end_turn"
         with pytest.raises(anthropic.BadRequestError) as caught:
             sdk.messages.count_tokens(model="cli-hello", messages=HELLO)
-    if "runs need a prompt" in str(caught.value):
-        pytest.xfail("the node's router takes count runs with a prompt only (fixed on branch w-tools: then drop this)")
     _refused(caught, "invalid_request_error", "cli-hello", "count")
 
 
