@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Iterator
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -279,8 +280,27 @@ _ONE = {"model": "mock-small", "max_tokens": 5, "messages": HELLO}
         ),
         ({**_ONE, "stop_sequences": list("12345")}, {}, (400, "invalid_request_error", "stop_sequences")),
         (_ONE, {"x-api-key": ""}, (401, "authentication_error", "API key")),
+        ({**_ONE, "max_tokens": 10**12}, {}, (400, "invalid_request_error", "max_tokens: Input should be less")),
+        ({**_ONE, "tools": [{**TIME, "name": ""}]}, {}, (400, "invalid_request_error", 'tools.0.name: "" should be')),
+        ({**_ONE, "tools": [TIME, TIME]}, {}, (400, "invalid_request_error", 'tools.1.name: "get_time" is an')),
+        ({**_ONE, "metadata": {"user_id": 7}}, {}, (400, "invalid_request_error", "metadata.user_id: Input")),
+        (
+            b'{"model": "mock-small", "max_tokens": 5, "messages": [{"role": "user", "content": "a\\ud800"}]}',
+            {},
+            (400, "invalid_request_error", "messages.0.content: it holds a lone surrogate"),
+        ),
     ],
-    ids=["bad-json", "thinking", "stop-sequences", "no-key"],
+    ids=[
+        "bad-json",
+        "thinking",
+        "stop-sequences",
+        "no-key",
+        "huge-max-tokens",
+        "empty-tool-name",
+        "same-tool-name",
+        "user-id-number",
+        "lone-surrogate",
+    ],
 )
 def test_raw_bad_requests_in_anthropics_shape(
     stack: Stack, content: bytes | dict[str, Any], headers: dict[str, str], expected: tuple[int, str, str]
@@ -313,6 +333,24 @@ def test_revoked_key(stack: Stack) -> None:
         with pytest.raises(anthropic.AuthenticationError) as caught:
             sdk.messages.create(model="mock-small", max_tokens=1, messages=HELLO)
     _refused(caught, "authentication_error", "Incorrect API key")
+
+
+@pytest.mark.slow
+def test_the_edges_own_overload_is_529_overloaded(tmp_path: Path) -> None:
+    """Over ``http.max_in_flight`` (1 here: a stream holds it) the edge is overloaded, which Anthropic's
+    clients retry as a 529 overloaded_error, not a rate_limit_error (that is for the key's limits)."""
+    edge = {"http": {"host": "127.0.0.1", "port": 0, "max_in_flight": 1}}
+    routes = [{"model": "mock-slow", "adapter": "mock", "options": {"tokens": 1000, "tokens_per_second": 20}}]
+    with (
+        running_stack(tmp_path / "stack", {"node-a": routes}, edge_settings=edge) as small,
+        anthropic.Anthropic(base_url=_root(small), api_key=small.key, max_retries=0, timeout=30.0) as sdk,
+        sdk.messages.stream(model="mock-slow", max_tokens=1000, messages=HELLO) as held,
+    ):
+        next(iter(held))
+        with pytest.raises(anthropic.InternalServerError) as caught:
+            sdk.messages.create(model="mock-slow", max_tokens=5, messages=HELLO)
+        assert caught.value.status_code == 529 and caught.value.response.headers["retry-after"] == "1"
+        _refused(caught, "overloaded_error", "its limit")
 
 
 # -- cancellation -------------------------------------------------------------------------------

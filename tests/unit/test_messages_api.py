@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import pytest
+from anthropic.lib.streaming._messages import accumulate_event  # the SDK's stream accumulator (MessageStream's)
 from anthropic.types import Message, RawMessageStreamEvent
 from google.protobuf import json_format
 from pydantic import TypeAdapter
@@ -14,6 +15,7 @@ from pydantic import TypeAdapter
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.openai.errors import ApiError
 from iop_wire.openai.messages_api import (
+    MAX_TOKENS,
     MessageStream,
     count_request,
     error_body,
@@ -134,6 +136,7 @@ def test_count_tokens_needs_no_max_tokens() -> None:
         ({}, "max_tokens", "max_tokens: Field required"),
         ({"max_tokens": 0}, "", "max_tokens: Input should be greater than or equal to 1"),
         ({"max_tokens": "10"}, "", "max_tokens: Input should be a valid integer"),
+        ({"max_tokens": 10**12}, "", "max_tokens: Input should be less than or equal to 2147483647, got 1000000000000"),
         ({}, "model", "model: Field required"),
         ({}, "messages", "messages: Field required"),
         ({"messages": []}, "", "messages: Input should be a non-empty list"),
@@ -164,6 +167,11 @@ def test_count_tokens_needs_no_max_tokens() -> None:
         ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "", "tools.0.type"),
         ({"tools": [{"name": "f"}]}, "", "tools.0.input_schema: Field required"),
         ({"tools": [{"input_schema": {}}]}, "", "tools.0.name: Field required"),
+        ({"tools": [{**_TOOL, "name": ""}]}, "", 'tools.0.name: "" should be 1 to 128 letters'),
+        ({"tools": [{**_TOOL, "name": "get weather"}]}, "", 'tools.0.name: "get weather" should be'),
+        ({"tools": [{**_TOOL, "name": "x" * 129}]}, "", "tools.0.name: "),
+        ({"tools": [_TOOL, {**_TOOL, "name": "f"}, _TOOL]}, "", 'tools.2.name: "get_weather" is an earlier tool'),
+        ({"metadata": {"user_id": 7}}, "", "metadata.user_id: Input should be a valid string, got"),
         ({"tool_choice": {"type": "sometimes"}}, "", "tool_choice: Input should be"),
         ({"tool_choice": {"type": "any"}}, "", "tool_choice: tool_choice any needs tools"),
         ({"tools": [_TOOL], "tool_choice": {"type": "tool", "name": "other"}}, "", "tool_choice.name"),
@@ -188,6 +196,12 @@ def test_bad_input_is_a_400_naming_the_field(fields: dict[str, Any], without: st
     assert error.param == named.split(":", maxsplit=1)[0]
 
 
+def test_the_largest_max_tokens_and_tool_name_pass() -> None:
+    tools = [{**_TOOL, "name": "a-Z_9" + "x" * 123}]
+    run = messages_request({**_BASE, "max_tokens": MAX_TOKENS, "tools": tools, "metadata": {"user_id": None}}, "r1")
+    assert run.request.sampling.max_tokens == 2**31 - 1 and not run.request.metadata
+
+
 def test_an_unknown_field_with_a_huge_name_is_not_echoed_whole() -> None:
     error = _refused({"x" * 100_000: 1})
     assert error.message == "x" * 61 + "...: Extra inputs are not permitted"
@@ -210,7 +224,7 @@ def test_bad_json_is_an_invalid_request_error() -> None:
         (404, 404, "not_found_error"),
         (408, 408, "invalid_request_error"),
         (413, 413, "request_too_large"),
-        (429, 429, "rate_limit_error"),
+        (429, 429, "rate_limit_error"),  # the key's limits (code rate_limit_exceeded)
         (500, 500, "api_error"),
         (502, 502, "api_error"),
         (503, 529, "overloaded_error"),
@@ -221,6 +235,33 @@ def test_errors_in_anthropics_types_and_statuses(status: int, expected_status: i
     error = ApiError(status, "why")
     assert error_status(error) == expected_status
     assert error_body(error, "r1") == {"type": "error", "error": {"type": kind, "message": "why"}, "request_id": "r1"}
+
+
+def test_the_edges_own_overload_is_overloaded_not_a_rate_limit() -> None:
+    error = ApiError(429, "this edge is serving 1 requests, its limit", code="too_many_requests", retry_after=1.0)
+    assert error_status(error) == 529 and error_body(error)["error"]["type"] == "overloaded_error"
+    assert error.headers() == {"retry-after": "1"}
+    limited = ApiError(429, "key over its rpm", code="rate_limit_exceeded", retry_after=1.0)
+    assert error_status(limited) == 429 and error_body(limited)["error"]["type"] == "rate_limit_error"
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "a\\ud800"}]}',
+            "messages.0.content: it holds a lone surrogate",
+        ),
+        (b'{"model": "m", "max_tokens": NaN}', "max_tokens: nan is not a JSON number"),
+        (b'{"metadata": ' + b'{"a": ' * 40 + b"1" + b"}" * 41, "metadata.a.a."),
+    ],
+    ids=["surrogate", "nan", "deep"],
+)
+def test_errors_of_the_shared_body_checks_use_anthropics_paths(body: bytes, expected: str) -> None:
+    with pytest.raises(ApiError) as caught:
+        parse_body(body)
+    message = error_body(caught.value)["error"]["message"]
+    assert message.startswith(expected) and "[" not in message and "Invalid value" not in message, message
 
 
 def _tool_call_deltas() -> list[pb.RunDelta]:
@@ -316,6 +357,82 @@ def test_stream_events_open_and_close_a_block_per_text_run_and_tool_call() -> No
     assert "".join(event["delta"]["partial_json"] for event in events[7:9]) == '{"city": "Paris"}'
     assert events[10]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
     assert (events[10]["usage"]["input_tokens"], events[10]["usage"]["output_tokens"]) == (10, 5)
+
+
+def _interleaved() -> list[pb.RunDelta]:
+    """Two tool calls whose fragments alternate (0, 1, 0, 1), after some text, as parallel calls may come."""
+    first = pb.ToolCallDelta(index=0, id="call_a", function_name="get_weather", arguments='{"city"')
+    second = pb.ToolCallDelta(index=1, id="call_b", function_name="get_time", arguments='{"zone"')
+    return [
+        pb.RunDelta(text="Checking."),
+        pb.RunDelta(tool_calls=[first]),
+        pb.RunDelta(tool_calls=[second]),
+        pb.RunDelta(tool_calls=[pb.ToolCallDelta(index=0, arguments=': "Paris"}')]),
+        pb.RunDelta(tool_calls=[pb.ToolCallDelta(index=1, arguments=': "UTC"}')]),
+    ]
+
+
+_BOTH = [
+    {"type": "text", "text": "Checking."},
+    {"type": "tool_use", "id": "call_a", "name": "get_weather", "input": {"city": "Paris"}},
+    {"type": "tool_use", "id": "call_b", "name": "get_time", "input": {"zone": "UTC"}},
+]
+
+
+def test_interleaved_tool_calls_stream_into_their_own_blocks() -> None:
+    chunks = MessageStream("r1", "m")
+    raw = chunks.first() + b"".join(chunks.delta(delta) for delta in _interleaved())
+    events = _parse(raw + chunks.last(_complete(pb.FINISH_REASON_TOOL_CALLS)))
+    shown = [(event["type"], event.get("index")) for event in events if event["type"] != "ping"]
+    assert shown == [
+        ("message_start", None),
+        ("content_block_start", 0),
+        ("content_block_delta", 0),
+        ("content_block_stop", 0),
+        ("content_block_start", 1),
+        ("content_block_delta", 1),
+        ("content_block_start", 2),
+        ("content_block_delta", 2),
+        ("content_block_delta", 1),
+        ("content_block_delta", 2),
+        ("content_block_stop", 1),
+        ("content_block_stop", 2),
+        ("message_delta", None),
+        ("message_stop", None),
+    ]
+    snapshot = None
+    json_bufs: dict[int, bytes] = {}
+    for event in events:
+        if event["type"] != "ping":
+            snapshot = accumulate_event(
+                event=_EVENTS.validate_python(event), current_snapshot=snapshot, json_bufs=json_bufs
+            )
+    assert snapshot is not None and snapshot.stop_reason == "tool_use"
+    assert [block.model_dump(exclude={"parsed_output"}, exclude_none=True) for block in snapshot.content] == _BOTH
+
+
+def test_interleaved_tool_calls_in_a_whole_message() -> None:
+    outcome = Outcome()
+    for delta in _interleaved():
+        collect_delta(outcome, delta)
+    body = message_body("r1", "m", outcome, _complete(pb.FINISH_REASON_TOOL_CALLS))
+    Message.model_validate(body)
+    assert body["content"] == _BOTH
+
+
+def test_text_after_a_tool_call_is_a_new_block_and_all_close_in_order() -> None:
+    chunks = MessageStream("r1", "m")
+    head = pb.ToolCallDelta(index=0, id="call_a", function_name="f", arguments="{}")
+    raw = chunks.delta(pb.RunDelta(tool_calls=[head])) + chunks.delta(pb.RunDelta(text="done"))
+    events = _parse(raw + chunks.last(_complete(pb.FINISH_REASON_STOP)))
+    shown = [(event["type"], event.get("index")) for event in events]
+    assert shown[:4] == [
+        ("content_block_start", 0),
+        ("content_block_delta", 0),
+        ("content_block_start", 1),
+        ("content_block_delta", 1),
+    ]
+    assert shown[4:6] == [("content_block_stop", 0), ("content_block_stop", 1)]
 
 
 def test_an_error_after_the_start_is_an_error_event() -> None:

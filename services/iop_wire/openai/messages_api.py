@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,7 @@ from iop_wire.openai.responses import Outcome, json_bytes
 
 __all__ = [
     "MAX_STOP_SEQUENCES",
+    "MAX_TOKENS",
     "MessageStream",
     "MessagesRequest",
     "count_request",
@@ -51,6 +53,9 @@ _IGNORED = frozenset(
     | {"workspace_id", "context_management"}
 )
 """Fields about Anthropic's platform, not the model: accepted, not used."""
+MAX_TOKENS = 2**31 - 1
+"""The most max_tokens a run carries (an int32 on the wire): more is a 400 naming the value sent, not a
+clamped value the node would refuse in its own terms."""
 MAX_STOP_SEQUENCES = 4
 """Stop sequences one run carries (OpenAI-compatible backends take 4); more is a 400, as one run cannot
 be split."""
@@ -72,6 +77,10 @@ _ERROR_TYPES = {
     529: "overloaded_error",
 }
 """Anthropic's error type per status; other 4xx are ``invalid_request_error``, other 5xx ``api_error``."""
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,128}")
+"""A tool's name as Anthropic takes it."""
+_INDEX = re.compile(r"\[(\d+)\]")
+"""A list index in OpenAI's path style (``messages[0]``), Anthropic's being ``messages.0``."""
 
 
 @dataclass(slots=True)
@@ -85,8 +94,7 @@ class MessagesRequest:
 def messages_request(data: Mapping[str, Any], run_id: str) -> MessagesRequest:
     """``POST /v1/messages``'s body (from ``parse_body``) as a chat run.request."""
     request = _request(data, run_id, pb.RUN_KIND_CHAT)
-    max_tokens = _integer(data, "max_tokens", low=1, required=True)
-    request.sampling.max_tokens = min(max_tokens, 2**31 - 1)
+    request.sampling.max_tokens = _integer(data, "max_tokens", low=1, high=MAX_TOKENS, required=True)
     _sampling(data, request.sampling)
     stream = data.get("stream")
     if stream is not None and not isinstance(stream, bool):
@@ -126,7 +134,10 @@ def _request(data: Mapping[str, Any], run_id: str, kind: pb.RunKind.ValueType) -
     metadata = data.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise _invalid("metadata", f"Input should be an object, got {kind_of(metadata)}")
-    if isinstance(user := (metadata or {}).get("user_id"), str) and user:
+    user = (metadata or {}).get("user_id")
+    if user is not None and not isinstance(user, str):
+        raise _invalid("metadata.user_id", f"Input should be a valid string, got {kind_of(user)}")
+    if user:
         request.metadata["user"] = user
     return request
 
@@ -160,7 +171,7 @@ def _model(data: Mapping[str, Any]) -> str:
     return model
 
 
-def _integer(data: Mapping[str, Any], name: str, *, low: int, required: bool = False) -> int:
+def _integer(data: Mapping[str, Any], name: str, *, low: int, high: int | None = None, required: bool = False) -> int:
     value = data.get(name)
     if value is None and required:
         raise _invalid(name, "Field required")
@@ -170,6 +181,8 @@ def _integer(data: Mapping[str, Any], name: str, *, low: int, required: bool = F
         raise _invalid(name, f"Input should be a valid integer, got {kind_of(value)}")
     if value < low:
         raise _invalid(name, f"Input should be greater than or equal to {low}, got {value}")
+    if high is not None and value > high:
+        raise _invalid(name, f"Input should be less than or equal to {high}, got {value}")
     return value
 
 
@@ -313,6 +326,11 @@ def _tools(data: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(tools, list):
         raise _invalid("tools", f"Input should be a list of tools, got {kind_of(tools)}")
     functions = [_tool(tool, f"tools.{index}") for index, tool in enumerate(tools)]
+    seen: set[str] = set()
+    for index, function in enumerate(functions):
+        if (name := function["function"]["name"]) in seen:
+            raise _invalid(f"tools.{index}.name", f"{json.dumps(name)} is an earlier tool's name: names are unique")
+        seen.add(name)
     fields: dict[str, Any] = {"tools": functions} if functions else {}
     choice = data.get("tool_choice")
     if choice is None:
@@ -346,7 +364,11 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
     schema = tool.get("input_schema")
     if not isinstance(schema, dict):
         raise _invalid(f"{where}.input_schema", "Field required" if schema is None else "Input should be an object")
-    function: dict[str, Any] = {"name": _string(tool, "name", where), "parameters": schema}
+    name = _string(tool, "name", where)
+    if not _TOOL_NAME.fullmatch(name):
+        message = f"{json.dumps(name)[:80]} should be 1 to 128 letters, digits, underscores or hyphens"
+        raise _invalid(f"{where}.name", message)
+    function: dict[str, Any] = {"name": name, "parameters": schema}
     if isinstance(description := tool.get("description"), str):
         function["description"] = description
     if isinstance(strict := tool.get("strict"), bool):
@@ -423,16 +445,23 @@ def _event(kind: str, payload: dict[str, Any]) -> bytes:
 
 class MessageStream:
     """Anthropic's stream events of one run (``app.Chunks``): message_start and ping, then a content block
-    per text run or tool call (start, deltas, stop), then message_delta and message_stop."""
+    per text run or tool call (start, deltas, stop), then message_delta and message_stop.
 
-    __slots__ = ("_blocks", "_head", "_open")
+    A run may interleave its tool calls' fragments (call 0, call 1, call 0 again: parallel calls from
+    one backend): each call's block stays open until the message ends, so a later fragment of an
+    earlier call is one more input_json_delta at that call's block index. A text block closes when a
+    tool call starts (text after it is a new block)."""
+
+    __slots__ = ("_blocks", "_head", "_text", "_tools")
 
     def __init__(self, run_id: str, model: str) -> None:
         self._head = {"id": f"msg_{run_id}", "type": "message", "role": "assistant", "model": model}
         self._blocks = 0
         """Content blocks started."""
-        self._open: tuple[str, int] | None = None
-        """The block open now: ("text", its index) or ("tool", its index); tool calls' blocks below."""
+        self._text: int | None = None
+        """The open text block's index, if one is open."""
+        self._tools: dict[int, int] = {}
+        """Each tool call's block index by the call's index (all open until the message ends)."""
 
     def first(self) -> bytes:
         """message_start (input tokens unknown until the run ends: 0 here, counted in message_delta), ping."""
@@ -444,36 +473,42 @@ class MessageStream:
         """text_delta events in a text block; a tool call's fragments as input_json_delta in its tool_use block."""
         out: list[bytes] = []
         if delta.text:
-            if self._open is None or self._open[0] != "text":
-                out.append(self._start({"type": "text", "text": ""}, "text"))
+            if self._text is None:
+                self._text = self._blocks
+                out.append(self._start({"type": "text", "text": ""}))
             body = {"type": "text_delta", "text": delta.text}
-            out.append(_event("content_block_delta", {"index": self._blocks - 1, "delta": body}))
+            out.append(_event("content_block_delta", {"index": self._text, "delta": body}))
         for fragment in delta.tool_calls:
-            if self._open != ("tool", fragment.index):
-                block = {"type": "tool_use", "id": fragment.id, "name": fragment.function_name, "input": {}}
-                out.append(self._start(block, "tool", fragment.index))
+            block = self._tools.get(fragment.index)
+            if block is None:
+                out.append(self._stop_text())
+                block = self._tools[fragment.index] = self._blocks
+                tool_use = {"type": "tool_use", "id": fragment.id, "name": fragment.function_name, "input": {}}
+                out.append(self._start(tool_use))
             if fragment.arguments:
                 body = {"type": "input_json_delta", "partial_json": fragment.arguments}
-                out.append(_event("content_block_delta", {"index": self._blocks - 1, "delta": body}))
+                out.append(_event("content_block_delta", {"index": block, "delta": body}))
         return b"".join(out)
 
-    def _start(self, block: dict[str, Any], kind: str, tool: int = 0) -> bytes:
-        start = self._stop() + _event("content_block_start", {"index": self._blocks, "content_block": block})
-        self._open = (kind, tool)
+    def _start(self, block: dict[str, Any]) -> bytes:
         self._blocks += 1
-        return start
+        return _event("content_block_start", {"index": self._blocks - 1, "content_block": block})
 
-    def _stop(self) -> bytes:
-        if self._open is None:
+    def _stop_text(self) -> bytes:
+        if self._text is None:
             return b""
-        self._open = None
-        return _event("content_block_stop", {"index": self._blocks - 1})
+        index, self._text = self._text, None
+        return _event("content_block_stop", {"index": index})
 
     def last(self, complete: pb.RunComplete) -> bytes:
-        """The open block's stop, message_delta with the stop reason and the whole usage, message_stop."""
+        """Every open block's stop (in index order), message_delta with the stop reason and the whole usage,
+        message_stop."""
+        open_blocks = sorted([*self._tools.values(), *([] if self._text is None else [self._text])])
+        self._text, self._tools = None, {}
+        stops = b"".join(_event("content_block_stop", {"index": index}) for index in open_blocks)
         delta = {"stop_reason": stop_reason(complete), "stop_sequence": None}
         end = _event("message_delta", {"delta": delta, "usage": usage_body(complete.usage)})
-        return self._stop() + end + _event("message_stop", {})
+        return stops + end + _event("message_stop", {})
 
     def error(self, error: ApiError) -> bytes:
         """A failure after the stream started: an ``error`` event with Anthropic's error body."""
@@ -485,12 +520,31 @@ class MessageStream:
 
 def error_status(error: ApiError) -> int:
     """The HTTP status Anthropic's clients expect: IOP's 503 (no capacity now: no node ready, queue full,
-    shutting down) is Anthropic's 529 overloaded_error, which their SDKs and tools retry as such."""
-    return 529 if error.status == 503 else error.status
+    shutting down) and the edge's own overload (its ``http.max_in_flight``, a 429 ``too_many_requests``)
+    are Anthropic's 529 overloaded_error, which their SDKs and tools retry as such; a 429 of the key's
+    own limits stays a rate_limit_error."""
+    if error.status == 503 or (error.status == 429 and error.code == "too_many_requests"):
+        return 529
+    return error.status
 
 
 def error_body(error: ApiError, request_id: str = "") -> dict[str, Any]:
     """``{"type": "error", "error": {"type", "message"}, "request_id"}`` for ``error``."""
     status = error_status(error)
     kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": error.message}, "request_id": request_id or None}
+    message = _worded(error)
+    return {"type": "error", "error": {"type": kind, "message": message}, "request_id": request_id or None}
+
+
+def _worded(error: ApiError) -> str:
+    """The message of ``error`` as Anthropic words a field's problem (``messages.0.content: ...``) when it
+    comes from the body's checks shared with the OpenAI routes (``parse_body``: a lone surrogate, a value
+    nested too deep, NaN), which name the field in OpenAI's style (``Invalid value for 'messages[0].content'``)."""
+    where = error.param
+    if error.code != "invalid_value" or not where:
+        return error.message
+    path = _INDEX.sub(r".\1", where)
+    for head in (f"Invalid value for '{where}': ", f"'{where}' is "):
+        if error.message.startswith(head):
+            return f"{path}: {error.message.removeprefix(head)}"
+    return error.message
