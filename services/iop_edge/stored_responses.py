@@ -54,7 +54,7 @@ _OLDEST = "SELECT id, size FROM responses WHERE owner = {p1} AND id <> {p2} ORDE
 _READ = "SELECT {column} FROM responses WHERE id = {p1} AND owner = {p2} AND created_at > {p3}"
 _DELETE = "DELETE FROM responses WHERE id = {p1} AND owner = {p2} RETURNING size"
 _SWEEP = "DELETE FROM responses WHERE created_at < {p1} RETURNING owner, size"
-_SQLITE = {f"p{n}": "?" for n in range(1, 8)}
+_SQLITE = {f"p{n}": f"?{n}" for n in range(1, 8)}  # numbered: _FREED names them out of order
 _PG = {f"p{n}": f"${n}" for n in range(1, 8)}
 
 
