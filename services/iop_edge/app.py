@@ -91,7 +91,9 @@ def build_app(edge: Edge) -> FastAPI:
     app.add_api_route("/v1/embeddings", api.embeddings, methods=["POST"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
-    ResponsesRoutes(api, edge).register(app)
+    responses = ResponsesRoutes(api, edge)
+    responses.register(app)
+    app.state.responses = responses  # its store's writes awaited (and its own store closed) at shutdown
     MessagesRoutes(api).register(app)
     FileRoutes(edge).register(app)
     BatchRoutes(edge).register(app)
@@ -594,6 +596,8 @@ class _Streamed:
         self.status = "499"
         self.stream.cancel_nowait("the client went away")
         self.api.metrics.cancelled.labels(self.call.route).inc()
+        if (hook := getattr(self.chunks, "cancelled", None)) is not None:  # optional: Responses stores its answer
+            hook()
 
     def _ended(self) -> None:
         self.api.metrics.requests.labels(self.call.route, self.call.model, self.status).inc()

@@ -21,7 +21,8 @@ this edge refuses to open (:class:`SchemaTooNew`, one line naming the store).
 - ``key_edges``: the edges seen recently, so that an edge cut off from the store knows its share.
 - ``responses``: the Responses API's stored responses (version 5), by id, with their owner (the
   key's name), their input items and the conversation a ``previous_response_id`` continues
-  (``iop_edge.stored_responses``).
+  (``iop_edge.stored_responses``); ``response_owners``: each owner's count and bytes of them, kept
+  with every write so the per-key cap costs no scan.
 """
 
 from __future__ import annotations
@@ -275,8 +276,11 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             id TEXT PRIMARY KEY, owner TEXT NOT NULL, created_at {real} NOT NULL,
             body TEXT NOT NULL, input_items TEXT NOT NULL, conversation TEXT NOT NULL, size BIGINT NOT NULL
         )""",
-        "CREATE INDEX responses_owner ON responses (owner, created_at)",
+        "CREATE INDEX responses_owner ON responses (owner, created_at, id)",
         "CREATE INDEX responses_age ON responses (created_at)",
+        """CREATE TABLE response_owners (
+            owner TEXT PRIMARY KEY, responses BIGINT NOT NULL, bytes BIGINT NOT NULL
+        )""",
     ),
 )
 assert len(MIGRATIONS) == SCHEMA_VERSION

@@ -176,6 +176,7 @@ async def _serve(settings: Settings, ready_file: Path | None) -> int:
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)  # noqa: ASYNC240 - one unlink while stopping
         await asyncio.gather(edge.upstream.aclose(), worker.aclose(), app.state.console.aclose())
+        await app.state.responses.aclose()  # before the keyring closes the key store its writes go to
         if keyring is not None:
             await keyring.aclose()
         _close(sockets)

@@ -12,6 +12,8 @@ another key's id is a 404, as a missing one; ``previous_response_id`` replays it
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -24,7 +26,7 @@ from iop_edge.access import JSON, authenticate, caller_of, error_response
 from iop_edge.edge import Edge
 from iop_edge.key_storage import STORE_ERRORS, KeyStorage, SchemaTooNew
 from iop_edge.keyring import storage_of
-from iop_edge.stored_responses import ResponseStore, StoredResponse, storage_for
+from iop_edge.stored_responses import Column, ResponseStore, StoredResponse, storage_for
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.openai import responses_api as shape
 from iop_wire.openai import responses_output
@@ -37,6 +39,7 @@ if TYPE_CHECKING:  # app.py registers these routes: importing it here at run tim
 __all__ = ["ResponsesRoutes"]
 
 _MAX_LIMIT = 100
+_DIGITS = re.compile(r"[0-9]{1,3}")
 _OPEN_ERRORS: tuple[type[Exception], ...] = (*STORE_ERRORS, SchemaTooNew)
 
 
@@ -48,6 +51,8 @@ class ResponsesRoutes:
         self.edge = edge
         self._store: ResponseStore | None = None
         self._opening = asyncio.Lock()
+        self._opened: KeyStorage | None = None
+        """The store opened here (``auth: none``), which :meth:`aclose` closes; the key store's is the keyring's."""
 
     def register(self, app: FastAPI) -> None:
         """Add the routes to ``app``."""
@@ -76,6 +81,7 @@ class ResponsesRoutes:
             await storage.aclose()
             message = f"stored responses are unavailable: the store {storage.name} cannot be opened ({exc})"
             raise ApiError(503, message, code="service_unavailable", retry_after=1.0) from None
+        self._opened = storage
         return storage
 
     # -- create -------------------------------------------------------------------------------
@@ -91,11 +97,11 @@ class ResponsesRoutes:
         store = await self.store() if parsed.store or parsed.previous_response_id is not None else None
         keep = store if parsed.store else None
         if store is not None and parsed.previous_response_id is not None:
-            previous = await store.get(owner, parsed.previous_response_id)
+            previous = await store.get(owner, parsed.previous_response_id, "conversation")
             if previous is None:
                 message = f"Previous response with id '{parsed.previous_response_id}' not found."
                 raise ApiError(400, message, param="previous_response_id", code="previous_response_not_found")
-            history = previous.conversation
+            history = json.loads(previous)
         run = self.api.prepared(call, shape.run_request(parsed, call.run_id, history))
         response_id = f"resp_{call.run_id}{secrets.token_hex(12)}"  # the run's id in it: one to look for in logs
         stream = await self.api.open(call, run)
@@ -104,7 +110,7 @@ class ResponsesRoutes:
             def events(start: pb.RunStart) -> Chunks:
                 base = responses_output.skeleton(response_id, start.model or parsed.model, parsed)
                 ended = None if keep is None else lambda body: keep.put_soon(_row(owner, parsed, history, body))
-                return responses_output.ResponseEvents(base, ended)
+                return responses_output.ResponseEvents(base, ended)  # a stream cut short ends it too: cancelled
 
             return await self.api.stream(request, call, stream, events)
         outcome = Outcome()
@@ -121,67 +127,86 @@ class ResponsesRoutes:
     async def retrieve(self, request: Request, response_id: str) -> Response:
         """GET /v1/responses/{id}: a stored response of the caller's."""
 
-        async def body(owner: str) -> dict[str, Any]:
-            return (await self._found(owner, response_id)).body
+        async def body(owner: str) -> bytes:
+            return (await self._found(owner, response_id, "body")).encode()  # sent as stored: not parsed
 
         return await self._serve("responses.retrieve", request, body)
 
     async def delete(self, request: Request, response_id: str) -> Response:
         """DELETE /v1/responses/{id}."""
 
-        async def deleted(owner: str) -> dict[str, Any]:
+        async def deleted(owner: str) -> bytes:
             if not await (await self.store()).delete(owner, response_id):
                 raise _not_found(response_id)
-            return {"id": response_id, "object": "response", "deleted": True}
+            return json_bytes({"id": response_id, "object": "response", "deleted": True})
 
         return await self._serve("responses.delete", request, deleted)
 
     async def input_items(self, request: Request, response_id: str) -> Response:
         """GET /v1/responses/{id}/input_items: ``after``, ``limit`` (1-100, 20) and ``order`` (desc) paging."""
 
-        async def listed(owner: str) -> dict[str, Any]:
+        async def listed(owner: str) -> bytes:
             query = request.query_params
             limit = _limit(query.get("limit"))
             order = query.get("order") or "desc"
             if order not in ("asc", "desc"):
-                message = f"Invalid value: '{order}'. Supported values are: 'asc' and 'desc'."
+                message = f"Invalid value: {order[:40]!r}. Supported values are: 'asc' and 'desc'."
                 raise ApiError(400, message, param="order", code="invalid_value")
-            items = list((await self._found(owner, response_id)).input_items)
+            items: list[dict[str, Any]] = json.loads(await self._found(owner, response_id, "input_items"))
             if order == "desc":
                 items.reverse()
             if (after := query.get("after")) is not None:
                 ids = [item["id"] for item in items]
                 if after not in ids:
-                    raise ApiError(400, f"No item with id '{after}' in this response's input.", param="after")
+                    message = f"No item with id {after[:80]!r} in this response's input."
+                    raise ApiError(400, message, param="after", code="invalid_value")
                 items = items[ids.index(after) + 1 :]
             page = items[:limit]
-            return {
-                "object": "list",
-                "data": page,
-                "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None,
-                "has_more": len(items) > limit,
-            }
+            return json_bytes(
+                {
+                    "object": "list",
+                    "data": page,
+                    "first_id": page[0]["id"] if page else None,
+                    "last_id": page[-1]["id"] if page else None,
+                    "has_more": len(items) > limit,
+                }
+            )
 
         return await self._serve("responses.input_items", request, listed)
 
-    async def _found(self, owner: str, response_id: str) -> StoredResponse:
-        stored = await (await self.store()).get(owner, response_id)
+    async def _found(self, owner: str, response_id: str, column: Column) -> str:
+        stored = await (await self.store()).get(owner, response_id, column)
         if stored is None:
             raise _not_found(response_id)
         return stored
 
-    async def _serve(
-        self, route: str, request: Request, produce: Callable[[str], Awaitable[dict[str, Any]]]
-    ) -> Response:
-        """The request authenticated, then ``produce(owner)``'s object as JSON, or its ApiError; counted."""
+    async def _serve(self, route: str, request: Request, produce: Callable[[str], Awaitable[bytes]]) -> Response:
+        """The request authenticated and admitted as an inference request is (one of the key's rpm, a
+        concurrency slot while it runs: reading a stored response costs the edge's loop too), then
+        ``produce(owner)``'s JSON, or its ApiError; counted."""
+        from iop_edge.app import Call  # noqa: PLC0415 - app.py imports this module: a cycle at import time
+
+        call = Call(route, time.perf_counter(), "", None)
         try:
-            key = authenticate(self.edge.keys, request)
-            response = Response(json_bytes(await produce(caller_of(key))), media_type=JSON)
+            call.key = authenticate(self.edge.keys, request)
+            await self.api._admit(call)
+            response = Response(await produce(caller_of(call.key)), media_type=JSON)
         except ApiError as error:
             response = error_response(error)
+        finally:
+            if call.lease is not None:
+                call.lease.release(0)
         self.edge.metrics.requests.labels(route, "", str(response.status_code)).inc()
         return response
+
+    async def aclose(self) -> None:
+        """At the edge's shutdown: the writes under way finished; a store opened here (``auth: none``) closed."""
+        store, self._store = self._store, None
+        if store is None:
+            return
+        await store.aclose()
+        if self._opened is not None:
+            await self._opened.aclose()
 
 
 def _row(
@@ -196,9 +221,10 @@ def _not_found(response_id: str) -> ApiError:
 
 
 def _limit(given: str | None) -> int:
+    """``limit``: ASCII digits only (``str.isdigit`` takes "²", which ``int`` refuses), three at most."""
     if given is None:
         return 20
-    if not given.isdigit() or not 1 <= int(given) <= _MAX_LIMIT:
-        message = f"Invalid 'limit': {given!r}; it must be an integer from 1 to {_MAX_LIMIT}."
+    if not _DIGITS.fullmatch(given) or not 1 <= int(given) <= _MAX_LIMIT:
+        message = f"Invalid 'limit': {given[:20]!r}; it must be an integer from 1 to {_MAX_LIMIT}."
         raise ApiError(400, message, param="limit", code="invalid_value")
     return int(given)

@@ -184,9 +184,9 @@ class Settings(BaseSettings):
     store: StoreSettings = StoreSettings()
     """The key store shared by several edges (PostgreSQL)."""
     console: ConsoleSettings = ConsoleSettings()
+    """The web console: its live stream's pace and bound, and the admin certificate for its admin actions."""
     responses: ResponsesSettings = ResponsesSettings()
     """How long stored responses (the Responses API) are kept, and how many per key."""
-    """The web console: its live stream's pace and bound, and the admin certificate for its admin actions."""
     request_timeout: float = Field(600.0, gt=0)
     """Seconds a request may take, queueing included; then 504. Sent as the run's deadline."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"

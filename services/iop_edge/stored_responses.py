@@ -19,7 +19,7 @@ import asyncio
 import dataclasses
 import json
 import time
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter
@@ -30,12 +30,32 @@ from iop_edge.settings import ResponsesSettings
 from iop_edge.sqlite_keys import SqliteKeyStorage, _immediate
 from iop_wire.openai.errors import ApiError
 
-__all__ = ["Cap", "ResponseStorage", "ResponseStore", "StoredResponse", "storage_for"]
+__all__ = ["Cap", "Column", "ResponseStorage", "ResponseStore", "StoredResponse", "storage_for"]
 
 _log = structlog.get_logger("iop.edge.responses")
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
-_HELD = "SELECT count(*), coalesce(sum(size), 0) FROM responses WHERE owner = {p}"
-_BY_AGE = "SELECT id, size FROM responses WHERE owner = {p} ORDER BY created_at, id"
+
+Column = Literal["body", "input_items", "conversation"]
+"""What a read takes of a row: one JSON column, as stored (a retrieve sends it as it is)."""
+
+_COLUMNS: tuple[Column, ...] = ("body", "input_items", "conversation")
+_BATCH = 64
+"""The oldest rows fetched at a time when a key is over its bytes (over its count: as many as it is over)."""
+
+# {p1}, {p2}, ...: the backend's placeholders. The owner's totals change in the transaction that changes its rows.
+_PUT = "INSERT INTO responses VALUES ({p1}, {p2}, {p3}, {p4}, {p5}, {p6}, {p7}) ON CONFLICT (id) DO NOTHING"
+_HELD = (
+    "INSERT INTO response_owners (owner, responses, bytes) VALUES ({p1}, 1, {p2}) ON CONFLICT (owner) DO UPDATE"
+    " SET responses = response_owners.responses + 1, bytes = response_owners.bytes + excluded.bytes"
+    " RETURNING responses, bytes"
+)
+_FREED = "UPDATE response_owners SET responses = responses - {p2}, bytes = bytes - {p3} WHERE owner = {p1}"
+_OLDEST = "SELECT id, size FROM responses WHERE owner = {p1} AND id <> {p2} ORDER BY created_at, id LIMIT {p3}"
+_READ = "SELECT {column} FROM responses WHERE id = {p1} AND owner = {p2} AND created_at > {p3}"
+_DELETE = "DELETE FROM responses WHERE id = {p1} AND owner = {p2} RETURNING size"
+_SWEEP = "DELETE FROM responses WHERE created_at < {p1} RETURNING owner, size"
+_SQLITE = {f"p{n}": f"?{n}" for n in range(1, 8)}  # numbered: _FREED names them out of order
+_PG = {f"p{n}": f"${n}" for n in range(1, 8)}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -56,13 +76,13 @@ class StoredResponse:
 
 
 class ResponseStorage(Protocol):
-    """Rows of the ``responses`` table."""
+    """Rows of the ``responses`` table, and their owners' totals in ``response_owners``."""
 
     async def put(self, row: StoredResponse, *, cap: Cap) -> int:
         """Store ``row``; drop its owner's oldest past ``cap``; how many were dropped."""
 
-    async def get(self, owner: str, response_id: str, *, since: float) -> StoredResponse | None:
-        """``owner``'s response made after ``since``, if any."""
+    async def read(self, owner: str, response_id: str, column: Column, *, since: float) -> str | None:
+        """``column`` (JSON text) of ``owner``'s response made after ``since``, if any."""
 
     async def delete(self, owner: str, response_id: str) -> bool:
         """Delete ``owner``'s response; whether there was one."""
@@ -80,26 +100,43 @@ class Cap:
     bytes: int
     """Their stored JSON, in bytes."""
 
-    def overflow(self, by_age: list[tuple[str, int]]) -> list[str]:
-        """The ids to drop, oldest first, for ``by_age`` (id, size; oldest first) to fit; the newest stays."""
-        count, size = len(by_age), sum(item_size for _, item_size in by_age)
+    def over(self, count: int, size: int) -> bool:
+        """Whether ``count`` responses of ``size`` bytes are past the cap."""
+        return count > self.responses or size > self.bytes
+
+    def batch(self, count: int) -> int:
+        """How many of the oldest to fetch next, ``count`` held."""
+        return max(count - self.responses, _BATCH)
+
+    def take(self, oldest: list[tuple[str, int]], count: int, size: int) -> tuple[list[str], int, int]:
+        """The ids of ``oldest`` (id, size; oldest first) to drop until ``count`` and ``size`` fit; what is left."""
         dropped = []
-        for response_id, item_size in by_age[:-1]:
-            if count <= self.responses and size <= self.bytes:
+        for response_id, item_size in oldest:
+            if not self.over(count, size):
                 break
             dropped.append(response_id)
             count, size = count - 1, size - item_size
-        return dropped
-
-
-def _row(values: Any) -> StoredResponse:
-    response_id, owner, created_at, body, items, conversation = values[:6]
-    return StoredResponse(response_id, owner, created_at, json.loads(body), json.loads(items), json.loads(conversation))
+        return dropped, count, size
 
 
 def _values(row: StoredResponse) -> tuple[Any, ...]:
     texts = (_dumps(row.body), _dumps(row.input_items), _dumps(row.conversation))
     return (row.id, row.owner, row.created_at, *texts, sum(len(text.encode()) for text in texts))
+
+
+def _freed(rows: list[tuple[str, int]]) -> list[tuple[str, int, int]]:
+    """(owner, responses, bytes) freed per owner by deleting ``rows`` (owner, size)."""
+    totals: dict[str, list[int]] = {}
+    for owner, size in rows:
+        total = totals.setdefault(owner, [0, 0])
+        total[0], total[1] = total[0] + 1, total[1] + size
+    return [(owner, count, size) for owner, (count, size) in totals.items()]
+
+
+def _read_sql(column: Column, placeholders: dict[str, str]) -> str:
+    if column not in _COLUMNS:  # the one name put into SQL: from this fixed set only
+        raise ValueError(f"no column {column!r} in responses")
+    return _READ.format(column=column, **placeholders)
 
 
 class SqliteResponses:
@@ -109,34 +146,47 @@ class SqliteResponses:
         self.storage = storage
 
     async def put(self, row: StoredResponse, *, cap: Cap) -> int:
-        """Store ``row``, dropping the owner's oldest past ``cap``."""
+        """Store ``row``, dropping the owner's oldest past ``cap`` (read along the owner's index, O(dropped))."""
         db = self.storage.db
+        values = _values(row)
+        dropped: list[str] = []
         with _immediate(db):
-            db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)", _values(row))
-            count, size = db.execute(_HELD.format(p="?"), (row.owner,)).fetchone()
-            if count <= cap.responses and size <= cap.bytes:
-                return 0
-            dropped = cap.overflow(db.execute(_BY_AGE.format(p="?"), (row.owner,)).fetchall())
-            db.executemany("DELETE FROM responses WHERE id = ?", [(response_id,) for response_id in dropped])
+            if db.execute(_PUT.format(**_SQLITE), values).rowcount == 0:
+                return 0  # the id is there already
+            count, size = db.execute(_HELD.format(**_SQLITE), (row.owner, values[-1])).fetchone()
+            held = size
+            while cap.over(count, size):
+                oldest = db.execute(_OLDEST.format(**_SQLITE), (row.owner, row.id, cap.batch(count))).fetchall()
+                taken, count, size = cap.take(oldest, count, size)
+                if not taken:
+                    break  # the new row alone is over: it stays
+                db.executemany("DELETE FROM responses WHERE id = ?", [(response_id,) for response_id in taken])
+                dropped += taken
+            if dropped:
+                db.execute(_FREED.format(**_SQLITE), (row.owner, len(dropped), held - size))
         return len(dropped)
 
-    async def get(self, owner: str, response_id: str, *, since: float) -> StoredResponse | None:
-        """The row, if ``owner``'s and recent enough."""
-        found = self.storage.db.execute(
-            "SELECT * FROM responses WHERE id = ? AND owner = ? AND created_at > ?", (response_id, owner, since)
-        ).fetchone()
-        return None if found is None else _row(found)
+    async def read(self, owner: str, response_id: str, column: Column, *, since: float) -> str | None:
+        """The column, if ``owner``'s and recent enough."""
+        found = self.storage.db.execute(_read_sql(column, _SQLITE), (response_id, owner, since)).fetchone()
+        return None if found is None else str(found[0])
 
     async def delete(self, owner: str, response_id: str) -> bool:
         """Delete the row if ``owner``'s."""
-        with _immediate(self.storage.db):
-            cursor = self.storage.db.execute("DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner))
-        return cursor.rowcount > 0
+        db = self.storage.db
+        with _immediate(db):
+            found = db.execute(_DELETE.format(**_SQLITE), (response_id, owner)).fetchone()
+            if found is not None:
+                db.execute(_FREED.format(**_SQLITE), (owner, 1, found[0]))
+        return found is not None
 
     async def sweep(self, before: float) -> int:
         """Delete the rows made before ``before``."""
-        with _immediate(self.storage.db):
-            return self.storage.db.execute("DELETE FROM responses WHERE created_at < ?", (before,)).rowcount
+        db = self.storage.db
+        with _immediate(db):
+            rows = db.execute(_SWEEP.format(**_SQLITE), (before,)).fetchall()
+            db.executemany(_FREED.format(**_SQLITE), _freed(rows))
+        return len(rows)
 
 
 class PgResponses:
@@ -146,40 +196,48 @@ class PgResponses:
         self.storage = storage
 
     async def put(self, row: StoredResponse, *, cap: Cap) -> int:
-        """Store ``row``, dropping the owner's oldest past ``cap`` (under the owner's lock)."""
+        """Store ``row``, dropping the owner's oldest past ``cap`` (the owner's totals row is locked till the end)."""
+        values = _values(row)
+        dropped: list[str] = []
         async with self.storage.pool.acquire() as conn, conn.transaction():
-            await conn.execute("SELECT pg_advisory_xact_lock(hashtext('iop_edge_responses:' || $1))", row.owner)
-            await conn.execute(
-                "INSERT INTO responses VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (id) DO NOTHING", *_values(row)
-            )
-            held = await conn.fetchrow(_HELD.format(p="$1"), row.owner)
-            assert held is not None  # an aggregate: always one row
+            if await conn.execute(_PUT.format(**_PG), *values) == "INSERT 0 0":
+                return 0  # the id is there already
+            held = await conn.fetchrow(_HELD.format(**_PG), row.owner, values[-1])
+            assert held is not None  # an upsert's RETURNING: always one row
             count, size = held
-            if count <= cap.responses and size <= cap.bytes:
-                return 0
-            by_age = [(item[0], item[1]) for item in await conn.fetch(_BY_AGE.format(p="$1"), row.owner)]
-            dropped = cap.overflow(by_age)
-            await conn.execute("DELETE FROM responses WHERE id = ANY($1::text[])", dropped)
+            freed, gone = 0, 0
+            while cap.over(count, size):
+                oldest = await conn.fetch(_OLDEST.format(**_PG), row.owner, row.id, cap.batch(count))
+                taken, count, size = cap.take([(item[0], item[1]) for item in oldest], count, size)
+                if not taken:
+                    break  # the new row alone is over: it stays
+                # what was deleted here, not what was read: a sweep on another edge may have taken some
+                sizes = await conn.fetch("DELETE FROM responses WHERE id = ANY($1::text[]) RETURNING size", taken)
+                dropped += taken
+                freed, gone = freed + sum(item[0] for item in sizes), gone + len(sizes)
+            if gone:
+                await conn.execute(_FREED.format(**_PG), row.owner, gone, freed)
         return len(dropped)
 
-    async def get(self, owner: str, response_id: str, *, since: float) -> StoredResponse | None:
-        """The row, if ``owner``'s and recent enough."""
-        found = await self.storage.pool.fetchrow(
-            "SELECT * FROM responses WHERE id = $1 AND owner = $2 AND created_at > $3", response_id, owner, since
-        )
-        return None if found is None else _row(tuple(found))
+    async def read(self, owner: str, response_id: str, column: Column, *, since: float) -> str | None:
+        """The column, if ``owner``'s and recent enough."""
+        found = await self.storage.pool.fetchval(_read_sql(column, _PG), response_id, owner, since)
+        return None if found is None else str(found)
 
     async def delete(self, owner: str, response_id: str) -> bool:
         """Delete the row if ``owner``'s."""
-        status = await self.storage.pool.execute(
-            "DELETE FROM responses WHERE id = $1 AND owner = $2", response_id, owner
-        )
-        return bool(status != "DELETE 0")
+        async with self.storage.pool.acquire() as conn, conn.transaction():
+            size = await conn.fetchval(_DELETE.format(**_PG), response_id, owner)
+            if size is not None:
+                await conn.execute(_FREED.format(**_PG), owner, 1, size)
+        return size is not None
 
     async def sweep(self, before: float) -> int:
         """Delete the rows made before ``before``."""
-        status = await self.storage.pool.execute("DELETE FROM responses WHERE created_at < $1", before)
-        return int(status.split()[-1])
+        async with self.storage.pool.acquire() as conn, conn.transaction():
+            rows = [(item[0], item[1]) for item in await conn.fetch(_SWEEP.format(**_PG), before)]
+            await conn.executemany(_FREED.format(**_PG), _freed(rows))
+        return len(rows)
 
 
 def storage_for(keys: KeyStorage) -> ResponseStorage:
@@ -259,13 +317,14 @@ class ResponseStore:
         self._writes[row.id] = task
         task.add_done_callback(lambda _: self._writes.pop(row.id, None))
 
-    async def get(self, owner: str, response_id: str) -> StoredResponse | None:
-        """``owner``'s response, unless expired (after its write, when one is under way here); 503 when
-        the store is away."""
+    async def get(self, owner: str, response_id: str, column: Column) -> str | None:
+        """``column`` (JSON text) of ``owner``'s response, unless expired (after its write, when one is
+        under way here); 503 when the store is away. One column: a retrieve never parses the
+        conversation, a continuation never the Response."""
         if (writing := self._writes.get(response_id)) is not None:
             await asyncio.shield(writing)
         try:
-            return await self.storage.get(owner, response_id, since=self._since)
+            return await self.storage.read(owner, response_id, column, since=self._since)
         except STORE_ERRORS as exc:
             raise _away(exc) from None
 

@@ -333,9 +333,13 @@ def test_a_json_schema_text_format_gives_json(stack: Stack) -> None:
         ({"temperature": 3}, 400, "temperature", "decimal_above_max_value"),
         ({"truncation": "auto"}, 400, "truncation", "unsupported_parameter"),
         ({"unknown_field": 1}, 400, None, None),
+        ({"max_output_tokens": 10**26}, 400, "max_output_tokens", "integer_above_max_value"),
+        ({"text": {"verbosity": "loud"}}, 400, "text.verbosity", "invalid_value"),
+        ({"user": 5}, 400, "user", "invalid_type"),
     ],
     ids=["bad-role", "unknown-model", "hosted-tool", "background", "conversation", "item-reference",
-         "max-output-tokens", "temperature", "truncation", "unknown-field"],
+         "max-output-tokens", "temperature", "truncation", "unknown-field", "huge-max-output-tokens",
+         "verbosity", "user"],
 )  # fmt: skip
 def test_errors(stack: Stack, fields: dict[str, Any], status: int, param: str | None, code: str | None) -> None:
     with stack.http() as http:
@@ -347,6 +351,65 @@ def test_errors(stack: Stack, fields: dict[str, Any], status: int, param: str | 
     assert body["error"]["code"] == code and (param is None or body["error"]["param"] == param), body
     if fields.get("model") == "no-such-model":
         assert "no-such-model" in body["error"]["message"]
+
+
+def test_a_huge_max_tokens_names_the_clients_field_in_chat_too(stack: Stack) -> None:
+    """Over the wire's int32: the client's field and value, not the node's terms (was: "sampling.max_tokens
+    must be between 1 and 131072, got 2147483647", param max_tokens)."""
+    messages = [{"role": "user", "content": "hi"}]
+    with stack.http() as http:
+        for field in ("max_tokens", "max_completion_tokens"):
+            response = http.post("/chat/completions", json={"model": "mock-small", "messages": messages, field: 10**26})
+            body = response.json()
+            assert response.status_code == 400 and body["error"]["param"] == field, body
+            assert str(10**26) in body["error"]["message"] and "sampling" not in body["error"]["message"]
+            validate("ErrorResponse", body)
+
+
+@pytest.mark.parametrize("limit", ["\u00b2", "0", "-1", "x", "101", "9" * 5000, "1.0", " 5"])
+def test_a_bad_input_items_limit_is_a_400(stack: Stack, limit: str) -> None:
+    """ "²" passes str.isdigit and fails int(): it was a plain-text 500, as 5,000 digits were."""
+    stored = stack.client().responses.create(model="mock-small", input="page me")
+    with stack.http() as http:
+        response = http.get(f"/responses/{stored.id}/input_items", params={"limit": limit})
+        assert response.status_code == 400, response.text
+        body = response.json()
+        validate("ErrorResponse", body)
+        assert body["error"]["param"] == "limit" and body["error"]["code"] == "invalid_value"
+        unknown = http.get(f"/responses/{stored.id}/input_items", params={"after": "msg_nope"})
+        assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "after"
+        validate("ErrorResponse", unknown.json())
+    with stack.http("sk-iop-not-a-key") as stranger:  # the key is checked before anything else
+        assert stranger.get(f"/responses/{stored.id}/input_items", params={"limit": limit}).status_code == 401
+
+
+def test_duplicate_input_item_ids_are_refused(stack: Stack) -> None:
+    call = {"type": "function_call", "id": "fc_same", "call_id": "c1", "name": "get_weather", "arguments": "{}"}
+    output = {"type": "function_call_output", "id": "fc_same", "call_id": "c1", "output": "sunny"}
+    with pytest.raises(openai.BadRequestError) as caught:
+        stack.client().responses.create(model="mock-small", input=[call, output])  # type: ignore[list-item]
+    assert caught.value.param == "input[1].id" and "fc_same" in caught.value.message
+
+
+def test_reading_stored_responses_counts_against_the_keys_rpm(stack: Stack) -> None:
+    """A GET costs the edge's loop as a create does: it takes one of the key's requests per minute."""
+    secret = _ready_key(stack, "responses-reader")
+    client = stack.client(stack.new_key("responses-rpm", rpm=3))
+    wait_for(lambda: _status(stack, client.api_key, "/models") == 200, 5, 0.05, "the rpm key loaded")
+    stored = client.responses.create(model="mock-small", input="read me")  # 1 of 3 (/models is not counted)
+    assert client.responses.retrieve(stored.id).id == stored.id
+    assert client.responses.input_items.list(stored.id).data  # 3 of 3
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.responses.delete(stored.id)
+    validate("ErrorResponse", caught.value.response.json())
+    assert caught.value.response.headers.get("retry-after")
+    with pytest.raises(openai.NotFoundError):  # another key is not held back by this one's limit
+        stack.client(secret).responses.retrieve(stored.id)
+
+
+def _status(stack: Stack, key: str, path: str) -> int:
+    with stack.http(key) as http:
+        return http.get(path).status_code
 
 
 def test_errors_through_the_sdk(stack: Stack) -> None:
@@ -379,7 +442,9 @@ def test_a_client_leaving_a_stream_cancels_the_run(stack: Stack) -> None:
     with stack.http(secret) as http, http.stream("POST", "/responses", json=body) as response:
         assert response.status_code == 200
         request_id = response.headers["x-request-id"]
+        first_lines = []
         for line in response.iter_lines():
+            first_lines.append(line)
             if line.startswith("data: ") and json.loads(line[6:])["type"] == "response.output_text.delta":
                 break
         gone = time.time()
@@ -391,6 +456,19 @@ def test_a_client_leaving_a_stream_cancels_the_run(stack: Stack) -> None:
     )
     assert record["status"] == "cancelled", record
     assert time.time() - gone < 5
+    response_id = next(json.loads(line[6:])["response"]["id"] for line in first_lines if line.startswith("data: "))
+    stored = wait_for(
+        lambda: (
+            _status(stack, secret, f"/responses/{response_id}") == 200
+            and stack.client(secret).responses.retrieve(response_id)
+        ),
+        5,
+        0.05,
+        "the cancelled response stored",
+    )
+    assert stored.status == "cancelled" and stored.output  # the text streamed before the client left
+    with stack.http(secret) as http:
+        validate("Response", http.get(f"/responses/{response_id}").json())
 
 
 def test_without_keys_responses_are_anonymous_and_kept_in_the_same_store(stack: Stack) -> None:

@@ -1,23 +1,26 @@
 """Stored responses (the Responses API) in both key stores, a SQLite file and a real PostgreSQL:
-owner-scoped reads and deletes, retention, the per-key cap with its metric, and two edges sharing one store."""
+owner-scoped reads of one column and deletes, retention, the per-key cap with its metric, the owners' totals
+kept with every write, two edges sharing one store, and a PostgreSQL store upgraded from schema 4."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 from key_store_helpers import StorageFactory, factory, new_database
 from prometheus_client import CollectorRegistry
 from worker.pg_server import PgServer, pg_server, required_binaries
 
-from iop_edge.key_storage import KeyStorage
+from iop_edge.key_storage import MIGRATIONS, SCHEMA_VERSION, KeyStorage, SchemaTooNew
 from iop_edge.pg_keys import PgKeyStorage
 from iop_edge.settings import ResponsesSettings
 from iop_edge.sqlite_keys import SqliteKeyStorage
-from iop_edge.stored_responses import Cap, ResponseStore, StoredResponse, storage_for
+from iop_edge.stored_responses import Cap, Column, ResponseStore, StoredResponse, storage_for
 from iop_wire.openai.errors import ApiError
 
 
@@ -64,24 +67,53 @@ def _row(response_id: str, owner: str = "alice", created_at: float | None = None
     return StoredResponse(response_id, owner, created_at or time.time(), body, items, [*items, *output])
 
 
+async def _get(store: ResponseStore, owner: str, response_id: str, column: Column = "body") -> Any:
+    found = await store.get(owner, response_id, column)
+    return None if found is None else json.loads(found)
+
+
+async def _held(keys: KeyStorage, owner: str) -> tuple[int, int] | None:
+    """``owner``'s totals in response_owners, and what its rows really hold (they must agree)."""
+    totals = "SELECT responses, bytes FROM response_owners WHERE owner = {p}"
+    actual = "SELECT count(*), coalesce(sum(size), 0) FROM responses WHERE owner = {p}"
+    if isinstance(keys, PgKeyStorage):
+        kept, real = (
+            await keys.pool.fetchrow(totals.format(p="$1"), owner),
+            await keys.pool.fetchrow(actual.format(p="$1"), owner),
+        )
+    else:
+        assert isinstance(keys, SqliteKeyStorage)
+        kept, real = (
+            keys.db.execute(totals.format(p="?"), (owner,)).fetchone(),
+            keys.db.execute(actual.format(p="?"), (owner,)).fetchone(),
+        )
+    assert real is not None  # an aggregate: always one row
+    assert (tuple(kept) if kept else (0, 0)) == tuple(real)
+    return None if kept is None else (kept[0], kept[1])
+
+
 async def test_a_response_is_found_only_by_its_owner_and_deleted_once(make: StorageFactory) -> None:
     store = await _store(make)
     await store.put(_row("resp_a"))
-    found = await store.get("alice", "resp_a")
-    assert found == _row("resp_a", created_at=found.created_at) if found else False
-    assert await store.get("bob", "resp_a") is None and await store.get("alice", "resp_missing") is None
+    row = _row("resp_a")
+    assert await _get(store, "alice", "resp_a") == row.body
+    assert await _get(store, "alice", "resp_a", "input_items") == row.input_items
+    assert await _get(store, "alice", "resp_a", "conversation") == row.conversation
+    assert await store.get("bob", "resp_a", "body") is None and await store.get("alice", "resp_missing", "body") is None
     assert not await store.delete("bob", "resp_a")
     assert await store.delete("alice", "resp_a") and not await store.delete("alice", "resp_a")
-    assert await store.get("alice", "resp_a") is None
+    assert await store.get("alice", "resp_a", "body") is None
+    with pytest.raises(ValueError, match="no column"):
+        await store.get("alice", "resp_a", "owner")  # type: ignore[arg-type]  # the one name put in SQL
 
 
 async def test_an_expired_response_is_not_found_and_is_swept(make: StorageFactory) -> None:
     store = await _store(make, retention_days=1, sweep_interval=0.01)
     await store.storage.put(_row("resp_old", created_at=time.time() - 2 * 86_400), cap=Cap(10, 10**6))  # no sweep
-    assert await store.get("alice", "resp_old") is None  # past retention: gone at once for readers
+    assert await store.get("alice", "resp_old", "body") is None  # past retention: gone at once for readers
     await store.put(_row("resp_new"))  # the edge's first write sweeps
     assert store.dropped.labels("retention")._value.get() == 1
-    assert await store.get("alice", "resp_new") is not None
+    assert await store.get("alice", "resp_new", "body") is not None
 
 
 async def test_past_the_per_key_cap_the_oldest_are_dropped_and_counted(make: StorageFactory) -> None:
@@ -90,8 +122,8 @@ async def test_past_the_per_key_cap_the_oldest_are_dropped_and_counted(make: Sto
     for index in range(5):
         await store.put(_row(f"resp_{index}", created_at=now + index))
     await store.put(_row("resp_bob", owner="bob"))
-    kept = [index for index in range(5) if await store.get("alice", f"resp_{index}") is not None]
-    assert kept == [2, 3, 4] and await store.get("bob", "resp_bob") is not None
+    kept = [index for index in range(5) if await store.get("alice", f"resp_{index}", "body") is not None]
+    assert kept == [2, 3, 4] and await store.get("bob", "resp_bob", "body") is not None
     assert store.dropped.labels("max_per_key")._value.get() == 2 and store.stored._value.get() == 6
 
 
@@ -100,17 +132,37 @@ async def test_past_the_per_key_bytes_the_oldest_are_dropped_the_newest_kept(mak
     now = time.time()
     for index in range(4):
         await store.put(_row(f"resp_{index}", created_at=now + index, text="x" * 100))
-    kept = [index for index in range(4) if await store.get("alice", f"resp_{index}") is not None]
+    kept = [index for index in range(4) if await store.get("alice", f"resp_{index}", "body") is not None]
     assert kept == [2, 3] and store.dropped.labels("max_per_key")._value.get() == 2
-    assert Cap(10, 1).overflow([("a", 5), ("b", 5)]) == ["a"]  # over alone, the newest is kept
+    await store.put(_row("resp_huge", created_at=now + 9, text="x" * 2000))  # over alone: the others go, it stays
+    assert await store.get("alice", "resp_huge", "body") is not None
+    assert [index for index in range(4) if await store.get("alice", f"resp_{index}", "body")] == []
+
+
+async def test_the_owners_totals_follow_every_write(make: StorageFactory) -> None:
+    """response_owners holds each owner's count and bytes (so a store scans nothing): put, the cap's
+    drops, delete and the sweep all keep it equal to the rows."""
+    keys = await _keys(make)
+    store = ResponseStore(storage_for(keys), ResponsesSettings(max_per_key=3, sweep_interval=3600), CollectorRegistry())
+    now = time.time()
+    for index in range(5):
+        await store.put(_row(f"resp_{index}", created_at=now + index))
+    assert (await _held(keys, "alice") or (0, 0))[0] == 3
+    assert await store.delete("alice", "resp_4")
+    assert (await _held(keys, "alice") or (0, 0))[0] == 2
+    await store.storage.put(_row("resp_old", created_at=now - 9 * 86_400), cap=store.cap)
+    await store.storage.put(_row("resp_bob", owner="bob", created_at=now - 9 * 86_400), cap=store.cap)
+    assert await store.storage.sweep(now - 86_400) == 2
+    assert (await _held(keys, "alice") or (0, 0))[0] == 2 and await _held(keys, "bob") == (0, 0)
+    assert Cap(3, 10**6).batch(10) == 64 and Cap(3, 10**6).batch(1000) == 997  # as many as over, at least 64
 
 
 async def test_two_edges_on_one_store_share_their_responses(make: StorageFactory) -> None:
     one, two = await _store(make), await _store(make)
     one.put_soon(_row("resp_shared"))
     await one.aclose()
-    found = await two.get("alice", "resp_shared")
-    assert found is not None and found.conversation[-1] == {"type": "message", "text": "é"}
+    found = await _get(two, "alice", "resp_shared", "conversation")
+    assert found is not None and found[-1] == {"type": "message", "text": "é"}
 
 
 async def test_a_store_that_is_away_loses_the_row_not_the_answer(make: StorageFactory) -> None:
@@ -124,5 +176,41 @@ async def test_a_store_that_is_away_loses_the_row_not_the_answer(make: StorageFa
     await store.put(_row("resp_lost"))  # logged and counted, not raised: the client still gets its answer
     assert store.dropped.labels("store_error")._value.get() == 1
     with pytest.raises(ApiError) as caught:
-        await store.get("alice", "resp_lost")
+        await store.get("alice", "resp_lost", "body")
     assert caught.value.status == 503 and caught.value.retry_after == 1.0
+
+
+async def test_a_postgresql_key_store_at_version_4_is_upgraded_to_5_keeping_its_keys(postgres: PgServer) -> None:
+    """A shared store written by an edge before stored responses: the next edge adds ``responses``
+    and ``response_owners`` in place, keeps the keys, and stores responses in it; one written by a
+    newer edge (6) is refused, untouched."""
+    url = await new_database(postgres)
+    connection = await asyncpg.connect(url)
+    try:
+        async with connection.transaction():  # as the edge at schema 4 left it
+            await connection.execute("CREATE TABLE edge_schema_version (version integer NOT NULL)")
+            await connection.execute("INSERT INTO edge_schema_version (version) VALUES (4)")
+            for step in MIGRATIONS[:4]:
+                for statement in step:
+                    await connection.execute(statement.format(real="double precision", id="BIGSERIAL PRIMARY KEY"))
+            await connection.execute(
+                "INSERT INTO keys (name, key_id, hash, created_at, admin) VALUES ('ci', 'kid', 'h', 1.0, TRUE)"
+            )
+        keys = PgKeyStorage(url)
+        await keys.open()
+        try:
+            assert await connection.fetchval("SELECT version FROM edge_schema_version") == SCHEMA_VERSION == 5
+            assert [info.name for info in await keys.list_keys()] == ["ci"]
+            store = ResponseStore(storage_for(keys), ResponsesSettings(), CollectorRegistry())
+            await store.put(_row("resp_after_upgrade", owner="ci"))
+            assert await _get(store, "ci", "resp_after_upgrade") == _row("resp_after_upgrade").body
+            assert await _held(keys, "ci") is not None
+        finally:
+            await keys.aclose()
+        await connection.execute("UPDATE edge_schema_version SET version = 6")
+        newer = PgKeyStorage(url)
+        with pytest.raises(SchemaTooNew, match="is at schema version 6, newer than this edge's 5"):
+            await newer.open()
+        assert await connection.fetchval("SELECT count(*) FROM responses") == 1  # refused, not touched
+    finally:
+        await connection.close()

@@ -7,6 +7,8 @@ import json
 from typing import Any
 
 import pytest
+from e2e.openai_schema import validate
+from e2e.test_responses_api import EVENT_SCHEMAS
 from google.protobuf.json_format import MessageToDict
 
 from iop_gen.pb.iop import runtime_pb2 as pb
@@ -141,6 +143,32 @@ def test_input_items_are_stored_with_ids_and_statuses() -> None:
         ({"previous_response_id": 3}, "previous_response_id", "string"),
         ({"metadata": {"k": 1}}, "metadata", "strings"),
         ({"metadata": {str(i): "v" for i in range(17)}}, "metadata", "16"),
+        ({"max_output_tokens": 10**26}, "max_output_tokens", str(10**26)),
+        ({"text": {"verbosity": "chatty"}}, "text.verbosity", "chatty"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}, "strict": "yes"}}},
+            "text.format.strict",
+            "boolean",
+        ),
+        ({"text": {"format": {"type": "json_schema", "name": "a b", "schema": {}}}}, "text.format.name", "a b"),
+        ({"text": {"format": {"type": "json_schema", "name": "x" * 65, "schema": {}}}}, "text.format.name", "64"),
+        ({"tools": [{**TOOL, "description": 7}]}, "tools[0].description", "string"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u", "detail": "max"}]}]},
+            "input[0].content[0].detail",
+            "max",
+        ),
+        ({"user": 5}, "user", "string"),
+        (
+            {
+                "input": [
+                    {"type": "function_call", "id": "fc_1", "call_id": "c", "name": "f", "arguments": "{}"},
+                    {"type": "function_call_output", "id": "fc_1", "call_id": "c", "output": "x"},
+                ]
+            },
+            "input[1].id",
+            "fc_1",
+        ),
         ({"seed": 1}, None, "seed"),
         ({"messages": []}, None, "messages"),
     ],
@@ -150,6 +178,15 @@ def test_bad_input_is_a_400_naming_the_field(fields: dict[str, Any], param: str 
         shape.parse_create({"model": "m", "input": "x", **fields})
     assert caught.value.status == 400 and caught.value.param == param and words in caught.value.message
     assert caught.value.type == "invalid_request_error"
+    assert "sampling" not in caught.value.message  # the client's terms, not the wire's
+
+
+def test_the_checked_echoed_values_are_kept() -> None:
+    text = {"format": {"type": "json_schema", "name": "Out_1-x", "schema": {}, "strict": False}, "verbosity": "low"}
+    parsed = shape.parse_create(
+        {"model": "m", "input": "x", "text": text, "user": "u1", "max_output_tokens": 2**31 - 1}
+    )
+    assert parsed.echo["text"] == text and parsed.user == "u1" and parsed.sampling.max_tokens == 2**31 - 1
 
 
 def test_an_empty_input_without_history_is_a_400() -> None:
@@ -233,6 +270,46 @@ def test_the_event_stream_opens_and_closes_items_in_order() -> None:
     assert decoded[8]["item"]["arguments"] == "" and decoded[11]["arguments"] == '{"k":1}'
     assert decoded[8]["output_index"] == 1 and decoded[-1]["response"]["output"][1]["status"] == "completed"
     assert stored == [decoded[-1]["response"]]
+
+
+def test_interleaved_tool_calls_stay_open_to_the_end_every_event_valid() -> None:
+    """Fragments of two calls interleaved (0, 1, 0, 1): no arguments delta after its item's done; the
+    calls' done events come at the end in output order; every event valid against OpenAI's schema."""
+    parsed = shape.parse_create({"model": "m", "input": "x"})
+    events = responses_output.ResponseEvents(responses_output.skeleton("resp_1", "m", parsed))
+    raw = events.first()
+    for index, call_id in ((0, "call_a"), (1, "call_b")):
+        raw += events.delta(pb.RunDelta(tool_calls=[pb.ToolCallDelta(index=index, id=call_id, function_name="f")]))
+    for piece in ('{"a"', '{"b"', ":1}", ":2}"):
+        index = 0 if piece in ('{"a"', ":1}") else 1
+        raw += events.delta(pb.RunDelta(tool_calls=[pb.ToolCallDelta(index=index, arguments=piece)]))
+    raw += events.last(_complete(pb.FINISH_REASON_TOOL_CALLS))
+    decoded = _decoded(raw)
+    for event in decoded:
+        validate(EVENT_SCHEMAS[event["type"]], event)
+    done_at = {}
+    for position, event in enumerate(decoded):
+        if event["type"] == "response.output_item.done":
+            done_at[event["item"]["id"]] = position
+        elif event["type"] == "response.function_call_arguments.delta":
+            assert event["item_id"] not in done_at, "a delta after its item's done"
+    finished = [event for event in decoded if event["type"] == "response.function_call_arguments.done"]
+    assert [(event["output_index"], event["arguments"]) for event in finished] == [(0, '{"a":1}'), (1, '{"b":2}')]
+    assert [item["status"] for item in decoded[-1]["response"]["output"]] == ["completed", "completed"]
+    assert decoded[-1]["type"] == "response.completed" and decoded[-2]["type"] == "response.output_item.done"
+
+
+def test_a_stream_the_client_left_is_stored_cancelled_with_its_output() -> None:
+    parsed = shape.parse_create({"model": "m", "input": "x"})
+    stored: list[dict[str, Any]] = []
+    events = responses_output.ResponseEvents(responses_output.skeleton("resp_1", "m", parsed), stored.append)
+    events.first()
+    events.delta(pb.RunDelta(text="so far"))
+    events.cancelled()
+    events.cancelled()  # once only
+    [body] = stored
+    assert body["status"] == "cancelled" and body["output"][0]["content"][0]["text"] == "so far"
+    validate("Response", body)
 
 
 def test_a_failure_mid_stream_is_response_failed() -> None:

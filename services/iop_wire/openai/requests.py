@@ -271,6 +271,10 @@ def _number(data: Mapping[str, Any], name: str, low: float, high: float) -> floa
     return float(value)
 
 
+_MAX_TOKENS = 2**31 - 1
+"""The most tokens a request may ask for: ``Sampling.max_tokens`` is an int32 on the wire."""
+
+
 def _sampling(
     data: Mapping[str, Any],
     sampling: pb.Sampling,
@@ -286,18 +290,11 @@ def _sampling(
     ):
         if (value := _number(data, name, low, high)) is not None:
             setattr(sampling, name, value)
-    limit = default_max_tokens
-    for name in max_tokens:  # the first one set wins (max_completion_tokens before max_tokens)
-        if (value := _optional(data, name, int, "integer")) is not None:
-            if value < 1:
-                message = (
-                    f"Invalid '{name}': integer below minimum value. Expected a value >= 1, but got {value} instead."
-                )
-                raise ApiError(400, message, param=name, code="integer_below_min_value")
-            limit = value
-            break
+    limit = _max_tokens(data, max_tokens)
+    if limit is None:
+        limit = default_max_tokens
     if limit is not None:
-        sampling.max_tokens = min(limit, 2**31 - 1)
+        sampling.max_tokens = limit
     if (seed := _optional(data, "seed", int, "integer")) is not None:
         if not -(2**63) <= seed < 2**63:
             raise ApiError(400, "Invalid 'seed': it must fit in 64 bits.", param="seed")
@@ -316,6 +313,26 @@ def _sampling(
             param="stop",
             code="invalid_type",
         )
+
+
+def _max_tokens(data: Mapping[str, Any], names: tuple[str, ...]) -> int | None:
+    """The first of ``names`` set (max_completion_tokens before max_tokens), from 1 to the wire's bound;
+    400 naming the client's field and its value otherwise."""
+    for name in names:
+        if (value := _optional(data, name, int, "integer")) is not None:
+            if value < 1:
+                message = (
+                    f"Invalid '{name}': integer below minimum value. Expected a value >= 1, but got {value} instead."
+                )
+                raise ApiError(400, message, param=name, code="integer_below_min_value")
+            if value > _MAX_TOKENS:  # the wire's bound (int32); each node refuses above its own, lower, limit
+                message = (
+                    f"Invalid '{name}': integer above maximum value. Expected a value <= {_MAX_TOKENS}, "
+                    f"but got {value} instead."
+                )
+                raise ApiError(400, message, param=name, code="integer_above_max_value")
+            return int(value)
+    return None
 
 
 def _include_usage(data: Mapping[str, Any], stream: bool) -> bool:

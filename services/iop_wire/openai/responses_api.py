@@ -16,6 +16,7 @@ only (service tier, prompt cache keys) are accepted and ignored, as for chat com
 
 from __future__ import annotations
 
+import re
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -53,6 +54,9 @@ _ROLES = {"user": pb.ROLE_USER, "system": pb.ROLE_SYSTEM, "developer": pb.ROLE_D
 _TOOL_CHOICES = ("none", "auto", "required")
 _FORMATS = ("text", "json_object", "json_schema")
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+_VERBOSITIES = ("low", "medium", "high")
+_DETAILS = ("auto", "low", "high", "original")
+_FORMAT_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
 def new_id(prefix: str) -> str:
@@ -91,7 +95,7 @@ def parse_create(data: Mapping[str, Any]) -> ResponsesRequest:
     instructions = _string_field(data, "instructions")
     previous = _string_field(data, "previous_response_id") or None
     store = _flag(data, "store") is not False
-    user = data.get("user") if isinstance(data.get("user"), str) else ""
+    user = _string_field(data, "user") or ""
     echo |= {
         "instructions": instructions,
         "temperature": sampling.temperature if sampling.HasField("temperature") else 1.0,
@@ -237,6 +241,8 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         if strict is not None and not isinstance(strict, bool):
             raise _invalid_type(f"{where}.strict", "a boolean", strict)
         description = tool.get("description")
+        if description is not None and not isinstance(description, str):
+            raise _invalid_type(f"{where}.description", "a string", description)
         checked.append(
             {"type": "function", "name": name, "description": description, "parameters": parameters, "strict": strict}
         )
@@ -286,18 +292,36 @@ def _text(text: Any) -> dict[str, Any]:
         message = f"Invalid value: {chat._show(kind)}. Supported values are: 'text', 'json_object' and 'json_schema'."
         raise ApiError(400, message, param="text.format.type", code="invalid_value")
     if kind == "json_schema":
-        for name, expected in (("name", str), ("schema", dict)):
-            if not isinstance(given.get(name), expected):
-                raise ApiError(
-                    400,
-                    f"Missing required parameter: 'text.format.{name}'.",
-                    param=f"text.format.{name}",
-                    code="missing_required_parameter",
-                )
+        _json_schema_format(given)
     checked = {"format": dict(given)}
-    if text.get("verbosity") is not None:
-        checked["verbosity"] = text["verbosity"]
+    if (verbosity := text.get("verbosity")) is not None:
+        if verbosity not in _VERBOSITIES:
+            message = f"Invalid value: {chat._show(verbosity)}. Supported values are: 'low', 'medium' and 'high'."
+            raise ApiError(400, message, param="text.verbosity", code="invalid_value")
+        checked["verbosity"] = verbosity
     return checked
+
+
+def _json_schema_format(given: Mapping[str, Any]) -> None:
+    """A json_schema text format's name (OpenAI's pattern), schema and strict flag checked."""
+    for name, expected in (("name", str), ("schema", dict)):
+        if not isinstance(given.get(name), expected):
+            raise ApiError(
+                400,
+                f"Missing required parameter: 'text.format.{name}'.",
+                param=f"text.format.{name}",
+                code="missing_required_parameter",
+            )
+    if not _FORMAT_NAME.fullmatch(given["name"]):
+        message = (
+            f"Invalid 'text.format.name': {chat._show(given['name'])}. It must be 1 to 64 letters, digits, "
+            "underscores or dashes."
+        )
+        raise ApiError(400, message, param="text.format.name", code="invalid_value")
+    if (strict := given.get("strict")) is not None and not isinstance(strict, bool):
+        raise _invalid_type("text.format.strict", "a boolean", strict)
+    if (description := given.get("description")) is not None and not isinstance(description, str):
+        raise _invalid_type("text.format.description", "a string", description)
 
 
 def _chat_format(text_format: Mapping[str, Any]) -> dict[str, Any]:
@@ -376,7 +400,14 @@ def _input_items(given: Any) -> list[dict[str, Any]]:
         return [_message_item("user", given, "input")]
     if not isinstance(given, list):
         raise _invalid_type("input", "a string or an array", given)
-    return [_input_item(item, f"input[{index}]") for index, item in enumerate(given)]
+    items = [_input_item(item, f"input[{index}]") for index, item in enumerate(given)]
+    seen: set[str] = set()
+    for index, item in enumerate(items):
+        if item["id"] in seen:  # input_items' ``after`` names one item: two with one id would make it ambiguous
+            message = f"Duplicate item id {item['id']!r} in 'input': each input item's id must be unique."
+            raise ApiError(400, message, param=f"input[{index}].id", code="invalid_value")
+        seen.add(item["id"])
+    return items
 
 
 def _input_item(item: Any, where: str) -> dict[str, Any]:
@@ -455,7 +486,13 @@ def _content_part(part: Any, part_type: str, where: str) -> dict[str, Any]:
         if not isinstance(url, str) or not url:
             message = "Images are taken by URL (image_url) here: files are not kept by this server for input."
             raise ApiError(400, message, param=f"{where}.image_url", code="unsupported_parameter")
-        return {"type": "input_image", "image_url": url, "detail": str(part.get("detail") or "auto")}
+        detail = part.get("detail") or "auto"
+        if detail not in _DETAILS:
+            message = (
+                f"Invalid value: {chat._show(detail)}. Supported values are: 'auto', 'low', 'high' and 'original'."
+            )
+            raise ApiError(400, message, param=f"{where}.detail", code="invalid_value")
+        return {"type": "input_image", "image_url": url, "detail": detail}
     message = f"Content of type {chat._show(kind)} is not supported here: input_text and input_image are."
     raise ApiError(400, message, param=f"{where}.type", code="unsupported_parameter")
 

@@ -104,10 +104,13 @@ class ResponseEvents:
     ``sequence_number`` counting from 0.
 
     response.created, response.in_progress, then per output item: output_item.added, for a message
-    content_part.added, output_text.delta..., output_text.done, content_part.done; for a function
-    call function_call_arguments.delta..., function_call_arguments.done; then output_item.done.
-    Last: response.completed (response.incomplete at the token limit), or response.failed.
-    ``ended`` is called with the final Response (to store it).
+    content_part.added, output_text.delta..., output_text.done, content_part.done, output_item.done
+    (a message ends where another item starts); for a function call function_call_arguments.delta...
+    Function calls stay open to the end (a run's fragments of several calls may interleave: no delta
+    may follow its item's done): their function_call_arguments.done and output_item.done come before
+    the last event, in output order. Last: response.completed (response.incomplete at the token
+    limit), or response.failed. ``ended`` is called with the final Response (to store it), also by
+    :meth:`cancelled` when the client leaves mid-stream.
     """
 
     def __init__(self, base: dict[str, Any], ended: Callable[[dict[str, Any]], None] | None = None) -> None:
@@ -115,8 +118,8 @@ class ResponseEvents:
         self.ended = ended
         self.sequence = 0
         self.output: list[dict[str, Any]] = []
-        self._open: dict[str, Any] | None = None
-        """The output item being streamed."""
+        self._message: dict[str, Any] | None = None
+        """The message item being streamed."""
         self._calls: dict[int, dict[str, Any]] = {}
         """Function-call items by the run's tool-call index."""
 
@@ -133,37 +136,34 @@ class ResponseEvents:
 
     def delta(self, delta: pb.RunDelta) -> bytes:
         """Text as output_text.delta events, tool-call fragments as function_call_arguments.delta
-        events, opening (and closing) output items as they start."""
+        events, opening output items as they start (and closing the message another item follows)."""
         out: list[bytes] = []
         if delta.text:
-            if self._open is None or self._open["type"] != "message":
-                out.append(self._close())
+            if self._message is None:
                 out.append(self._open_message())
-            assert self._open is not None
-            self._open["content"][0]["text"] += delta.text
+            assert self._message is not None
+            self._message["content"][0]["text"] += delta.text
+            where = self._where(self._message)
             out.append(
-                self._event(
-                    "response.output_text.delta", **self._where(), content_index=0, delta=delta.text, logprobs=[]
-                )
+                self._event("response.output_text.delta", **where, content_index=0, delta=delta.text, logprobs=[])
             )
         for fragment in delta.tool_calls:
             item = self._calls.get(fragment.index)
             if item is None:
-                out.append(self._close())
+                out.append(self._close_message())
                 item = _call_output(new_id("fc"), fragment.id, fragment.function_name, "", "in_progress")
                 self._calls[fragment.index] = item
                 out.append(self._add(item))
             if fragment.arguments:
                 item["arguments"] += fragment.arguments
-                where = {"item_id": item["id"], "output_index": self.output.index(item)}
+                where = self._where(item)
                 out.append(self._event("response.function_call_arguments.delta", **where, delta=fragment.arguments))
         return b"".join(out)
 
     def last(self, complete: pb.RunComplete) -> bytes:
-        """The open item closed, then response.completed (or response.incomplete)."""
-        out = self._close()
-        if not self.output:  # a run that said nothing still answers with an (empty) message
-            out += self._open_message() + self._close()
+        """The open items closed, then response.completed (or response.incomplete)."""
+        opened = b"" if self.output else self._open_message()  # a run that said nothing: an (empty) message
+        out = opened + self._close_all()
         body = finished(self.base, self.output, complete)
         kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
         if self.ended is not None:
@@ -177,26 +177,37 @@ class ResponseEvents:
             self.ended(body)
         return self._event("response.failed", response=body)
 
-    def _where(self) -> dict[str, Any]:
-        assert self._open is not None
-        return {"item_id": self._open["id"], "output_index": self.output.index(self._open)}
+    def cancelled(self) -> None:
+        """The client left mid-stream (the run is cancelled): the Response ends ``cancelled`` with the
+        items streamed so far, so that its id, already sent, still finds it."""
+        if self.ended is not None:
+            self.ended({**self.base, "status": "cancelled", "output": self.output})
+            self.ended = None
+
+    def _where(self, item: dict[str, Any]) -> dict[str, Any]:
+        return {"item_id": item["id"], "output_index": self.output.index(item)}
 
     def _add(self, item: dict[str, Any]) -> bytes:
         self.output.append(item)
-        self._open = item
         return self._event("response.output_item.added", output_index=len(self.output) - 1, item=_copy(item))
 
     def _open_message(self) -> bytes:
-        item = _message_output(new_id("msg"), "", "in_progress")
+        item = self._message = _message_output(new_id("msg"), "", "in_progress")
         added = self._add(item)
         part = text_part("output_text", "")
-        return added + self._event("response.content_part.added", **self._where(), content_index=0, part=part)
+        return added + self._event("response.content_part.added", **self._where(item), content_index=0, part=part)
 
-    def _close(self) -> bytes:
-        item = self._open
-        if item is None:
-            return b""
-        where = self._where()
+    def _close_message(self) -> bytes:
+        item, self._message = self._message, None
+        return b"" if item is None else self._close(item)
+
+    def _close_all(self) -> bytes:
+        """Every item still open, in output order."""
+        self._message = None
+        return b"".join(self._close(item) for item in self.output if item["status"] == "in_progress")
+
+    def _close(self, item: dict[str, Any]) -> bytes:
+        where = self._where(item)
         out = []
         if item["type"] == "message":
             part = item["content"][0]
@@ -209,7 +220,6 @@ class ResponseEvents:
             out.append(self._event("response.function_call_arguments.done", **where, **done))
         item["status"] = "completed"
         out.append(self._event("response.output_item.done", output_index=where["output_index"], item=_copy(item)))
-        self._open = None
         return b"".join(out)
 
 
