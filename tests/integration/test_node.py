@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import Pki, assert_eventually
@@ -410,7 +411,7 @@ async def test_failed_and_cancelled_runs_record_the_tokens_they_streamed(setting
 
 async def test_a_cancelled_tool_call_records_the_fragments_it_streamed(settings, pki: Pki) -> None:  # type: ignore[no-untyped-def]
     parameters = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(20)}}
-    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    tools: list[Any] = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
     async with running_node(settings) as app:
         connection = await client(app, pki)
         request = chat(model="mock-slow", run_id="tc")
@@ -433,7 +434,7 @@ async def test_a_cancelled_tool_call_records_the_fragments_it_streamed(settings,
 
 async def test_a_schema_bound_that_bites_is_counted_by_bound(settings, pki: Pki) -> None:  # type: ignore[no-untyped-def]
     long = {"type": "object", "properties": {"s": {"type": "string", "minLength": 10**6}}}
-    tools = [{"type": "function", "function": {"name": "f", "parameters": long}}]
+    tools: list[Any] = [{"type": "function", "function": {"name": "f", "parameters": long}}]
     async with running_node(settings) as app:
         connection = await client(app, pki)
         request = chat(run_id="sb", sampling=pb.Sampling(max_tokens=4))
