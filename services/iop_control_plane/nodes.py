@@ -39,6 +39,12 @@ def continuable_kinds(capabilities: pb.CapabilityResponse) -> dict[str, frozense
     return {model.name: frozenset(model.continuable_kinds) for model in models if model.continuable_kinds}
 
 
+def run_kinds(capabilities: pb.CapabilityResponse) -> dict[str, frozenset[int]]:
+    """The run kinds each model of a node takes (its ModelInfo's ``kinds``)."""
+    models = (model for adapter in capabilities.adapters for model in adapter.models)
+    return {model.name: frozenset(model.kinds) for model in models}
+
+
 def loads(message: pb.NodeStatus, capabilities: pb.CapabilityResponse | None = None) -> list[ModelLoad]:
     """The registry's view of a node's report; without per-model loads, its capabilities' models."""
     if message.models or capabilities is None:
@@ -125,8 +131,9 @@ class NodeSessions:
         capabilities = pb.CapabilityResponse()
         capabilities.CopyFrom(message.capabilities)
         labels = dict(capabilities.labels)
-        continuable = continuable_kinds(capabilities)
-        self.registry.register(node_id, loads(message.status, capabilities), labels=labels, continuable=continuable)
+        continuable, kinds = continuable_kinds(capabilities), run_kinds(capabilities)
+        reported = loads(message.status, capabilities)
+        self.registry.register(node_id, reported, labels=labels, continuable=continuable, kinds=kinds)
         self.connections[node_id], self.capabilities[node_id] = connection, capabilities
         self._by_connection[connection.id] = node_id
         self.addresses[node_id] = connection.address
@@ -171,7 +178,7 @@ class NodeSessions:
         capabilities.CopyFrom(inbound.envelope.capability_response)
         capabilities.node_id = node_id
         self.capabilities[node_id] = capabilities
-        self.registry.set_continuable(node_id, continuable_kinds(capabilities))
+        self.registry.set_continuable(node_id, continuable_kinds(capabilities), run_kinds(capabilities))
         models = sorted(model.name for adapter in capabilities.adapters for model in adapter.models)
         _log.info("node capabilities changed", node_id=node_id, models=models)
 

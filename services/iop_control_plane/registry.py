@@ -9,7 +9,9 @@ Each model has a pool of candidates, and one more for each set of labels decisio
 (made on first use; the most recently used ``label_pools`` are kept), so a decision with label
 constraints never skips nodes without them. A run that continues delivered output asks for the
 pseudo-label ``(CONTINUES, kind)`` (:func:`continuing`): the nodes whose model can continue that
-kind of run (``NodeView.continuable``), kept as a pool the same way.
+kind of run (``NodeView.continuable``), kept as a pool the same way. A run of a kind not every
+backend takes (counting tokens) asks for ``(CONTINUES, "runs <kind>")`` (:func:`running`): the
+nodes whose model lists that kind (``NodeView.kinds``).
 
 A node's load for a model, as the scheduler sees it, is what the node last reported (in flight
 plus queued) plus the runs this control-plane sent it since (``sent_since_report``); a run that
@@ -28,7 +30,19 @@ from iop_control_plane.views import ModelView, NodeState, NodeView
 if TYPE_CHECKING:
     from iop_gen.pb.iop import runtime_pb2 as pb
 
-__all__ = ["CONTINUES", "Labels", "ModelLoad", "ModelView", "NodeState", "NodeView", "Registry", "Status", "continuing"]
+__all__ = [
+    "CONTINUES",
+    "RUNS",
+    "Labels",
+    "ModelLoad",
+    "ModelView",
+    "NodeState",
+    "NodeView",
+    "Registry",
+    "Status",
+    "continuing",
+    "running",
+]
 
 Labels = tuple[tuple[str, str], ...]
 """Label constraints as sorted (name, value) pairs: a node must carry all of them."""
@@ -37,9 +51,19 @@ CONTINUES = ""
 in a policy: names have a character at least; sorted, it comes first)."""
 
 
+RUNS = "runs "
+"""The start of the pseudo-label's value that asks for nodes taking a kind of run (``runs 5``); a value
+without it asks for nodes continuing one."""
+
+
 def continuing(kind: int, labels: Labels) -> Labels:
     """``labels`` and the pseudo-label of nodes that can continue runs of ``kind`` (a ``pb.RunKind`` value)."""
     return ((CONTINUES, str(kind)), *labels)
+
+
+def running(kind: int, labels: Labels) -> Labels:
+    """``labels`` and the pseudo-label of nodes whose model takes runs of ``kind`` (a ``pb.RunKind`` value)."""
+    return ((CONTINUES, f"{RUNS}{kind}"), *labels)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,11 +131,14 @@ class Registry:
         *,
         labels: Mapping[str, str] | None = None,
         continuable: Mapping[str, frozenset[int]] | None = None,
+        kinds: Mapping[str, frozenset[int]] | None = None,
     ) -> NodeView:
         """Add a ready node; one registered under the same id before is replaced. ``continuable``: the
-        run kinds each model can continue (``NodeView.continuable``)."""
+        run kinds each model can continue (``NodeView.continuable``); ``kinds``: those it takes."""
         self.remove(node_id)
-        node = self.nodes[node_id] = NodeView(node_id, labels=dict(labels or {}), continuable=dict(continuable or {}))
+        node = self.nodes[node_id] = NodeView(
+            node_id, labels=dict(labels or {}), continuable=dict(continuable or {}), kinds=dict(kinds or {})
+        )
         self._set_loads(node, models)
         self._more_room()
         return node
@@ -143,10 +170,18 @@ class Registry:
         elif state is NodeState.UNAVAILABLE:
             self._left(node_id)
 
-    def set_continuable(self, node_id: str, continuable: Mapping[str, frozenset[int]]) -> None:
-        """The node's capabilities changed (its routes were reloaded): what each model can continue."""
+    def set_continuable(
+        self,
+        node_id: str,
+        continuable: Mapping[str, frozenset[int]],
+        kinds: Mapping[str, frozenset[int]] | None = None,
+    ) -> None:
+        """The node's capabilities changed (its routes were reloaded): what each model can continue, and
+        (given) the kinds it takes."""
         node = self.nodes[node_id]
         node.continuable = dict(continuable)
+        if kinds is not None:
+            node.kinds = dict(kinds)
         for view in node.models.values():
             self._refresh(view)
         self._more_room()
@@ -197,6 +232,10 @@ class Registry:
         """How many registered nodes serve ``model``, in any state."""
         return len(self._serving.get(model, ()))
 
+    def taking(self, model: str, kind: int) -> int:
+        """How many registered nodes serve ``model`` and list runs of ``kind`` for it, in any state."""
+        return sum(kind in self.nodes[node_id].kinds.get(model, ()) for node_id in self._serving.get(model, ()))
+
     def _set_loads(self, node: NodeView, loads: Iterable[ModelLoad]) -> None:
         reported = {load.model: load for load in loads}
         for model in [model for model in node.models if model not in reported]:
@@ -232,11 +271,15 @@ class Registry:
 
 
 def _fits(view: ModelView, labels: Labels) -> bool:
-    """Whether the view's node carries ``labels`` (and, asked ``CONTINUES``, can continue that kind of run)."""
+    """Whether the view's node carries ``labels`` (and, asked ``CONTINUES``, can continue or takes that
+    kind of run)."""
     node = view.node
     for name, value in labels:
         if name == CONTINUES:
-            if int(value) not in node.continuable.get(view.model, ()):
+            if value.startswith(RUNS):
+                if int(value.removeprefix(RUNS)) not in node.kinds.get(view.model, ()):
+                    return False
+            elif int(value) not in node.continuable.get(view.model, ()):
                 return False
         elif node.labels.get(name) != value:
             return False

@@ -167,7 +167,7 @@ class _Output:
 class _Queued(Waiter[Decision]):
     """A queued run, and the future its handler waits on."""
 
-    __slots__ = ("continuing", "exclude", "future", "prompt", "session")
+    __slots__ = ("continuing", "exclude", "future", "kind", "prompt", "session")
 
     def __init__(
         self,
@@ -181,6 +181,7 @@ class _Queued(Waiter[Decision]):
         prompt_tokens: int = 0,
         prompt: tuple[Prefix, ...] = (),
         continuing: int | None = None,
+        kind: int | None = None,
     ) -> None:
         super().__init__(model, caller, priority, since, counted=bool(exclude), prompt_tokens=prompt_tokens)
         self.session = session
@@ -190,6 +191,8 @@ class _Queued(Waiter[Decision]):
         """Nodes a failover already tried."""
         self.continuing = continuing
         """The kind of run it continues, if it does: only nodes that can continue it take it."""
+        self.kind = kind
+        """Its run's kind (counting tokens goes only to nodes that can)."""
         self.future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
 
@@ -369,6 +372,7 @@ class RunRelay:
             background=background,
             prompt=run.prompt,
             continuing=run.continuing,
+            kind=_kind(run.request),
         )
         self.metrics.decision_time.observe(time.perf_counter() - began)
         run.log.debug("decision", outcome=decision.outcome, policy=decision.policy, reason=decision.reason)
@@ -390,6 +394,7 @@ class RunRelay:
             background=background,
             prompt=waiter.prompt,
             continuing=waiter.continuing,
+            kind=waiter.kind,
         )
         self.metrics.decision_time.observe(time.perf_counter() - began)
         if decision.yielded and self._held is None:  # placed anyway once held for background_yield
@@ -452,6 +457,7 @@ class RunRelay:
             prompt_tokens=run.prompt_tokens,
             prompt=run.prompt,
             continuing=run.continuing,
+            kind=_kind(run.request),
         )
         timeout = self._timeout(run.request)
         if timeout <= 0 or not self.queue.offer(waiter):
@@ -751,6 +757,8 @@ def _refusal(decision: Decision) -> IopError:
         return IopError(pb.ERROR_CODE_RESOURCE_EXHAUSTED, message, retryable=True, retry_after=_RETRY_AFTER)
     if decision.outcome == "unknown_model":
         return IopError(pb.ERROR_CODE_MODEL_NOT_FOUND, f"no node serves {decision.model!r}")
+    if decision.outcome == "unsupported_kind":  # the request asks what no backend of the model does
+        return IopError(pb.ERROR_CODE_INVALID_ARGUMENT, decision.reason, param="model")
     return IopError(pb.ERROR_CODE_UNAVAILABLE, decision.reason, retryable=True)
 
 

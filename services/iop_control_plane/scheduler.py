@@ -30,13 +30,18 @@ from iop_control_plane.pool import Accept, ModelPool
 from iop_control_plane.prefix import Prefix, PrefixIndex, PrefixReason
 from iop_control_plane.registry import CONTINUES, Labels, ModelView, Registry
 from iop_control_plane.registry import continuing as with_continuing
+from iop_control_plane.registry import running as with_running
 from iop_control_plane.ring import point
+from iop_gen.pb.iop import runtime_pb2 as pb
 
 __all__ = ["Decision", "Outcome", "Scheduler"]
 
-Outcome = Literal["placed", "all_busy", "no_candidate", "unknown_model"]
+Outcome = Literal["placed", "all_busy", "no_candidate", "unknown_model", "unsupported_kind"]
 """placed: a node was chosen; all_busy: candidates exist, none has a free slot (the run waits);
-no_candidate: nodes serve the model, none may take it now; unknown_model: no node serves it."""
+no_candidate: nodes serve the model, none may take it now; unknown_model: no node serves it;
+unsupported_kind: nodes serve the model, none of them takes the run's kind (a bad request)."""
+_PLACED_BY_KIND: dict[int, str] = {pb.RUN_KIND_COUNT_TOKENS: "count tokens"}
+"""Run kinds not every backend takes, placed only on nodes whose model lists them (what such a run does)."""
 
 
 class Decision(NamedTuple):
@@ -110,6 +115,7 @@ class Scheduler:
         background: bool = False,
         prompt: tuple[Prefix, ...] = (),
         continuing: int | None = None,
+        kind: int | None = None,
     ) -> Decision:
         """A node for a run of ``model`` (a model, an alias or a route).
 
@@ -120,21 +126,42 @@ class Scheduler:
         their first output (``NodeView.awaiting_first_output``), and is all_busy (``yielded``)
         when every candidate with room has some. ``prompt`` holds the run's prompt prefixes, which
         the ``prefix`` policy places by. A run ``continuing`` delivered output (``continuing``: its
-        ``pb.RunKind``) goes only to a node whose capabilities list that kind for the model.
+        ``pb.RunKind``) goes only to a node whose capabilities list that kind for the model, and so does
+        a run whose ``kind`` not every backend takes (counting tokens: ``unsupported_kind`` when none does).
         """
         key = session or caller
         targets = self._targets(model, session)
+        if kind not in _PLACED_BY_KIND:
+            kind = None
         if targets is None:
-            return self._place(model, labels, key, exclude, background=background, prompt=prompt, continuing=continuing)
+            return self._place(
+                model, labels, key, exclude, background=background, prompt=prompt, continuing=continuing, kind=kind
+            )
         first = self._place(
-            targets[0], labels, key, exclude, route=model, background=background, prompt=prompt, continuing=continuing
+            targets[0],
+            labels,
+            key,
+            exclude,
+            route=model,
+            background=background,
+            prompt=prompt,
+            continuing=continuing,
+            kind=kind,
         )
         if first.outcome == "placed":
             return first
         busy = first if first.outcome == "all_busy" else None
         for target in targets[1:]:  # the weighted pick is full or has no candidate: the others, heaviest first
             decision = self._place(
-                target, labels, key, exclude, route=model, background=background, prompt=prompt, continuing=continuing
+                target,
+                labels,
+                key,
+                exclude,
+                route=model,
+                background=background,
+                prompt=prompt,
+                continuing=continuing,
+                kind=kind,
             )
             if decision.outcome == "placed":
                 return decision
@@ -181,15 +208,12 @@ class Scheduler:
         background: bool = False,
         prompt: tuple[Prefix, ...] = (),
         continuing: int | None = None,
+        kind: int | None = None,
     ) -> Decision:
-        policy, wanted = self.policy.policy_for(model), self._constraints(model)
-        if labels:
-            wanted = tuple(sorted({*wanted, *labels.items()}))  # both must hold: a clash leaves no candidate
-        if continuing is not None:
-            wanted = with_continuing(continuing, wanted)  # a pool of its own: no scan past nodes that cannot
+        policy, wanted = self.policy.policy_for(model), self._wanted(model, labels, continuing, kind)
         pool = self.registry.pool(model, wanted)
-        if pool is None:
-            return Decision(None, model, policy, "unknown_model", f"no registered node serves {model!r}", route)
+        if pool is None or (kind is not None and not pool and not self.registry.taking(model, kind)):
+            return self._unplaceable(model, policy, route, None if pool is None else kind)
         accept = (lambda view: view.node.node_id not in exclude) if exclude else None
         if background:
             pick = self._pick(pool, policy, _unprompted(accept), key, prompt)
@@ -205,7 +229,7 @@ class Scheduler:
             pick = self._pick(pool, policy, accept, key, prompt)
         view, policy = pick.view, pick.policy
         if view is None:
-            why = self._why_none(model, pool, wanted, continuing)
+            why = self._why_none(model, pool, wanted, continuing, kind)
             return Decision(None, model, policy, "no_candidate", why, route)
         load = view.load
         where = f"{view.node.node_id} at {load}/{view.capacity}"
@@ -265,6 +289,25 @@ class Scheduler:
                 return _Pick(best, "prefix", _BY_PREFIX, "hit", at + 1)
         return _Pick(least, "prefix", _BY_PREFIX, "imbalance" if candidate_held else "miss")
 
+    def _wanted(self, model: str, labels: Mapping[str, str] | None, continuing: int | None, kind: int | None) -> Labels:
+        """What a candidate must carry: the policy's labels, the run's, and the pseudo-labels of what it must do."""
+        wanted = self._constraints(model)
+        if labels:
+            wanted = tuple(sorted({*wanted, *labels.items()}))  # both must hold: a clash leaves no candidate
+        if continuing is not None:
+            wanted = with_continuing(continuing, wanted)  # a pool of its own: no scan past nodes that cannot
+        if kind is not None:
+            wanted = with_running(kind, wanted)  # the same: a pool of the nodes taking the kind
+        return wanted
+
+    @staticmethod
+    def _unplaceable(model: str, policy: PolicyName, route: str | None, kind: int | None) -> Decision:
+        """No node serves ``model`` (``kind`` None), or none serving it takes runs of ``kind``."""
+        if kind is None:
+            return Decision(None, model, policy, "unknown_model", f"no registered node serves {model!r}", route)
+        why = f"no node serving {model!r} can {_PLACED_BY_KIND[kind]}"
+        return Decision(None, model, policy, "unsupported_kind", why, route)
+
     def _constraints(self, model: str) -> Labels:
         """The labels the policy asks of ``model``'s nodes (the registry keeps a pool for them)."""
         found = self._labels.get(model)
@@ -275,18 +318,20 @@ class Scheduler:
             found = self._labels[model] = tuple(sorted(settings.labels.items()))
         return found
 
-    def _why_none(self, model: str, pool: ModelPool, wanted: Labels, continuing: int | None) -> str:
+    def _why_none(self, model: str, pool: ModelPool, wanted: Labels, continuing: int | None, kind: int | None) -> str:
         """Why no candidate fits (runs only when none does)."""
         everyone = self.registry.pool(model)
         if not everyone:
             return f"{self.registry.serving(model)} node(s) serve {model!r}, none ready with it available"
+        able = ["can continue a run of its kind"] if continuing is not None else []
+        able += [f"can {_PLACED_BY_KIND[kind]}"] if kind is not None else []
         if not pool:
             shown = ", ".join(f"{name}={value}" for name, value in wanted if name != CONTINUES)
-            if continuing is None:
+            if not able:
                 return f"none of {len(everyone)} candidate(s) for {model!r} has labels {shown}"
             labelled = f" and has labels {shown}" if shown else ""
-            return f"none of {len(everyone)} candidate(s) for {model!r} can continue a run of its kind{labelled}"
-        fit = "that can continue a run of its kind" if continuing is not None else "that fit"
+            return f"none of {len(everyone)} candidate(s) for {model!r} {' and '.join(able)}{labelled}"
+        fit = f"that {' and '.join(able)}" if able else "that fit"
         return f"all {len(pool)} candidate(s) for {model!r} {fit} already tried"
 
 

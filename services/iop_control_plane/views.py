@@ -83,6 +83,9 @@ class NodeView:
     continuable: dict[str, frozenset[int]] = field(default_factory=dict)
     """Run kinds (``pb.RunKind`` values) it can continue from delivered output, by model (its
     capabilities' ``continuable_kinds``); a model missing here continues none."""
+    kinds: dict[str, frozenset[int]] = field(default_factory=dict)
+    """Run kinds (``pb.RunKind`` values) it takes, by model (its capabilities' ``kinds``): a kind
+    placed by it (:data:`~iop_control_plane.registry.RUNS`) goes only to a node listing it."""
     awaiting_first_output: int = 0
     """Interactive runs (priority >= 0) this control-plane sent the node that have not yet sent
     their first output: background runs are held back from the node while there are any."""

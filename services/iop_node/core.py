@@ -95,10 +95,14 @@ class MeteredSink:
             ) from None
 
     async def output(self, delta: pb.RunDelta) -> None:
-        self._tick(len(delta.text))
+        """Text and tool calls' arguments alike are output: counted as characters, and a delta carrying
+        either (without token ids) is a token when the adapter streams a token a delta."""
+        arguments = sum(len(call.arguments) for call in delta.tool_calls)
+        self._tick(len(delta.text) + arguments)
         self._ids += len(delta.token_ids)
-        self._untokenized = self._untokenized or (bool(delta.text) and not delta.token_ids)
-        self._deltas += bool(delta.text) and not delta.token_ids
+        produced = bool(delta.text) or bool(arguments)
+        self._untokenized = self._untokenized or (produced and not delta.token_ids)
+        self._deltas += produced and not delta.token_ids
         await self._wire.output(delta)
 
     def _tick(self, chars: int) -> None:
@@ -161,6 +165,9 @@ class MeteredSink:
         record.usage_estimated = usage.estimated
 
     def annotate(self, key: str, value: str) -> None:
+        """``value`` in the run record under ``key``; ``schema_bounded`` ("<what>: <bound>") is counted too."""
+        if key == "schema_bounded":
+            self._metrics.schema_bounded.labels(value.rpartition(": ")[2]).inc()
         if key == "stderr_tail":
             self._record.stderr_tail = value
         else:

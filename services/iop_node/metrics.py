@@ -88,6 +88,13 @@ class NodeMetrics:
             ["model", "reason"],
             registry=self.registry,
         )
+        self.schema_bounded = Counter(
+            "iop_node_schema_bounded_total",
+            "Values the mock made from a client's JSON schema (tool arguments, response_format) that a bound cut, "
+            "by the first bound: depth, values, items, string, characters, text.",
+            ["bound"],
+            registry=self.registry,
+        )
         self.engine_ready = Histogram(
             "iop_node_engine_ready_seconds",
             "From a server's start to its first ready answer.",
@@ -104,6 +111,7 @@ class NodeMetrics:
             inter_token=self.inter_token.labels(model),
             in_flight=self.in_flight.labels(model),
             queued=self.queued.labels(model),
+            schema_bounded=self.schema_bounded,
         )
 
 
@@ -115,3 +123,5 @@ class ModelMetrics:
     inter_token: Histogram
     in_flight: Gauge
     queued: Gauge
+    schema_bounded: Counter
+    """By bound (not by model): counted when an adapter notes ``schema_bounded`` in the run record."""

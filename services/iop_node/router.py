@@ -98,6 +98,8 @@ class Router:
             limit = self.limits.max_tokens
             message = f"sampling.max_tokens must be between 1 and {limit}, got {sampling.max_tokens}"
             raise _invalid(message, "max_tokens")
+        if sampling.HasField("top_k") and sampling.top_k < 1:  # "the k most likely tokens": one at least
+            raise _invalid(f"sampling.top_k must be at least 1, got {sampling.top_k}", "top_k")
         if len(sampling.stop) > _MAX_STOP:
             raise _invalid(f"sampling.stop takes at most {_MAX_STOP} sequences, got {len(sampling.stop)}", "stop")
 

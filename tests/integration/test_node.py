@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import Pki, assert_eventually
@@ -405,6 +406,44 @@ async def test_failed_and_cancelled_runs_record_the_tokens_they_streamed(setting
             assert record.completion_tokens >= 3 and not record.usage_estimated  # exact, though it did not complete
             used = events[-1].error.usage  # and the terminal error says so, for the control-plane's ledger
             assert (used.prompt_tokens, used.completion_tokens, used.estimated) == (prompt_tokens, streamed, False)
+        await connection.close()
+
+
+async def test_a_cancelled_tool_call_records_the_fragments_it_streamed(settings, pki: Pki) -> None:  # type: ignore[no-untyped-def]
+    parameters = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(20)}}
+    tools: list[Any] = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    async with running_node(settings) as app:
+        connection = await client(app, pki)
+        request = chat(model="mock-slow", run_id="tc")
+        request.openai_fields.update({"tools": tools})
+        streaming = await connection.open_run(request)
+        fragments = 4
+        seen = [await anext(streaming) for _ in range(2 + fragments)]  # start, the call's id and name, arguments
+        await streaming.cancel("enough")
+        events = seen + await collect(streaming)
+        arguments = [call.arguments for event in events if event.HasField("delta") for call in event.delta.tool_calls]
+        streamed = sum(1 for piece in arguments if piece)
+        assert streamed >= fragments and events[-1].error.code == pb.ERROR_CODE_CANCELLED
+        record = await _record(app, "tc")
+        assert record.status is RunStatus.CANCELLED
+        assert (record.completion_tokens, record.usage_estimated) == (streamed, False), "a fragment a token, exact"
+        used = events[-1].error.usage
+        assert (used.completion_tokens, used.estimated) == (streamed, False)
+        await connection.close()
+
+
+async def test_a_schema_bound_that_bites_is_counted_by_bound(settings, pki: Pki) -> None:  # type: ignore[no-untyped-def]
+    long = {"type": "object", "properties": {"s": {"type": "string", "minLength": 10**6}}}
+    tools: list[Any] = [{"type": "function", "function": {"name": "f", "parameters": long}}]
+    async with running_node(settings) as app:
+        connection = await client(app, pki)
+        request = chat(run_id="sb", sampling=pb.Sampling(max_tokens=4))
+        request.openai_fields.update({"tools": tools})
+        events = await collect(await connection.open_run(request))
+        assert events[-1].complete.finish_reason == pb.FINISH_REASON_LENGTH
+        assert (await _record(app, "sb")).extra["schema_bounded"] == "tool 'f': string"
+        sample = app.metrics.registry.get_sample_value("iop_node_schema_bounded_total", {"bound": "string"})
+        assert sample == 1.0
         await connection.close()
 
 

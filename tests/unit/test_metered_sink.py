@@ -64,3 +64,15 @@ async def test_a_token_a_delta_counts_the_output_exactly_and_nothing_streamed_is
     unsaid = _sink()  # no count of the prompt: estimated from its text, whatever the output
     await unsaid.output(pb.RunDelta(text="abc", token_ids=[1]))
     assert unsaid.estimated_usage() == pb.Usage(prompt_tokens=10, completion_tokens=1, estimated=True)
+
+
+async def test_tool_call_arguments_are_output_a_fragment_a_token() -> None:
+    sink = _sink()
+    sink.counting(7, token_per_delta=True)  # the mock: a fragment of arguments a token
+    await sink.output(pb.RunDelta(tool_calls=[pb.ToolCallDelta(index=0, id="call_1", function_name="f")]))
+    for piece in ('{"city"', ': "Paris', '"}'):
+        await sink.output(pb.RunDelta(tool_calls=[pb.ToolCallDelta(index=0, arguments=piece)]))
+    assert sink.estimated_usage() == pb.Usage(prompt_tokens=7, completion_tokens=3, estimated=False)
+    estimated = _sink()  # no token a delta: the arguments' characters, ~4 a token
+    await estimated.output(pb.RunDelta(tool_calls=[pb.ToolCallDelta(index=0, arguments='{"city": "Paris"}')]))
+    assert estimated.estimated_usage() == pb.Usage(prompt_tokens=10, completion_tokens=5, estimated=True)  # 17 chars

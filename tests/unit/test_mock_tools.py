@@ -13,7 +13,7 @@ from jsonschema import Draft202012Validator  # type: ignore[import-untyped]  # n
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.adapters.mock import MockAdapter, MockOptions
-from iop_node.adapters.schema_values import MAX_STRING
+from iop_node.adapters.schema_values import MAX_CHARS, MAX_STRING
 from iop_node.domain import ExecutionSpec
 from iop_wire.errors import IopError
 
@@ -300,14 +300,72 @@ async def test_the_mock_says_it_counts_tokens() -> None:
 
 
 async def test_a_schema_past_the_bounds_is_cut_logged_and_noted_in_the_run_record() -> None:
-    big = {"type": "function", "function": {"name": "big", "parameters": {"type": "string", "minLength": 10**9}}}
+    long = {"type": "object", "properties": {"s": {"type": "string", "minLength": 10**9}}}
+    big = {"type": "function", "function": {"name": "big", "parameters": long}}
     with structlog.testing.capture_logs() as logs:
         sink = await _run(_spec({"tools": [big]}))
         plain = await _run(_spec({"tools": [WEATHER]}))
-    assert len(json.loads(sink.call()[2])) == MAX_STRING and sink.finish == pb.FINISH_REASON_TOOL_CALLS
+    assert len(json.loads(sink.call()[2])["s"]) == MAX_STRING and sink.finish == pb.FINISH_REASON_TOOL_CALLS
     assert sink.annotations == {"schema_bounded": "tool 'big': string"} and plain.annotations == {}
     (line,) = [log for log in logs if log["event"] == "schema value bounded"]
     assert (line["run_id"], line["bound"], line["log_level"]) == ("r", "string", "warning")
     schema = {"type": "array", "minItems": 10**6}
     fields = {"response_format": {"type": "json_schema", "json_schema": {"name": "many", "schema": schema}}}
     assert (await _run(_spec(fields))).annotations == {"schema_bounded": "response_format: items"}
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [None, {}, {"type": "object"}, {"type": "string"}, {"type": "array", "items": {"type": "integer"}}],
+)
+async def test_arguments_are_always_a_json_object(parameters: dict[str, Any] | None) -> None:
+    function: dict[str, Any] = {"name": "ping"} | ({} if parameters is None else {"parameters": parameters})
+    sink = await _run(_spec({"tools": [{"type": "function", "function": function}]}))
+    assert json.loads(sink.call()[2]) == {} and sink.finish == pb.FINISH_REASON_TOOL_CALLS
+    forced = (parameters or {}).get("type", "object") != "object"
+    assert ("tool_parameters" in sink.annotations) == forced, sink.annotations
+
+
+@pytest.mark.parametrize("parameters", ["{}", [], 3, True])
+async def test_parameters_that_are_not_an_object_are_refused(parameters: Any) -> None:
+    tool = {"type": "function", "function": {"name": "ping", "parameters": parameters}}
+    error = await _refused(_spec({"tools": [WEATHER, tool]}))
+    assert error.param == "tools[1].function.parameters", error.message
+
+
+async def test_each_turn_of_a_seeded_conversation_gets_its_own_call_id() -> None:
+    seeded = pb.Sampling(seed=5)
+    first = await _run(_spec({"tools": [WEATHER]}, sampling=seeded))
+    call = pb.ToolCall(id=first.call()[0], type="function", function=pb.FunctionCall(name="get_weather"))
+    turn = [
+        _message(pb.ROLE_USER, "what is the weather in Paris"),
+        pb.ChatMessage(role=pb.ROLE_ASSISTANT, tool_calls=[call]),
+        _message(pb.ROLE_TOOL, "{}", tool_call_id=call.id),
+        _message(pb.ROLE_USER, "and in Rome?"),
+    ]
+    second = await _run(_spec({"tools": [WEATHER]}, sampling=seeded, messages=turn))
+    assert second.call()[0] != first.call()[0]
+    other_tool = await _run(_spec({"tools": [WEATHER, TIME], "tool_choice": "required"}, sampling=seeded))
+    named = {"type": "function", "function": {"name": "get_time"}}
+    time_call = await _run(_spec({"tools": [WEATHER, TIME], "tool_choice": named}, sampling=seeded))
+    assert other_tool.call()[0] == first.call()[0] != time_call.call()[0], "the tool's index is in the id"
+
+
+async def test_a_structured_answer_is_not_continued() -> None:
+    spec = _spec({"response_format": {"type": "json_object"}})
+    spec.request.continuation.CopyFrom(pb.Continuation(text='{"ans', completion_tokens=1))
+    error = await _refused(spec)
+    assert error.param == "continuation" and "structured" in error.message
+
+
+async def test_a_large_constant_referred_to_many_times_is_bounded() -> None:
+    schema = {
+        "type": "object",
+        "properties": {f"p{index}": {"$ref": "#/$defs/big"} for index in range(500)},
+        "$defs": {"big": {"const": "x" * 100_000}},
+    }
+    tool = {"type": "function", "function": {"name": "big", "parameters": schema}}
+    sink = await _run(_spec({"tools": [tool]}))
+    arguments = sink.call()[2]
+    assert len(arguments) < 2 * MAX_CHARS and sink.annotations == {"schema_bounded": "tool 'big': characters"}
+    assert all(value is None for value in json.loads(arguments).values())

@@ -109,6 +109,8 @@ _OUT_OF_RANGE: list[tuple[dict[str, object], str]] = [
     ({"max_tokens": -5}, "sampling.max_tokens must be between 1 and 1000, got -5"),
     ({"max_tokens": 1001}, "sampling.max_tokens must be between 1 and 1000, got 1001"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "sampling.stop takes at most 4 sequences, got 5"),
+    ({"top_k": 0}, "sampling.top_k must be at least 1, got 0"),
+    ({"top_k": -1}, "sampling.top_k must be at least 1, got -1"),
 ]
 
 
@@ -121,14 +123,28 @@ def test_sampling_out_of_its_range_is_refused_naming_the_field(sampling: dict[st
     with pytest.raises(IopError) as caught:
         _router().resolve(_request("plain", **sampling))
     assert caught.value.code == pb.ERROR_CODE_INVALID_ARGUMENT
-    assert caught.value.message == message
+    assert caught.value.message == message and caught.value.param == next(iter(sampling))
 
 
 @pytest.mark.parametrize(
     "sampling",
     [
-        {"temperature": 0.0, "top_p": 0.0, "presence_penalty": -2.0, "frequency_penalty": -2.0, "max_tokens": 1},
-        {"temperature": 2.0, "top_p": 1.0, "presence_penalty": 2.0, "frequency_penalty": 2.0, "max_tokens": 1000},
+        {
+            "temperature": 0.0,
+            "top_p": 0.0,
+            "presence_penalty": -2.0,
+            "frequency_penalty": -2.0,
+            "max_tokens": 1,
+            "top_k": 1,
+        },
+        {
+            "temperature": 2.0,
+            "top_p": 1.0,
+            "presence_penalty": 2.0,
+            "frequency_penalty": 2.0,
+            "max_tokens": 1000,
+            "top_k": 2**31 - 1,
+        },
         {"seed": -(2**63), "stop": ["a", "b", "c", "d"]},
         {"seed": 2**63 - 1},
     ],

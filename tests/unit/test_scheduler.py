@@ -62,6 +62,24 @@ def test_a_continuing_run_goes_only_to_nodes_that_can_continue_its_kind(policy: 
     assert _placed(scheduler.choose("m", caller="c")) == "plain"  # a run that continues nothing: every node
 
 
+def test_a_count_goes_only_to_nodes_whose_model_counts_and_is_unsupported_where_none_does() -> None:
+    registry = Registry()
+    chat, count = 1, 4  # pb.RUN_KIND_CHAT, pb.RUN_KIND_COUNT_TOKENS
+    registry.register("cli", [ModelLoad("m", capacity=100), ModelLoad("c", capacity=9)], kinds={"m": frozenset({chat})})
+    registry.register("mock", [ModelLoad("m", capacity=1)], kinds={"m": frozenset({chat, count})})
+    scheduler = Scheduler(registry, load_policy(""))
+    assert _placed(scheduler.choose("m", kind=count)) == "mock"
+    assert scheduler.choose("m", kind=count).outcome == "all_busy", "the counting node is full: the run waits"
+    assert _placed(scheduler.choose("m", kind=chat)) == "cli"  # other kinds are placed as before
+    registry.mark("mock", NodeState.UNAVAILABLE, "gone a moment")
+    unready = scheduler.choose("m", kind=count)
+    assert unready.outcome == "no_candidate" and "can count tokens" in unready.reason, "it may come back"
+    refused = scheduler.choose("c", kind=count)
+    assert (refused.outcome, refused.reason) == ("unsupported_kind", "no node serving 'c' can count tokens")
+    registry.set_continuable("cli", {}, {"m": frozenset({chat}), "c": frozenset({chat, count})})  # a reload
+    assert _placed(scheduler.choose("c", kind=count)) == "cli"
+
+
 # Least-loaded
 
 

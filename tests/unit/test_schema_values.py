@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -194,3 +196,90 @@ def _compound(children: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[
 @given(st.recursive(_SCALARS, _compound, max_leaves=20), st.integers(0, 2**32))
 def test_any_schema_of_the_followed_keywords_gets_a_valid_value(schema: dict[str, Any], seed: int) -> None:
     _valid(schema, seed)
+
+
+def test_an_all_of_referring_to_itself_many_times_is_merged_once_within_the_budget() -> None:
+    started = time.monotonic()
+    value, bound = bounded_value({"allOf": [{"$ref": "#"}] * 32}, random.Random(1), WORDS)
+    assert time.monotonic() - started < 0.5 and bound == "values", (value, bound)
+    chain: dict[str, Any] = {f"d{level}": {"allOf": [{"$ref": f"#/$defs/d{level + 1}"}] * 8} for level in range(11)}
+    chain["d11"] = {"type": "object", "properties": {"deep": {"type": "integer"}}}
+    started = time.monotonic()
+    value, bound = bounded_value({"$defs": chain, "$ref": "#/$defs/d0"}, random.Random(1), WORDS)
+    assert time.monotonic() - started < 0.5 and bound == "values", "8**11 merges without a budget"
+
+
+def test_const_and_enum_values_count_against_the_characters() -> None:
+    schema = {
+        "type": "object",
+        "properties": {f"p{index:03}": {"$ref": "#/$defs/big"} for index in range(500)},
+        "$defs": {"big": {"const": "x" * 100_000}},
+    }
+    value, bound = bounded_value(schema, random.Random(1), WORDS)
+    assert bound == "characters" and len(json.dumps(value)) < MAX_CHARS + 64 * MAX_VALUES
+    fits = "y" * 5000
+    value, bound = bounded_value(
+        {"type": "array", "minItems": 5, "maxItems": 5, "items": {"enum": [fits]}}, random.Random(1), WORDS
+    )
+    assert value == [fits, fits, fits, None, None] and bound == "characters"
+
+
+def test_long_property_names_count_against_the_characters() -> None:
+    named = {"type": "object", "properties": {"n" * 10_000: {"type": "null"}, "m" * 10_000: {"type": "null"}}}
+    value, bound = bounded_value(named, random.Random(1), WORDS)
+    assert list(value) == ["m" * 10_000] and bound == "characters"
+
+
+def test_all_of_merges_required_across_branches() -> None:
+    schema = {
+        "allOf": [
+            {"type": "object", "required": ["a"], "additionalProperties": {"type": "integer"}},
+            {"required": ["b"]},
+        ],
+        "required": ["c"],
+    }
+    value = _valid(schema)
+    assert sorted(value) == ["a", "b", "c"] and all(isinstance(item, int) for item in value.values())
+
+
+def test_integer_bounds_beyond_two_to_the_53_still_bound() -> None:
+    top = 9007199254740999
+    for seed in range(20):
+        assert (
+            top - 100
+            <= value_for({"type": "integer", "minimum": top - 100, "maximum": top}, random.Random(seed), WORDS)
+            <= top
+        )
+    assert value_for({"type": "integer", "minimum": 2**60}, random.Random(1), WORDS) >= 2**60
+    assert value_for({"type": "number", "maximum": -1e300}, random.Random(1), WORDS) <= -1e300
+
+
+_OTHER_PROCESS = """
+import json, random, sys
+from google.protobuf import json_format, struct_pb2
+from iop_node.adapters.schema_values import value_for
+carried = struct_pb2.Struct()
+carried.update(json.loads(sys.argv[1]))
+received = struct_pb2.Struct.FromString(carried.SerializeToString())
+print(json.dumps(value_for(json_format.MessageToDict(received), random.Random(3), ("alpha", "beta", "gamma"))))
+"""
+
+
+@pytest.mark.slow
+def test_the_value_is_the_same_in_every_process_whatever_order_a_struct_gives_the_keys() -> None:
+    schema = {
+        "type": "object",
+        "properties": {name: {"type": "string"} for name in "qwertyuiopasdfgh"}
+        | {"n": {"type": "integer"}, "z": {"type": "object", "properties": {k: {"type": "number"} for k in "xyzab"}}},
+    }
+    outputs = {
+        subprocess.run(
+            [sys.executable, "-c", _OTHER_PROCESS, json.dumps(schema)], capture_output=True, text=True, check=True
+        ).stdout
+        for _ in range(2)  # two orders of 16 keys are the same once in 16! without sorting
+    }
+    assert len(outputs) == 1, outputs
+    (output,) = outputs
+    value = json.loads(output)
+    assert list(value) == sorted(value) and list(value["z"]) == sorted(value["z"]), "written in sorted order"
+    assert value == value_for(schema, random.Random(3), ("alpha", "beta", "gamma"))

@@ -21,7 +21,7 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from iop_gen.pb.iop import runtime_pb2 as pb
-from iop_node.adapters.schema_values import bounded_value
+from iop_node.adapters.schema_values import MAX_CHARS, MAX_VALUES, bounded_value
 from iop_node.domain import ExecutionSpec, refuse_continuation
 from iop_node.ports import EventSink
 from iop_node.settings import one_line
@@ -161,12 +161,15 @@ class MockAdapter:
             await _embed(spec, options, words, sink)
             return
         limit = spec.sampling.max_tokens if spec.sampling.HasField("max_tokens") else None
-        tool = _chosen_tool(spec) if spec.kind == pb.RUN_KIND_CHAT else None
-        if tool is not None:
+        chosen = _chosen_tool(spec) if spec.kind == pb.RUN_KIND_CHAT else None
+        if chosen is not None:
             refuse_continuation(spec, "the mock does not continue a tool call")
-            arguments = _made(tool.get("parameters") or {}, words, spec, sink, f"tool {tool['name']!r}")
+            index, tool = chosen
+            arguments = _arguments(tool, words, spec, sink)
+            text = _capped(json.dumps(arguments, ensure_ascii=False), spec, sink, f"tool {tool['name']!r}")
+            call_id = _call_id(spec, prompt, index)
             await _call_tool(
-                tool["name"], arguments, words, sink, options=options, limit=limit, prompt_tokens=prompt_tokens
+                call_id, tool["name"], text, sink, options=options, limit=limit, prompt_tokens=prompt_tokens
             )
             return
         await _write(spec, words, sink, options=options, limit=limit, prompt_tokens=prompt_tokens)
@@ -183,6 +186,8 @@ async def _write(
 ) -> None:
     """The answer's text (words, or JSON when ``response_format`` asks), a token a delta."""
     structured = _structured(spec, words, sink)
+    if structured is not None:
+        refuse_continuation(spec, "the mock does not continue a structured (response_format) answer")
     pieces = _fragments(structured) if structured is not None else None
     planned = options.tokens if pieces is None else len(pieces)
     count = planned if limit is None else min(limit, planned)
@@ -218,6 +223,9 @@ _UNSUPPORTED = ("functions", "function_call", "logprobs", "top_logprobs")
 _OFF: dict[str, object] = {"logprobs": False}
 _FRAGMENT = 8
 """Characters of a streamed tool call's arguments (or a structured answer) a token: one delta each."""
+_MAX_TEXT = 2 * MAX_CHARS + 64 * MAX_VALUES
+"""Characters of a tool call's arguments or a structured answer at most: the value's strings, names and
+constants are bounded by MAX_CHARS, this also bounds the rest of its JSON (numbers, punctuation)."""
 
 
 def _prompt_tokens(spec: ExecutionSpec, prompt: str) -> int:
@@ -227,7 +235,8 @@ def _prompt_tokens(spec: ExecutionSpec, prompt: str) -> int:
 
 
 def _tools(spec: ExecutionSpec) -> list[dict[str, Any]]:
-    """The request's function tools (each a ``function`` object with a name); INVALID_ARGUMENT otherwise."""
+    """The request's function tools (each a ``function`` object with a name, ``parameters`` an object if
+    given); INVALID_ARGUMENT otherwise."""
     functions = []
     for index, tool in enumerate(spec.openai_fields.get("tools") or []):
         function = (
@@ -236,13 +245,17 @@ def _tools(spec: ExecutionSpec) -> list[dict[str, Any]]:
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
             message = f"tools[{index}] is not a function tool with a name: the mock calls function tools only"
             raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, message, param=f"tools[{index}]")
+        if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
+            message = f"tools[{index}].function.parameters is not a JSON schema object"
+            raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, message, param=f"tools[{index}].function.parameters")
         functions.append(function)
     return functions
 
 
-def _chosen_tool(spec: ExecutionSpec) -> dict[str, Any] | None:
-    """The function to call now: the one ``tool_choice`` names, else the first; None when there are no
-    tools, tool_choice is ``none``, or the conversation ends with a tool's result (time to answer)."""
+def _chosen_tool(spec: ExecutionSpec) -> tuple[int, dict[str, Any]] | None:
+    """The function to call now and its index in ``tools``: the one ``tool_choice`` names, else the
+    first; None when there are no tools, tool_choice is ``none``, or the conversation ends with a tool's
+    result (time to answer)."""
     tools = _tools(spec)
     choice = spec.openai_fields.get("tool_choice")
     choice = "auto" if choice is None else choice  # unset or null
@@ -256,12 +269,12 @@ def _chosen_tool(spec: ExecutionSpec) -> dict[str, Any] | None:
     if messages and messages[-1].role == pb.ROLE_TOOL:
         return None
     if name is not None:
-        found = next((tool for tool in tools if tool["name"] == name), None)
+        found = next(((index, tool) for index, tool in enumerate(tools) if tool["name"] == name), None)
         if found is None:
             message = f"tool_choice names {name!r}, which is not one of the request's tools"
             raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, message, param="tool_choice")
         return found
-    return tools[0]
+    return 0, tools[0]
 
 
 def _named(choice: Any) -> str | None:
@@ -279,20 +292,49 @@ def _named(choice: Any) -> str | None:
     raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, message, param="tool_choice")
 
 
+def _arguments(tool: dict[str, Any], words: random.Random, spec: ExecutionSpec, sink: EventSink) -> dict[str, Any]:
+    """A call's arguments: always a JSON object, as OpenAI's are. No ``parameters`` (or ``{}``) means
+    no parameters: ``{}``. A schema whose value is not an object (``{"type": "string"}``, say) is
+    made as ``{"type": "object"}`` is: ``{}`` too, with the run record saying so."""
+    parameters = tool.get("parameters") or {"type": "object", "properties": {}}
+    value = _made(parameters, words, spec, sink, f"tool {tool['name']!r}")
+    if isinstance(value, dict):
+        return value
+    _log.warning("tool parameters are not an object schema", run_id=spec.request.run_id, tool=tool["name"])
+    sink.annotate("tool_parameters", f"tool {tool['name']!r}: not an object schema, arguments {{}}")
+    return {}
+
+
+def _call_id(spec: ExecutionSpec, prompt: str, index: int) -> str:
+    """The call's id: from the request's seed (or its prompt's hash), the number of messages (each turn
+    of a conversation has one more) and the tool's index, so a turn's id is not an earlier turn's."""
+    key = f"{_seed(spec, prompt)}\0{len(spec.request.messages)}\0{index}".encode()
+    return f"call_{hashlib.blake2b(key, digest_size=12).hexdigest()}"
+
+
+def _capped(text: str, spec: ExecutionSpec, sink: EventSink, what: str) -> str:
+    """``text`` cut at _MAX_TEXT characters (then no longer valid JSON; logged and in the run record as
+    ``schema_bounded``): a backstop behind schema_values' bounds, whatever JSON adds to them."""
+    if len(text) <= _MAX_TEXT:
+        return text
+    _log.warning("schema value cut", run_id=spec.request.run_id, what=what, chars=len(text), kept=_MAX_TEXT)
+    sink.annotate("schema_bounded", f"{what}: text")
+    return text[:_MAX_TEXT]
+
+
 async def _call_tool(
+    call_id: str,
     name: str,
-    arguments: Any,
-    words: random.Random,
+    arguments: str,
     sink: EventSink,
     *,
     options: MockOptions,
     limit: int | None,
     prompt_tokens: int,
 ) -> None:
-    """One call of the tool ``name`` with ``arguments``, streamed as OpenAI streams a call: the id and
-    name first, then the arguments' JSON text a fragment (a token) at a time."""
-    call_id = f"call_{words.getrandbits(96):024x}"
-    pieces = _fragments(json.dumps(arguments, ensure_ascii=False))
+    """One call ``call_id`` of the tool ``name`` with ``arguments`` (JSON text), streamed as OpenAI streams
+    a call: the id and name first, then the arguments a fragment (a token) at a time."""
+    pieces = _fragments(arguments)
     count = len(pieces) if limit is None else min(limit, len(pieces))
     interval = 1.0 / options.tokens_per_second if options.tokens_per_second else 0.0
     head = pb.ToolCallDelta(index=0, id=call_id, function_name=name, arguments="")
@@ -323,7 +365,7 @@ def _structured(spec: ExecutionSpec, words: random.Random, sink: EventSink) -> s
         message = f"response_format {json.dumps(wanted)[:80]} is not text, json_object or json_schema with a schema"
         raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, message, param="response_format")
     value = _made(schema.get("schema") or {}, words, spec, sink, "response_format")
-    return json.dumps(value, ensure_ascii=False)
+    return _capped(json.dumps(value, ensure_ascii=False), spec, sink, "response_format")
 
 
 def _made(schema: Any, words: random.Random, spec: ExecutionSpec, sink: EventSink, what: str) -> Any:

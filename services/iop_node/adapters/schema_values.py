@@ -10,13 +10,20 @@ string lengths and a few string formats; ``anyOf`` and ``oneOf`` take their firs
 followed.
 
 A schema is a client's input: the value is bounded (:data:`MAX_DEPTH` levels, :data:`MAX_VALUES`
-values, :data:`MAX_STRING` characters a string and :data:`MAX_CHARS` in all), past which it is
-``null`` (a string: cut short), whatever the schema asks: ``minLength: 1e9`` costs what
-``minLength: 4096`` does. :func:`bounded_value` says which bound bit first, for the caller to log.
+values and ``allOf`` branches merged, :data:`MAX_STRING` characters a string and :data:`MAX_CHARS`
+in all: strings, ``const``/``enum`` values as JSON and property names), past which it is ``null`` (a
+string: cut short), whatever the schema asks: ``minLength: 1e9`` costs what ``minLength: 4096``
+does, and an ``allOf`` that refers to itself is merged once. :func:`bounded_value` says which bound
+bit first, for the caller to log.
+
+An object's properties are drawn and written in sorted order: the schema reaches the mock as a
+protobuf Struct, whose key order differs between processes, so the schema's own order is unknown
+there and sorting keeps the value the same on every node.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections.abc import Sequence
@@ -60,13 +67,15 @@ def bounded_value(schema: Any, rng: random.Random, words: Sequence[str]) -> tupl
 
 
 class _Maker:
-    __slots__ = ("bound", "budget", "chars", "rng", "root", "words")
+    __slots__ = ("bound", "budget", "chars", "merging", "rng", "root", "words")
 
     def __init__(self, root: Any, rng: random.Random, words: Sequence[str]) -> None:
         self.root, self.rng, self.words = root, rng, words
         self.budget = MAX_VALUES
         self.chars = MAX_CHARS
         self.bound = ""
+        self.merging: set[str] = set()
+        """The references whose ``allOf`` is being merged higher up (one met again is a cycle: skipped)."""
 
     def bit(self, bound: str) -> None:
         """Note that ``bound`` cut the value (the first one is kept)."""
@@ -82,9 +91,9 @@ class _Maker:
         if isinstance(ref := schema.get("$ref"), str):
             return self.make(self._resolve(ref), depth + 1)
         if "const" in schema:
-            return schema["const"]
+            return self._charged(schema["const"])
         if isinstance(choices := schema.get("enum"), list) and choices:
-            return self.rng.choice(choices)
+            return self._charged(self.rng.choice(choices))
         for key in ("anyOf", "oneOf"):
             if isinstance(branches := schema.get(key), list) and branches:
                 return self.make(branches[0], depth + 1)
@@ -92,15 +101,39 @@ class _Maker:
             return self.make(self._merged(schema, depth), depth + 1)
         return self._typed(schema, _kind(schema), depth)
 
+    def _charged(self, value: Any) -> Any:
+        """A ``const`` or ``enum`` value, its JSON charged to the characters left; None past them (a
+        large constant referred to many times is as many copies in the text)."""
+        size = len(json.dumps(value))
+        if size > self.chars:
+            self.bit("characters")
+            return None
+        self.chars -= size
+        return value
+
     def _merged(self, schema: dict[str, Any], depth: int) -> dict[str, Any]:
-        """``schema`` and its ``allOf`` branches (theirs merged first, references resolved) as one schema."""
+        """``schema`` and its ``allOf`` branches (theirs merged first, references resolved) as one schema.
+
+        Each branch visited costs a value of the budget, and a reference already being merged higher up
+        is skipped: ``{"allOf": [{"$ref": "#"}] * b}`` would otherwise cost ~b**MAX_DEPTH merges."""
         merged = {key: value for key, value in schema.items() if key != "allOf"}
         for branch in schema["allOf"]:
-            part, level = branch, depth
+            if self.budget <= 0:
+                self.bit("values")
+                break
+            self.budget -= 1
+            part, level, refs = branch, depth, []
             while isinstance(part, dict) and isinstance(part.get("$ref"), str) and level <= MAX_DEPTH:
+                refs.append(part["$ref"])
                 part, level = self._resolve(part["$ref"]), level + 1
+            if any(ref in self.merging for ref in refs):
+                continue  # a cycle: this schema is already being merged
             if isinstance(part, dict) and isinstance(part.get("allOf"), list) and level <= MAX_DEPTH:
-                part = self._merged(part, level + 1)
+                self.merging.update(refs)
+                try:
+                    part = self._merged(part, level + 1)
+                finally:
+                    self.merging.difference_update(refs)
             if not isinstance(part, dict):
                 continue
             for key, value in part.items():
@@ -130,15 +163,27 @@ class _Maker:
     def _object(self, schema: dict[str, Any], depth: int) -> dict[str, Any]:
         properties = schema.get("properties")
         properties = properties if isinstance(properties, dict) else {}
-        value = {str(name): self.make(sub, depth + 1) for name, sub in properties.items() if self.budget > 0}
+        value: dict[str, Any] = {}
+        for name in sorted(properties, key=str):  # drawn in an order every process agrees on (see the module)
+            if self.budget <= 0 or not self._named(str(name)):
+                break
+            value[str(name)] = self.make(properties[name], depth + 1)
         if len(value) < len(properties):
-            self.bit("values")
+            self.bit("values" if self.budget <= 0 else "characters")
         required = schema.get("required")
         extra = schema.get("additionalProperties")
         for name in required if isinstance(required, list) else ():
-            if isinstance(name, str) and name not in value and self.budget > 0:
+            if isinstance(name, str) and name not in value and self.budget > 0 and self._named(name):
                 value[name] = self.make(extra if isinstance(extra, dict) else {"type": "string"}, depth + 1)
-        return value
+        return dict(sorted(value.items()))
+
+    def _named(self, name: str) -> bool:
+        """Whether the property ``name`` fits in the characters left (charged to them if it does)."""
+        if len(name) > self.chars:
+            self.bit("characters")
+            return False
+        self.chars -= len(name)
+        return True
 
     def _array(self, schema: dict[str, Any], depth: int) -> list[Any]:
         low = _int(schema.get("minItems"), 1)
@@ -158,12 +203,15 @@ class _Maker:
         return value
 
     def _integer(self, schema: dict[str, Any]) -> int:
-        low = math.ceil(_float(schema.get("minimum"), 0.0))
-        if (above := _bound(schema.get("exclusiveMinimum"))) is not None:
-            low = max(low, math.floor(above) + 1)
-        high = math.floor(_float(schema.get("maximum"), low + 100.0))
-        if (below := _bound(schema.get("exclusiveMaximum"))) is not None:
-            high = min(high, math.ceil(below) - 1)
+        least, above = _bound(schema.get("minimum")), _bound(schema.get("exclusiveMinimum"))
+        most, below = _bound(schema.get("maximum")), _bound(schema.get("exclusiveMaximum"))
+        lows = [math.ceil(least)] if least is not None else []
+        lows += [math.floor(above) + 1] if above is not None else []
+        highs = [math.floor(most)] if most is not None else []
+        highs += [math.ceil(below) - 1] if below is not None else []
+        high = min(highs) if highs else None
+        low = max(lows) if lows else _floor_below(high)
+        high = low + 100 if high is None else high
         step = _int(schema.get("multipleOf"), 1)
         if step > 1:  # the multiples of step in [low, high], if any
             first, last = -(-low // step), high // step
@@ -173,8 +221,9 @@ class _Maker:
     def _number(self, schema: dict[str, Any]) -> float:
         least, above = _bound(schema.get("minimum")), _bound(schema.get("exclusiveMinimum"))
         most, below = _bound(schema.get("maximum")), _bound(schema.get("exclusiveMaximum"))
-        low = max((bound for bound in (least, above) if bound is not None), default=0.0)
-        high = min((bound for bound in (most, below) if bound is not None), default=low + 100.0)
+        highest = min((bound for bound in (most, below) if bound is not None), default=None)
+        low = max((bound for bound in (least, above) if bound is not None), default=_floor_below(highest))
+        high = low + 100.0 if highest is None else highest
         if low > high:
             return low
         value = round(self.rng.uniform(low, high), 2)
@@ -227,17 +276,18 @@ def _kind(schema: dict[str, Any]) -> str:
     return "array" if "items" in schema or "prefixItems" in schema else "string"
 
 
+def _floor_below(high: Any) -> Any:
+    """The low end of a range with no lower bound: 0, or 100 below a negative upper bound."""
+    return 0 if high is None or high >= 0 else high - 100
+
+
 def _int(value: Any, default: int) -> int:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and abs(value) < 2**53
-    return int(value) if ok else default
-
-
-def _float(value: Any, default: float) -> float:
     found = _bound(value)
-    return default if found is None else found
+    return default if found is None else int(found)
 
 
-def _bound(value: Any) -> float | None:
-    """``value`` as a float when it is a number a schema may bound with (not a bool, below 2**53); else None."""
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and abs(value) < 2**53
-    return float(value) if ok else None
+def _bound(value: Any) -> int | float | None:
+    """``value`` when it is a finite number a schema may bound with (not a bool), as given: an int stays
+    exact however large (``maximum: 9007199254740999`` is not rounded up past itself); else None."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return value if ok else None
