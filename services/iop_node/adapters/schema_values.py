@@ -115,8 +115,13 @@ class _Maker:
         """``schema`` and its ``allOf`` branches (theirs merged first, references resolved) as one schema.
 
         Each branch visited costs a value of the budget, and a reference already being merged higher up
-        is skipped: ``{"allOf": [{"$ref": "#"}] * b}`` would otherwise cost ~b**MAX_DEPTH merges."""
+        is skipped: ``{"allOf": [{"$ref": "#"}] * b}`` would otherwise cost ~b**MAX_DEPTH merges. Each
+        property or required name merged costs one too, and merging copies a branch's entries once
+        (into the merged schema's own dict or list), so 500 branches naming 100,000 required
+        properties cost one branch's worth, not 500 copies of a growing list."""
         merged = {key: value for key, value in schema.items() if key != "allOf"}
+        own: set[str] = set()
+        """Keys whose dict or list in ``merged`` is this merge's copy (extended in place)."""
         for branch in schema["allOf"]:
             if self.budget <= 0:
                 self.bit("values")
@@ -134,16 +139,27 @@ class _Maker:
                     part = self._merged(part, level + 1)
                 finally:
                     self.merging.difference_update(refs)
-            if not isinstance(part, dict):
-                continue
-            for key, value in part.items():
-                if key in _MERGED and isinstance(value, dict) and isinstance(merged.get(key), dict):
-                    merged[key] = {**merged[key], **value}
-                elif key == "required" and isinstance(value, list) and isinstance(merged.get(key), list):
-                    merged[key] = [*merged[key], *value]
-                else:
-                    merged[key] = value
+            if isinstance(part, dict):
+                self._merge_into(merged, own, part)
         return merged
+
+    def _merge_into(self, merged: dict[str, Any], own: set[str], part: dict[str, Any]) -> None:
+        """``part``'s keys into ``merged``: properties (and definitions) joined, required names added,
+        the rest replaced; each name joined costs a value of the budget."""
+        for key, value in part.items():
+            joined = key in _MERGED and isinstance(value, dict) and isinstance(merged.get(key), dict)
+            if joined or (key == "required" and isinstance(value, list) and isinstance(merged.get(key), list)):
+                self.budget -= len(value)
+                if key not in own:
+                    merged[key] = (dict if joined else list)(merged[key])
+                    own.add(key)
+                if joined:
+                    merged[key].update(value)
+                else:
+                    merged[key].extend(value)
+            else:
+                merged[key] = value
+                own.discard(key)
 
     def _typed(self, schema: dict[str, Any], kind: str, depth: int) -> Any:  # noqa: PLR0911 - one return a type
         if kind == "object":
@@ -173,7 +189,9 @@ class _Maker:
         required = schema.get("required")
         extra = schema.get("additionalProperties")
         for name in required if isinstance(required, list) else ():
-            if isinstance(name, str) and name not in value and self.budget > 0 and self._named(name):
+            if self.budget <= 0:
+                break
+            if isinstance(name, str) and name not in value and self._named(name):
                 value[name] = self.make(extra if isinstance(extra, dict) else {"type": "string"}, depth + 1)
         return dict(sorted(value.items()))
 
