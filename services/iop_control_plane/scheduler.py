@@ -22,6 +22,7 @@ registry: a heap, a rotation and a ring per model, so no decision sorts or scans
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Set
 from typing import Literal, NamedTuple
 
@@ -133,36 +134,24 @@ class Scheduler:
         targets = self._targets(model, session)
         if kind not in _PLACED_BY_KIND:
             kind = None
-        if targets is None:
-            return self._place(
-                model, labels, key, exclude, background=background, prompt=prompt, continuing=continuing, kind=kind
-            )
-        first = self._place(
-            targets[0],
-            labels,
-            key,
-            exclude,
-            route=model,
+        place = functools.partial(
+            self._place,
+            labels=labels,
+            key=key,
+            exclude=exclude,
             background=background,
             prompt=prompt,
             continuing=continuing,
             kind=kind,
         )
+        if targets is None:
+            return place(model)
+        first = place(targets[0], route=model)
         if first.outcome == "placed":
             return first
         busy = first if first.outcome == "all_busy" else None
         for target in targets[1:]:  # the weighted pick is full or has no candidate: the others, heaviest first
-            decision = self._place(
-                target,
-                labels,
-                key,
-                exclude,
-                route=model,
-                background=background,
-                prompt=prompt,
-                continuing=continuing,
-                kind=kind,
-            )
+            decision = place(target, route=model)
             if decision.outcome == "placed":
                 return decision
             busy = busy or (decision if decision.outcome == "all_busy" else None)
