@@ -322,3 +322,59 @@ def test_a_failure_mid_stream_is_response_failed() -> None:
     assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
     assert failed["response"]["error"] == {"code": "server_error", "message": "the node was lost"}
     assert failed["response"]["output"][0]["content"][0]["text"] == "partial" and stored[0]["status"] == "failed"
+
+
+def test_a_client_leaving_during_the_final_write_does_not_store_the_response_again() -> None:
+    """last() (or error()) made the final Response: a cancelled() after it stores nothing more."""
+    parsed = shape.parse_create({"model": "m", "input": "x"})
+    for end in ("last", "error"):
+        stored: list[dict[str, Any]] = []
+        events = responses_output.ResponseEvents(responses_output.skeleton("resp_1", "m", parsed), stored.append)
+        events.first()
+        events.delta(pb.RunDelta(text="all"))
+        if end == "last":
+            events.last(_complete())
+        else:
+            events.error(ApiError(502, "lost"))
+        events.cancelled()
+        assert [body["status"] for body in stored] == ["completed" if end == "last" else "failed"]
+
+
+def test_a_function_call_cut_by_the_token_limit_is_incomplete() -> None:
+    parsed = shape.parse_create({"model": "m", "input": "x", "tools": [TOOL]})
+    start = pb.RunDelta(tool_calls=[pb.ToolCallDelta(index=0, id="call_1", function_name="lookup")])
+    cut = pb.RunDelta(tool_calls=[pb.ToolCallDelta(index=0, arguments='{"q": "ab')])
+    outcome = Outcome()
+    collect_delta(outcome, start)
+    collect_delta(outcome, cut)
+    complete = _complete(pb.FINISH_REASON_LENGTH)
+    body = responses_output.response_body(responses_output.skeleton("resp_1", "m", parsed), outcome, complete)
+    assert body["status"] == "incomplete" and body["output"][-1]["status"] == "incomplete"
+    events = responses_output.ResponseEvents(responses_output.skeleton("resp_2", "m", parsed))
+    events.first()
+    events.delta(start)
+    events.delta(cut)
+    [*_, last] = _decoded(events.last(complete))
+    assert last["type"] == "response.incomplete" and last["response"]["output"][-1]["status"] == "incomplete"
+    assert last["response"]["output"][-1]["arguments"] == '{"q": "ab'
+    validate("Response", last["response"])
+    done = responses_output.response_body(responses_output.skeleton("resp_3", "m", parsed), outcome, _complete())
+    assert done["output"][-1]["status"] == "completed"
+
+
+def test_many_small_deltas_are_joined_once() -> None:
+    """Text and arguments kept as pieces: 100k one-character deltas take well under a second (a ``+=``
+    per delta copied the whole text each time), and the result is the same."""
+    parsed = shape.parse_create({"model": "m", "input": "x"})
+    events = responses_output.ResponseEvents(responses_output.skeleton("resp_1", "m", parsed))
+    outcome = Outcome()
+    events.first()
+    events.delta(pb.RunDelta(tool_calls=[pb.ToolCallDelta(index=0, id="call_1", function_name="f")]))
+    collect_delta(outcome, pb.RunDelta(tool_calls=[pb.ToolCallDelta(index=0, id="call_1", function_name="f")]))
+    for _ in range(100_000):
+        delta = pb.RunDelta(tool_calls=[pb.ToolCallDelta(index=0, arguments="x")])
+        events.delta(delta)
+        collect_delta(outcome, delta)
+    [*_, last] = _decoded(events.last(_complete(pb.FINISH_REASON_TOOL_CALLS)))
+    assert last["response"]["output"][0]["arguments"] == "x" * 100_000
+    assert outcome.calls()[0]["function"]["arguments"] == "x" * 100_000

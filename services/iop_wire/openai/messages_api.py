@@ -413,8 +413,7 @@ def message_body(run_id: str, model: str, outcome: Outcome, complete: pb.RunComp
     content: list[dict[str, Any]] = []
     if text := "".join(outcome.text):
         content.append({"type": "text", "text": text})
-    for index in sorted(outcome.tool_calls):
-        call = outcome.tool_calls[index]
+    for call in outcome.calls():
         function = call["function"]
         content.append({"type": "tool_use", "id": call["id"], "name": function["name"], "input": _input(function)})
     return {
