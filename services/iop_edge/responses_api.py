@@ -102,6 +102,8 @@ class ResponsesRoutes:
                 message = f"Previous response with id '{parsed.previous_response_id}' not found."
                 raise ApiError(400, message, param="previous_response_id", code="previous_response_not_found")
             history = json.loads(previous)
+            if history is None:  # a failed or cancelled response: its output may be cut mid-item
+                raise await _not_continued(store, owner, parsed.previous_response_id)
         run = self.api.prepared(call, shape.run_request(parsed, call.run_id, history))
         response_id = f"resp_{call.run_id}{secrets.token_hex(12)}"  # the run's id in it: one to look for in logs
         stream = await self.api.open(call, run)
@@ -212,8 +214,20 @@ class ResponsesRoutes:
 def _row(
     owner: str, parsed: shape.ResponsesRequest, history: list[dict[str, Any]], body: dict[str, Any]
 ) -> StoredResponse:
-    conversation = shape.conversation(history, parsed, body)
+    ended = body["status"] in ("failed", "cancelled")  # not continued: see _not_continued
+    conversation = None if ended else shape.conversation(history, parsed, body)
     return StoredResponse(body["id"], owner, time.time(), body, parsed.input_items, conversation)
+
+
+async def _not_continued(store: ResponseStore, owner: str, response_id: str) -> ApiError:
+    """The 400 for a ``previous_response_id`` naming a response that failed or was cancelled."""
+    body = await store.get(owner, response_id, "body")
+    status = "failed or cancelled" if body is None else json.loads(body).get("status", "failed")
+    message = (
+        f"Previous response with id '{response_id}' cannot be continued: its status is {status}, and its output"
+        " may be cut short. Continue from an earlier response, or send the conversation as input."
+    )
+    return ApiError(400, message, param="previous_response_id", code="invalid_value")
 
 
 def _not_found(response_id: str) -> ApiError:

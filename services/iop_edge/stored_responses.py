@@ -86,8 +86,9 @@ class StoredResponse:
     """The Response object as returned."""
     input_items: list[dict[str, Any]]
     """The request's input items (with ids), as ``input_items`` lists them."""
-    conversation: list[dict[str, Any]]
-    """Every item a ``previous_response_id`` naming this response replays, oldest first."""
+    conversation: list[dict[str, Any]] | None
+    """Every item a ``previous_response_id`` naming this response replays, oldest first; None (JSON
+    ``null``) for a response that failed or was cancelled, whose cut output is not continued."""
 
 
 class ResponseStorage(Protocol):

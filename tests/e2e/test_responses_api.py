@@ -469,6 +469,13 @@ def test_a_client_leaving_a_stream_cancels_the_run(stack: Stack) -> None:
     assert stored.status == "cancelled" and stored.output  # the text streamed before the client left
     with stack.http(secret) as http:
         validate("Response", http.get(f"/responses/{response_id}").json())
+        continued = http.post(
+            "/responses", json={"model": "mock-small", "input": "and?", "previous_response_id": response_id}
+        )
+    assert continued.status_code == 400, continued.text  # its output may be cut mid-item: not replayed
+    error = continued.json()["error"]
+    assert error["param"] == "previous_response_id" and "status is cancelled" in error["message"]
+    validate("ErrorResponse", continued.json())
 
 
 def test_without_keys_responses_are_anonymous_and_kept_in_the_same_store(stack: Stack) -> None:
