@@ -183,6 +183,7 @@ def test_count_tokens_needs_no_max_tokens() -> None:
         ({"temperature": 1.5}, "", "temperature: Input should be between 0 and 1"),
         ({"top_p": "high"}, "", "top_p: Input should be a valid number"),
         ({"top_k": -1}, "", "top_k: Input should be greater than or equal to 0"),
+        ({"top_k": 2**31}, "", "top_k: Input should be less than or equal to 2147483647"),
         ({"stream": "yes"}, "", "stream: Input should be a valid boolean"),
         ({"metadata": "u"}, "", "metadata: Input should be an object"),
         ({"output_config": {"format": {"type": "json_object"}}}, "", "output_config.format"),

@@ -122,6 +122,10 @@ def test_input_items_are_stored_with_ids_and_statuses() -> None:
         ({"tools": [{"type": "file_search", "vector_store_ids": []}]}, "tools[0].type", "file_search"),
         ({"tools": [{"type": "function"}]}, "tools[0].name", "Missing"),
         ({"tools": "x"}, "tools", "array"),
+        ({"tools": [{**TOOL, "name": "a b"}]}, "tools[0].name", "should be 1 to 64 letters"),
+        ({"tools": [{**TOOL, "name": "x" * 65}]}, "tools[0].name", "should be 1 to 64 letters"),
+        ({"tools": [TOOL, {**TOOL, "name": "f"}, TOOL]}, "tools[2].name", "earlier tool's name"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
         ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [TOOL]}, "tool_choice", "nope"),
         ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice", "web_search_preview"),
         ({"text": {"format": {"type": "xml"}}}, "text.format.type", "xml"),
@@ -378,3 +382,13 @@ def test_many_small_deltas_are_joined_once() -> None:
     [*_, last] = _decoded(events.last(_complete(pb.FINISH_REASON_TOOL_CALLS)))
     assert last["response"]["output"][0]["arguments"] == "x" * 100_000
     assert outcome.calls()[0]["function"]["arguments"] == "x" * 100_000
+
+
+def test_tool_choice_auto_or_none_without_tools_is_not_sent() -> None:
+    """OpenAI takes tool_choice without tools; vLLM refuses it: auto and none, which no tools mean anyway,
+    are left out of the run (and still echoed)."""
+    for choice in ("auto", "none"):
+        parsed = shape.parse_create({"model": "m", "input": "x", "tool_choice": choice})
+        assert "tool_choice" not in parsed.openai_fields and parsed.echo["tool_choice"] == choice
+    with_tools = shape.parse_create({"model": "m", "input": "x", "tools": [TOOL], "tool_choice": "none"})
+    assert with_tools.openai_fields["tool_choice"] == "none"
