@@ -3,8 +3,11 @@
 
 A create is served by :class:`iop_edge.app.Api` as a chat completion is (the key's limits, the
 body, one run whose caller is the key, its deadline, cancellation when the client goes away;
-route label ``responses``); :mod:`iop_wire.openai.responses_api` maps the body onto the run and
-the run's events onto the Response or its event stream. With ``store`` (the default) the
+route label ``responses``); :mod:`iop_wire.openai.responses_api` maps the body onto a chat run
+with its own builder (input items to chat messages; tools, tool_choice and the text format in chat
+completions' shape, through the helpers of :mod:`iop_wire.openai.requests` they share with chat
+and Messages), and :mod:`iop_wire.openai.responses_output` the run's events onto the Response or
+its event stream. With ``store`` (the default) the
 Response is kept in the edge's store (:mod:`iop_edge.stored_responses`) under the key's name:
 another key's id is a 404, as a missing one; ``previous_response_id`` replays its conversation.
 """
@@ -191,7 +194,7 @@ class ResponsesRoutes:
         call = Call(route, time.perf_counter(), "", None)
         try:
             call.key = authenticate(self.edge.keys, request)
-            await self.api._admit(call)
+            await self.api.admit(call)
             response = Response(await produce(caller_of(call.key)), media_type=JSON)
         except ApiError as error:
             response = error_response(error)

@@ -506,6 +506,9 @@ class MessageStream:
         """A failure after the stream started: an ``error`` event with Anthropic's error body."""
         return _event("error", {"error": error_body(error)["error"]})
 
+    def cancelled(self) -> None:
+        """The client left mid-stream: nothing is kept of a Messages stream."""
+
 
 # -- errors -----------------------------------------------------------------------------------
 

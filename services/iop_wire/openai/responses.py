@@ -226,6 +226,9 @@ class ChatStream:
         """A failure after the stream started: a last ``data: {"error": ...}`` event (no [DONE])."""
         return sse({"error": error.body()})
 
+    def cancelled(self) -> None:
+        """The client left mid-stream: nothing is kept of a chat stream."""
+
 
 class CompletionStream:
     """Text completion chunks of one run, as SSE events."""
@@ -261,6 +264,9 @@ class CompletionStream:
     def error(self, error: ApiError) -> bytes:
         """A failure after the stream started: a last ``data: {"error": ...}`` event (no [DONE])."""
         return sse({"error": error.body()})
+
+    def cancelled(self) -> None:
+        """The client left mid-stream: nothing is kept of a completion stream."""
 
 
 def _tool_call_delta(fragment: pb.ToolCallDelta) -> dict[str, Any]:

@@ -1,11 +1,12 @@
 """OpenAI's Responses API (``POST /v1/responses``) mapped onto the same run as chat completions.
 
-A ``CreateResponse`` body becomes a ``RUN_KIND_CHAT`` run.request built exactly as a chat
-completion's: messages made the way :mod:`iop_wire.openai.requests` makes them, tools,
-tool_choice and the text format in ``openai_fields`` in chat completions' shape (nodes see one
-shape), ``max_output_tokens`` as ``sampling.max_tokens``. So admission, limits, cancellation,
-usage and failover are the chat path's. The run's events come back as a ``Response`` object, or
-as the Responses event stream (:mod:`iop_wire.openai.responses_output`).
+A ``CreateResponse`` body becomes a ``RUN_KIND_CHAT`` run.request in the shape a chat completion's
+has, by a builder of its own (input items become chat messages here): tools, tool_choice and the
+text format in ``openai_fields`` in chat completions' shape (nodes see one shape; the function tools,
+their names and tool_choice without tools through :mod:`iop_wire.openai.requests`' helpers, as
+Messages), ``max_output_tokens`` as ``sampling.max_tokens`` (checked by chat's sampling).
+So admission, limits, cancellation, usage and failover are the chat path's. The run's events come
+back as a ``Response`` object, or as the Responses event stream (:mod:`iop_wire.openai.responses_output`).
 
 Input items are kept in their stored form (``ItemResource``: every item with an ``id`` and a
 ``status``), which is what ``GET /v1/responses/{id}/input_items`` lists and what a later
