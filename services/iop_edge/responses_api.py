@@ -191,17 +191,18 @@ class ResponsesRoutes:
         ``produce(owner)``'s JSON, or its ApiError; counted."""
         from iop_edge.app import Call  # noqa: PLC0415 - app.py imports this module: a cycle at import time
 
-        call = Call(route, time.perf_counter(), "", None)
+        call = Call(route, time.perf_counter(), secrets.token_hex(12), None)
         try:
             call.key = authenticate(self.edge.keys, request)
             await self.api.admit(call)
             response = Response(await produce(caller_of(call.key)), media_type=JSON)
         except ApiError as error:
-            response = error_response(error)
+            response = error_response(error, call.run_id)
         finally:
             if call.lease is not None:
                 call.lease.release(0)
         self.edge.metrics.requests.labels(route, "", str(response.status_code)).inc()
+        response.headers["x-request-id"] = call.run_id  # as every route's: one id to quote in a report
         return response
 
     async def aclose(self) -> None:

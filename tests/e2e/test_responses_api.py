@@ -257,7 +257,11 @@ def test_delete_then_retrieve_is_a_404(stack: Stack) -> None:
     client = stack.client()
     response = client.responses.create(model="mock-small", input="short-lived")
     with stack.http() as http:
+        for path in (f"/responses/{response.id}", f"/responses/{response.id}/input_items", "/responses/resp_none"):
+            read = http.get(path)
+            assert len(read.headers["x-request-id"]) == 24, (path, read.headers)  # as every route's answers
         deleted = http.delete(f"/responses/{response.id}")
+        assert len(deleted.headers["x-request-id"]) == 24
         assert deleted.status_code == 200 and deleted.json() == {
             "id": response.id,
             "object": "response",

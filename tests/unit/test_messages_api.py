@@ -131,6 +131,20 @@ def test_count_tokens_needs_no_max_tokens() -> None:
 
 
 @pytest.mark.parametrize(
+    "field",
+    [("max_tokens", 10), ("stream", True), ("temperature", 0.5), ("stop_sequences", ["x"]), ("top_k", 5)],
+    ids=lambda field: field[0],
+)
+def test_count_tokens_refuses_the_fields_about_generating(field: tuple[str, Any]) -> None:
+    """Anthropic's count_tokens takes no max_tokens, stream or sampling fields: an extra input, as there."""
+    data = {key: value for key, value in _BASE.items() if key != "max_tokens"}
+    with pytest.raises(ApiError) as caught:
+        count_request({**data, field[0]: field[1]}, "r1")
+    assert caught.value.status == 400 and caught.value.message == f"{field[0]}: Extra inputs are not permitted"
+    assert caught.value.param == field[0]
+
+
+@pytest.mark.parametrize(
     ("fields", "without", "named"),
     [
         ({}, "max_tokens", "max_tokens: Field required"),

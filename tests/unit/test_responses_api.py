@@ -392,3 +392,18 @@ def test_tool_choice_auto_or_none_without_tools_is_not_sent() -> None:
         assert "tool_choice" not in parsed.openai_fields and parsed.echo["tool_choice"] == choice
     with_tools = shape.parse_create({"model": "m", "input": "x", "tools": [TOOL], "tool_choice": "none"})
     assert with_tools.openai_fields["tool_choice"] == "none"
+
+
+def test_echoed_values_in_400s_are_cut_and_top_logprobs_has_a_code() -> None:
+    long = "x" * 10_000
+    for fields in (
+        {"include": [long]},
+        {"input": [{"type": "function_call_output", "id": long, "call_id": "c", "output": "x"}] * 2},
+    ):
+        with pytest.raises(ApiError) as caught:
+            shape.parse_create({"model": "m", "input": "x", **fields})
+        assert caught.value.status == 400 and "x" * 61 + "..." in caught.value.message
+        assert len(caught.value.message) < 200
+    with pytest.raises(ApiError) as caught:
+        shape.parse_create({"model": "m", "input": "x", "top_logprobs": 2})
+    assert caught.value.code == "unsupported_parameter" and caught.value.param == "top_logprobs"

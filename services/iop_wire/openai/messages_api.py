@@ -104,9 +104,19 @@ def messages_request(data: Mapping[str, Any], run_id: str) -> MessagesRequest:
     return MessagesRequest(request, bool(stream))
 
 
+_NOT_COUNTED = frozenset(
+    {"max_tokens", "stream", "temperature", "top_p", "top_k", "stop_sequences", "metadata", "service_tier"}
+)
+"""Fields of a create that Anthropic's count_tokens does not take (it takes model, messages, system, tools,
+tool_choice, thinking and a few more): an extra input there, as Anthropic answers them."""
+
+
 def count_request(data: Mapping[str, Any], run_id: str) -> pb.RunRequest:
-    """``POST /v1/messages/count_tokens``'s body as a count run: the same mapping, max_tokens not needed
-    (sampling fields, harmless to a count, are accepted and not used)."""
+    """``POST /v1/messages/count_tokens``'s body as a count run: the same mapping, without max_tokens and
+    the other fields about generating (a 400, as Anthropic's)."""
+    for name in data:
+        if name in _NOT_COUNTED:
+            raise _invalid(name, "Extra inputs are not permitted")
     return _request(data, run_id, pb.RUN_KIND_COUNT_TOKENS)
 
 

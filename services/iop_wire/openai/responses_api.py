@@ -197,6 +197,11 @@ def _carried(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return fields, echo
 
 
+def _cut(value: str) -> str:
+    """A client's string as an error message echoes it: a megabyte one is not (64 characters, as Messages)."""
+    return value if len(value) <= 64 else value[:61] + "..."
+
+
 def _string_field(data: Mapping[str, Any], name: str) -> str | None:
     value = data.get(name)
     if value is not None and not isinstance(value, str):
@@ -361,12 +366,13 @@ def _check_rest(data: Mapping[str, Any]) -> None:
             if item not in _NOTHING_TO_INCLUDE:
                 raise ApiError(
                     400,
-                    f"include {item!r} is not supported by this server",
+                    f"include {_cut(item)!r} is not supported by this server",
                     param="include",
                     code="unsupported_parameter",
                 )
     if data.get("top_logprobs"):
-        raise ApiError(400, "'top_logprobs' is not supported for responses", param="top_logprobs")
+        message = "'top_logprobs' is not supported for responses"
+        raise ApiError(400, message, param="top_logprobs", code="unsupported_parameter")
     if (limit := data.get("max_tool_calls")) is not None and (not isinstance(limit, int) or isinstance(limit, bool)):
         raise _invalid_type("max_tool_calls", "an integer", limit)
     if (options := data.get("stream_options")) is not None and not isinstance(options, dict):
@@ -407,7 +413,7 @@ def _input_items(given: Any) -> list[dict[str, Any]]:
     seen: set[str] = set()
     for index, item in enumerate(items):
         if item["id"] in seen:  # input_items' ``after`` names one item: two with one id would make it ambiguous
-            message = f"Duplicate item id {item['id']!r} in 'input': each input item's id must be unique."
+            message = f"Duplicate item id {_cut(item['id'])!r} in 'input': each input item's id must be unique."
             raise ApiError(400, message, param=f"input[{index}].id", code="invalid_value")
         seen.add(item["id"])
     return items
