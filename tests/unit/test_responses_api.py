@@ -358,7 +358,8 @@ def test_a_function_call_cut_by_the_token_limit_is_incomplete() -> None:
     events.first()
     events.delta(start)
     events.delta(cut)
-    [*_, last] = _decoded(events.last(complete))
+    [*_, done, last] = _decoded(events.last(complete))
+    assert done["type"] == "response.output_item.done" and done["item"]["status"] == "incomplete"
     assert last["type"] == "response.incomplete" and last["response"]["output"][-1]["status"] == "incomplete"
     assert last["response"]["output"][-1]["arguments"] == '{"q": "ab'
     validate("Response", last["response"])

@@ -173,7 +173,9 @@ class ResponseEvents:
     def last(self, complete: pb.RunComplete) -> bytes:
         """The open items closed, then response.completed (or response.incomplete)."""
         opened = b"" if self.output else self._open_message()  # a run that said nothing: an (empty) message
-        out = opened + self._close_all()
+        last = self.output[-1]
+        cut = complete.finish_reason == pb.FINISH_REASON_LENGTH and last["type"] == "function_call"
+        out = opened + self._close_all(last["id"] if cut else None)  # a call the limit cut ends incomplete
         body = finished(self.base, self.output, complete)
         kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
         self._end(body)
@@ -224,12 +226,16 @@ class ResponseEvents:
         item, self._message = self._message, None
         return b"" if item is None else self._close(item)
 
-    def _close_all(self) -> bytes:
-        """Every item still open, in output order."""
+    def _close_all(self, cut: str | None = None) -> bytes:
+        """Every item still open, in output order (``cut``: the id of one that ends incomplete)."""
         self._message = None
-        return b"".join(self._close(item) for item in self.output if item["status"] == "in_progress")
+        return b"".join(
+            self._close(item, "incomplete" if item["id"] == cut else "completed")
+            for item in self.output
+            if item["status"] == "in_progress"
+        )
 
-    def _close(self, item: dict[str, Any]) -> bytes:
+    def _close(self, item: dict[str, Any], status: str = "completed") -> bytes:
         _set_text(item, "".join(self._pieces.pop(item["id"], ())))
         where = self._where(item)
         out = []
@@ -242,7 +248,7 @@ class ResponseEvents:
         else:
             done = {"name": item["name"], "arguments": item["arguments"]}
             out.append(self._event("response.function_call_arguments.done", **where, **done))
-        item["status"] = "completed"
+        item["status"] = status
         out.append(self._event("response.output_item.done", output_index=where["output_index"], item=_copy(item)))
         return b"".join(out)
 
