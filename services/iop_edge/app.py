@@ -166,7 +166,7 @@ class Api:
             self.metrics.in_flight.inc()
             try:
                 call.key = authenticate(self.edge.keys, request, x_api_key=x_api_key)
-                await self._admit(call)  # before the body: one still arriving holds its key's slot too
+                await self.admit(call)  # before the body: one still arriving holds its key's slot too
                 data = parse.parse_body(await self._body(request, call.route))
                 response = await handle(request, call, data)
                 streaming = isinstance(response, _EventStream)
@@ -246,7 +246,7 @@ class Api:
 
     # -- runs ---------------------------------------------------------------------------------
 
-    async def _admit(self, call: Call) -> None:
+    async def admit(self, call: Call) -> None:
         """The key's limits taken for the request (429 over them); released when it ends."""
         if call.key is None:
             return
@@ -504,6 +504,11 @@ class Chunks(Protocol):
         """The events that end a run that failed after the stream started."""
         ...
 
+    def cancelled(self) -> None:
+        """The client left mid-stream (the run is being cancelled): keep what must outlive the stream
+        (Responses stores its answer), or nothing."""
+        ...
+
 
 class _Streamed:
     """One streaming answer: the events already read, then the rest of the run, as SSE chunks."""
@@ -596,8 +601,7 @@ class _Streamed:
         self.status = "499"
         self.stream.cancel_nowait("the client went away")
         self.api.metrics.cancelled.labels(self.call.route).inc()
-        if (hook := getattr(self.chunks, "cancelled", None)) is not None:  # optional: Responses stores its answer
-            hook()
+        self.chunks.cancelled()
 
     def _ended(self) -> None:
         self.api.metrics.requests.labels(self.call.route, self.call.model, self.status).inc()

@@ -3,8 +3,11 @@
 
 A create is served by :class:`iop_edge.app.Api` as a chat completion is (the key's limits, the
 body, one run whose caller is the key, its deadline, cancellation when the client goes away;
-route label ``responses``); :mod:`iop_wire.openai.responses_api` maps the body onto the run and
-the run's events onto the Response or its event stream. With ``store`` (the default) the
+route label ``responses``); :mod:`iop_wire.openai.responses_api` maps the body onto a chat run
+with its own builder (input items to chat messages; tools, tool_choice and the text format in chat
+completions' shape, through the helpers of :mod:`iop_wire.openai.requests` they share with chat
+and Messages), and :mod:`iop_wire.openai.responses_output` the run's events onto the Response or
+its event stream. With ``store`` (the default) the
 Response is kept in the edge's store (:mod:`iop_edge.stored_responses`) under the key's name:
 another key's id is a 404, as a missing one; ``previous_response_id`` replays its conversation.
 """
@@ -102,6 +105,8 @@ class ResponsesRoutes:
                 message = f"Previous response with id '{parsed.previous_response_id}' not found."
                 raise ApiError(400, message, param="previous_response_id", code="previous_response_not_found")
             history = json.loads(previous)
+            if history is None:  # a failed or cancelled response: its output may be cut mid-item
+                raise await _not_continued(store, owner, parsed.previous_response_id)
         run = self.api.prepared(call, shape.run_request(parsed, call.run_id, history))
         response_id = f"resp_{call.run_id}{secrets.token_hex(12)}"  # the run's id in it: one to look for in logs
         stream = await self.api.open(call, run)
@@ -186,17 +191,18 @@ class ResponsesRoutes:
         ``produce(owner)``'s JSON, or its ApiError; counted."""
         from iop_edge.app import Call  # noqa: PLC0415 - app.py imports this module: a cycle at import time
 
-        call = Call(route, time.perf_counter(), "", None)
+        call = Call(route, time.perf_counter(), secrets.token_hex(12), None)
         try:
             call.key = authenticate(self.edge.keys, request)
-            await self.api._admit(call)
+            await self.api.admit(call)
             response = Response(await produce(caller_of(call.key)), media_type=JSON)
         except ApiError as error:
-            response = error_response(error)
+            response = error_response(error, call.run_id)
         finally:
             if call.lease is not None:
                 call.lease.release(0)
         self.edge.metrics.requests.labels(route, "", str(response.status_code)).inc()
+        response.headers["x-request-id"] = call.run_id  # as every route's: one id to quote in a report
         return response
 
     async def aclose(self) -> None:
@@ -212,8 +218,20 @@ class ResponsesRoutes:
 def _row(
     owner: str, parsed: shape.ResponsesRequest, history: list[dict[str, Any]], body: dict[str, Any]
 ) -> StoredResponse:
-    conversation = shape.conversation(history, parsed, body)
+    ended = body["status"] in ("failed", "cancelled")  # not continued: see _not_continued
+    conversation = None if ended else shape.conversation(history, parsed, body)
     return StoredResponse(body["id"], owner, time.time(), body, parsed.input_items, conversation)
+
+
+async def _not_continued(store: ResponseStore, owner: str, response_id: str) -> ApiError:
+    """The 400 for a ``previous_response_id`` naming a response that failed or was cancelled."""
+    body = await store.get(owner, response_id, "body")
+    status = "failed or cancelled" if body is None else json.loads(body).get("status", "failed")
+    message = (
+        f"Previous response with id '{response_id}' cannot be continued: its status is {status}, and its output"
+        " may be cut short. Continue from an earlier response, or send the conversation as input."
+    )
+    return ApiError(400, message, param="previous_response_id", code="invalid_value")
 
 
 def _not_found(response_id: str) -> ApiError:

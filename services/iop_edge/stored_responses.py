@@ -43,17 +43,32 @@ _BATCH = 64
 """The oldest rows fetched at a time when a key is over its bytes (over its count: as many as it is over)."""
 
 # {p1}, {p2}, ...: the backend's placeholders. The owner's totals change in the transaction that changes its rows.
-_PUT = "INSERT INTO responses VALUES ({p1}, {p2}, {p3}, {p4}, {p5}, {p6}, {p7}) ON CONFLICT (id) DO NOTHING"
+_PUT = (
+    "INSERT INTO responses (id, owner, created_at, body, input_items, conversation, size)"
+    " VALUES ({p1}, {p2}, {p3}, {p4}, {p5}, {p6}, {p7}) ON CONFLICT (id) DO NOTHING"
+)
 _HELD = (
     "INSERT INTO response_owners (owner, responses, bytes) VALUES ({p1}, 1, {p2}) ON CONFLICT (owner) DO UPDATE"
     " SET responses = response_owners.responses + 1, bytes = response_owners.bytes + excluded.bytes"
     " RETURNING responses, bytes"
 )
 _FREED = "UPDATE response_owners SET responses = responses - {p2}, bytes = bytes - {p3} WHERE owner = {p1}"
-_OLDEST = "SELECT id, size FROM responses WHERE owner = {p1} AND id <> {p2} ORDER BY created_at, id LIMIT {p3}"
+_OLDEST = "SELECT id, size FROM responses WHERE owner = {p1} AND id <> {p2} ORDER BY created_at, id LIMIT {p3}{lock}"
 _READ = "SELECT {column} FROM responses WHERE id = {p1} AND owner = {p2} AND created_at > {p3}"
 _DELETE = "DELETE FROM responses WHERE id = {p1} AND owner = {p2} RETURNING size"
-_SWEEP = "DELETE FROM responses WHERE created_at < {p1} RETURNING owner, size"
+_SWEEP_BATCH = 500
+"""Expired rows deleted per statement (and per transaction): a sweep after long downtime is many short ones."""
+_SWEEP = (
+    "DELETE FROM responses WHERE id IN (SELECT id FROM responses WHERE created_at < {p1} ORDER BY created_at"
+    " LIMIT 500) RETURNING owner, size"  # _SWEEP_BATCH
+)
+# PostgreSQL: the owner's totals row locked first (as put locks it), then that owner's expired rows
+_LOCK_OWNER = "SELECT 1 FROM response_owners WHERE owner = $1 FOR UPDATE"
+_EXPIRED_OWNERS = "SELECT DISTINCT owner FROM responses WHERE created_at < $1 ORDER BY owner"
+_PG_SWEEP = (
+    "DELETE FROM responses WHERE id IN (SELECT id FROM responses WHERE owner = $1 AND created_at < $2"
+    " ORDER BY created_at LIMIT 500 FOR UPDATE SKIP LOCKED) RETURNING size"  # _SWEEP_BATCH
+)
 _SQLITE = {f"p{n}": f"?{n}" for n in range(1, 8)}  # numbered: _FREED names them out of order
 _PG = {f"p{n}": f"${n}" for n in range(1, 8)}
 
@@ -71,15 +86,17 @@ class StoredResponse:
     """The Response object as returned."""
     input_items: list[dict[str, Any]]
     """The request's input items (with ids), as ``input_items`` lists them."""
-    conversation: list[dict[str, Any]]
-    """Every item a ``previous_response_id`` naming this response replays, oldest first."""
+    conversation: list[dict[str, Any]] | None
+    """Every item a ``previous_response_id`` naming this response replays, oldest first; None (JSON
+    ``null``) for a response that failed or was cancelled, whose cut output is not continued."""
 
 
 class ResponseStorage(Protocol):
     """Rows of the ``responses`` table, and their owners' totals in ``response_owners``."""
 
-    async def put(self, row: StoredResponse, *, cap: Cap) -> int:
-        """Store ``row``; drop its owner's oldest past ``cap``; how many were dropped."""
+    async def put(self, row: StoredResponse, *, cap: Cap) -> int | None:
+        """Store ``row``; drop its owner's oldest past ``cap``; how many were dropped (None: the id was
+        there already, nothing stored)."""
 
     async def read(self, owner: str, response_id: str, column: Column, *, since: float) -> str | None:
         """``column`` (JSON text) of ``owner``'s response made after ``since``, if any."""
@@ -88,7 +105,7 @@ class ResponseStorage(Protocol):
         """Delete ``owner``'s response; whether there was one."""
 
     async def sweep(self, before: float) -> int:
-        """Delete every response made before ``before``; how many."""
+        """Delete every response made before ``before``, in batches of short transactions; how many."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -145,18 +162,20 @@ class SqliteResponses:
     def __init__(self, storage: SqliteKeyStorage) -> None:
         self.storage = storage
 
-    async def put(self, row: StoredResponse, *, cap: Cap) -> int:
+    async def put(self, row: StoredResponse, *, cap: Cap) -> int | None:
         """Store ``row``, dropping the owner's oldest past ``cap`` (read along the owner's index, O(dropped))."""
         db = self.storage.db
         values = _values(row)
         dropped: list[str] = []
         with _immediate(db):
             if db.execute(_PUT.format(**_SQLITE), values).rowcount == 0:
-                return 0  # the id is there already
+                return None  # the id is there already
             count, size = db.execute(_HELD.format(**_SQLITE), (row.owner, values[-1])).fetchone()
             held = size
             while cap.over(count, size):
-                oldest = db.execute(_OLDEST.format(**_SQLITE), (row.owner, row.id, cap.batch(count))).fetchall()
+                oldest = db.execute(
+                    _OLDEST.format(lock="", **_SQLITE), (row.owner, row.id, cap.batch(count))
+                ).fetchall()
                 taken, count, size = cap.take(oldest, count, size)
                 if not taken:
                     break  # the new row alone is over: it stays
@@ -181,12 +200,16 @@ class SqliteResponses:
         return found is not None
 
     async def sweep(self, before: float) -> int:
-        """Delete the rows made before ``before``."""
-        db = self.storage.db
-        with _immediate(db):
-            rows = db.execute(_SWEEP.format(**_SQLITE), (before,)).fetchall()
-            db.executemany(_FREED.format(**_SQLITE), _freed(rows))
-        return len(rows)
+        """Delete the rows made before ``before``, a batch per transaction (other writes run between)."""
+        db, swept = self.storage.db, 0
+        while True:
+            with _immediate(db):
+                rows = db.execute(_SWEEP.format(**_SQLITE), (before,)).fetchall()
+                db.executemany(_FREED.format(**_SQLITE), _freed(rows))
+            swept += len(rows)
+            if len(rows) < _SWEEP_BATCH:
+                return swept
+            await asyncio.sleep(0)
 
 
 class PgResponses:
@@ -195,19 +218,23 @@ class PgResponses:
     def __init__(self, storage: PgKeyStorage) -> None:
         self.storage = storage
 
-    async def put(self, row: StoredResponse, *, cap: Cap) -> int:
-        """Store ``row``, dropping the owner's oldest past ``cap`` (the owner's totals row is locked till the end)."""
+    async def put(self, row: StoredResponse, *, cap: Cap) -> int | None:
+        """Store ``row``, dropping the owner's oldest past ``cap``: the owner's totals row is locked (by
+        its upsert) before any of its rows, till the end. The new row, inserted first, is seen by no one
+        else before the commit, so no other write waits on it."""
         values = _values(row)
         dropped: list[str] = []
         async with self.storage.pool.acquire() as conn, conn.transaction():
             if await conn.execute(_PUT.format(**_PG), *values) == "INSERT 0 0":
-                return 0  # the id is there already
+                return None  # the id is there already
             held = await conn.fetchrow(_HELD.format(**_PG), row.owner, values[-1])
             assert held is not None  # an upsert's RETURNING: always one row
             count, size = held
             freed, gone = 0, 0
             while cap.over(count, size):
-                oldest = await conn.fetch(_OLDEST.format(**_PG), row.owner, row.id, cap.batch(count))
+                oldest = await conn.fetch(
+                    _OLDEST.format(lock=" FOR UPDATE SKIP LOCKED", **_PG), row.owner, row.id, cap.batch(count)
+                )
                 taken, count, size = cap.take([(item[0], item[1]) for item in oldest], count, size)
                 if not taken:
                     break  # the new row alone is over: it stays
@@ -225,19 +252,29 @@ class PgResponses:
         return None if found is None else str(found)
 
     async def delete(self, owner: str, response_id: str) -> bool:
-        """Delete the row if ``owner``'s."""
+        """Delete the row if ``owner``'s (the owner's totals row locked first, as put and the sweep do)."""
         async with self.storage.pool.acquire() as conn, conn.transaction():
+            await conn.execute(_LOCK_OWNER, owner)
             size = await conn.fetchval(_DELETE.format(**_PG), response_id, owner)
             if size is not None:
                 await conn.execute(_FREED.format(**_PG), owner, 1, size)
         return size is not None
 
     async def sweep(self, before: float) -> int:
-        """Delete the rows made before ``before``."""
-        async with self.storage.pool.acquire() as conn, conn.transaction():
-            rows = [(item[0], item[1]) for item in await conn.fetch(_SWEEP.format(**_PG), before)]
-            await conn.executemany(_FREED.format(**_PG), _freed(rows))
-        return len(rows)
+        """Delete the rows made before ``before``: owner by owner (sorted), a batch per short transaction
+        that locks the owner's totals row first."""
+        swept = 0
+        for (owner,) in await self.storage.pool.fetch(_EXPIRED_OWNERS, before):
+            while True:
+                async with self.storage.pool.acquire() as conn, conn.transaction():
+                    await conn.execute(_LOCK_OWNER, owner)
+                    sizes = await conn.fetch(_PG_SWEEP, owner, before)
+                    if sizes:
+                        await conn.execute(_FREED.format(**_PG), owner, len(sizes), sum(item[0] for item in sizes))
+                swept += len(sizes)
+                if len(sizes) < _SWEEP_BATCH:
+                    break
+        return swept
 
 
 def storage_for(keys: KeyStorage) -> ResponseStorage:
@@ -262,6 +299,8 @@ class ResponseStore:
         self.cap = Cap(settings.max_per_key, settings.max_bytes_per_key)
         self._swept = 0.0
         self._writes: dict[str, asyncio.Task[None]] = {}
+        self._sweeping: asyncio.Task[None] | None = None
+        """The sweep under way, if any: one at a time."""
         self.stored = Counter(
             "iop_edge_responses_stored_total",
             "Responses stored (store: true) for the Responses API.",
@@ -275,13 +314,19 @@ class ResponseStore:
             ["reason"],
             registry=registry,
         )
+        self.sweep_errors = Counter(
+            "iop_edge_responses_sweep_errors_total",
+            "Sweeps of expired stored responses that failed (the store was away); the next store after"
+            " responses.sweep_interval tries again.",
+            registry=registry,
+        )
 
     @property
     def _since(self) -> float:
         return time.time() - self.settings.retention_days * 86_400
 
     async def put(self, row: StoredResponse) -> None:
-        """Store ``row``; the owner's oldest dropped past the cap; expired rows swept now and then.
+        """Store ``row``; the owner's oldest dropped past the cap; a sweep of expired rows started now and then.
 
         A store that is away loses the row (logged, counted as ``store_error``), not the answer: the
         run ran and its client gets it; only a later retrieve or ``previous_response_id`` misses it."""
@@ -293,6 +338,8 @@ class ResponseStore:
 
     async def _put(self, row: StoredResponse) -> None:
         dropped = await self.storage.put(row, cap=self.cap)
+        if dropped is None:
+            return  # the id was stored already (a stream's end and its client's leaving both store it)
         self.stored.inc()
         if dropped:
             self.dropped.labels("max_per_key").inc(dropped)
@@ -303,19 +350,34 @@ class ResponseStore:
                 max_per_key=self.cap.responses,
                 max_bytes_per_key=self.cap.bytes,
             )
-        if time.monotonic() - self._swept >= self.settings.sweep_interval:
+        if time.monotonic() - self._swept >= self.settings.sweep_interval and self._sweeping is None:
             self._swept = time.monotonic()
+            self._sweeping = asyncio.ensure_future(self._sweep())
+
+    async def _sweep(self) -> None:
+        """Delete the expired rows, apart from any create (which neither waits for it nor fails by it)."""
+        try:
             if swept := await self.storage.sweep(self._since):
                 self.dropped.labels("retention").inc(swept)
                 _log.info(
                     "expired stored responses deleted", deleted=swept, retention_days=self.settings.retention_days
                 )
+        except STORE_ERRORS as exc:
+            self.sweep_errors.inc()
+            _log.warning("the sweep of expired stored responses failed", error=str(exc) or type(exc).__name__)
+        finally:
+            self._sweeping = None
 
     def put_soon(self, row: StoredResponse) -> None:
         """Store ``row`` in a task of its own (from a stream's end, which cannot wait)."""
         task = asyncio.ensure_future(self.put(row))
         self._writes[row.id] = task
-        task.add_done_callback(lambda _: self._writes.pop(row.id, None))
+
+        def done(_: asyncio.Task[None]) -> None:
+            if self._writes.get(row.id) is task:  # a later write of the same id is its own entry
+                del self._writes[row.id]
+
+        task.add_done_callback(done)
 
     async def get(self, owner: str, response_id: str, column: Column) -> str | None:
         """``column`` (JSON text) of ``owner``'s response, unless expired (after its write, when one is
@@ -338,8 +400,10 @@ class ResponseStore:
             raise _away(exc) from None
 
     async def aclose(self) -> None:
-        """Wait for the writes under way."""
+        """Wait for the writes and the sweep under way."""
         await asyncio.gather(*self._writes.values(), return_exceptions=True)
+        if self._sweeping is not None:
+            await asyncio.gather(self._sweeping, return_exceptions=True)
 
 
 def _away(exc: Exception) -> ApiError:

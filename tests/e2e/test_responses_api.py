@@ -257,7 +257,11 @@ def test_delete_then_retrieve_is_a_404(stack: Stack) -> None:
     client = stack.client()
     response = client.responses.create(model="mock-small", input="short-lived")
     with stack.http() as http:
+        for path in (f"/responses/{response.id}", f"/responses/{response.id}/input_items", "/responses/resp_none"):
+            read = http.get(path)
+            assert len(read.headers["x-request-id"]) == 24, (path, read.headers)  # as every route's answers
         deleted = http.delete(f"/responses/{response.id}")
+        assert len(deleted.headers["x-request-id"]) == 24
         assert deleted.status_code == 200 and deleted.json() == {
             "id": response.id,
             "object": "response",
@@ -469,6 +473,13 @@ def test_a_client_leaving_a_stream_cancels_the_run(stack: Stack) -> None:
     assert stored.status == "cancelled" and stored.output  # the text streamed before the client left
     with stack.http(secret) as http:
         validate("Response", http.get(f"/responses/{response_id}").json())
+        continued = http.post(
+            "/responses", json={"model": "mock-small", "input": "and?", "previous_response_id": response_id}
+        )
+    assert continued.status_code == 400, continued.text  # its output may be cut mid-item: not replayed
+    error = continued.json()["error"]
+    assert error["param"] == "previous_response_id" and "status is cancelled" in error["message"]
+    validate("ErrorResponse", continued.json())
 
 
 def test_without_keys_responses_are_anonymous_and_kept_in_the_same_store(stack: Stack) -> None:

@@ -4,6 +4,7 @@ kept with every write, two edges sharing one store, and a PostgreSQL store upgra
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -111,7 +112,8 @@ async def test_an_expired_response_is_not_found_and_is_swept(make: StorageFactor
     store = await _store(make, retention_days=1, sweep_interval=0.01)
     await store.storage.put(_row("resp_old", created_at=time.time() - 2 * 86_400), cap=Cap(10, 10**6))  # no sweep
     assert await store.get("alice", "resp_old", "body") is None  # past retention: gone at once for readers
-    await store.put(_row("resp_new"))  # the edge's first write sweeps
+    await store.put(_row("resp_new"))  # the edge's first write starts the sweep, a task of its own
+    await store.aclose()  # which waits for it
     assert store.dropped.labels("retention")._value.get() == 1
     assert await store.get("alice", "resp_new", "body") is not None
 
@@ -214,3 +216,71 @@ async def test_a_postgresql_key_store_at_version_4_is_upgraded_to_5_keeping_its_
         assert await connection.fetchval("SELECT count(*) FROM responses") == 1  # refused, not touched
     finally:
         await connection.close()
+
+
+async def test_a_sweep_is_batched_and_runs_apart_from_the_put(make: StorageFactory) -> None:
+    """Over a batch of expired rows: all deleted, counted, the totals right; the put that started the
+    sweep returned before it (its row stored); a failed sweep is a sweep error, not a store error."""
+    keys = await _keys(make)
+    store = ResponseStore(storage_for(keys), ResponsesSettings(sweep_interval=0.01), CollectorRegistry())
+    old = time.time() - 400 * 86_400
+    for index in range(1_203):
+        await store.storage.put(_row(f"resp_old{index}", owner=f"k{index % 3}", created_at=old), cap=store.cap)
+    await store.put(_row("resp_new"))
+    assert store._sweeping is not None and store.stored._value.get() == 1
+    await store.aclose()
+    left: object = store._sweeping  # (not narrowed by the assert above: the task ended and cleared it)
+    assert store.dropped.labels("retention")._value.get() == 1_203 and left is None
+    assert await _held(keys, "alice") is not None and [await _held(keys, f"k{n}") for n in range(3)] == [(0, 0)] * 3
+
+    class Away:
+        async def sweep(self, before: float) -> int:
+            raise OSError("the store is away")
+
+    store.storage.sweep = Away().sweep  # type: ignore[method-assign]
+    store._swept = 0.0
+    await store.put(_row("resp_later"))
+    await store.aclose()
+    assert store.sweep_errors._value.get() == 1 and store.dropped.labels("store_error")._value.get() == 0
+    assert await store.get("alice", "resp_later", "body") is not None
+
+
+async def test_a_response_stored_twice_counts_once_and_its_write_stays_findable(make: StorageFactory) -> None:
+    """A stream's end and its client's leaving may both store one id: the second insert is a no-op, not
+    counted; the first write's done callback does not forget the second write."""
+    store = await _store(make)
+    store.put_soon(_row("resp_twice"))
+    first = store._writes["resp_twice"]
+    store.put_soon(_row("resp_twice", text="later"))
+    second = store._writes["resp_twice"]
+    await first
+    assert store._writes.get("resp_twice") is second
+    await store.aclose()
+    assert store.stored._value.get() == 1 and (await _get(store, "alice", "resp_twice"))["output"][0]["text"] == "é"
+
+
+@pytest.mark.slow
+async def test_concurrent_put_at_cap_sweep_and_delete_of_one_owner_never_deadlock(make: StorageFactory) -> None:
+    """One owner at its cap, with expired rows: puts (dropping its oldest), the sweep and deletes at once,
+    from two edges, many rounds: none fails (on PostgreSQL opposite lock orders deadlocked and aborted a
+    put), and the owner's totals equal its rows."""
+    keys_one, keys_two = await _keys(make), await _keys(make)
+    one = ResponseStore(storage_for(keys_one), ResponsesSettings(max_per_key=5), CollectorRegistry())
+    two = ResponseStore(storage_for(keys_two), ResponsesSettings(max_per_key=5), CollectorRegistry())
+    now = time.time()
+    for round_ in range(40):
+        old = now - 30 * 86_400
+        for index in range(30):
+            await one.storage.put(_row(f"resp_x{round_}_{index}", created_at=old + index), cap=Cap(10**6, 10**9))
+        puts = [
+            (one if index % 2 else two).storage.put(_row(f"resp_{round_}_{index}", created_at=now + index), cap=one.cap)
+            for index in range(8)
+        ]
+        sweeps = [one.storage.sweep(now - 86_400), two.storage.sweep(now - 86_400)]
+        deletes = [two.storage.delete("alice", f"resp_{round_ - 1}_{index}") for index in range(8)]
+        await asyncio.gather(*puts, *sweeps, *deletes)
+        count, _ = await _held(keys_one, "alice") or (0, 0)
+        assert count <= 5 + 8  # the cap, give or take what was put at once
+    await one.storage.sweep(now - 86_400)
+    count, _ = await _held(keys_one, "alice") or (0, 0)
+    assert 0 < count <= 13

@@ -131,6 +131,20 @@ def test_count_tokens_needs_no_max_tokens() -> None:
 
 
 @pytest.mark.parametrize(
+    "field",
+    [("max_tokens", 10), ("stream", True), ("temperature", 0.5), ("stop_sequences", ["x"]), ("top_k", 5)],
+    ids=lambda field: field[0],
+)
+def test_count_tokens_refuses_the_fields_about_generating(field: tuple[str, Any]) -> None:
+    """Anthropic's count_tokens takes no max_tokens, stream or sampling fields: an extra input, as there."""
+    data = {key: value for key, value in _BASE.items() if key != "max_tokens"}
+    with pytest.raises(ApiError) as caught:
+        count_request({**data, field[0]: field[1]}, "r1")
+    assert caught.value.status == 400 and caught.value.message == f"{field[0]}: Extra inputs are not permitted"
+    assert caught.value.param == field[0]
+
+
+@pytest.mark.parametrize(
     ("fields", "without", "named"),
     [
         ({}, "max_tokens", "max_tokens: Field required"),
@@ -183,6 +197,7 @@ def test_count_tokens_needs_no_max_tokens() -> None:
         ({"temperature": 1.5}, "", "temperature: Input should be between 0 and 1"),
         ({"top_p": "high"}, "", "top_p: Input should be a valid number"),
         ({"top_k": -1}, "", "top_k: Input should be greater than or equal to 0"),
+        ({"top_k": 2**31}, "", "top_k: Input should be less than or equal to 2147483647"),
         ({"stream": "yes"}, "", "stream: Input should be a valid boolean"),
         ({"metadata": "u"}, "", "metadata: Input should be an object"),
         ({"output_config": {"format": {"type": "json_object"}}}, "", "output_config.format"),

@@ -122,6 +122,10 @@ def test_input_items_are_stored_with_ids_and_statuses() -> None:
         ({"tools": [{"type": "file_search", "vector_store_ids": []}]}, "tools[0].type", "file_search"),
         ({"tools": [{"type": "function"}]}, "tools[0].name", "Missing"),
         ({"tools": "x"}, "tools", "array"),
+        ({"tools": [{**TOOL, "name": "a b"}]}, "tools[0].name", "should be 1 to 64 letters"),
+        ({"tools": [{**TOOL, "name": "x" * 65}]}, "tools[0].name", "should be 1 to 64 letters"),
+        ({"tools": [TOOL, {**TOOL, "name": "f"}, TOOL]}, "tools[2].name", "earlier tool's name"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
         ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [TOOL]}, "tool_choice", "nope"),
         ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice", "web_search_preview"),
         ({"text": {"format": {"type": "xml"}}}, "text.format.type", "xml"),
@@ -322,3 +326,85 @@ def test_a_failure_mid_stream_is_response_failed() -> None:
     assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
     assert failed["response"]["error"] == {"code": "server_error", "message": "the node was lost"}
     assert failed["response"]["output"][0]["content"][0]["text"] == "partial" and stored[0]["status"] == "failed"
+
+
+def test_a_client_leaving_during_the_final_write_does_not_store_the_response_again() -> None:
+    """last() (or error()) made the final Response: a cancelled() after it stores nothing more."""
+    parsed = shape.parse_create({"model": "m", "input": "x"})
+    for end in ("last", "error"):
+        stored: list[dict[str, Any]] = []
+        events = responses_output.ResponseEvents(responses_output.skeleton("resp_1", "m", parsed), stored.append)
+        events.first()
+        events.delta(pb.RunDelta(text="all"))
+        if end == "last":
+            events.last(_complete())
+        else:
+            events.error(ApiError(502, "lost"))
+        events.cancelled()
+        assert [body["status"] for body in stored] == ["completed" if end == "last" else "failed"]
+
+
+def test_a_function_call_cut_by_the_token_limit_is_incomplete() -> None:
+    parsed = shape.parse_create({"model": "m", "input": "x", "tools": [TOOL]})
+    start = pb.RunDelta(tool_calls=[pb.ToolCallDelta(index=0, id="call_1", function_name="lookup")])
+    cut = pb.RunDelta(tool_calls=[pb.ToolCallDelta(index=0, arguments='{"q": "ab')])
+    outcome = Outcome()
+    collect_delta(outcome, start)
+    collect_delta(outcome, cut)
+    complete = _complete(pb.FINISH_REASON_LENGTH)
+    body = responses_output.response_body(responses_output.skeleton("resp_1", "m", parsed), outcome, complete)
+    assert body["status"] == "incomplete" and body["output"][-1]["status"] == "incomplete"
+    events = responses_output.ResponseEvents(responses_output.skeleton("resp_2", "m", parsed))
+    events.first()
+    events.delta(start)
+    events.delta(cut)
+    [*_, done, last] = _decoded(events.last(complete))
+    assert done["type"] == "response.output_item.done" and done["item"]["status"] == "incomplete"
+    assert last["type"] == "response.incomplete" and last["response"]["output"][-1]["status"] == "incomplete"
+    assert last["response"]["output"][-1]["arguments"] == '{"q": "ab'
+    validate("Response", last["response"])
+    done = responses_output.response_body(responses_output.skeleton("resp_3", "m", parsed), outcome, _complete())
+    assert done["output"][-1]["status"] == "completed"
+
+
+def test_many_small_deltas_are_joined_once() -> None:
+    """Text and arguments kept as pieces: 100k one-character deltas take well under a second (a ``+=``
+    per delta copied the whole text each time), and the result is the same."""
+    parsed = shape.parse_create({"model": "m", "input": "x"})
+    events = responses_output.ResponseEvents(responses_output.skeleton("resp_1", "m", parsed))
+    outcome = Outcome()
+    events.first()
+    events.delta(pb.RunDelta(tool_calls=[pb.ToolCallDelta(index=0, id="call_1", function_name="f")]))
+    collect_delta(outcome, pb.RunDelta(tool_calls=[pb.ToolCallDelta(index=0, id="call_1", function_name="f")]))
+    for _ in range(100_000):
+        delta = pb.RunDelta(tool_calls=[pb.ToolCallDelta(index=0, arguments="x")])
+        events.delta(delta)
+        collect_delta(outcome, delta)
+    [*_, last] = _decoded(events.last(_complete(pb.FINISH_REASON_TOOL_CALLS)))
+    assert last["response"]["output"][0]["arguments"] == "x" * 100_000
+    assert outcome.calls()[0]["function"]["arguments"] == "x" * 100_000
+
+
+def test_tool_choice_auto_or_none_without_tools_is_not_sent() -> None:
+    """OpenAI takes tool_choice without tools; vLLM refuses it: auto and none, which no tools mean anyway,
+    are left out of the run (and still echoed)."""
+    for choice in ("auto", "none"):
+        parsed = shape.parse_create({"model": "m", "input": "x", "tool_choice": choice})
+        assert "tool_choice" not in parsed.openai_fields and parsed.echo["tool_choice"] == choice
+    with_tools = shape.parse_create({"model": "m", "input": "x", "tools": [TOOL], "tool_choice": "none"})
+    assert with_tools.openai_fields["tool_choice"] == "none"
+
+
+def test_echoed_values_in_400s_are_cut_and_top_logprobs_has_a_code() -> None:
+    long = "x" * 10_000
+    for fields in (
+        {"include": [long]},
+        {"input": [{"type": "function_call_output", "id": long, "call_id": "c", "output": "x"}] * 2},
+    ):
+        with pytest.raises(ApiError) as caught:
+            shape.parse_create({"model": "m", "input": "x", **fields})
+        assert caught.value.status == 400 and "x" * 61 + "..." in caught.value.message
+        assert len(caught.value.message) < 200
+    with pytest.raises(ApiError) as caught:
+        shape.parse_create({"model": "m", "input": "x", "top_logprobs": 2})
+    assert caught.value.code == "unsupported_parameter" and caught.value.param == "top_logprobs"

@@ -29,11 +29,19 @@ from google.protobuf.struct_pb2 import Struct
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.openai.errors import ApiError
-from iop_wire.openai.requests import MAX_MODEL_NAME, kind_of
+from iop_wire.openai.requests import (
+    ANTHROPIC_TOOL_NAME,
+    MAX_MODEL_NAME,
+    MAX_STOP,
+    MAX_TOKENS,
+    function_tool,
+    kind_of,
+    tool_choice_sent,
+    tool_name_problem,
+)
 from iop_wire.openai.responses import Outcome, json_bytes
 
 __all__ = [
-    "MAX_STOP_SEQUENCES",
     "MAX_TOKENS",
     "MessageStream",
     "MessagesRequest",
@@ -53,12 +61,6 @@ _IGNORED = frozenset(
     | {"workspace_id", "context_management"}
 )
 """Fields about Anthropic's platform, not the model: accepted, not used."""
-MAX_TOKENS = 2**31 - 1
-"""The most max_tokens a run carries (an int32 on the wire): more is a 400 naming the value sent, not a
-clamped value the node would refuse in its own terms."""
-MAX_STOP_SEQUENCES = 4
-"""Stop sequences one run carries (OpenAI-compatible backends take 4); more is a 400, as one run cannot
-be split."""
 _ROLES = {"user": pb.ROLE_USER, "assistant": pb.ROLE_ASSISTANT, "system": pb.ROLE_SYSTEM}
 """Roles of ``messages`` (system: text blocks only, as the top-level ``system``)."""
 _STOP = {
@@ -77,7 +79,6 @@ _ERROR_TYPES = {
     529: "overloaded_error",
 }
 """Anthropic's error type per status; other 4xx are ``invalid_request_error``, other 5xx ``api_error``."""
-_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,128}")
 """A tool's name as Anthropic takes it."""
 _INDEX = re.compile(r"\[(\d+)\]")
 """A list index in OpenAI's path style (``messages[0]``), Anthropic's being ``messages.0``."""
@@ -103,9 +104,19 @@ def messages_request(data: Mapping[str, Any], run_id: str) -> MessagesRequest:
     return MessagesRequest(request, bool(stream))
 
 
+_NOT_COUNTED = frozenset(
+    {"max_tokens", "stream", "temperature", "top_p", "top_k", "stop_sequences", "metadata", "service_tier"}
+)
+"""Fields of a create that Anthropic's count_tokens does not take (it takes model, messages, system, tools,
+tool_choice, thinking and a few more): an extra input there, as Anthropic answers them."""
+
+
 def count_request(data: Mapping[str, Any], run_id: str) -> pb.RunRequest:
-    """``POST /v1/messages/count_tokens``'s body as a count run: the same mapping, max_tokens not needed
-    (sampling fields, harmless to a count, are accepted and not used)."""
+    """``POST /v1/messages/count_tokens``'s body as a count run: the same mapping, without max_tokens and
+    the other fields about generating (a 400, as Anthropic's)."""
+    for name in data:
+        if name in _NOT_COUNTED:
+            raise _invalid(name, "Extra inputs are not permitted")
     return _request(data, run_id, pb.RUN_KIND_COUNT_TOKENS)
 
 
@@ -196,15 +207,15 @@ def _sampling(data: Mapping[str, Any], sampling: pb.Sampling) -> None:
         if not 0 <= value <= 1:
             raise _invalid(name, f"Input should be between 0 and 1, got {value}")
         setattr(sampling, name, float(value))
-    if (top_k := _integer(data, "top_k", low=0)) > 0:  # 0: no top-k cut
-        sampling.top_k = min(top_k, 2**31 - 1)
+    if (top_k := _integer(data, "top_k", low=0, high=MAX_TOKENS)) > 0:  # 0: no top-k cut; int32 on the wire
+        sampling.top_k = top_k
     stop = data.get("stop_sequences")
     if stop is None:
         return
     if not isinstance(stop, list) or not all(isinstance(item, str) and item for item in stop):
         raise _invalid("stop_sequences", "Input should be a list of non-empty strings")
-    if len(stop) > MAX_STOP_SEQUENCES:
-        message = f"{len(stop)} stop sequences, over the {MAX_STOP_SEQUENCES} one request may have on this server"
+    if len(stop) > MAX_STOP:
+        message = f"{len(stop)} stop sequences, over the {MAX_STOP} one request may have on this server"
         raise _invalid("stop_sequences", message)
     sampling.stop.extend(stop)
 
@@ -326,11 +337,10 @@ def _tools(data: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(tools, list):
         raise _invalid("tools", f"Input should be a list of tools, got {kind_of(tools)}")
     functions = [_tool(tool, f"tools.{index}") for index, tool in enumerate(tools)]
-    seen: set[str] = set()
-    for index, function in enumerate(functions):
-        if (name := function["function"]["name"]) in seen:
-            raise _invalid(f"tools.{index}.name", f"{json.dumps(name)} is an earlier tool's name: names are unique")
-        seen.add(name)
+    names = [function["function"]["name"] for function in functions]
+    if (problem := tool_name_problem(names, longest=ANTHROPIC_TOOL_NAME)) is not None:
+        index, why = problem
+        raise _invalid(f"tools.{index}.name", why)
     fields: dict[str, Any] = {"tools": functions} if functions else {}
     choice = data.get("tool_choice")
     if choice is None:
@@ -338,10 +348,11 @@ def _tools(data: Mapping[str, Any]) -> dict[str, Any]:
     kind = choice.get("type") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or kind not in ("auto", "any", "tool", "none"):
         raise _invalid("tool_choice", "Input should be an object of type auto, any, tool or none")
-    if not functions:  # auto and none are what no tools mean anyway
-        if kind in ("any", "tool"):
-            raise _invalid("tool_choice", f"tool_choice {kind} needs tools")
-        return fields
+    try:  # auto and none without tools: dropped, as what no tools mean anyway
+        if tool_choice_sent({"any": "required", "tool": "required"}.get(kind, kind), bool(functions)) is None:
+            return fields
+    except ValueError:
+        raise _invalid("tool_choice", f"tool_choice {kind} needs tools") from None
     if kind == "tool":
         name = _string(choice, "name", "tool_choice")
         if name not in {function["function"]["name"] for function in functions}:
@@ -364,16 +375,8 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
     schema = tool.get("input_schema")
     if not isinstance(schema, dict):
         raise _invalid(f"{where}.input_schema", "Field required" if schema is None else "Input should be an object")
-    name = _string(tool, "name", where)
-    if not _TOOL_NAME.fullmatch(name):
-        message = f"{json.dumps(name)[:80]} should be 1 to 128 letters, digits, underscores or hyphens"
-        raise _invalid(f"{where}.name", message)
-    function: dict[str, Any] = {"name": name, "parameters": schema}
-    if isinstance(description := tool.get("description"), str):
-        function["description"] = description
-    if isinstance(strict := tool.get("strict"), bool):
-        function["strict"] = strict
-    return {"type": "function", "function": function}
+    name = _string(tool, "name", where)  # its characters and length: tool_name_problem, for all the tools
+    return function_tool(name, schema, tool.get("description"), tool.get("strict"))
 
 
 def _output_config(output: Any) -> dict[str, Any]:
@@ -413,8 +416,7 @@ def message_body(run_id: str, model: str, outcome: Outcome, complete: pb.RunComp
     content: list[dict[str, Any]] = []
     if text := "".join(outcome.text):
         content.append({"type": "text", "text": text})
-    for index in sorted(outcome.tool_calls):
-        call = outcome.tool_calls[index]
+    for call in outcome.calls():
         function = call["function"]
         content.append({"type": "tool_use", "id": call["id"], "name": function["name"], "input": _input(function)})
     return {
@@ -513,6 +515,9 @@ class MessageStream:
     def error(self, error: ApiError) -> bytes:
         """A failure after the stream started: an ``error`` event with Anthropic's error body."""
         return _event("error", {"error": error_body(error)["error"]})
+
+    def cancelled(self) -> None:
+        """The client left mid-stream: nothing is kept of a Messages stream."""
 
 
 # -- errors -----------------------------------------------------------------------------------

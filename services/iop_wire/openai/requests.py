@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,25 @@ from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_wire.openai.errors import ApiError
 from iop_wire.openai.values import check_values, too_deep
 
-__all__ = ["ChatRequest", "CompletionRequest", "EmbeddingRequest", "kind_of", "known_fields", "parse_body", "required"]
+__all__ = [
+    "ANTHROPIC_TOOL_NAME",
+    "MAX_STOP",
+    "MAX_TOKENS",
+    "OPENAI_TOOL_NAME",
+    "ChatRequest",
+    "CompletionRequest",
+    "EmbeddingRequest",
+    "function_tool",
+    "kind_of",
+    "known_fields",
+    "model",
+    "parse_body",
+    "required",
+    "sampling",
+    "show",
+    "tool_choice_sent",
+    "tool_name_problem",
+]
 
 _ROLES = {
     "system": pb.ROLE_SYSTEM,
@@ -62,8 +81,10 @@ _COMPLETION_FIELDS = {"model", "prompt", "stream", "temperature", "top_p", "max_
 _COMPLETION_FIELDS |= {"presence_penalty", "frequency_penalty", "n", "user", "logit_bias", "logprobs", "echo"}
 _COMPLETION_FIELDS |= {"best_of", "suffix", "stream_options"}
 _EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
-_MAX_STOP = 4
+MAX_STOP = 4
+"""Stop sequences one run carries (OpenAI-compatible backends take 4): more is a 400, as one run cannot be split."""
 MAX_MODEL_NAME = 256
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]+")
 """Longest model name taken: it is echoed in errors, logged and kept in ledgers."""
 
 
@@ -116,14 +137,14 @@ def parse_body(body: bytes) -> dict[str, Any]:
 def chat_request(data: Mapping[str, Any], run_id: str) -> ChatRequest:
     """A chat completion request as a run.request (``data`` from :func:`parse_body`)."""
     known_fields(data, _CHAT_FIELDS | _CARRIED | _IGNORED | _UNSUPPORTED)
-    request = pb.RunRequest(run_id=run_id, model=_model(data), kind=pb.RUN_KIND_CHAT)
+    request = pb.RunRequest(run_id=run_id, model=model(data), kind=pb.RUN_KIND_CHAT)
     messages = required(data, "messages", list, "array")
     if not messages:
         raise ApiError(400, "[] is too short - 'messages'", param="messages", code="empty_array")
     for index, message in enumerate(messages):
         request.messages.append(_message(message, f"messages[{index}]"))
     stream = _optional(data, "stream", bool, "boolean") or False
-    _sampling(data, request.sampling, max_tokens=("max_completion_tokens", "max_tokens"))
+    sampling(data, request.sampling, max_tokens=("max_completion_tokens", "max_tokens"))
     carried = {name: data[name] for name in _CARRIED if data.get(name) is not None}
     _check_carried(carried)
     carried.pop("n", None)  # 1: the only value served
@@ -137,7 +158,7 @@ def chat_request(data: Mapping[str, Any], run_id: str) -> ChatRequest:
 def completion_request(data: Mapping[str, Any], run_id: str) -> CompletionRequest:
     """A text completion request: one run.request per prompt (``<run_id>-<index>`` past the first)."""
     known_fields(data, _COMPLETION_FIELDS)
-    model = _model(data)
+    model_name = model(data)
     prompt = data.get("prompt")
     if isinstance(prompt, str):
         prompts = [prompt]
@@ -156,8 +177,8 @@ def completion_request(data: Mapping[str, Any], run_id: str) -> CompletionReques
     if data.get("logprobs") is not None:
         raise ApiError(400, "logprobs is not supported for completions", param="logprobs")
     echo = _optional(data, "echo", bool, "boolean") or False
-    template = pb.RunRequest(model=model, kind=pb.RUN_KIND_COMPLETION, stream=stream)
-    _sampling(data, template.sampling, max_tokens=("max_tokens",), default_max_tokens=16)
+    template = pb.RunRequest(model=model_name, kind=pb.RUN_KIND_COMPLETION, stream=stream)
+    sampling(data, template.sampling, max_tokens=("max_tokens",), default_max_tokens=16)
     if isinstance(user := data.get("user"), str) and user:
         template.metadata["user"] = user
     requests = []
@@ -173,7 +194,7 @@ def completion_request(data: Mapping[str, Any], run_id: str) -> CompletionReques
 def embedding_request(data: Mapping[str, Any], run_id: str) -> EmbeddingRequest:
     """An embeddings request as one run.request whose prompt holds each input."""
     known_fields(data, _EMBEDDING_FIELDS)
-    model = _model(data)
+    model_name = model(data)
     given = data.get("input")
     if isinstance(given, str):
         inputs = [given]
@@ -195,7 +216,7 @@ def embedding_request(data: Mapping[str, Any], run_id: str) -> EmbeddingRequest:
     dimensions = _optional(data, "dimensions", int, "integer")
     if dimensions is not None and dimensions < 1:
         raise ApiError(400, f"{dimensions} is less than the minimum of 1 - 'dimensions'", param="dimensions")
-    request = pb.RunRequest(run_id=run_id, model=model, kind=pb.RUN_KIND_EMBEDDING, prompt=inputs)
+    request = pb.RunRequest(run_id=run_id, model=model_name, kind=pb.RUN_KIND_EMBEDDING, prompt=inputs)
     if isinstance(user := data.get("user"), str) and user:
         request.metadata["user"] = user
     return EmbeddingRequest(request, encoding == "base64", dimensions)
@@ -214,18 +235,17 @@ def known_fields(data: Mapping[str, Any], allowed: set[str] | frozenset[str]) ->
             raise ApiError(400, f"{name} is not supported by this server", param=name)
 
 
-def _model(data: Mapping[str, Any]) -> str:
-    model = data.get("model")
-    if model is None:
+def model(data: Mapping[str, Any]) -> str:
+    """The request's ``model``: a non-empty string, at most MAX_MODEL_NAME characters; 400 otherwise."""
+    name = data.get("model")
+    if name is None:
         raise ApiError(400, "you must provide a model parameter", param="model")
-    if not isinstance(model, str) or not model:
-        raise ApiError(400, f"{_show(model)} is not of type 'string' - 'model'", param="model")
-    if len(model) > MAX_MODEL_NAME:
-        message = (
-            f"Invalid 'model': {_show(model)} is {len(model)} characters, over the {MAX_MODEL_NAME} a name may have."
-        )
+    if not isinstance(name, str) or not name:
+        raise ApiError(400, f"{show(name)} is not of type 'string' - 'model'", param="model")
+    if len(name) > MAX_MODEL_NAME:
+        message = f"Invalid 'model': {show(name)} is {len(name)} characters, over the {MAX_MODEL_NAME} a name may have."
         raise ApiError(400, message, param="model", code="invalid_value")
-    return model
+    return name
 
 
 def required(data: Mapping[str, Any], name: str, kind: type, kind_name: str) -> Any:
@@ -271,11 +291,12 @@ def _number(data: Mapping[str, Any], name: str, low: float, high: float) -> floa
     return float(value)
 
 
-_MAX_TOKENS = 2**31 - 1
-"""The most tokens a request may ask for: ``Sampling.max_tokens`` is an int32 on the wire."""
+MAX_TOKENS = 2**31 - 1
+"""The most tokens (or top-k) a request may ask for: ``Sampling`` carries int32s on the wire. More is a
+400 naming the value sent, not a clamped value the node would refuse in its own terms."""
 
 
-def _sampling(
+def sampling(
     data: Mapping[str, Any],
     sampling: pb.Sampling,
     *,
@@ -303,8 +324,8 @@ def _sampling(
     if isinstance(stop, str):
         sampling.stop.append(stop)
     elif isinstance(stop, list):
-        if len(stop) > _MAX_STOP or not all(isinstance(item, str) for item in stop):
-            raise ApiError(400, f"stop must be a string or up to {_MAX_STOP} strings", param="stop")
+        if len(stop) > MAX_STOP or not all(isinstance(item, str) for item in stop):
+            raise ApiError(400, f"stop must be a string or up to {MAX_STOP} strings", param="stop")
         sampling.stop.extend(stop)
     elif stop is not None:
         raise ApiError(
@@ -313,6 +334,48 @@ def _sampling(
             param="stop",
             code="invalid_type",
         )
+
+
+def function_tool(name: str, parameters: Any, description: Any = None, strict: Any = None) -> dict[str, Any]:
+    """A function tool in chat completions' shape (what a node's adapter reads), from the parts every API's
+    tool has; no parameters: an object with none."""
+    function: dict[str, Any] = {"name": name, "parameters": parameters or {"type": "object", "properties": {}}}
+    if isinstance(description, str):
+        function["description"] = description
+    if isinstance(strict, bool):
+        function["strict"] = strict
+    return {"type": "function", "function": function}
+
+
+OPENAI_TOOL_NAME = 64
+"""OpenAI's bound on a function's name (FunctionObject.name: letters, digits, underscores, dashes, up to 64)."""
+ANTHROPIC_TOOL_NAME = 128
+"""Anthropic's bound on a tool's name (same characters, up to 128)."""
+
+
+def tool_name_problem(names: Sequence[str], *, longest: int) -> tuple[int, str] | None:
+    """The first of ``names`` (the tools' names, in order) that is bad: its index and what is wrong with
+    it (not 1 to ``longest`` letters, digits, underscores or dashes; an earlier tool's name); None when
+    all are fine. Each API words the 400 its own way."""
+    seen: set[str] = set()
+    for index, name in enumerate(names):
+        if not _TOOL_NAME.fullmatch(name) or len(name) > longest:
+            return index, f"{show(name)} should be 1 to {longest} letters, digits, underscores or dashes"
+        if name in seen:
+            return index, f"{show(name)} is an earlier tool's name: names are unique"
+        seen.add(name)
+    return None
+
+
+def tool_choice_sent(choice: str | dict[str, Any] | None, has_tools: bool) -> str | dict[str, Any] | None:
+    """A tool_choice (chat completions' shape) as a run carries it. Without tools, ``auto`` and ``none``
+    are what no tools mean anyway: dropped (OpenAI and Anthropic take them; vLLM refuses tool_choice
+    without tools); ``required`` or a named function without tools raises ValueError (the caller's 400)."""
+    if choice is None or has_tools:
+        return choice
+    if choice in ("auto", "none"):
+        return None
+    raise ValueError(f"tool_choice {show(choice)} needs tools, and the request has none")
 
 
 def _max_tokens(data: Mapping[str, Any], names: tuple[str, ...]) -> int | None:
@@ -325,9 +388,9 @@ def _max_tokens(data: Mapping[str, Any], names: tuple[str, ...]) -> int | None:
                     f"Invalid '{name}': integer below minimum value. Expected a value >= 1, but got {value} instead."
                 )
                 raise ApiError(400, message, param=name, code="integer_below_min_value")
-            if value > _MAX_TOKENS:  # the wire's bound (int32); each node refuses above its own, lower, limit
+            if value > MAX_TOKENS:  # the wire's bound (int32); each node refuses above its own, lower, limit
                 message = (
-                    f"Invalid '{name}': integer above maximum value. Expected a value <= {_MAX_TOKENS}, "
+                    f"Invalid '{name}': integer above maximum value. Expected a value <= {MAX_TOKENS}, "
                     f"but got {value} instead."
                 )
                 raise ApiError(400, message, param=name, code="integer_above_max_value")
@@ -371,7 +434,7 @@ def _check_carried(carried: Mapping[str, Any]) -> None:
     for name, value in carried.items():
         check = checks.get(name)
         if check is not None and not check(value):
-            raise ApiError(400, f"Invalid value for '{name}': {_show(value)}", param=name, code="invalid_value")
+            raise ApiError(400, f"Invalid value for '{name}': {show(value)}", param=name, code="invalid_value")
     if carried.get("n", 1) != 1:
         raise ApiError(400, "n > 1 is not supported: send one request per choice", param="n")
     if carried.get("top_logprobs") and not carried.get("logprobs"):
@@ -392,7 +455,7 @@ def _message(message: Any, where: str) -> pb.ChatMessage:
         allowed = "'system', 'developer', 'user', 'assistant', 'tool'"
         raise ApiError(
             400,
-            f"Invalid value: {_show(role_name)}. Supported values are: {allowed}.",
+            f"Invalid value: {show(role_name)}. Supported values are: {allowed}.",
             param=f"{where}.role",
             code="invalid_value",
         )
@@ -446,13 +509,13 @@ def _part(part: Any, where: str) -> pb.ContentPart:
         return pb.ContentPart(
             input_audio=pb.InputAudio(data=str(audio.get("data", "")), format=str(audio.get("format", "")))
         )
-    raise ApiError(400, f"Invalid content part: {_show(part)}", param=where, code="invalid_value")
+    raise ApiError(400, f"Invalid content part: {show(part)}", param=where, code="invalid_value")
 
 
 def _tool_call(call: Any, where: str) -> pb.ToolCall:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise ApiError(400, f"Invalid tool call: {_show(call)}", param=where, code="invalid_value")
+        raise ApiError(400, f"Invalid tool call: {show(call)}", param=where, code="invalid_value")
     arguments = function.get("arguments", "")
     return pb.ToolCall(
         id=str(call.get("id", "")),
@@ -489,6 +552,7 @@ def _a(kind_name: str) -> str:
     return ("an " if kind_name[0] in "aeiou" else "a ") + kind_name
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
+    """A client's value as an error message echoes it: JSON, cut to 80 characters."""
     text = json.dumps(value)
     return text if len(text) <= 80 else text[:77] + "..."

@@ -74,8 +74,17 @@ class Outcome:
 
     text: list[str] = field(default_factory=list)
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Tool calls by index, their arguments empty till :meth:`calls` joins :attr:`arguments` into them."""
+    arguments: dict[int, list[str]] = field(default_factory=dict)
+    """Each tool call's argument fragments (joined once, at the end: ``+=`` per fragment is quadratic)."""
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     embeddings: list[pb.Embedding] = field(default_factory=list)
+
+    def calls(self) -> list[dict[str, Any]]:
+        """The tool calls in index order, each with its arguments whole (chat completions' shape)."""
+        for index, pieces in self.arguments.items():
+            self.tool_calls[index]["function"]["arguments"] = "".join(pieces)
+        return [self.tool_calls[index] for index in sorted(self.tool_calls)]
 
 
 def collect_delta(outcome: Outcome, delta: pb.RunDelta) -> None:
@@ -88,7 +97,7 @@ def collect_delta(outcome: Outcome, delta: pb.RunDelta) -> None:
         )
         call["id"] = call["id"] or fragment.id
         call["function"]["name"] = call["function"]["name"] or fragment.function_name
-        call["function"]["arguments"] += fragment.arguments
+        outcome.arguments.setdefault(fragment.index, []).append(fragment.arguments)
     outcome.logprobs.extend(_logprob(token) for token in delta.logprobs)
     outcome.embeddings.extend(delta.embeddings)
 
@@ -112,7 +121,7 @@ def chat_body(run_id: str, created: int, model: str, outcome: Outcome, complete:
     """A whole chat completion."""
     message: dict[str, Any] = {"role": "assistant", "content": "".join(outcome.text), "refusal": None}
     if outcome.tool_calls:
-        message["tool_calls"] = [outcome.tool_calls[index] for index in sorted(outcome.tool_calls)]
+        message["tool_calls"] = outcome.calls()
         message["content"] = message["content"] or None
     return {
         "id": f"chatcmpl-{run_id}",
@@ -217,6 +226,9 @@ class ChatStream:
         """A failure after the stream started: a last ``data: {"error": ...}`` event (no [DONE])."""
         return sse({"error": error.body()})
 
+    def cancelled(self) -> None:
+        """The client left mid-stream: nothing is kept of a chat stream."""
+
 
 class CompletionStream:
     """Text completion chunks of one run, as SSE events."""
@@ -252,6 +264,9 @@ class CompletionStream:
     def error(self, error: ApiError) -> bytes:
         """A failure after the stream started: a last ``data: {"error": ...}`` event (no [DONE])."""
         return sse({"error": error.body()})
+
+    def cancelled(self) -> None:
+        """The client left mid-stream: nothing is kept of a completion stream."""
 
 
 def _tool_call_delta(fragment: pb.ToolCallDelta) -> dict[str, Any]:

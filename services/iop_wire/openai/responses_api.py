@@ -1,11 +1,12 @@
 """OpenAI's Responses API (``POST /v1/responses``) mapped onto the same run as chat completions.
 
-A ``CreateResponse`` body becomes a ``RUN_KIND_CHAT`` run.request built exactly as a chat
-completion's: messages made the way :mod:`iop_wire.openai.requests` makes them, tools,
-tool_choice and the text format in ``openai_fields`` in chat completions' shape (nodes see one
-shape), ``max_output_tokens`` as ``sampling.max_tokens``. So admission, limits, cancellation,
-usage and failover are the chat path's. The run's events come back as a ``Response`` object, or
-as the Responses event stream (:mod:`iop_wire.openai.responses_output`).
+A ``CreateResponse`` body becomes a ``RUN_KIND_CHAT`` run.request in the shape a chat completion's
+has, by a builder of its own (input items become chat messages here): tools, tool_choice and the
+text format in ``openai_fields`` in chat completions' shape (nodes see one shape; the function tools,
+their names and tool_choice without tools through :mod:`iop_wire.openai.requests`' helpers, as
+Messages), ``max_output_tokens`` as ``sampling.max_tokens`` (checked by chat's sampling).
+So admission, limits, cancellation, usage and failover are the chat path's. The run's events come
+back as a ``Response`` object, or as the Responses event stream (:mod:`iop_wire.openai.responses_output`).
 
 Input items are kept in their stored form (``ItemResource``: every item with an ``id`` and a
 ``status``), which is what ``GET /v1/responses/{id}/input_items`` lists and what a later
@@ -87,9 +88,9 @@ def parse_create(data: Mapping[str, Any]) -> ResponsesRequest:
     """A ``CreateResponse`` body checked (``data`` from ``requests.parse_body``); 400 naming the field otherwise."""
     chat.known_fields(data, _HANDLED | _IGNORED | _REFUSED.keys())
     _refuse(data)
-    model = chat._model(data)
+    model = chat.model(data)
     sampling = pb.Sampling()
-    chat._sampling(_sampling_fields(data), sampling, max_tokens=("max_output_tokens",))
+    chat.sampling(_sampling_fields(data), sampling, max_tokens=("max_output_tokens",))
     fields, echo = _carried(data)
     _check_rest(data)
     instructions = _string_field(data, "instructions")
@@ -167,10 +168,16 @@ def _carried(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     fields: dict[str, Any] = {}
     tools = _tools(data.get("tools"))
     if tools:
-        fields["tools"] = [_chat_tool(tool) for tool in tools]
+        fields["tools"] = [
+            chat.function_tool(tool["name"], tool["parameters"], tool["description"], tool["strict"]) for tool in tools
+        ]
     tool_choice = _tool_choice(data.get("tool_choice"), tools)
-    if tool_choice is not None:
-        fields["tool_choice"] = _chat_tool_choice(tool_choice)
+    try:
+        sent = chat.tool_choice_sent(None if tool_choice is None else _chat_tool_choice(tool_choice), bool(tools))
+    except ValueError as exc:
+        raise ApiError(400, f"{exc}.", param="tool_choice", code="invalid_value") from None
+    if sent is not None:
+        fields["tool_choice"] = sent
     parallel = _flag(data, "parallel_tool_calls")
     if parallel is not None and tools:
         fields["parallel_tool_calls"] = parallel
@@ -188,6 +195,11 @@ def _carried(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         "reasoning": reasoning,
     }
     return fields, echo
+
+
+def _cut(value: str) -> str:
+    """A client's string as an error message echoes it: a megabyte one is not (64 characters, as Messages)."""
+    return value if len(value) <= 64 else value[:61] + "..."
 
 
 def _string_field(data: Mapping[str, Any], name: str) -> str | None:
@@ -222,7 +234,7 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         kind = tool.get("type")
         if kind != "function":
             message = (
-                f"Tool type {chat._show(kind)} is not supported by this server: only function tools "
+                f"Tool type {chat.show(kind)} is not supported by this server: only function tools "
                 "(hosted tools such as web search, file search and code interpreter run at OpenAI)."
             )
             raise ApiError(400, message, param=f"{where}.type", code="unsupported_parameter")
@@ -246,16 +258,12 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         checked.append(
             {"type": "function", "name": name, "description": description, "parameters": parameters, "strict": strict}
         )
+    names = [str(tool["name"]) for tool in checked]
+    if (problem := chat.tool_name_problem(names, longest=chat.OPENAI_TOOL_NAME)) is not None:
+        index, why = problem
+        where = f"tools[{index}].name"
+        raise ApiError(400, f"Invalid '{where}': {why}.", param=where, code="invalid_value")
     return checked
-
-
-def _chat_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
-    function = {"name": tool["name"], "parameters": tool["parameters"] or {"type": "object", "properties": {}}}
-    if tool["description"] is not None:
-        function["description"] = tool["description"]
-    if tool["strict"] is not None:
-        function["strict"] = tool["strict"]
-    return {"type": "function", "function": function}
 
 
 def _tool_choice(choice: Any, tools: list[dict[str, Any]]) -> str | dict[str, Any] | None:
@@ -264,11 +272,11 @@ def _tool_choice(choice: Any, tools: list[dict[str, Any]]) -> str | dict[str, An
     if isinstance(choice, dict) and choice.get("type") == "function":
         name = choice.get("name")
         if not isinstance(name, str) or name not in {tool["name"] for tool in tools}:
-            message = f"Tool choice names the function {chat._show(name)}, which is not in 'tools'."
+            message = f"Tool choice names the function {chat.show(name)}, which is not in 'tools'."
             raise ApiError(400, message, param="tool_choice", code="invalid_value")
         return {"type": "function", "name": name}
     message = (
-        f"Invalid value for 'tool_choice': {chat._show(choice)}. This server takes 'none', 'auto', 'required' "
+        f"Invalid value for 'tool_choice': {chat.show(choice)}. This server takes 'none', 'auto', 'required' "
         'or {"type": "function", "name": ...}.'
     )
     raise ApiError(400, message, param="tool_choice", code="invalid_value")
@@ -289,14 +297,14 @@ def _text(text: Any) -> dict[str, Any]:
     given = text.get("format") or {"type": "text"}
     kind = given.get("type") if isinstance(given, dict) else None
     if kind not in _FORMATS:
-        message = f"Invalid value: {chat._show(kind)}. Supported values are: 'text', 'json_object' and 'json_schema'."
+        message = f"Invalid value: {chat.show(kind)}. Supported values are: 'text', 'json_object' and 'json_schema'."
         raise ApiError(400, message, param="text.format.type", code="invalid_value")
     if kind == "json_schema":
         _json_schema_format(given)
     checked = {"format": dict(given)}
     if (verbosity := text.get("verbosity")) is not None:
         if verbosity not in _VERBOSITIES:
-            message = f"Invalid value: {chat._show(verbosity)}. Supported values are: 'low', 'medium' and 'high'."
+            message = f"Invalid value: {chat.show(verbosity)}. Supported values are: 'low', 'medium' and 'high'."
             raise ApiError(400, message, param="text.verbosity", code="invalid_value")
         checked["verbosity"] = verbosity
     return checked
@@ -314,7 +322,7 @@ def _json_schema_format(given: Mapping[str, Any]) -> None:
             )
     if not _FORMAT_NAME.fullmatch(given["name"]):
         message = (
-            f"Invalid 'text.format.name': {chat._show(given['name'])}. It must be 1 to 64 letters, digits, "
+            f"Invalid 'text.format.name': {chat.show(given['name'])}. It must be 1 to 64 letters, digits, "
             "underscores or dashes."
         )
         raise ApiError(400, message, param="text.format.name", code="invalid_value")
@@ -339,7 +347,7 @@ def _reasoning(reasoning: Any) -> dict[str, Any] | None:
     effort = reasoning.get("effort")
     if effort is not None and effort not in _EFFORTS:
         allowed = ", ".join(f"'{name}'" for name in _EFFORTS)
-        message = f"Invalid value: {chat._show(effort)}. Supported values are: {allowed}."
+        message = f"Invalid value: {chat.show(effort)}. Supported values are: {allowed}."
         raise ApiError(400, message, param="reasoning.effort", code="invalid_value")
     return {"effort": effort, "summary": None}
 
@@ -358,12 +366,13 @@ def _check_rest(data: Mapping[str, Any]) -> None:
             if item not in _NOTHING_TO_INCLUDE:
                 raise ApiError(
                     400,
-                    f"include {item!r} is not supported by this server",
+                    f"include {_cut(item)!r} is not supported by this server",
                     param="include",
                     code="unsupported_parameter",
                 )
     if data.get("top_logprobs"):
-        raise ApiError(400, "'top_logprobs' is not supported for responses", param="top_logprobs")
+        message = "'top_logprobs' is not supported for responses"
+        raise ApiError(400, message, param="top_logprobs", code="unsupported_parameter")
     if (limit := data.get("max_tool_calls")) is not None and (not isinstance(limit, int) or isinstance(limit, bool)):
         raise _invalid_type("max_tool_calls", "an integer", limit)
     if (options := data.get("stream_options")) is not None and not isinstance(options, dict):
@@ -404,7 +413,7 @@ def _input_items(given: Any) -> list[dict[str, Any]]:
     seen: set[str] = set()
     for index, item in enumerate(items):
         if item["id"] in seen:  # input_items' ``after`` names one item: two with one id would make it ambiguous
-            message = f"Duplicate item id {item['id']!r} in 'input': each input item's id must be unique."
+            message = f"Duplicate item id {_cut(item['id'])!r} in 'input': each input item's id must be unique."
             raise ApiError(400, message, param=f"input[{index}].id", code="invalid_value")
         seen.add(item["id"])
     return items
@@ -418,7 +427,7 @@ def _input_item(item: Any, where: str) -> dict[str, Any]:
         role = item.get("role")
         if role not in _MESSAGE_ROLES:
             allowed = "'assistant', 'system', 'developer', and 'user'"
-            message = f"Invalid value: {chat._show(role)}. Supported values are: {allowed}."
+            message = f"Invalid value: {chat.show(role)}. Supported values are: {allowed}."
             raise ApiError(400, message, param=f"{where}.role", code="invalid_value")
         return _message_item(role, item.get("content"), f"{where}.content")
     if kind == "function_call":
@@ -449,7 +458,7 @@ def _input_item(item: Any, where: str) -> dict[str, Any]:
         message = "Item references are not supported: send the item itself, or use previous_response_id."
         raise ApiError(400, message, param=f"{where}.type", code="unsupported_parameter")
     message = (
-        f"Input items of type {chat._show(kind)} are not supported by this server: "
+        f"Input items of type {chat.show(kind)} are not supported by this server: "
         "messages, function_call and function_call_output are."
     )
     raise ApiError(400, message, param=f"{where}.type", code="unsupported_parameter")
@@ -488,12 +497,10 @@ def _content_part(part: Any, part_type: str, where: str) -> dict[str, Any]:
             raise ApiError(400, message, param=f"{where}.image_url", code="unsupported_parameter")
         detail = part.get("detail") or "auto"
         if detail not in _DETAILS:
-            message = (
-                f"Invalid value: {chat._show(detail)}. Supported values are: 'auto', 'low', 'high' and 'original'."
-            )
+            message = f"Invalid value: {chat.show(detail)}. Supported values are: 'auto', 'low', 'high' and 'original'."
             raise ApiError(400, message, param=f"{where}.detail", code="invalid_value")
         return {"type": "input_image", "image_url": url, "detail": detail}
-    message = f"Content of type {chat._show(kind)} is not supported here: input_text and input_image are."
+    message = f"Content of type {chat.show(kind)} is not supported here: input_text and input_image are."
     raise ApiError(400, message, param=f"{where}.type", code="unsupported_parameter")
 
 

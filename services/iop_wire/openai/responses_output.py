@@ -52,9 +52,10 @@ def response_body(base: Mapping[str, Any], outcome: Outcome, complete: pb.RunCom
     text = "".join(outcome.text)
     if text or not outcome.tool_calls:
         output.append(_message_output(new_id("msg"), text, "completed"))
-    for index in sorted(outcome.tool_calls):
-        call = outcome.tool_calls[index]
-        output.append(_call_output(new_id("fc"), call["id"], call["function"]["name"], call["function"]["arguments"]))
+    output.extend(
+        _call_output(new_id("fc"), call["id"], call["function"]["name"], call["function"]["arguments"])
+        for call in outcome.calls()
+    )
     return finished(base, output, complete)
 
 
@@ -71,6 +72,8 @@ def finished(base: Mapping[str, Any], output: list[dict[str, Any]], complete: pb
         for item in output:
             if item["type"] == "message":
                 item["status"] = "incomplete"
+        if output and output[-1]["type"] == "function_call" and complete.finish_reason == pb.FINISH_REASON_LENGTH:
+            output[-1]["status"] = "incomplete"  # the call the limit cut: its arguments may not be whole JSON
     return body
 
 
@@ -109,8 +112,11 @@ class ResponseEvents:
     Function calls stay open to the end (a run's fragments of several calls may interleave: no delta
     may follow its item's done): their function_call_arguments.done and output_item.done come before
     the last event, in output order. Last: response.completed (response.incomplete at the token
-    limit), or response.failed. ``ended`` is called with the final Response (to store it), also by
-    :meth:`cancelled` when the client leaves mid-stream.
+    limit), or response.failed. ``ended`` is called once with the final Response (to store it), also
+    by :meth:`cancelled` when the client leaves mid-stream (unless the final Response was made).
+
+    The text of an open item is kept as its pieces, joined when it closes or the Response ends (a
+    ``+=`` per delta would copy the whole text each time: quadratic in the deltas).
     """
 
     def __init__(self, base: dict[str, Any], ended: Callable[[dict[str, Any]], None] | None = None) -> None:
@@ -122,6 +128,10 @@ class ResponseEvents:
         """The message item being streamed."""
         self._calls: dict[int, dict[str, Any]] = {}
         """Function-call items by the run's tool-call index."""
+        self._pieces: dict[str, list[str]] = {}
+        """The text (message) or arguments (function call) of each open item so far, by item id."""
+        self._index: dict[str, int] = {}
+        """Each item's output index, by item id."""
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -142,7 +152,7 @@ class ResponseEvents:
             if self._message is None:
                 out.append(self._open_message())
             assert self._message is not None
-            self._message["content"][0]["text"] += delta.text
+            self._pieces[self._message["id"]].append(delta.text)
             where = self._where(self._message)
             out.append(
                 self._event("response.output_text.delta", **where, content_index=0, delta=delta.text, logprobs=[])
@@ -155,7 +165,7 @@ class ResponseEvents:
                 self._calls[fragment.index] = item
                 out.append(self._add(item))
             if fragment.arguments:
-                item["arguments"] += fragment.arguments
+                self._pieces[item["id"]].append(fragment.arguments)
                 where = self._where(item)
                 out.append(self._event("response.function_call_arguments.delta", **where, delta=fragment.arguments))
         return b"".join(out)
@@ -163,31 +173,46 @@ class ResponseEvents:
     def last(self, complete: pb.RunComplete) -> bytes:
         """The open items closed, then response.completed (or response.incomplete)."""
         opened = b"" if self.output else self._open_message()  # a run that said nothing: an (empty) message
-        out = opened + self._close_all()
+        last = self.output[-1]
+        cut = complete.finish_reason == pb.FINISH_REASON_LENGTH and last["type"] == "function_call"
+        out = opened + self._close_all(last["id"] if cut else None)  # a call the limit cut ends incomplete
         body = finished(self.base, self.output, complete)
         kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
-        if self.ended is not None:
-            self.ended(body)
+        self._end(body)
         return out + self._event(kind, response=body)
 
     def error(self, error: ApiError) -> bytes:
         """response.failed with the error (the items streamed so far as they were)."""
+        self._join()
         body = failed(self.base, self.output, error)
-        if self.ended is not None:
-            self.ended(body)
+        self._end(body)
         return self._event("response.failed", response=body)
 
     def cancelled(self) -> None:
         """The client left mid-stream (the run is cancelled): the Response ends ``cancelled`` with the
-        items streamed so far, so that its id, already sent, still finds it."""
+        items streamed so far, so that its id, already sent, still finds it. After :meth:`last` or
+        :meth:`error` (the client left during the final write), nothing: that Response is the one."""
         if self.ended is not None:
-            self.ended({**self.base, "status": "cancelled", "output": self.output})
-            self.ended = None
+            self._join()
+            self._end({**self.base, "status": "cancelled", "output": self.output})
+
+    def _end(self, body: dict[str, Any]) -> None:
+        ended, self.ended = self.ended, None
+        if ended is not None:
+            ended(body)
+
+    def _join(self) -> None:
+        """Each open item's text or arguments, as streamed so far, put in the item."""
+        for item in self.output:
+            if (pieces := self._pieces.get(item["id"])) is not None:
+                _set_text(item, "".join(pieces))
 
     def _where(self, item: dict[str, Any]) -> dict[str, Any]:
-        return {"item_id": item["id"], "output_index": self.output.index(item)}
+        return {"item_id": item["id"], "output_index": self._index[item["id"]]}
 
     def _add(self, item: dict[str, Any]) -> bytes:
+        self._index[item["id"]] = len(self.output)
+        self._pieces[item["id"]] = []
         self.output.append(item)
         return self._event("response.output_item.added", output_index=len(self.output) - 1, item=_copy(item))
 
@@ -201,12 +226,17 @@ class ResponseEvents:
         item, self._message = self._message, None
         return b"" if item is None else self._close(item)
 
-    def _close_all(self) -> bytes:
-        """Every item still open, in output order."""
+    def _close_all(self, cut: str | None = None) -> bytes:
+        """Every item still open, in output order (``cut``: the id of one that ends incomplete)."""
         self._message = None
-        return b"".join(self._close(item) for item in self.output if item["status"] == "in_progress")
+        return b"".join(
+            self._close(item, "incomplete" if item["id"] == cut else "completed")
+            for item in self.output
+            if item["status"] == "in_progress"
+        )
 
-    def _close(self, item: dict[str, Any]) -> bytes:
+    def _close(self, item: dict[str, Any], status: str = "completed") -> bytes:
+        _set_text(item, "".join(self._pieces.pop(item["id"], ())))
         where = self._where(item)
         out = []
         if item["type"] == "message":
@@ -218,9 +248,16 @@ class ResponseEvents:
         else:
             done = {"name": item["name"], "arguments": item["arguments"]}
             out.append(self._event("response.function_call_arguments.done", **where, **done))
-        item["status"] = "completed"
+        item["status"] = status
         out.append(self._event("response.output_item.done", output_index=where["output_index"], item=_copy(item)))
         return b"".join(out)
+
+
+def _set_text(item: dict[str, Any], text: str) -> None:
+    if item["type"] == "message":
+        item["content"][0]["text"] = text
+    else:
+        item["arguments"] = text
 
 
 def _copy(item: Mapping[str, Any]) -> dict[str, Any]:
