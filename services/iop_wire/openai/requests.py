@@ -35,6 +35,7 @@ __all__ = [
     "function_tool",
     "kind_of",
     "known_fields",
+    "missing",
     "model",
     "parse_body",
     "required",
@@ -251,8 +252,13 @@ def model(data: Mapping[str, Any]) -> str:
 def required(data: Mapping[str, Any], name: str, kind: type, kind_name: str) -> Any:
     """``data[name]``; 400 when missing or not of ``kind``."""
     if name not in data or data[name] is None:
-        raise ApiError(400, f"Missing required parameter: '{name}'.", param=name, code="missing_required_parameter")
+        raise missing(name)
     return _typed(data[name], name, kind, kind_name)
+
+
+def missing(name: str) -> ApiError:
+    """OpenAI's 400 for a required field (``name`` its path, e.g. ``messages[0].content``) left out."""
+    return ApiError(400, f"Missing required parameter: '{name}'.", param=name, code="missing_required_parameter")
 
 
 def _optional(data: Mapping[str, Any], name: str, kind: type, kind_name: str) -> Any:
@@ -474,12 +480,7 @@ def _message(message: Any, where: str) -> pb.ChatMessage:
             code="invalid_type",
         )
     elif not message.get("tool_calls") and role_name != "assistant":
-        raise ApiError(
-            400,
-            f"Missing required parameter: '{where}.content'.",
-            param=f"{where}.content",
-            code="missing_required_parameter",
-        )
+        raise missing(f"{where}.content")
     if isinstance(name := message.get("name"), str):
         result.name = name
     for index, call in enumerate(message.get("tool_calls") or []):
@@ -487,12 +488,7 @@ def _message(message: Any, where: str) -> pb.ChatMessage:
     if role == pb.ROLE_TOOL:
         call_id = message.get("tool_call_id")
         if not isinstance(call_id, str):
-            raise ApiError(
-                400,
-                f"Missing required parameter: '{where}.tool_call_id'.",
-                param=f"{where}.tool_call_id",
-                code="missing_required_parameter",
-            )
+            raise missing(f"{where}.tool_call_id")
         result.tool_call_id = call_id
     return result
 

@@ -133,7 +133,7 @@ def run_request(parsed: ResponsesRequest, run_id: str, history: list[dict[str, A
         request.messages.append(pb.ChatMessage(role=pb.ROLE_SYSTEM, content=[pb.ContentPart(text=parsed.instructions)]))
     request.messages.extend(_messages([*history, *parsed.input_items]))
     if not request.messages:
-        raise ApiError(400, "Missing required parameter: 'input'.", param="input", code="missing_required_parameter")
+        raise chat.missing("input")
     request.sampling.CopyFrom(parsed.sampling)
     if parsed.openai_fields:
         request.openai_fields.update(parsed.openai_fields)
@@ -240,12 +240,7 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
             raise ApiError(400, message, param=f"{where}.type", code="unsupported_parameter")
         name = tool.get("name")
         if not isinstance(name, str) or not name:
-            raise ApiError(
-                400,
-                f"Missing required parameter: '{where}.name'.",
-                param=f"{where}.name",
-                code="missing_required_parameter",
-            )
+            raise chat.missing(f"{where}.name")
         parameters = tool.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
             raise _invalid_type(f"{where}.parameters", "an object", parameters)
@@ -314,12 +309,7 @@ def _json_schema_format(given: Mapping[str, Any]) -> None:
     """A json_schema text format's name (OpenAI's pattern), schema and strict flag checked."""
     for name, expected in (("name", str), ("schema", dict)):
         if not isinstance(given.get(name), expected):
-            raise ApiError(
-                400,
-                f"Missing required parameter: 'text.format.{name}'.",
-                param=f"text.format.{name}",
-                code="missing_required_parameter",
-            )
+            raise chat.missing(f"text.format.{name}")
     if not _FORMAT_NAME.fullmatch(given["name"]):
         message = (
             f"Invalid 'text.format.name': {chat.show(given['name'])}. It must be 1 to 64 letters, digits, "
@@ -472,9 +462,7 @@ def _message_item(role: str, content: Any, where: str) -> dict[str, Any]:
         parts = [_content_part(part, part_type, f"{where}[{index}]") for index, part in enumerate(content)]
     else:
         if content is None:
-            raise ApiError(
-                400, f"Missing required parameter: '{where}'.", param=where, code="missing_required_parameter"
-            )
+            raise chat.missing(where)
         raise _invalid_type(where, "a string or an array", content)
     return {"id": new_id("msg"), "type": "message", "role": role, "content": parts, "status": "completed"}
 
@@ -509,12 +497,7 @@ def _text_of(part: Any, where: str) -> str:
         raise _invalid_type(where, "an object", part)
     text = part.get("refusal") if part.get("type") == "refusal" else part.get("text")
     if not isinstance(text, str):
-        raise ApiError(
-            400,
-            f"Missing required parameter: '{where}.text'.",
-            param=f"{where}.text",
-            code="missing_required_parameter",
-        )
+        raise chat.missing(f"{where}.text")
     return text
 
 
@@ -522,12 +505,7 @@ def _string(item: Mapping[str, Any], key: str, where: str) -> str:
     value = item.get(key)
     if not isinstance(value, str):
         if value is None:
-            raise ApiError(
-                400,
-                f"Missing required parameter: '{where}.{key}'.",
-                param=f"{where}.{key}",
-                code="missing_required_parameter",
-            )
+            raise chat.missing(f"{where}.{key}")
         raise _invalid_type(f"{where}.{key}", "a string", value)
     return value
 
