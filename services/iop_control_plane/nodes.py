@@ -178,7 +178,7 @@ class NodeSessions:
         capabilities.CopyFrom(inbound.envelope.capability_response)
         capabilities.node_id = node_id
         self.capabilities[node_id] = capabilities
-        self.registry.set_continuable(node_id, continuable_kinds(capabilities), run_kinds(capabilities))
+        self.registry.set_capabilities(node_id, continuable_kinds(capabilities), run_kinds(capabilities))
         models = sorted(model.name for adapter in capabilities.adapters for model in adapter.models)
         _log.info("node capabilities changed", node_id=node_id, models=models)
 

@@ -170,18 +170,13 @@ class Registry:
         elif state is NodeState.UNAVAILABLE:
             self._left(node_id)
 
-    def set_continuable(
-        self,
-        node_id: str,
-        continuable: Mapping[str, frozenset[int]],
-        kinds: Mapping[str, frozenset[int]] | None = None,
+    def set_capabilities(
+        self, node_id: str, continuable: Mapping[str, frozenset[int]], kinds: Mapping[str, frozenset[int]]
     ) -> None:
-        """The node's capabilities changed (its routes were reloaded): what each model can continue, and
-        (given) the kinds it takes."""
+        """The node's capabilities changed (its routes were reloaded): the run kinds each model can
+        continue, and those it takes."""
         node = self.nodes[node_id]
-        node.continuable = dict(continuable)
-        if kinds is not None:
-            node.kinds = dict(kinds)
+        node.continuable, node.kinds = dict(continuable), dict(kinds)
         for view in node.models.values():
             self._refresh(view)
         self._more_room()

@@ -76,7 +76,7 @@ def test_a_count_goes_only_to_nodes_whose_model_counts_and_is_unsupported_where_
     assert unready.outcome == "no_candidate" and "can count tokens" in unready.reason, "it may come back"
     refused = scheduler.choose("c", kind=count)
     assert (refused.outcome, refused.reason) == ("unsupported_kind", "no node serving 'c' can count tokens")
-    registry.set_continuable("cli", {}, {"m": frozenset({chat}), "c": frozenset({chat, count})})  # a reload
+    registry.set_capabilities("cli", {}, {"m": frozenset({chat}), "c": frozenset({chat, count})})  # a reload
     assert _placed(scheduler.choose("c", kind=count)) == "cli"
 
 
