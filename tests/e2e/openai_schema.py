@@ -25,7 +25,7 @@ from jsonschema import Draft202012Validator  # type: ignore[import-untyped]  # n
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
-__all__ = ["COMPLETION_CHUNK", "SPEC", "validate"]
+__all__ = ["COMPLETION_CHUNK", "SPEC", "arguments_valid", "validate"]
 
 SPEC = Path(__file__).resolve().parents[2].parent / "shared" / "openai" / "openapi.json"
 _BASE = "urn:openai:openapi"
@@ -77,3 +77,13 @@ def validate(name: str, instance: Any) -> None:
     if errors:
         shown = "\n".join(f"  at {list(e.absolute_path)}: {e.message[:300]}" for e in errors[:5])
         pytest.fail(f"not a valid {name}:\n{shown}\ninstance: {json.dumps(instance)[:1500]}")
+
+
+def arguments_valid(arguments: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """A tool call's ``arguments`` (JSON text) parsed, failing the test unless it is an object valid for
+    ``schema`` (the tool's parameters)."""
+    value = json.loads(arguments)
+    errors = [error.message for error in Draft202012Validator(schema).iter_errors(value)]
+    assert not errors, (value, errors)
+    assert isinstance(value, dict)
+    return value

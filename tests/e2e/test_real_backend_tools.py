@@ -18,11 +18,10 @@ from typing import Any
 import pytest
 from backends.fixtures import require
 from backends.servers import llama_server
-from jsonschema import Draft202012Validator  # type: ignore[import-untyped]  # no stubs installed
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
 from .conftest import Stack, running_stack
-from .openai_schema import validate
+from .openai_schema import arguments_valid, validate
 from .sse import chunks, events
 
 MODEL = "tiny-functions"
@@ -59,14 +58,6 @@ def functions(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
             yield stack
 
 
-def _arguments_valid(arguments: str) -> dict[str, Any]:
-    value = json.loads(arguments)
-    errors = [error.message for error in Draft202012Validator(PARAMETERS).iter_errors(value)]
-    assert not errors, (value, errors)
-    assert isinstance(value, dict)
-    return value
-
-
 def test_a_named_tool_is_called_streamed_and_not_alike(functions: Stack) -> None:
     with functions.http() as http:
         whole = http.post("/chat/completions", json=REQUEST)
@@ -79,7 +70,7 @@ def test_a_named_tool_is_called_streamed_and_not_alike(functions: Stack) -> None
     choice = body["choices"][0]
     (call,) = choice["message"]["tool_calls"]
     assert choice["finish_reason"] == "tool_calls" and call["function"]["name"] == "get_weather"
-    arguments = _arguments_valid(call["function"]["arguments"])
+    arguments = arguments_valid(call["function"]["arguments"], PARAMETERS)
 
     fragments = [
         fragment
@@ -92,7 +83,7 @@ def test_a_named_tool_is_called_streamed_and_not_alike(functions: Stack) -> None
     assert named == fragments[:1], "the id and name once, in the first fragment, as OpenAI streams them"
     assert fragments[0]["function"]["name"] == "get_weather" and fragments[0]["id"]
     streamed = "".join(fragment["function"].get("arguments") or "" for fragment in fragments)
-    assert _arguments_valid(streamed) == arguments, "greedy and seeded: the same call either way"
+    assert arguments_valid(streamed, PARAMETERS) == arguments, "greedy and seeded: the same call either way"
     finishes = [chunk["choices"][0]["finish_reason"] for chunk in parsed if chunk["choices"]]
     assert finishes[-1] == "tool_calls" and set(finishes[:-1]) == {None}
 
@@ -102,7 +93,7 @@ def test_the_sdk_reads_the_call_and_the_tool_result_is_answered_in_text(function
     completion = client.chat.completions.create(**REQUEST)
     call = completion.choices[0].message.tool_calls[0]
     assert call.type == "function" and call.function.name == "get_weather"
-    _arguments_valid(call.function.arguments)
+    arguments_valid(call.function.arguments, PARAMETERS)
 
     answered: list[ChatCompletionMessageParam] = [
         *ASK,

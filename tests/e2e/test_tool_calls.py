@@ -8,7 +8,6 @@ import json
 from typing import Any
 
 import pytest
-from jsonschema import Draft202012Validator  # type: ignore[import-untyped]  # no stubs installed
 from openai.types.chat import (
     ChatCompletionMessageParam,
     ChatCompletionNamedToolChoiceParam,
@@ -16,7 +15,7 @@ from openai.types.chat import (
 )
 
 from .conftest import Stack
-from .openai_schema import validate
+from .openai_schema import arguments_valid, validate
 from .sse import chunks, events
 
 PARAMETERS: dict[str, Any] = {
@@ -39,14 +38,6 @@ TOOLS: list[ChatCompletionToolParam] = [
 ]
 CHOICE: ChatCompletionNamedToolChoiceParam = {"type": "function", "function": {"name": "get_weather"}}
 ASK: list[ChatCompletionMessageParam] = [{"role": "user", "content": "what is the weather in Paris?"}]
-
-
-def _arguments_valid(arguments: str) -> dict[str, Any]:
-    value = json.loads(arguments)
-    errors = [error.message for error in Draft202012Validator(PARAMETERS).iter_errors(value)]
-    assert not errors, (value, errors)
-    assert isinstance(value, dict)
-    return value
 
 
 def _called(stack: Stack, **fields: Any) -> dict[str, Any]:
@@ -94,7 +85,7 @@ def test_a_named_tool_is_called_and_its_result_answered_in_text(stack: Stack) ->
     (call,) = message["tool_calls"]
     assert call["type"] == "function" and call["id"].startswith("call_")
     assert call["function"]["name"] == "get_weather"
-    assert set(_arguments_valid(call["function"]["arguments"])) == set(PARAMETERS["properties"])
+    assert set(arguments_valid(call["function"]["arguments"], PARAMETERS)) == set(PARAMETERS["properties"])
     assert message["content"] is None and message["role"] == "assistant"
     assert body["usage"]["completion_tokens"] > 0
 
