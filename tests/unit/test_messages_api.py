@@ -256,6 +256,8 @@ def test_the_edges_own_overload_is_overloaded_not_a_rate_limit() -> None:
     error = ApiError(429, "this edge is serving 1 requests, its limit", code="too_many_requests", retry_after=1.0)
     assert error_status(error) == 529 and error_body(error)["error"]["type"] == "overloaded_error"
     assert error.headers() == {"retry-after": "1"}
+    full = ApiError(429, "the queue for 'm' is full (256 waiting)", code="queue_full", retry_after=1.0)
+    assert error_status(full) == 529 and error_body(full)["error"]["type"] == "overloaded_error"
     limited = ApiError(429, "key over its rpm", code="rate_limit_exceeded", retry_after=1.0)
     assert error_status(limited) == 429 and error_body(limited)["error"]["type"] == "rate_limit_error"
 

@@ -523,12 +523,17 @@ class MessageStream:
 # -- errors -----------------------------------------------------------------------------------
 
 
+_OVERLOADED = frozenset({"too_many_requests", "queue_full"})
+"""Codes of a 429 that says the platform is busy (the edge's ``http.max_in_flight``, the model's queue
+full), not that the key went over its own limits."""
+
+
 def error_status(error: ApiError) -> int:
-    """The HTTP status Anthropic's clients expect: IOP's 503 (no capacity now: no node ready, queue full,
-    shutting down) and the edge's own overload (its ``http.max_in_flight``, a 429 ``too_many_requests``)
-    are Anthropic's 529 overloaded_error, which their SDKs and tools retry as such; a 429 of the key's
-    own limits stays a rate_limit_error."""
-    if error.status == 503 or (error.status == 429 and error.code == "too_many_requests"):
+    """The HTTP status Anthropic's clients expect: IOP's 503 (no capacity now: no node ready, shutting
+    down) and a 429 of the platform's own load (the edge's ``http.max_in_flight``, the model's queue
+    full) are Anthropic's 529 overloaded_error, which their SDKs and tools retry as such; a 429 of the
+    key's own limits stays a rate_limit_error."""
+    if error.status == 503 or (error.status == 429 and error.code in _OVERLOADED):
         return 529
     return error.status
 
