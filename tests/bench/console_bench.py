@@ -15,6 +15,10 @@ the API's answer had arrived and when every row was in (``iop:<page>:complete``)
 - Usage: ``#/usage?range=30d&bucket=hour``, 30 days by hour per key and model (chart and table).
 - Nodes: ``#/nodes``, 1,000 rows.
 
+Then the usage APIs the page and OpenAI's clients call, timed from a client process: 30 days by
+hour per key and model (``/console/api/usage``, what the Usage page reads) and OpenAI's
+``/v1/organization/usage/completions`` by day.
+
 Target: under 1 s each. Prints a table; asserts nothing.
 """
 
@@ -27,6 +31,7 @@ import random
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -68,6 +73,21 @@ PAGES = {
     "nodes": ("#/nodes", "#rows tr"),
 }
 """Page -> its address after /console, and the rows it renders (counted to check it is all there)."""
+ASKS = 20
+"""Requests timed per usage API row."""
+_ASK = """
+import json, sys, time, urllib.request
+url, key, times = sys.argv[1], sys.argv[2], int(sys.argv[3])
+took, size = [], 0
+for _ in range(times + 1):  # the first warms the path, untimed
+    began = time.perf_counter()
+    with urllib.request.urlopen(urllib.request.Request(url, headers={"authorization": f"Bearer {key}"})) as answer:
+        body = json.loads(answer.read())
+    took.append((time.perf_counter() - began) * 1e3)
+    size = len(body.get("rows") or [r for bucket in body.get("data", []) for r in bucket["results"]])
+print(json.dumps({"took": took[1:], "rows": size}))
+"""
+"""Times ``times`` GETs of a URL from a process of its own (not this one's loop, busy with 1,000 nodes)."""
 
 
 async def _seed_ledger(path: Path) -> None:
@@ -156,6 +176,15 @@ async def _load(browser: Browser, base: str, key: str, name: str) -> dict[str, A
         await context.close()
 
 
+def _ask(base: str, key: str, path: str, what: str) -> tuple[str, str]:
+    """A usage API row: p50 / p95 of ASKS answers, JSON read, from a client process."""
+    command = [sys.executable, "-c", _ASK, f"{base}{path}", key, str(ASKS)]
+    answered = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+    took = answered["took"]
+    p95 = statistics.quantiles(took, n=20)[-1]
+    return f"{what} ({answered['rows']:,} rows), p50 / p95 of {ASKS}", f"{statistics.median(took):.0f} / {p95:.0f} ms"
+
+
 def _row(what: str, loads: list[dict[str, Any]]) -> tuple[str, str]:
     painted = [load["painted"] for load in loads]
     middle = sorted(loads, key=lambda load: load["painted"])[len(loads) // 2]
@@ -195,6 +224,16 @@ async def _rows(state: Path) -> list[tuple[str, str]]:
                 loads = [await _load(browser, base, key, name) for _ in range(TIMES)]
                 rows.append(_row(what[name], loads))
             await browser.close()
+        end = int(time.time())
+        start = end - DAYS * 86400
+        usage = f"/console/api/usage?bucket=hour&start={start}&end={end}"
+        openai = f"/v1/organization/usage/completions?start_time={start}&bucket_width=1d&limit=31"
+        openai += "&group_by=api_key_id&group_by=model"
+        for path, what in (
+            (usage, f"GET /console/api/usage, {DAYS} days by hour by key and model"),
+            (openai, f"GET /v1/organization/usage/completions, {DAYS} days by day by key and model"),
+        ):
+            rows.append(await asyncio.to_thread(_ask, base, key, path, what))
         return rows
     finally:
         for node in fleet:
