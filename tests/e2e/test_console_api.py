@@ -14,8 +14,9 @@ import json
 import signal
 import socket
 import sqlite3
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,7 +132,9 @@ def test_a_plain_key_gets_403_for_admin_routes_and_others_records(console: Conso
         console.post("/console/api/keys", body={"name": "mine"}),
         console.delete("/console/api/keys/team-b"),
         console.post("/console/api/nodes/node-a/drain"),
+        console.post("/console/api/nodes/node-a/undrain"),
         console.post("/console/api/nodes/node-a/remove"),
+        console.post("/console/api/nodes/node-a/reboot"),  # refused before the action is looked up
         console.get("/console/api/runs", caller="team-b"),
         console.get("/console/api/usage", key="team-b"),
         console.get("/console/api/usage.csv", key="team-b"),
@@ -201,6 +204,47 @@ def test_nodes_are_drained_and_undrained_over_the_admin_certificate(console: Con
     assert console.post("/console/api/nodes/node-a/reboot", console.admin).status_code == 404
     bad = console.post("/console/api/nodes/node-a/drain", console.admin, {"reason": 5})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "reason"
+
+
+def _node_states(console: Console) -> dict[str, str]:
+    listed = console.get("/console/api/nodes", console.admin)
+    assert listed.status_code == 200, listed.text
+    return {node["id"]: node["state"] for node in listed.json()["nodes"]}
+
+
+def test_an_admin_removes_a_node_a_connected_one_is_cut_off_and_an_offline_one_forgotten(console: Console) -> None:
+    """node-b joins with the stack's shared development certificate (as every local node does): removed
+    while connected, its connection is closed at once but the certificate is not revoked, so it
+    registers again; removed once stopped, it is gone from the list (and a second removal is 404)."""
+    stack = console.stack
+    config = yaml.safe_load((stack.root / "node-a.yaml").read_text())
+    config.update(node_id="node-b", store_path=str(stack.root / "node-b.db"))
+    (stack.root / "node-b.yaml").write_text(yaml.safe_dump(config))
+    node = _spawn(stack.root, "node-b", "node", stack.root / "node-b.yaml")
+    try:
+        node.wait_ready()
+        wait_for(lambda: _node_states(console).get("node-b") == "ready", 10, 0.05, "node-b registered")
+
+        connected = console.post("/console/api/nodes/node-b/remove", console.admin, {"reason": "retired"})
+        assert connected.status_code == 200, connected.text
+        said = connected.json()["message"]
+        assert said.startswith("node node-b removed; 0 certificate(s) revoked"), said
+        assert "shared development certificate, which is not revoked" in said and "can register again" in said
+        wait_for(lambda: node.log.read_text().count('"registered"') >= 2, 10, 0.05, "node-b cut off and back")
+        assert "node node-b was removed (retired (console, key ops))" in node.log.read_text()
+        wait_for(lambda: _node_states(console).get("node-b") == "ready", 10, 0.05, "node-b registered again")
+
+        node.stop()
+        wait_for(lambda: _node_states(console).get("node-b") == "unavailable", 10, 0.05, "node-b unavailable")
+        offline = console.post("/console/api/nodes/node-b/remove", console.admin)
+        assert offline.status_code == 200 and offline.json()["message"].startswith("node node-b removed"), offline.text
+        assert _node_states(console) == {"node-a": "ready"}
+        again = console.post("/console/api/nodes/node-b/remove", console.admin)
+        assert again.status_code == 404 and "no node 'node-b'" in again.json()["error"]["message"], again.text
+    finally:
+        node.stop()
+        if "node-b" in _node_states(console):  # the module's other tests count one node
+            console.post("/console/api/nodes/node-b/remove", console.admin)
 
 
 def test_without_keys_anonymous_is_admin_and_without_the_admin_certificate_node_actions_are_503(
@@ -489,19 +533,77 @@ def _events(console: Console, key: str, wanted: set[str], limit: float = 15.0) -
     return found
 
 
-def test_live_stream_pushes_overview_and_nodes_to_admins_and_usage_to_others(console: Console) -> None:
+def _watch(console: Console, key: str, enough: Callable[[list[tuple[str, Any]]], bool]) -> list[tuple[str, Any]]:
+    """Every event of ``key``'s live stream, read as the page reads it until ``enough`` of them came and
+    for a second more (five pushes: what else the stream carries has had its chance), at most 15 s."""
+    seen: list[tuple[str, Any]] = []
+    deadline, until = time.monotonic() + 15, None
+    with _stream(console, key) as stream:
+        assert stream.status_code == 200
+        event = ""
+        for line in stream.iter_lines():
+            if line.startswith("event: "):
+                event = line.removeprefix("event: ")
+            elif line.startswith("data: "):
+                seen.append((event, json.loads(line.removeprefix("data: "))))
+            now = time.monotonic()
+            if until is None and enough(seen):
+                until = now + 1.0
+            if now > (until or deadline):
+                break
+    assert until is not None, f"not enough within 15 s: {[event for event, _ in seen]}"
+    return seen
+
+
+@contextlib.contextmanager
+def _admin_watching(console: Console) -> Iterator[Callable[[], int]]:
+    """An admin's live stream read in a thread meanwhile, so each poll fetches the admin events too;
+    yields how many ``overview`` events it has had so far."""
+    overviews: list[str] = []
+    stop = threading.Event()
+
+    def read() -> None:
+        with _stream(console, console.admin) as stream:
+            for line in stream.iter_lines():
+                if line == "event: overview":
+                    overviews.append(line)
+                if stop.is_set():
+                    return
+
+    reader = threading.Thread(target=read, name="admin-live", daemon=True)
+    reader.start()
+    try:
+        wait_for(lambda: overviews, 10, 0.05, "the admin's first overview")
+        yield lambda: len(overviews)
+    finally:
+        stop.set()
+        reader.join(10)
+
+
+def test_live_stream_pushes_overview_and_nodes_to_admins_and_only_its_own_usage_to_others(console: Console) -> None:
     wait_for(lambda: console.watchers() == 0, 10, 0.05, "no live stream left open")
     admin = _events(console, console.admin, {"overview", "nodes"})
     assert admin["overview"]["nodes"]["total"] == 1 and admin["nodes"]["nodes"][0]["id"] == "node-a"
+    console.chat(console.stack.key)  # e2e's usage today: rows the poll fetches that team-b must not see
     console.chat(console.other)
 
-    def counted() -> dict[str, Any] | None:  # the ledger has the chat: a row to check, not an empty list
-        usage: dict[str, Any] = _events(console, console.other, {"usage"})["usage"]
-        return usage if usage["rows"] else None
+    def today() -> set[str]:
+        rows = console.get("/console/api/usage", console.admin, bucket="day", group="key").json()["rows"]
+        return {row["key"] for row in rows}
 
-    usage = wait_for(counted, 10, 0.1, "team-b's usage pushed")
-    assert usage["bucket"] == "day" and {row["key"] for row in usage["rows"]} == {"team-b"}
-    assert usage["totals"]["requests"] >= 1
+    wait_for(lambda: {"e2e", "team-b"} <= today(), 10, 0.1, "the ledger counting both chats")
+
+    def own_usage(seen: list[tuple[str, Any]]) -> bool:
+        return any(event == "usage" and data["rows"] for event, data in seen)
+
+    with _admin_watching(console) as overviews:  # the admin events are fetched all along
+        before = overviews()
+        seen = _watch(console, console.other, own_usage)
+        assert overviews() > before
+    assert {event for event, _ in seen} == {"usage"}, [event for event, _ in seen]
+    assert {row["key"] for _, usage in seen for row in usage["rows"]} == {"team-b"}
+    usage = next(usage for _, usage in reversed(seen) if usage["rows"])
+    assert usage["bucket"] == "day" and usage["totals"]["requests"] >= 1
 
 
 def test_a_watcher_that_never_reads_does_not_hold_the_others_and_the_limit_is_429(console: Console) -> None:

@@ -1,10 +1,11 @@
 """services/monitoring: the alert rules and the Grafana dashboard, against promtool and the real services.
 
 promtool (Debian's ``prometheus`` package) checks the rules and runs their unit tests
-(``alerts_test.yml``: node-down and error-rate alerts fired from synthetic series), and parses the
-dashboard's queries as recording rules. Then every metric name the queries use is looked up in what
-``iop up``'s control-plane, node, worker and edge serve on /metrics after one chat request: a panel
-or an alert on a name no service exports would show nothing and never fire.
+(``alerts_test.yml``: node-down, error-rate, queue and time-to-first-token alerts fired from
+synthetic series), and parses the dashboard's queries as recording rules. Then every metric name
+the queries use is looked up in what ``iop up``'s control-plane, node, worker and edge serve on
+/metrics after one chat request: a panel or an alert on a name no service exports would show
+nothing and never fire.
 """
 
 from __future__ import annotations
@@ -145,7 +146,14 @@ def test_promtool_unit_tests_fire_the_alerts_from_synthetic_series() -> None:
         for case in yaml.safe_load((MONITORING / "alerts_test.yml").read_text())["tests"]
         for test in case.get("alert_rule_test", [])
     }
-    assert {"IopNodeUnavailable", "IopNodeMetricsDown", "IopEdgeErrorRate", "IopRunsFailing"} <= tested
+    assert {
+        "IopNodeUnavailable",
+        "IopNodeMetricsDown",
+        "IopEdgeErrorRate",
+        "IopRunsFailing",
+        "IopQueueGrowing",
+        "IopTimeToFirstTokenHigh",
+    } <= tested
 
 
 def test_promtool_parses_the_dashboard_queries(tmp_path: Path) -> None:
