@@ -392,7 +392,7 @@ class Console:
             try:
                 done = await ask_control_plane(connection, envelope, "operation_done")
             except ApiError as error:
-                if error.status == 400:  # drain and undrain refuse an unknown node as an invalid argument
+                if error.status == 404:  # the control-plane's NOT_FOUND: no such node (drain, undrain, remove)
                     raise ApiError(404, error.message, param="node_id", code="node_not_found") from None
                 raise
             return {"message": done.operation_done.message}

@@ -199,8 +199,11 @@ def test_nodes_are_drained_and_undrained_over_the_admin_certificate(console: Con
     finally:
         undrained = console.post("/console/api/nodes/node-a/undrain", console.admin)
     assert undrained.status_code == 200, undrained.text
-    unknown = console.post("/console/api/nodes/no-such-node/drain", console.admin)
-    assert unknown.status_code == 404, unknown.text
+    for action in ("drain", "undrain", "remove"):
+        unknown = console.post(f"/console/api/nodes/no-such-node/{action}", console.admin)
+        assert unknown.status_code == 404, unknown.text
+        assert unknown.json()["error"]["code"] == "node_not_found", unknown.text
+        assert unknown.json()["error"]["param"] == "node_id", unknown.text
     assert console.post("/console/api/nodes/node-a/reboot", console.admin).status_code == 404
     bad = console.post("/console/api/nodes/node-a/drain", console.admin, {"reason": 5})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "reason"
@@ -241,6 +244,7 @@ def test_an_admin_removes_a_node_a_connected_one_is_cut_off_and_an_offline_one_f
         assert _node_states(console) == {"node-a": "ready"}
         again = console.post("/console/api/nodes/node-b/remove", console.admin)
         assert again.status_code == 404 and "no node 'node-b'" in again.json()["error"]["message"], again.text
+        assert again.json()["error"]["code"] == "node_not_found", again.text
     finally:
         node.stop()
         if "node-b" in _node_states(console):  # the module's other tests count one node
