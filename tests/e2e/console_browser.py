@@ -1,16 +1,18 @@
 """Driving the console in Debian's chromium with Python playwright: the launch, and the page checks
 the browser test and the render benchmark share (text contrast, screenshots).
 
-No browser is downloaded: playwright drives ``/usr/bin/chromium`` (Debian's ``chromium`` package),
-skipped naming the package when it is missing (failed in CI, where ``IOP_BACKENDS_REQUIRED=1``).
+No browser is downloaded: playwright drives ``/usr/bin/chromium`` (Debian's ``chromium`` package).
+Both are skipped naming what is missing, and failed in CI (where ``IOP_BACKENDS_REQUIRED=1``).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, NoReturn
 
 import pytest
 
@@ -26,14 +28,27 @@ ARTIFACTS = Path(__file__).resolve().parents[2] / ".artifacts" / "console"
 """Screenshots of every page, kept after the run (``.artifacts/`` is ignored by git)."""
 
 
+def _missing(reason: str) -> NoReturn:
+    """Skip (a module's tests when called at import), or fail in CI where nothing may be missing."""
+    if os.environ.get("IOP_BACKENDS_REQUIRED") == "1":
+        pytest.fail(reason, pytrace=False)
+    pytest.skip(reason, allow_module_level=True)
+
+
+def sync_api() -> ModuleType:
+    """``playwright.sync_api``; skipped (failed in CI) when playwright is not installed."""
+    try:
+        return importlib.import_module("playwright.sync_api")
+    except ImportError as exc:
+        missing = str(exc)
+    _missing(f"playwright is not installed ({missing})")  # outside the except: no chained traceback
+
+
 def chromium_path() -> str:
     """Debian's chromium; the test is skipped (failed in CI) when it is not installed."""
     found = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
     if found is None:
-        reason = "chromium is not installed (Debian: apt-get install chromium)"
-        if os.environ.get("IOP_BACKENDS_REQUIRED") == "1":
-            pytest.fail(reason)
-        pytest.skip(reason)
+        _missing("chromium is not installed (Debian: apt-get install chromium)")
     return found
 
 
@@ -107,4 +122,19 @@ def screenshot(page: Any, name: str) -> Path:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     path = ARTIFACTS / f"{name}.png"
     page.screenshot(path=str(path), full_page=False)
+    return path
+
+
+def keep_failed_page(page: Any, name: str) -> Path:
+    """Save a failed test's page: ``failed-<name>.png`` (all of it) and ``failed-<name>.txt`` (its
+    address, then its text). Best effort: a page that cannot answer any more leaves what it could."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / f"failed-{name}.png"
+    text = ARTIFACTS / f"failed-{name}.txt"
+    try:
+        text.write_text(f"{page.url}\n\n{page.inner_text('body')}\n")
+        page.screenshot(path=str(path), full_page=True, timeout=5_000)
+    except Exception as exc:  # noqa: BLE001 -- the test already failed: keep its own error, note this one
+        with text.open("a") as out:
+            out.write(f"\n(the page could not be saved: {exc})\n")
     return path

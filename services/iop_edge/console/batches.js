@@ -3,7 +3,7 @@
 // visible and a batch on the page is still in progress (no polling for a hidden or settled page).
 
 import { api, request } from "./api.js";
-import { busy, confirmAction, toast } from "./ui.js";
+import { busy, confirmAction, focusRow, repaintKeepingFocus, toast } from "./ui.js";
 import { $, esc, num, query, saveBlob, time } from "./util.js";
 
 const REFRESH_MS = 3000;
@@ -75,11 +75,12 @@ function progress(b) {
 let painted = "";
 
 function paint(main, page) {
-  // The list refreshes every few seconds: leave the rows (and keyboard focus) alone when unchanged.
+  // The list refreshes every few seconds: leave the rows alone when unchanged, and keep the
+  // keyboard focus on its row when they change.
   const signature = JSON.stringify(page.data);
   if (signature === painted && main.querySelector("#rows").rows.length) return;
   painted = signature;
-  $(main, "#rows").innerHTML = page.data.length
+  repaintKeepingFocus($(main, "#rows"), page.data.length
     ? page.data.map((b) => {
       const id = esc(b.id);
       const buttons = [
@@ -87,15 +88,16 @@ function paint(main, page) {
         b.output_file_id ? `<button type="button" data-file="${esc(b.output_file_id)}" data-name="${id}-output.jsonl">Output</button>` : "",
         b.error_file_id ? `<button type="button" data-file="${esc(b.error_file_id)}" data-name="${id}-errors.jsonl">Errors</button>` : "",
       ].join(" ");
-      return `<tr data-batch="${id}"><th scope="row" class="mono">${id}</th><td>${esc(b.owner ?? "—")}</td>
+      return `<tr data-row="${id}"><th scope="row" class="mono">${id}</th><td>${esc(b.owner ?? "—")}</td>
         <td><span class="pill ${esc(b.status)}">${esc(b.status)}</span></td><td>${progress(b)}</td>
         <td>${time(b.created_at)}</td><td>${esc(b.endpoint)}</td><td class="actions">${buttons}</td></tr>`;
     }).join("")
-    : `<tr><td colspan="7">No batches.</td></tr>`;
+    : `<tr><td colspan="7">No batches.</td></tr>`);
   $(main, "#summary").textContent = `${num(page.data.length)} batches on this page; refreshed every ${REFRESH_MS / 1000} s while one is in progress.`;
 }
 
 async function act(event, load, signal) {
+  const rows = event.currentTarget;
   const cancel = event.target.closest("button[data-cancel]");
   const file = event.target.closest("button[data-file]");
   if (cancel) {
@@ -106,6 +108,8 @@ async function act(event, load, signal) {
       toast(`Batch ${b.id} ${b.status}`);
       await load();
     });
+    // Its button is gone with the repaint: the keyboard focus stays on the batch's row.
+    if (!cancel.isConnected) focusRow(rows, id);
   } else if (file) {
     await busy(file, async () => {
       const response = await request(`/console/api/files/${encodeURIComponent(file.dataset.file)}/content`, { signal });

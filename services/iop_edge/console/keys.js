@@ -2,7 +2,7 @@
 // button), list keys, revoke one after a confirm.
 
 import { api } from "./api.js";
-import { busy, confirmAction, toast } from "./ui.js";
+import { busy, confirmAction, focusRow, repaintKeepingFocus, toast } from "./ui.js";
 import { $, esc, num, time } from "./util.js";
 
 export function render(main, { signal }) {
@@ -58,6 +58,8 @@ export function render(main, { signal }) {
       toast(`Key ${name} revoked`);
       await load();
     });
+    // Its button is gone with the repaint: the keyboard focus stays on the key's row.
+    if (!button.isConnected) focusRow($(main, "#rows"), name);
   });
   load();
 }
@@ -98,11 +100,11 @@ async function copy(main) {
 }
 
 function paint(main, keys) {
-  $(main, "#rows").innerHTML = keys.length
-    ? keys.map((k) => `<tr${k.revoked_at ? ` class="revoked"` : ""}><th scope="row">${esc(k.name)}</th>
+  repaintKeepingFocus($(main, "#rows"), keys.length
+    ? keys.map((k) => `<tr data-row="${esc(k.name)}"${k.revoked_at ? ` class="revoked"` : ""}><th scope="row">${esc(k.name)}</th>
         <td class="mono">${esc(k.key_id)}</td><td>${k.admin ? "yes" : "no"}</td><td>${time(k.created_at)}</td>
         <td>${k.revoked_at ? `revoked ${time(k.revoked_at)}` : "active"}</td>
         <td class="n">${num(k.rpm)}</td><td class="n">${num(k.tpm)}</td><td class="n">${num(k.max_concurrent)}</td>
         <td>${k.revoked_at ? "" : `<button type="button" class="danger" data-revoke="${esc(k.name)}">Revoke</button>`}</td></tr>`).join("")
-    : `<tr><td colspan="9">No keys.</td></tr>`;
+    : `<tr><td colspan="9">No keys.</td></tr>`);
 }

@@ -22,6 +22,7 @@ export function render(main, { signal }) {
         <h2 id="chat-h" class="visually-hidden">Conversation</h2>
         <ol id="messages" class="messages" aria-live="polite"></ol>
         <p class="status" id="stats" aria-live="polite"></p>
+        <p class="status" id="run" hidden>Run <span class="mono" id="run-id"></span></p>
         <form id="ask" class="ask">
           <label for="p-message">Message</label>
           <textarea id="p-message" name="message" rows="3" required></textarea>
@@ -50,6 +51,7 @@ export function render(main, { signal }) {
     chat.history = [];
     $(main, "#messages").innerHTML = "";
     $(main, "#stats").textContent = "";
+    $(main, "#run").hidden = true;
   });
   return () => chat.controller?.abort();
 }
@@ -101,12 +103,15 @@ async function send(main, chat, pageSignal) {
   $(main, "#stop").disabled = false;
   const stats = $(main, "#stats");
   stats.textContent = "Waiting for the first token…";
+  $(main, "#run").hidden = true;
   const t0 = performance.now();
   let first = null;
   let usage = null;
   let finish = null;
+  let streamed = 0; // chunks with text: the token count until the final usage tells it exactly
   try {
     const response = await request("/v1/chat/completions", { method: "POST", body: requestBody(main, chat), signal: controller.signal });
+    showRun(main, response.headers.get("x-request-id"));
     for await (const { data } of events(response)) {
       if (data === "[DONE]") break;
       const chunk = JSON.parse(data);
@@ -116,11 +121,12 @@ async function send(main, chat, pageSignal) {
         const delta = choice.delta?.content;
         if (delta) {
           if (first === null) first = performance.now();
+          streamed += 1;
           answer.textContent += delta;
         }
         if (choice.finish_reason) finish = choice.finish_reason;
       }
-      stats.textContent = figures(t0, first, performance.now(), usage, answer.textContent, null);
+      stats.textContent = figures(t0, first, performance.now(), usage, streamed, null);
     }
   } catch (err) {
     if (err.name === "AbortError") finish = "stopped";
@@ -136,7 +142,7 @@ async function send(main, chat, pageSignal) {
     chat.controller = null;
     messages.removeAttribute("aria-busy");
     if (answer.textContent) chat.history.push({ role: "assistant", content: answer.firstChild?.nodeType === 3 ? answer.firstChild.data : "" });
-    stats.textContent = figures(t0, first, performance.now(), usage, answer.textContent, finish);
+    stats.textContent = figures(t0, first, performance.now(), usage, streamed, finish);
     if (!pageSignal.aborted) {
       $(main, "#send").disabled = false;
       $(main, "#stop").disabled = true;
@@ -145,18 +151,25 @@ async function send(main, chat, pageSignal) {
   }
 }
 
-/** "TTFT 42 ms · 18 tokens · 310.5 tokens/s · stop" (tokens from usage when it came). */
-function figures(t0, first, now, usage, text, finish) {
+/** The run's id (the response's x-request-id), to find it in Runs. */
+function showRun(main, id) {
+  if (!id) return;
+  $(main, "#run-id").textContent = id;
+  $(main, "#run").hidden = false;
+}
+
+/**
+ * "TTFT 42 ms · 18 tokens · 310.5 tokens/s · 12 prompt tokens · stop": while the answer streams,
+ * its chunks counted as tokens ("≈"); the usage's exact figures once it came.
+ */
+function figures(t0, first, now, usage, streamed, finish) {
   if (first === null) return finish ? `No tokens (${finish}).` : "Waiting for the first token…";
-  const tokens = usage ? usage.completion_tokens : null;
+  const about = usage ? "" : "≈";
+  const tokens = usage ? usage.completion_tokens : streamed;
   const seconds = (now - first) / 1000;
-  const parts = [`TTFT ${num(first - t0)} ms`];
-  if (tokens !== null) {
-    parts.push(`${num(tokens)} tokens`);
-    if (seconds > 0) parts.push(`${num(tokens / seconds, 1)} tokens/s`);
-  } else {
-    parts.push(`${num(text.length)} characters`);
-  }
+  const parts = [`TTFT ${num(first - t0)} ms`, `${about}${num(tokens)} tokens`];
+  if (seconds > 0) parts.push(`${about}${num(tokens / seconds, 1)} tokens/s`);
+  if (usage) parts.push(`${num(usage.prompt_tokens)} prompt tokens`);
   if (finish) parts.push(finish);
   return parts.join(" · ");
 }

@@ -1,5 +1,5 @@
-// Runs: the ledger, newest first, filtered by model, status, caller, node and time, a page
-// at a time (next_before). A run's details show its attempts as a timeline.
+// Runs: the ledger, newest first, filtered by model, status, caller, node and time (since,
+// until), a page at a time (next_before). A run's details show its attempts as a timeline.
 
 import { request } from "./api.js";
 import { timeline, toast } from "./ui.js";
@@ -19,6 +19,7 @@ export function render(main, { me, signal, params }) {
         ${me.admin ? "" : `value="${esc(me.key)}" readonly`}></div>
       <div><label for="r-node">Node</label><input id="r-node" name="node" spellcheck="false"></div>
       <div><label for="r-since">Since (UTC)</label><input id="r-since" name="since" type="datetime-local"></div>
+      <div><label for="r-until">Until (UTC)</label><input id="r-until" name="until" type="datetime-local"></div>
       <div><label for="r-limit">Per page</label>
         <select id="r-limit" name="limit"><option>50</option><option selected>100</option>
           <option>200</option><option>500</option></select></div>
@@ -44,7 +45,8 @@ export function render(main, { me, signal, params }) {
     const f = new FormData(form);
     const params = {
       model: f.get("model").trim(), status: f.get("status"), caller: f.get("caller").trim(),
-      node: f.get("node").trim(), since: parseUtc(f.get("since")), limit: f.get("limit") || PAGE, before,
+      node: f.get("node").trim(), since: parseUtc(f.get("since")), limit: f.get("limit") || PAGE,
+      before: before ?? parseUtc(f.get("until")), // an older page starts below the last one, inside "until"
     };
     try {
       const response = await request(`/console/api/runs${query(params)}`, { signal });

@@ -35,6 +35,7 @@ export function confirmAction(message, confirmLabel = "Confirm", dismissLabel = 
 
 /** Run an async action from a button: disabled while it runs, errors toasted. */
 export async function busy(button, action) {
+  const focused = document.activeElement === button;
   button.disabled = true;
   try {
     return await action();
@@ -43,7 +44,32 @@ export async function busy(button, action) {
     return undefined;
   } finally {
     button.disabled = false;
+    // A disabled button drops the focus to <body>: give it back (keyboard users stay in place).
+    if (focused && button.isConnected && document.activeElement === document.body) button.focus();
   }
+}
+
+/**
+ * Repaint a table body keeping the keyboard focus: on the same button of the same row
+ * (rows carry data-row, buttons a data-* naming their action) or, when that button is gone,
+ * on the row's header cell.
+ */
+export function repaintKeepingFocus(tbody, html) {
+  const active = document.activeElement;
+  const row = tbody.contains(active) ? active.closest("tr[data-row]")?.dataset.row : undefined;
+  const action = row === undefined ? null : [...active.attributes].find((a) => a.name.startsWith("data-"));
+  tbody.innerHTML = html;
+  if (row !== undefined) focusRow(tbody, row, action);
+}
+
+/** Focus a row's button (the attribute `action` of one before a repaint) or its header cell. */
+export function focusRow(tbody, row, action = null) {
+  const tr = [...tbody.querySelectorAll("tr[data-row]")].find((r) => r.dataset.row === row);
+  if (!tr) return;
+  const same = action ? [...tr.querySelectorAll(`[${action.name}]`)].find((e) => e.getAttribute(action.name) === action.value) : null;
+  const target = same ?? tr.querySelector("th, td");
+  if (!same) target.tabIndex = -1;
+  target.focus();
 }
 
 const W = 800;
