@@ -329,8 +329,12 @@ def _below(nanoseconds: int) -> float:
     A run's time is shown as ``int(received_at * 1e9)`` (:func:`run_message`); ``nanoseconds / 1e9``
     back is not always below the run it came from (1 in 30 times it rounds up), and the next page
     would start with the last run of the page before. Stepping to the float neighbour keeps
-    ``int(x * 1e9) < nanoseconds`` exactly for every stored ``x <= `` the answer.
+    ``int(x * 1e9) < nanoseconds`` exactly for every stored ``x <= `` the answer. At or before the
+    epoch (a peer may ask for any Timestamp) nothing stored is earlier: -1.0, at once (the stepping
+    would crawl through every float near zero: ``int`` truncates towards it).
     """
+    if nanoseconds <= 0:
+        return -1.0
     seconds = nanoseconds / 1e9
     while int(seconds * 1e9) >= nanoseconds:
         seconds = math.nextafter(seconds, -math.inf)

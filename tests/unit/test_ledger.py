@@ -239,3 +239,12 @@ def test_a_page_boundary_in_nanoseconds_excludes_exactly_the_runs_at_or_after_it
         assert below < stored, (stored, shown)
         assert int(math.nextafter(below, math.inf) * 1e9) >= shown
     assert rounded_up > 0  # the case the stepping is for does occur in these times
+
+
+@pytest.mark.timeout(10)
+def test_a_boundary_at_or_before_the_epoch_is_answered_at_once_and_matches_no_run() -> None:
+    """``before`` 0 (or a negative Timestamp) stepped through every float near zero, for ever, in the
+    store's thread: one console request (runs?before=0) held a thread of the control-plane at 100% CPU."""
+    for nanoseconds in (0, -1, -5, -1_764_000_000_000_000_000):
+        assert ledger._below(nanoseconds) < 0  # no run's received_at is negative
+    assert 0 < ledger._below(1) < 1e-9
