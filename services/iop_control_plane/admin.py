@@ -44,13 +44,16 @@ if TYPE_CHECKING:
     from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
     from google.protobuf.timestamp_pb2 import Timestamp
 
-__all__ = ["READ_ONLY", "Operations", "PolicyInForce"]
+__all__ = ["MAX_REASON_CHARS", "READ_ONLY", "Operations", "PolicyInForce"]
 
 READ_ONLY = ("nodes_list", "runs_list", "usage_list", "overview_show")
 """What an edge or worker certificate may ask besides runs and capabilities: reads, no operation."""
 
 _log = structlog.get_logger("iop.control_plane")
 _T = TypeVar("_T")
+MAX_REASON_CHARS = 1000
+"""Longest reason a drain, undrain or remove may give: it is kept, logged and shown in every nodes
+listing (and each console's live push) while the node is drained, so it is bounded."""
 _RELOAD_TIMEOUT = 8.0
 """Seconds a node has to answer nodes.reload (it starts servers without waiting for them): less than
 ``iop``'s 10 s wait for the answer, so the admin hears which node did not answer."""
@@ -124,7 +127,7 @@ class Operations:
         """No new runs to the node until undrained."""
         message = inbound.envelope.nodes_drain
         node = self._node(message.node_id)
-        reason = message.reason or f"drained by {inbound.peer.name}"
+        reason = _reason(message.reason) or f"drained by {inbound.peer.name}"
         await _stored(self.state.set_drain(node.node_id, reason, inbound.peer.name, drained=True), "the drain")
         self.sessions.drained.add(node.node_id)
         if node.state is NodeState.READY:
@@ -135,6 +138,7 @@ class Operations:
         """New runs go to the node again (if it is connected)."""
         message = inbound.envelope.nodes_undrain
         node = self._node(message.node_id)
+        _reason(message.reason)
         await _stored(self.state.set_drain(node.node_id, "", inbound.peer.name, drained=False), "the undrain")
         self.sessions.drained.discard(node.node_id)
         if node.state is NodeState.DRAINING and self.sessions.connection(node.node_id) is not None:
@@ -146,7 +150,7 @@ class Operations:
         """Revoke the node's certificates, close its connection at once and forget it."""
         message = inbound.envelope.nodes_remove
         node_id, sessions = message.node_id, self.sessions
-        reason = message.reason or f"removed by {inbound.peer.name}"
+        reason = _reason(message.reason) or f"removed by {inbound.peer.name}"
         connection = sessions.connections.get(node_id)
         peer = connection.peer if connection is not None else None
         shared = node_id in sessions.shared
@@ -363,3 +367,11 @@ async def _stored(write: Awaitable[_T], what: str) -> _T:
     except Exception as exc:  # noqa: BLE001 - any driver's error: the admin gets one line
         _log.error("state store write failed", what=what, reason=str(exc) or type(exc).__name__)
         raise IopError(pb.ERROR_CODE_UNAVAILABLE, f"cannot record {what} in the state store: {exc}") from None
+
+
+def _reason(text: str) -> str:
+    """An operation's reason; IopError INVALID_ARGUMENT (naming ``reason``) past :data:`MAX_REASON_CHARS`."""
+    if len(text) > MAX_REASON_CHARS:
+        message = f"reason is {len(text)} characters, over {MAX_REASON_CHARS}: say it shorter"
+        raise IopError(pb.ERROR_CODE_INVALID_ARGUMENT, message, param="reason")
+    return text

@@ -79,6 +79,9 @@ _NANOS_TO = 10**20
 _INT32_MAX = 2**31 - 1
 """The largest key limit (the stores' integer columns)."""
 _DAY = 86_400
+_MAX_REASON_CHARS = 500
+"""Longest reason a node action may give here: with " (console, key NAME)" added, still under the
+control-plane's own bound (1,000 characters), which refuses longer ones from any admin."""
 USAGE_SPANS = {"hour": 31 * _DAY + 3600, "day": 400 * _DAY}
 """The longest range of one usage question, by bucket (a month of hours, a bit more than a year of days)."""
 _STATUSES = ("completed", "failed", "cancelled")
@@ -197,7 +200,8 @@ def usage_query(query: Any, caller: Who, now: float) -> UsageQuery:
     bucket = query.get("bucket") or "hour"
     if bucket not in ("hour", "day"):
         raise ApiError(400, f"bucket must be hour or day, not {bucket[:40]!r}", param="bucket")
-    end = _time(query.get("end"), "end") or now
+    end = _time(query.get("end"), "end")
+    end = now if end is None else end  # 0 is a time (the epoch), not "now"
     start = _time(query.get("start"), "start")
     if start is None:
         start = end - (_DAY if bucket == "hour" else 7 * _DAY)
@@ -379,6 +383,9 @@ class Console:
             reason = data.get("reason", "") or ""
             if not isinstance(reason, str):
                 raise ApiError(400, "reason must be a string", param="reason")
+            if len(reason) > _MAX_REASON_CHARS:
+                message = f"reason is {len(reason)} characters, over {_MAX_REASON_CHARS}: say it shorter"
+                raise ApiError(400, message, param="reason", code="invalid_value")
             reason = f"{reason} (console, key {caller.name})" if reason else f"(console, key {caller.name})"
             if action == "drain":
                 envelope = pb.Envelope(nodes_drain=pb.NodesDrain(node_id=node_id, reason=reason))

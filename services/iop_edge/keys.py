@@ -72,7 +72,8 @@ def check_name(name: str) -> None:
     """ValueError (one line) for a name that is empty, too long, has spaces or control characters,
     or is reserved (:data:`RESERVED_NAMES`)."""
     if not name or len(name) > _MAX_NAME_CHARS or any(ch.isspace() or not ch.isprintable() for ch in name):
-        raise ValueError(f"key name {name!r} must be 1-{_MAX_NAME_CHARS} printable characters without spaces")
+        shown = repr(name[:40]) + (f" ({len(name)} characters)" if len(name) > 40 else "")  # never the whole of it
+        raise ValueError(f"key name {shown} must be 1-{_MAX_NAME_CHARS} printable characters without spaces")
     if name in RESERVED_NAMES:
         raise ValueError(f"key name {name!r} is reserved (the caller of requests with auth: none); pick another")
 

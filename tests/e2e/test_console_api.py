@@ -34,7 +34,7 @@ CSP = (
     "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
     "connect-src 'self'; frame-ancestors 'none'"
 )
-MAX_WATCHERS = 6
+MAX_WATCHERS = 10
 PER_KEY = 4
 
 
@@ -175,6 +175,9 @@ def test_keys_are_created_listed_and_revoked_by_an_admin(console: Console) -> No
     ):
         refused = console.post("/console/api/keys", console.admin, bad)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (bad, refused.text)
+    huge = console.post("/console/api/keys", console.admin, {"name": "x" * 100_000})
+    assert huge.status_code == 400 and huge.json()["error"]["param"] == "name", huge.text[:200]
+    assert len(huge.content) < 1000 and "100000 characters" in huge.text  # the name is not sent back whole
 
     revoked = console.delete("/console/api/keys/team-c", console.admin)
     assert revoked.status_code == 200 and revoked.json() == {"name": "team-c", "revoked": True}
@@ -207,6 +210,9 @@ def test_nodes_are_drained_and_undrained_over_the_admin_certificate(console: Con
     assert console.post("/console/api/nodes/node-a/reboot", console.admin).status_code == 404
     bad = console.post("/console/api/nodes/node-a/drain", console.admin, {"reason": 5})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "reason"
+    long = console.post("/console/api/nodes/node-a/drain", console.admin, {"reason": "x" * 501})
+    assert long.status_code == 400 and long.json()["error"]["param"] == "reason", long.text
+    assert console.get("/console/api/nodes", console.admin).json()["nodes"][0]["state"] == "ready"
 
 
 def _node_states(console: Console) -> dict[str, str]:
@@ -337,6 +343,9 @@ def test_runs_are_paged_newest_first_and_scoped_to_the_key(console: Console) -> 
     assert one_by_one == seen
     by_hand = console.get("/console/api/runs", key, before=f"{runs[0]['received_at'] + 1:.6f}").json()
     assert [run["id"] for run in by_hand["runs"]] == seen  # unix seconds, written by hand
+    for epoch in ("0", "0.0", "1e-10"):  # nothing is that old (once a store thread spun on it for ever)
+        empty = console.get("/console/api/runs", key, before=epoch)
+        assert empty.status_code == 200 and empty.json()["runs"] == [], (epoch, empty.text)
 
     for bad, param in (
         ({"limit": 0}, "limit"),
@@ -408,6 +417,8 @@ def test_usage_by_hour_and_day_matches_the_chat_completions(console: Console) ->
     ):
         refused = console.get("/console/api/usage", key, **bad)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, bad
+    epoch = console.get("/console/api/usage", key, end="0", bucket="day")  # the epoch, not "now"
+    assert epoch.status_code == 200 and epoch.json()["end"] == 0 and epoch.json()["rows"] == [], epoch.text
 
 
 def test_openai_usage_api_follows_the_spec_and_pages(console: Console) -> None:
@@ -611,6 +622,8 @@ def test_live_stream_pushes_overview_and_nodes_to_admins_and_only_its_own_usage_
 
 
 def test_a_watcher_that_never_reads_does_not_hold_the_others_and_the_limit_is_429(console: Console) -> None:
+    second_admin = create_key(console.stack.keys_path, "ops-2", admin=True)
+    wait_for(lambda: console.get("/console/api/me", second_admin).status_code == 200, 10, 0.05, "the new key")
     wait_for(lambda: console.watchers() == 0, 10, 0.05, "no live stream left open")
     port = console.stack.edge_port
     stalled = socket.create_connection(("127.0.0.1", port))
@@ -623,12 +636,16 @@ def test_a_watcher_that_never_reads_does_not_hold_the_others_and_the_limit_is_42
             assert _events(console, console.admin, {"overview"})["overview"]["nodes"]["total"] == 1
         refused_before = console.stack.edge_metric("iop_edge_console_watchers_refused_total")
         with contextlib.ExitStack() as streams:
-            for key in (console.admin, console.admin, console.other, console.other, console.stack.key):
-                opened = streams.enter_context(_stream(console, key))
-                assert opened.status_code == 200
+            # Plain keys take every slot but the last PER_KEY (the admins'): 1 + 5 of 10.
+            for key in (*[console.other] * PER_KEY, console.stack.key):
+                assert streams.enter_context(_stream(console, key)).status_code == 200
             over = console.get("/console/api/live", console.stack.key)
-            assert over.status_code == 429 and "console.max_watchers" in over.json()["error"]["message"]
-        assert console.stack.edge_metric("iop_edge_console_watchers_refused_total") == refused_before + 1
+            assert over.status_code == 429 and "kept for admin keys" in over.json()["error"]["message"], over.text
+            for key in (console.admin, console.admin, console.admin, second_admin):  # the admins still get in
+                assert streams.enter_context(_stream(console, key)).status_code == 200
+            over = console.get("/console/api/live", second_admin)
+            assert over.status_code == 429 and "console.max_watchers)" in over.json()["error"]["message"], over.text
+        assert console.stack.edge_metric("iop_edge_console_watchers_refused_total") == refused_before + 2
     finally:
         stalled.close()
     wait_for(lambda: console.watchers() == 0, 10, 0.05, "every live stream closed")

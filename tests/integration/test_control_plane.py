@@ -162,6 +162,19 @@ async def test_drain_stops_new_runs_until_undrained(cp: ControlPlaneApp, pki: Pk
             with pytest.raises(IopError) as unknown:
                 await admin.request(unknown_node)
             assert unknown.value.code == pb.ERROR_CODE_NOT_FOUND and "'nope'" in unknown.value.message
+        for too_long in (  # kept, logged and listed while the node is drained: bounded
+            pb.Envelope(nodes_drain=pb.NodesDrain(node_id="node-b", reason="x" * 1001)),
+            pb.Envelope(nodes_undrain=pb.NodesUndrain(node_id="node-a", reason="x" * 1001)),
+            pb.Envelope(nodes_remove=pb.NodesRemove(node_id="node-b", reason="x" * 1001)),
+        ):
+            with pytest.raises(IopError) as refused:
+                await admin.request(too_long)
+            assert refused.value.code == pb.ERROR_CODE_INVALID_ARGUMENT and refused.value.param == "reason"
+            assert "1001 characters, over 1000" in refused.value.message
+        listed = (await admin.request(pb.Envelope(nodes_list=pb.NodesList()))).nodes_listed
+        assert {n.node_id: n.state for n in listed.nodes} == {
+            "node-a": pb.NODE_STATE_DRAINING, "node-b": pb.NODE_STATE_READY
+        }  # fmt: skip
 
         await admin.request(pb.Envelope(nodes_undrain=pb.NodesUndrain(node_id="node-a")))
         streams = [await edge.open_run(chat(model="mock-slow")) for _ in range(2)]
