@@ -12,7 +12,9 @@ the edge stops, every stream is ended first (:meth:`LiveHub.end_all`), so the se
 shutdown does not wait on them. A watcher holds at most :data:`QUEUED` messages; a new one replaces the oldest (the
 latest wins), and a watcher that has taken none for :data:`STALL_TICKS` pushes in a row is
 dropped (its stream closed, counted): a client that stops reading costs a bounded queue for
-a bounded time, and never holds up the others. A tick with nothing for a watcher (the
+a bounded time, and never holds up the others. Every stream is renewed after :data:`RENEW_SECONDS`
+(a ``reconnect`` event, then its end): a client whose kernel buffers hide that it stopped reading
+holds its slot no longer. The last slots are kept for admin keys. A tick with nothing for a watcher (the
 control-plane away) sends it an SSE comment line instead, so proxies keep the stream open.
 """
 
@@ -34,7 +36,7 @@ from starlette.types import Receive, Scope, Send
 from iop_edge.metrics import EdgeMetrics
 from iop_wire.openai.errors import ApiError
 
-__all__ = ["QUEUED", "STALL_TICKS", "LiveHub", "LiveStream", "Snapshot", "Watcher", "sse_event"]
+__all__ = ["QUEUED", "RENEW_SECONDS", "STALL_TICKS", "LiveHub", "LiveStream", "Snapshot", "Watcher", "sse_event"]
 
 _log = structlog.get_logger("iop.edge.console")
 
@@ -42,6 +44,11 @@ QUEUED = 2
 """Messages a watcher may have waiting; a newer one replaces the oldest."""
 STALL_TICKS = 5
 """Pushes in a row a watcher may leave untaken (its queue full) before it is dropped."""
+RENEW_SECONDS = 600.0
+"""How long one stream lasts: then it ends with a ``reconnect`` event and the page opens a new one at
+once. A client that stops reading is only found out once its socket's buffers are full, and the
+kernel's take megabytes: hours of pushes at a few hundred bytes a second. This bounds the slot it
+holds to ten minutes whatever the buffers."""
 _LOG_EVERY = 60.0
 """Seconds between two log lines about refused watchers."""
 
@@ -77,6 +84,10 @@ class Watcher:
     """Set when the hub drops it: its stream is closed, even mid-write."""
     recheck: Recheck | None = None
     """Its key looked up again at each tick (None: nothing to re-check, keys are off)."""
+    since: float = field(default_factory=time.monotonic)
+    """When it joined: it is renewed :data:`RENEW_SECONDS` later."""
+    renewed: bool = False
+    """Ended for renewal: its stream's last event tells the page to reconnect at once."""
 
     def offer(self, message: bytes) -> bool:
         """Queue ``message`` (the oldest goes when full); False once the watcher should be dropped."""
@@ -127,13 +138,21 @@ class LiveHub:
             raise ApiError(503, "this edge is stopping; reconnect to another", retry_after=1.0)
         # With keys off (no recheck: auth none) every watcher is `anonymous`: only the edge's bound holds.
         mine = sum(1 for watcher in self.watchers if watcher.caller == caller) if recheck is not None else 0
-        if len(self.watchers) >= self.max_watchers or mine >= self.max_per_key:
+        # Keys that are not admin share the slots but the last ones: enough for one admin key's streams,
+        # so a crowd of plain keys cannot lock the operators out of their own console.
+        room = self.max_watchers if admin else self.max_watchers - min(self.max_per_key, self.max_watchers // 2)
+        if len(self.watchers) >= room or mine >= self.max_per_key:
             self.metrics.watchers_refused.inc()
             self._log_refusal(caller)
             if mine >= self.max_per_key:
                 message = f"key {caller!r} has {mine} live streams open, its limit (console.max_watchers_per_key)"
-            else:
+            elif admin:
                 message = f"this edge has {len(self.watchers)} live streams open, its limit (console.max_watchers)"
+            else:
+                message = (
+                    f"this edge has {len(self.watchers)} live streams open: the rest of console.max_watchers"
+                    " is kept for admin keys"
+                )
             raise ApiError(429, message, code="too_many_requests", retry_after=self.interval * 5)
         watcher = Watcher(caller, admin, recheck=recheck)
         self.watchers.add(watcher)
@@ -186,13 +205,24 @@ class LiveHub:
     async def tick(self) -> None:
         """One poll, offered to every watcher; those that stopped reading are dropped, those whose
         key was revoked ended."""
-        watchers = [watcher for watcher in list(self.watchers) if self._still_allowed(watcher)]
+        watchers = [w for w in list(self.watchers) if self._still_allowed(w) and not self._renewed(w)]
         snapshot = await self._poll(any(w.admin for w in watchers), any(not w.admin for w in watchers))
         for watcher in watchers:
             if not watcher.offer(self._message(watcher, snapshot)):
                 self.metrics.watchers_dropped.inc()
                 _log.info("console live stream dropped: its client stopped reading", caller=watcher.caller)
                 self.leave(watcher)
+
+    def _renewed(self, watcher: Watcher) -> bool:
+        """End a stream open :data:`RENEW_SECONDS` (its page reconnects at once); True if it was."""
+        if time.monotonic() - watcher.since < RENEW_SECONDS:
+            return False
+        self.metrics.watchers_renewed.inc()
+        _log.info("console live stream renewed", caller=watcher.caller, seconds=RENEW_SECONDS)
+        watcher.renewed = True
+        watcher.dropped.set()
+        self.leave(watcher)
+        return True
 
     def _still_allowed(self, watcher: Watcher) -> bool:
         """Re-check the watcher's key: ended (False) once revoked, its scope updated when changed."""
@@ -249,7 +279,7 @@ class LiveStream(Response):
             if not self._started:  # dropped (the edge stopping) before the stream began: a 503, not a 500
                 await _refuse(send)
                 return
-            await _end(send)
+            await _end(send, b"event: reconnect\ndata: {}\n\n" if self.watcher.renewed else b"")
 
     async def _send(self, send: Send) -> None:
         with contextlib.suppress(OSError):  # the client went away mid-write
@@ -277,9 +307,9 @@ async def _refuse(send: Send) -> None:
             await send({"type": "http.response.body", "body": error.content()})
 
 
-async def _end(send: Send) -> None:
-    """The stream's last chunk, so its client sees it end (not a cut connection); bounded: a client
-    that stopped reading may never take it."""
+async def _end(send: Send, last: bytes = b"") -> None:
+    """The stream's last chunk (``last``, then its end), so its client sees it end (not a cut
+    connection); bounded: a client that stopped reading may never take it."""
     with contextlib.suppress(OSError, RuntimeError, TimeoutError):
         async with asyncio.timeout(1.0):
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send({"type": "http.response.body", "body": last, "more_body": False})

@@ -64,6 +64,11 @@ class EdgeMetrics:
             "Console live streams closed by the edge because their client stopped reading.",
             registry=self.registry,
         )
+        self.watchers_renewed = Counter(
+            "iop_edge_console_watchers_renewed_total",
+            "Console live streams ended after console's RENEW_SECONDS (600 s) for their page to reconnect.",
+            registry=self.registry,
+        )
         self.cancelled = Counter(
             "iop_edge_client_disconnects_total",
             "Requests whose client went away before the answer ended (their runs are cancelled).",

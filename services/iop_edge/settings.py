@@ -145,7 +145,8 @@ class ConsoleSettings(_Section):
     """Seconds between two pushes of the live stream (``/console/api/live``): one poll of the
     control-plane per edge, whatever the number of watchers."""
     max_watchers: int = Field(64, ge=1, le=10_000)
-    """Live streams open at once; more are answered 429."""
+    """Live streams open at once; more are answered 429. Keys that are not admin share all but the last
+    ``max_watchers_per_key`` (at most half): the operators always get in."""
     max_watchers_per_key: int = Field(4, ge=1, le=10_000)
     """Live streams one key may have open at once; more are answered 429 (one key cannot take
     the whole ``max_watchers``)."""

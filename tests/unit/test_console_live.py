@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from iop_edge import live
 from iop_edge.live import QUEUED, STALL_TICKS, LiveHub, LiveStream, Snapshot
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.views import grouped, overview_view, run_view, summed_overview, usage_csv
@@ -99,8 +100,8 @@ async def test_a_watcher_that_never_reads_keeps_the_latest_and_is_dropped() -> N
 async def test_past_max_watchers_a_watcher_is_refused_429_and_counted() -> None:
     polls, metrics = _Polls(), EdgeMetrics()
     hub = _hub(polls, metrics, max_watchers=2)
-    hub.join("a", admin=True)
     hub.join("b", admin=False)
+    hub.join("a", admin=True)
     with pytest.raises(ApiError) as refused:
         hub.join("c", admin=True)
     assert refused.value.status == 429 and "console.max_watchers" in refused.value.message
@@ -283,4 +284,55 @@ async def test_a_stream_dropped_before_it_began_is_answered_503_not_left_unanswe
     await LiveStream(hub, watcher)({"type": "http"}, receive, send)  # type: ignore[arg-type]
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 503
     assert b"stopping" in sent[1]["body"]  # type: ignore[operator]
+    await hub.aclose()
+
+
+async def test_the_last_slots_are_kept_for_admin_keys() -> None:
+    """Plain keys, four streams each, filled every slot and the operators' console got 429 (found
+    attacking the console: 16 keys x 4 unread streams). The last max_per_key slots are the admins'."""
+    polls, metrics = _Polls(), EdgeMetrics()
+    hub = LiveHub(polls, interval=3600, max_watchers=8, max_per_key=2, metrics=metrics)
+    for key in ("alice", "bob", "carol"):
+        for _ in range(2):
+            hub.join(key, admin=False, recheck=lambda: False)
+    with pytest.raises(ApiError) as refused:
+        hub.join("dave", admin=False, recheck=lambda: False)
+    assert refused.value.status == 429 and "kept for admin keys" in refused.value.message
+    hub.join("ops", admin=True, recheck=lambda: True)
+    hub.join("ops", admin=True, recheck=lambda: True)
+    with pytest.raises(ApiError) as full:
+        hub.join("root", admin=True, recheck=lambda: True)
+    assert full.value.status == 429 and "console.max_watchers)" in full.value.message
+    assert _value(metrics, "iop_edge_console_watchers_refused_total") == 2
+    await hub.aclose()
+
+
+async def test_a_stream_is_renewed_with_a_reconnect_event_after_renew_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that stopped reading is found out only once the kernel's buffers are full: megabytes,
+    hours of pushes. Every stream ends after RENEW_SECONDS, telling its page to reconnect."""
+    polls, metrics = _Polls(), EdgeMetrics()
+    hub = _hub(polls, metrics)
+    watcher, other = hub.join("ops", admin=True), hub.join("alice", admin=False)
+    await hub.aclose()
+    sent: list[dict[str, object]] = []
+
+    async def receive() -> dict[str, object]:
+        await asyncio.Event().wait()  # the client stays (and never reads: nothing here blocks on it)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    stream = asyncio.ensure_future(LiveStream(hub, watcher)({"type": "http"}, receive, send))  # type: ignore[arg-type]
+    await hub.tick()
+    await asyncio.sleep(0.01)
+    assert not stream.done() and sent[0]["status"] == 200
+    other.since = float("inf")  # joined "later": not yet due
+    monkeypatch.setattr(live, "RENEW_SECONDS", 0.0)
+    await hub.tick()
+    await asyncio.wait_for(stream, 5)
+    assert sent[-1] == {"type": "http.response.body", "body": b"event: reconnect\ndata: {}\n\n", "more_body": False}
+    assert watcher.renewed and watcher not in hub.watchers
+    assert other in hub.watchers and not other.renewed
+    assert _value(metrics, "iop_edge_console_watchers_renewed_total") == 1
     await hub.aclose()

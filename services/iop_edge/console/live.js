@@ -1,6 +1,7 @@
 // One shared reader of /console/api/live for the pages open in this tab. The stream is read
 // with fetch() (EventSource cannot send the Authorization header); when it ends or fails the
-// reader waits and reconnects, the wait doubling from 1 s to 30 s and reset by a good event.
+// reader waits and reconnects, the wait doubling from 1 s to 30 s and reset by a good event; after
+// a `reconnect` event (the edge renews every stream every ten minutes) it reconnects at once.
 
 import { ApiError, events, request } from "./api.js";
 
@@ -54,12 +55,17 @@ async function start() {
   let wait = MIN_WAIT_MS;
   while (!signal.aborted) {
     let reason = "stream ended";
+    let renew = false;
     try {
       setStatus("connecting");
       const response = await request("/console/api/live", { signal });
       for await (const { event, data } of events(response)) {
         wait = MIN_WAIT_MS;
         setStatus("live");
+        if (event === "reconnect") {
+          renew = true; // the edge ends every stream after a while: open the next one at once
+          continue;
+        }
         const json = JSON.parse(data);
         for (const fn of subscribers) fn(event, json);
       }
@@ -69,6 +75,7 @@ async function start() {
       reason = err.message;
     }
     if (signal.aborted) return;
+    if (renew) continue;
     setStatus(`retrying in ${Math.round(wait / 1000)} s (${reason})`);
     await sleep(wait, signal);
     wait = Math.min(wait * 2, MAX_WAIT_MS);
