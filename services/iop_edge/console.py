@@ -515,6 +515,13 @@ class Console:
             raise ApiError(503, "this edge has no keys (auth: none)", param="auth", code="service_unavailable")
         return keys.storage
 
+    async def _keys_changed(self) -> None:
+        """This edge's keys re-read after it changed them (else within the store's ``refresh``); a
+        failed read is left to that next poll: the change itself is made."""
+        if self.edge.keys is not None:
+            with contextlib.suppress(*STORE_ERRORS):
+                await self.edge.keys.reload()
+
     async def keys(self, request: Request) -> Response:
         """GET /console/api/keys (admin): every key, revoked ones included, never a secret."""
 
@@ -552,6 +559,7 @@ class Console:
                 except ValueError as exc:
                     raise ApiError(409, str(exc), param="name", code="key_exists") from None
                 info = next(info for info in await storage.list_keys() if info.name == name)
+            await self._keys_changed()  # the new key works on this edge at once
             body = json_bytes({**_key_view(info), "key": secret})
             return Response(body, status_code=201, media_type=JSON)
 
@@ -566,6 +574,7 @@ class Console:
                 revoked = await self._storage().revoke(name)
             if not revoked:
                 raise ApiError(404, f"no active key {name[:100]!r}", param="name", code="key_not_found")
+            await self._keys_changed()  # and stops working on this edge at once
             return {"name": name, "revoked": True}
 
         return await self._serve("keys.revoke", request, revoke)

@@ -191,6 +191,11 @@ class KeyStore:
         """Active keys."""
         return len(self._keys)
 
+    async def reload(self) -> None:
+        """Re-read the keys now, after this edge changed them: a key made here works at once, a key
+        revoked here stops at once (other edges notice within ``refresh``)."""
+        await self._reload()
+
     async def _reload(self) -> bool:
         """Re-read the keys if they changed; whether they did."""
         seen = await self.storage.changes()
