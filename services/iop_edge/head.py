@@ -8,7 +8,10 @@ them froze the edge for 10 s and tripled its memory). Here, for every request of
 - the head must be complete within ``http.header_timeout`` seconds of the connection's opening
   (first request) or of the request's first byte (later ones); past it the connection is closed;
 - a head over ``http.max_head_bytes`` (counted as it arrives, so at most one read more is ever
-  held) or with more than ``http.max_headers`` headers is answered 431 and the connection closed.
+  held, and measured again once parsed: a whole head in one read is parsed before it is counted)
+  or with more than ``http.max_headers`` headers is answered 431 and the connection closed; a URL
+  over 65,535 bytes (httptools' URL parser holds offsets in 16 bits: uvicorn answered it with a
+  plain-text 400) is answered 414, also as OpenAI-style JSON.
 
 Each is counted in ``iop_edge_refused_total{limit=header_timeout|head_size|header_count}`` and
 logged (at most once a second per limit).
@@ -31,6 +34,8 @@ from iop_wire.openai.errors import ApiError
 
 __all__ = ["ARRIVED", "HeadLimits", "head_protocol"]
 
+MAX_URL_BYTES = 65_535
+"""The longest URL httptools' parser takes (its offsets are 16-bit)."""
 ARRIVED = "iop.arrived"
 """ASGI scope key: when the request's first byte was read (perf_counter), the start of x-iop-overhead-ms."""
 
@@ -54,8 +59,12 @@ def head_protocol(limits: HeadLimits, refusals: Refusals) -> type[asyncio.Protoc
         _head_bytes = 0
         """Bytes received while in the head (the read that ends it included: at most one read more)."""
         _header_count = 0
+        _head_size = 0
+        """The parsed head's bytes: its URL, and each header's name and value with 4 for ": " and CRLF."""
         _refused = False
         """The head went over a bound: the rest of what the connection sends is ignored; it closes."""
+        _refusal: tuple[str, str, int] | None = None
+        """Found inside the parser (limit, why, status): answered once the read that found it is parsed."""
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -70,9 +79,10 @@ def head_protocol(limits: HeadLimits, refusals: Refusals) -> type[asyncio.Protoc
             self._check_head()
 
         def _check_head(self) -> None:
-            if self._refused:  # set by on_header
-                self._refuse("header_count", f"more than {limits.max_headers} headers (http.max_headers)")
-            elif self._in_head and self._head_bytes > limits.max_bytes:
+            if self._refusal is not None:  # set by on_header or on_headers_complete
+                refusal, self._refusal = self._refusal, None
+                self._refuse(*refusal)
+            elif not self._refused and self._in_head and self._head_bytes > limits.max_bytes:
                 self._refused = True
                 self._refuse("head_size", f"over {limits.max_bytes} bytes (http.max_head_bytes)")
 
@@ -81,20 +91,33 @@ def head_protocol(limits: HeadLimits, refusals: Refusals) -> type[asyncio.Protoc
                 return
             super().on_message_begin()
             self.scope[ARRIVED] = time.perf_counter()  # type: ignore[literal-required]  # an extension key
-            self._in_head, self._header_count = True, 0
+            self._in_head, self._header_count, self._head_size = True, 0, 0
             if self._head_timer is None:
                 self._arm()
 
+        def on_url(self, url: bytes) -> None:
+            self._head_size += len(url)
+            if not self._refused:
+                super().on_url(url)
+
         def on_header(self, name: bytes, value: bytes) -> None:
             self._header_count += 1
-            if self._header_count > limits.max_headers:
+            self._head_size += len(name) + len(value) + 4
+            if self._header_count > limits.max_headers and not self._refused:
                 self._refused = True
+                self._refusal = ("header_count", f"more than {limits.max_headers} headers (http.max_headers)", 431)
             if not self._refused:
                 super().on_header(name, value)
 
         def on_headers_complete(self) -> None:
             self._disarm()
             self._in_head, self._head_bytes = False, 0
+            if not self._refused and self._head_size > limits.max_bytes:  # it came whole in one read
+                self._refused = True
+                self._refusal = ("head_size", f"over {limits.max_bytes} bytes (http.max_head_bytes)", 431)
+            elif not self._refused and len(self.url) > MAX_URL_BYTES:  # only with max_head_bytes raised past it
+                self._refused = True
+                self._refusal = ("head_size", f"URL is {len(self.url)} bytes, over {MAX_URL_BYTES}", 414)
             if not self._refused:
                 super().on_headers_complete()
                 cycle = self.cycle
@@ -114,14 +137,20 @@ def head_protocol(limits: HeadLimits, refusals: Refusals) -> type[asyncio.Protoc
             self._disarm()
             super().connection_lost(exc)
 
-        def _refuse(self, limit: str, why: str) -> None:
-            """Answer 431 and close: the request never reaches the application."""
+        def _refuse(self, limit: str, why: str, status: int = 431) -> None:
+            """Answer 431 (414 for a URL) and close: the request never reaches the application."""
             self._disarm()
-            refusals.refused(limit, "request head too large: 431, connection closed", client=_client(self.client))
-            error = ApiError(431, f"the request's head is {why}", code="request_header_fields_too_large")
+            said = f"request head too large: {status}, connection closed"
+            refusals.refused(limit, said, client=_client(self.client))
+            if status == 414:
+                error = ApiError(414, f"the request's {why}", code="uri_too_long")
+                status_line = b"HTTP/1.1 414 URI Too Long"
+            else:
+                error = ApiError(431, f"the request's head is {why}", code="request_header_fields_too_large")
+                status_line = b"HTTP/1.1 431 Request Header Fields Too Large"
             content = error.content()
             head = (
-                b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+                status_line + b"\r\ncontent-type: application/json\r\n"
                 b"connection: close\r\ncontent-length: " + str(len(content)).encode() + b"\r\n\r\n"
             )
             self.transport.write(head + content)

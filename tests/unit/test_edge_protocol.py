@@ -1,6 +1,11 @@
-"""An answer leaves the edge in one write: its head waits for its body (within the loop turn), so a
+"""The edge's HTTP protocol (iop_edge.head).
+
+An answer leaves the edge in one write: its head waits for its body (within the loop turn), so a
 client is woken once, not by a head whose body the edge has yet to write (on a busy host that gap
 was IOP's time outside x-iop-overhead-ms). A stream's head still leaves at once.
+
+A head over its bound is refused as OpenAI-style JSON even when it arrives whole in one read (it
+was parsed before it was counted, and a URL past 64 KiB got uvicorn's plain-text 400).
 
 The edge's own uvicorn protocol on real TCP (127.0.0.1, port 0); the test's subclass records what
 the protocol writes to its transport."""
@@ -8,11 +13,13 @@ the protocol writes to its transport."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import pytest
 import uvicorn
 
 from iop_edge.head import HeadLimits, head_protocol
@@ -44,9 +51,9 @@ class _Recorder:
 
 
 @asynccontextmanager
-async def _edge_protocol(app: App, writes: list[bytes]) -> AsyncIterator[int]:
+async def _edge_protocol(app: App, writes: list[bytes], max_bytes: int = 65536) -> AsyncIterator[int]:
     """A uvicorn server on the edge's protocol serving ``app``: its port."""
-    base = head_protocol(HeadLimits(timeout=5.0, max_bytes=65536, max_headers=100), Refusals(EdgeMetrics()))
+    base = head_protocol(HeadLimits(timeout=5.0, max_bytes=max_bytes, max_headers=100), Refusals(EdgeMetrics()))
 
     class Recording(base):  # type: ignore[valid-type,misc]
         def connection_made(self, transport: asyncio.Transport) -> None:
@@ -105,3 +112,69 @@ async def test_a_streams_head_leaves_before_its_first_chunk() -> None:
     assert head.startswith(b"HTTP/1.1 200 OK\r\n") and b"transfer-encoding: chunked" in head, head
     assert rest == b"3\r\ntok\r\n0\r\n\r\n", rest
     assert writes[0] == head, writes
+
+
+async def _whole_head(port: int, head: bytes) -> bytes:
+    """``head`` sent in one write; everything the edge answers until it closes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head)
+    answer = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    return answer
+
+
+def _error(answer: bytes, status_line: bytes) -> dict[str, Any]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.split(b"\r\n")[0] == status_line, answer[:200]
+    assert b"content-type: application/json" in head and answer.count(b"HTTP/1.1") == 1, answer[:300]
+    return json.loads(body)["error"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("max_bytes", "status_line", "code", "said"),
+    [
+        (
+            65536,
+            b"HTTP/1.1 431 Request Header Fields Too Large",
+            "request_header_fields_too_large",
+            "http.max_head_bytes",
+        ),
+        (200_000, b"HTTP/1.1 414 URI Too Long", "uri_too_long", "URL is 70012 bytes, over 65535"),
+    ],
+)
+async def test_a_head_or_url_over_its_bound_in_one_read_is_refused_as_json(
+    max_bytes: int, status_line: bytes, code: str, said: str
+) -> None:
+    """A whole head in one read was parsed before it was counted, so the 431 never came; a URL past
+    65,535 bytes then failed httptools' URL parser and uvicorn answered "Invalid HTTP request
+    received." as text/plain (found attacking the console with a 70 KB ?model=)."""
+    called: list[str] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        called.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    writes: list[bytes] = []
+    async with _edge_protocol(app, writes, max_bytes) as port:
+        head = b"GET /runs?model=" + b"a" * 70_000 + b" HTTP/1.1\r\nhost: x\r\n\r\n"
+        error = _error(await _whole_head(port, head), status_line)
+        assert error["code"] == code and said in error["message"], error
+        served = await _whole_head(
+            port, b"GET /runs?model=" + b"a" * 60_000 + b" HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+        )
+        assert served.startswith(b"HTTP/1.1 200") and served.endswith(b"ok"), served[:200]
+    assert called == ["/runs"]  # only the request within the bounds reached the application
+
+
+async def test_too_many_headers_in_one_read_are_refused_once() -> None:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        raise AssertionError("a refused head reached the application")
+
+    async with _edge_protocol(app, []) as port:
+        headers = b"".join(b"x-h%d: 1\r\n" % index for index in range(150))
+        error = _error(
+            await _whole_head(port, b"GET / HTTP/1.1\r\nhost: x\r\n" + headers + b"\r\n"),
+            b"HTTP/1.1 431 Request Header Fields Too Large",
+        )
+        assert "http.max_headers" in error["message"]
