@@ -144,6 +144,8 @@ def test_usage_rows_are_grouped_filtered_and_written_as_csv() -> None:
         (7200.0, "a", None, 4),
     ]
     assert totals["prompt_tokens"] == 100 and totals["completion_tokens"] == 26
+    assert grouped(entries[::-1], by_key=True, by_model=False) == (rows, totals)  # any order in, oldest first out
+    assert grouped([], by_key=True, by_model=True) == ([], dict.fromkeys(totals, 0))
     rows, totals = grouped(entries, by_key=False, by_model=True, keys=frozenset({"a"}))
     assert [(r["model"], r["requests"]) for r in rows] == [("m1", 1), ("m2", 2), ("m1", 4)]
     assert totals["requests"] == 7
