@@ -13,7 +13,7 @@ them froze the edge for 10 s and tripled its memory). Here, for every request of
   over 65,535 bytes (httptools' URL parser holds offsets in 16 bits: uvicorn answered it with a
   plain-text 400) is answered 414, also as OpenAI-style JSON.
 
-Each is counted in ``iop_edge_refused_total{limit=header_timeout|head_size|header_count}`` and
+Each is counted in ``iop_edge_refused_total{limit=header_timeout|head_size|header_count|url_size}`` and
 logged (at most once a second per limit).
 
 It also stamps each request's first byte (``ARRIVED``, where ``x-iop-overhead-ms`` starts) and
@@ -117,7 +117,7 @@ def head_protocol(limits: HeadLimits, refusals: Refusals) -> type[asyncio.Protoc
                 self._refusal = ("head_size", f"over {limits.max_bytes} bytes (http.max_head_bytes)", 431)
             elif not self._refused and len(self.url) > MAX_URL_BYTES:  # only with max_head_bytes raised past it
                 self._refused = True
-                self._refusal = ("head_size", f"URL is {len(self.url)} bytes, over {MAX_URL_BYTES}", 414)
+                self._refusal = ("url_size", f"URL is {len(self.url)} bytes, over {MAX_URL_BYTES}", 414)
             if not self._refused:
                 super().on_headers_complete()
                 cycle = self.cycle

@@ -145,6 +145,9 @@ class KeyStore:
         self._refresh = refresh
         self._keys: dict[str, ApiKey] = {}
         self._seen: object = None
+        self._reading = asyncio.Lock()
+        """One read at a time: a poll that began before a change must not put the older keys back after
+        the :meth:`reload` that followed it."""
         self._task: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
         self.failing = False
@@ -198,12 +201,13 @@ class KeyStore:
 
     async def _reload(self) -> bool:
         """Re-read the keys if they changed; whether they did."""
-        seen = await self.storage.changes()
-        if seen == self._seen:
-            return False
-        self._keys = await self.storage.active()
-        self._seen = seen
-        return True
+        async with self._reading:
+            seen = await self.storage.changes()
+            if seen == self._seen:
+                return False
+            self._keys = await self.storage.active()
+            self._seen = seen
+            return True
 
     async def _watch(self) -> None:
         while True:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -45,10 +46,10 @@ QUEUED = 2
 STALL_TICKS = 5
 """Pushes in a row a watcher may leave untaken (its queue full) before it is dropped."""
 RENEW_SECONDS = 600.0
-"""How long one stream lasts: then it ends with a ``reconnect`` event and the page opens a new one at
-once. A client that stops reading is only found out once its socket's buffers are full, and the
-kernel's take megabytes: hours of pushes at a few hundred bytes a second. This bounds the slot it
-holds to ten minutes whatever the buffers."""
+"""How long one stream lasts at most (8 to 10 minutes): then it ends with a ``reconnect`` event and
+the page opens a new one at once. A client that stops reading is only found out once its socket's
+buffers are full, and the kernel's take megabytes: hours of pushes at a few hundred bytes a second.
+This bounds the slot it holds to ten minutes whatever the buffers."""
 _LOG_EVERY = 60.0
 """Seconds between two log lines about refused watchers."""
 
@@ -84,8 +85,9 @@ class Watcher:
     """Set when the hub drops it: its stream is closed, even mid-write."""
     recheck: Recheck | None = None
     """Its key looked up again at each tick (None: nothing to re-check, keys are off)."""
-    since: float = field(default_factory=time.monotonic)
-    """When it joined: it is renewed :data:`RENEW_SECONDS` later."""
+    renew_at: float = field(default_factory=lambda: time.monotonic() + RENEW_SECONDS * random.uniform(0.8, 1.0))  # noqa: S311 - jitter
+    """When it is renewed: :data:`RENEW_SECONDS` after it joined, less up to a fifth (streams opened
+    together, every page after an edge's restart, do not all reconnect in the same tick)."""
     renewed: bool = False
     """Ended for renewal: its stream's last event tells the page to reconnect at once."""
 
@@ -215,10 +217,10 @@ class LiveHub:
 
     def _renewed(self, watcher: Watcher) -> bool:
         """End a stream open :data:`RENEW_SECONDS` (its page reconnects at once); True if it was."""
-        if time.monotonic() - watcher.since < RENEW_SECONDS:
+        if time.monotonic() < watcher.renew_at:
             return False
         self.metrics.watchers_renewed.inc()
-        _log.info("console live stream renewed", caller=watcher.caller, seconds=RENEW_SECONDS)
+        _log.info("console live stream renewed", caller=watcher.caller)
         watcher.renewed = True
         watcher.dropped.set()
         self.leave(watcher)

@@ -47,7 +47,7 @@ class EdgeMetrics:
         self.refused = Counter(
             "iop_edge_refused_total",
             "Requests refused by an edge limit, by limit (in_flight, body_size, rpm, tpm, max_concurrent,"
-            " file_size, header_timeout, head_size, header_count, body_timeout).",
+            " file_size, header_timeout, head_size, header_count, url_size, body_timeout, upload_too_slow).",
             ["limit"],
             registry=self.registry,
         )
@@ -66,7 +66,7 @@ class EdgeMetrics:
         )
         self.watchers_renewed = Counter(
             "iop_edge_console_watchers_renewed_total",
-            "Console live streams ended after console's RENEW_SECONDS (600 s) for their page to reconnect.",
+            "Console live streams ended after 8-10 minutes (iop_edge.live.RENEW_SECONDS) for their page to reconnect.",
             registry=self.registry,
         )
         self.cancelled = Counter(

@@ -252,9 +252,10 @@ def grouped(
                 before[3] + counts[3],
                 before[4] + counts[4],
             )
-        elif group < last:
-            in_order = False
-        rows[group], last = counts, group
+        else:
+            in_order = in_order and last < group  # the newest group so far: order is judged on new ones
+            last = group
+        rows[group] = counts
     listed = [
         {
             "start": start,

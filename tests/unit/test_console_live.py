@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import io
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -145,6 +146,9 @@ def test_usage_rows_are_grouped_filtered_and_written_as_csv() -> None:
     ]
     assert totals["prompt_tokens"] == 100 and totals["completion_tokens"] == 26
     assert grouped(entries[::-1], by_key=True, by_model=False) == (rows, totals)  # any order in, oldest first out
+    repeat = [_entry(0, "a", "m1", (1, 1, 1)), _entry(0, "a", "m3", (1, 1, 1)), _entry(0, "b", "m1", (1, 1, 1))]
+    repeat.append(_entry(0, "b", "m2", (1, 1, 1)))  # m1 again, then m2: before m3, after the repeat
+    assert [r["model"] for r in grouped(repeat, by_key=False, by_model=True)[0]] == ["m1", "m2", "m3"]
     assert grouped([], by_key=True, by_model=True) == ([], dict.fromkeys(totals, 0))
     rows, totals = grouped(entries, by_key=False, by_model=True, keys=frozenset({"a"}))
     assert [(r["model"], r["requests"]) for r in rows] == [("m1", 1), ("m2", 2), ("m1", 4)]
@@ -311,7 +315,7 @@ async def test_the_last_slots_are_kept_for_admin_keys() -> None:
     await hub.aclose()
 
 
-async def test_a_stream_is_renewed_with_a_reconnect_event_after_renew_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_stream_is_renewed_with_a_reconnect_event_after_renew_seconds() -> None:
     """A client that stopped reading is found out only once the kernel's buffers are full: megabytes,
     hours of pushes. Every stream ends after RENEW_SECONDS, telling its page to reconnect."""
     polls, metrics = _Polls(), EdgeMetrics()
@@ -331,8 +335,8 @@ async def test_a_stream_is_renewed_with_a_reconnect_event_after_renew_seconds(mo
     await hub.tick()
     await asyncio.sleep(0.01)
     assert not stream.done() and sent[0]["status"] == 200
-    other.since = float("inf")  # joined "later": not yet due
-    monkeypatch.setattr(live, "RENEW_SECONDS", 0.0)
+    assert time.monotonic() + 0.8 * live.RENEW_SECONDS - 5 < watcher.renew_at <= time.monotonic() + live.RENEW_SECONDS
+    watcher.renew_at = time.monotonic()  # due now; `other` joined with it is not
     await hub.tick()
     await asyncio.wait_for(stream, 5)
     assert sent[-1] == {"type": "http.response.body", "body": b"event: reconnect\ndata: {}\n\n", "more_body": False}

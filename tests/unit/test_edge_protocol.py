@@ -51,9 +51,12 @@ class _Recorder:
 
 
 @asynccontextmanager
-async def _edge_protocol(app: App, writes: list[bytes], max_bytes: int = 65536) -> AsyncIterator[int]:
+async def _edge_protocol(
+    app: App, writes: list[bytes], max_bytes: int = 65536, metrics: EdgeMetrics | None = None
+) -> AsyncIterator[int]:
     """A uvicorn server on the edge's protocol serving ``app``: its port."""
-    base = head_protocol(HeadLimits(timeout=5.0, max_bytes=max_bytes, max_headers=100), Refusals(EdgeMetrics()))
+    limits = HeadLimits(timeout=5.0, max_bytes=max_bytes, max_headers=100)
+    base = head_protocol(limits, Refusals(metrics or EdgeMetrics()))
 
     class Recording(base):  # type: ignore[valid-type,misc]
         def connection_made(self, transport: asyncio.Transport) -> None:
@@ -131,19 +134,20 @@ def _error(answer: bytes, status_line: bytes) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("max_bytes", "status_line", "code", "said"),
+    ("max_bytes", "status_line", "code", "said", "limit"),
     [
         (
             65536,
             b"HTTP/1.1 431 Request Header Fields Too Large",
             "request_header_fields_too_large",
             "http.max_head_bytes",
+            "head_size",
         ),
-        (200_000, b"HTTP/1.1 414 URI Too Long", "uri_too_long", "URL is 70012 bytes, over 65535"),
+        (200_000, b"HTTP/1.1 414 URI Too Long", "uri_too_long", "URL is 70012 bytes, over 65535", "url_size"),
     ],
 )
 async def test_a_head_or_url_over_its_bound_in_one_read_is_refused_as_json(
-    max_bytes: int, status_line: bytes, code: str, said: str
+    max_bytes: int, status_line: bytes, code: str, said: str, limit: str
 ) -> None:
     """A whole head in one read was parsed before it was counted, so the 431 never came; a URL past
     65,535 bytes then failed httptools' URL parser and uvicorn answered "Invalid HTTP request
@@ -156,7 +160,8 @@ async def test_a_head_or_url_over_its_bound_in_one_read_is_refused_as_json(
         await send({"type": "http.response.body", "body": b"ok"})
 
     writes: list[bytes] = []
-    async with _edge_protocol(app, writes, max_bytes) as port:
+    metrics = EdgeMetrics()
+    async with _edge_protocol(app, writes, max_bytes, metrics) as port:
         head = b"GET /runs?model=" + b"a" * 70_000 + b" HTTP/1.1\r\nhost: x\r\n\r\n"
         error = _error(await _whole_head(port, head), status_line)
         assert error["code"] == code and said in error["message"], error
@@ -165,6 +170,7 @@ async def test_a_head_or_url_over_its_bound_in_one_read_is_refused_as_json(
         )
         assert served.startswith(b"HTTP/1.1 200") and served.endswith(b"ok"), served[:200]
     assert called == ["/runs"]  # only the request within the bounds reached the application
+    assert metrics.registry.get_sample_value("iop_edge_refused_total", {"limit": limit}) == 1
 
 
 async def test_too_many_headers_in_one_read_are_refused_once() -> None:

@@ -21,6 +21,7 @@ from iop_edge.keys import (
     list_keys,
     revoke_key,
 )
+from iop_edge.sqlite_keys import SqliteKeyStorage
 from iop_wire.settings import StartError
 
 
@@ -134,6 +135,39 @@ async def test_store_sees_revocations_and_new_keys_from_another_writer(tmp_path:
         revoke_key(path, "alice")
         await assert_eventually(lambda: store.authenticate(alice) is None, timeout=2)
         assert len(store) == 1
+    finally:
+        await store.aclose()
+
+
+async def test_a_poll_that_read_before_a_change_does_not_undo_the_reload_after_it(tmp_path: Path) -> None:
+    """The console re-reads the keys after it makes one (reload); a poll whose read had begun before
+    the change, finishing after that reload, put the older keys back for another refresh."""
+    path = tmp_path / "keys.db"
+    create_key(path, "alice")
+    storage = SqliteKeyStorage(path)
+    store = KeyStore(storage, refresh=3600)  # no poll of its own: the test is the poll
+    await store.open()
+    held, release = asyncio.Event(), asyncio.Event()
+    read = storage.active
+
+    async def slow_once() -> dict[str, ApiKey]:
+        keys = await read()  # the keys before the change
+        if not held.is_set():
+            held.set()
+            await release.wait()
+        return keys
+
+    try:
+        create_key(path, "bob")  # a change the poll will see (a new counter) but read too early
+        storage.active = slow_once  # type: ignore[method-assign]
+        poll = asyncio.create_task(store._reload())
+        await held.wait()
+        carol = create_key(path, "carol")
+        reload = asyncio.create_task(store.reload())  # waits for the poll's read to end, then reads
+        await asyncio.sleep(0.05)
+        release.set()
+        await asyncio.gather(poll, reload)
+        assert store.authenticate(carol) is not None
     finally:
         await store.aclose()
 
