@@ -8,7 +8,7 @@ rollups), an ``iop edge`` in front, and chromium driven by playwright. Each row 
 afresh in a new tab (signed in: the key and who it is in sessionStorage, as a sign-in leaves
 them; the page checks the key again beside its data) and reads the page's own performance
 marks: from the navigation's start to the frame after the first rows were put in the DOM
-(``iop:<page>:painted``; a page puts 100 rows at once, then the rest a chunk per task), with when
+(``iop:<page>:painted``; a page puts 100 rows at once, then the rest in the next frame), with when
 the API's answer had arrived and when every row was in (``iop:<page>:complete``).
 
 - Runs: ``#/runs?limit=500``, the newest 500 runs of 100,000 (the API's largest page).
