@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -36,6 +37,32 @@ def process_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
     except (OSError, IndexError):
         return False
+
+
+def children_of_this_process() -> list[int]:
+    """Pids whose parent is this test process, read from /proc/<pid>/stat."""
+    children = []
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text() if entry.isdigit() else ""
+        except OSError:  # it exited while we looked
+            continue
+        if stat and int(stat.rpartition(")")[2].split()[1]) == os.getpid():
+            children.append(int(entry))
+    return children
+
+
+async def forked_and_frozen(task: asyncio.Task[Any], ready: Callable[[], bool]) -> None:
+    """Run the loop a step at a time until ``task`` has forked a child, then hold the loop (the task's
+    pipes stay unconnected: it is inside create_subprocess_exec) until ``ready`` holds."""
+    while not children_of_this_process():
+        assert not task.done(), task
+        await asyncio.sleep(0)
+    deadline = time.monotonic() + 10
+    while not ready():
+        assert time.monotonic() < deadline, "the child did not get ready"
+        time.sleep(0.01)  # noqa: ASYNC251  the loop must not run
+    assert not task.done(), task
 
 
 async def assert_eventually(condition: Callable[[], bool], timeout: float = 5.0, interval: float = 0.01) -> None:

@@ -17,6 +17,7 @@ for :data:`~iop_wire.tls.CERTLESS`, count against the per-address bounds, and ar
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 import ssl
 import struct
@@ -25,6 +26,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Generator
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Any
 
 import structlog
 
@@ -116,6 +118,8 @@ class Listener:
         """One per accepted socket: its handshake, then its connection's life."""
         self._handshaking: set[asyncio.Task[None]] = set()
         """The tasks among those still in their TLS handshake or preface."""
+        self._unstarted: set[socket.socket] = set()
+        """Accepted sockets whose task has not run yet: closed here if it is cancelled first."""
         self._per_peer: Counter[str] = Counter()
         self._certless = 0
         """Certless connections open (counted once their preface is answered)."""
@@ -182,7 +186,7 @@ class Listener:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                conn, address = await loop.sock_accept(listening)
+                conn, address = await _accepted(listening)
             except OSError as exc:  # out of descriptors, or the socket closed under us
                 if listening.fileno() == -1:
                     return
@@ -195,14 +199,23 @@ class Listener:
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # reset, not FIN
                 conn.close()
                 continue
+            self._unstarted.add(conn)
             task = loop.create_task(self._accept(conn, host, _log.bind(remote=remote)))
+            task.add_done_callback(functools.partial(self._close_if_never_started, conn))
             self._tasks.add(task)
             self._handshaking.add(task)  # counted from now: the next accept sees it
             self._handshakes_from[host] += 1
             task.add_done_callback(self._tasks.discard)
             task.add_done_callback(self._handshaking.discard)
 
+    def _close_if_never_started(self, conn: socket.socket, _: asyncio.Task[None]) -> None:
+        # A task cancelled before its first step (the listener closing) never runs a line of _accept.
+        if conn in self._unstarted:
+            self._unstarted.discard(conn)
+            conn.close()
+
     async def _accept(self, conn: socket.socket, host: str, log: structlog.typing.FilteringBoundLogger) -> None:
+        self._unstarted.discard(conn)
         accepted = await self._accept_handshake(conn, host, log)
         if accepted is None:
             return
@@ -396,6 +409,27 @@ async def _first_byte(conn: socket.socket, timeout: float) -> None:
     Before any TLS state is allocated: a socket that never says hello costs a descriptor for
     ``timeout`` seconds, not a handshake slot for ``handshake_timeout``.
     """
+    try:
+        await asyncio.wait_for(_readable(conn), timeout)
+    except TimeoutError:
+        raise _SilentSocket(f"no first byte within {timeout:g} s") from None
+
+
+async def _accepted(listening: socket.socket) -> tuple[socket.socket, Any]:
+    """The next connection on ``listening``, non-blocking. Unlike loop.sock_accept, a cancel cannot
+    lose one: the accept happens in this task's own step, never in a callback whose result it drops."""
+    while True:
+        try:
+            conn, address = listening.accept()
+        except (BlockingIOError, InterruptedError):
+            await _readable(listening)
+            continue
+        conn.setblocking(False)  # noqa: FBT003 - the socket API takes it positionally
+        return conn, address
+
+
+async def _readable(sock: socket.socket) -> None:
+    """Return once ``sock`` has something to read (a connection to accept, or is closed)."""
     loop = asyncio.get_running_loop()
     readable: asyncio.Future[None] = loop.create_future()
 
@@ -403,13 +437,12 @@ async def _first_byte(conn: socket.socket, timeout: float) -> None:
         if not readable.done():
             readable.set_result(None)
 
-    loop.add_reader(conn.fileno(), ready)
+    fd = sock.fileno()
+    loop.add_reader(fd, ready)
     try:
-        await asyncio.wait_for(readable, timeout)
-    except TimeoutError:
-        raise _SilentSocket(f"no first byte within {timeout:g} s") from None
+        await readable
     finally:
-        loop.remove_reader(conn.fileno())
+        loop.remove_reader(fd)
 
 
 async def _read_preface(reader: asyncio.StreamReader) -> str | None:

@@ -15,7 +15,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -391,3 +391,36 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """One node serving the mock models, shared by the module."""
     with running_stack(tmp_path_factory.mktemp("stack"), {"node-a": MOCK_ROUTES}) as started:
         yield started
+
+
+_LOGGED = 40  # lines of each process's log attached to a failed test's report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test that used a stack gets its processes' warnings and errors in the report: the logs
+    are in a temporary folder that is gone by the time anyone reads a CI failure."""
+    report = yield
+    stacks = [value for value in getattr(item, "funcargs", {}).values() if isinstance(value, Stack)]
+    if report.failed:
+        for stack in stacks:
+            for log in sorted(stack.root.glob("*.log")):
+                lines = [
+                    line
+                    for line in _read_lines(log)
+                    if '"level": "info"' not in line and '"level": "debug"' not in line
+                ]
+                if lines:
+                    report.sections.append(
+                        (f"{log.name} (warnings and errors, last {_LOGGED})", "\n".join(lines[-_LOGGED:]))
+                    )
+    return report
+
+
+def _read_lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pydantic
 import pytest
-from conftest import assert_eventually
+from conftest import assert_eventually, forked_and_frozen
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.adapters.cli import CliAdapter, CliOptions
@@ -268,6 +268,23 @@ async def test_cancel_stops_the_group_promptly(tmp_path: Path) -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert time.monotonic() - started < options.kill_grace  # SIGTERM was enough
+    await _assert_gone(pid)
+
+
+async def test_a_cancel_while_the_program_is_starting_stops_its_whole_group(tmp_path: Path) -> None:
+    # The cancel lands inside create_subprocess_exec, after the fork, before its pipes are connected. asyncio
+    # then kills only the program and waits for the pipes its children hold: a minute here, before the fix.
+    pid_file = tmp_path / "pid"
+    argv = ["sh", "-c", 'sleep 600 & echo $$ > "$1"; sleep 600; wait', "sh", str(pid_file)]
+    options = CliOptions(argv=argv, kill_grace=10)
+    task, _ = _start(options)
+    await forked_and_frozen(task, lambda: len(_live_group_members(_read_pid(pid_file) or 0)) == 3)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        async with asyncio.timeout(options.kill_grace + 20):  # a bound on a hang, not a timing check
+            await task
+    pid = _read_pid(pid_file)
+    assert pid is not None
     await _assert_gone(pid)
 
 

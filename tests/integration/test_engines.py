@@ -26,7 +26,7 @@ import yaml
 from backends.fixtures import require
 from backends.servers import OLLAMA_MODELFILE, ollama_binary, venv
 from backends.tiny_model import OLLAMA_TEMPLATE
-from conftest import Pki, assert_eventually, process_alive
+from conftest import Pki, assert_eventually, forked_and_frozen, process_alive
 from cp_helpers import client as cp_client
 from cp_helpers import cp_settings, node_process
 from node_helpers import chat, client, collect, kinds, node_settings, running_node, text
@@ -35,7 +35,7 @@ from iop_control_plane.bootstrap import build_control_plane
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.bootstrap import NodeApp, build_node
 from iop_node.engines import kill_leftovers
-from iop_node.engines.process import EngineFiles, RotatingLog, spawn
+from iop_node.engines.process import EngineFiles, RotatingLog, spawn, start_in_session
 from iop_node.settings import StartError, load_settings
 from iop_wire.tls import Role
 
@@ -594,3 +594,18 @@ async def test_a_reload_that_fails_to_start_leaves_the_serving_routes_state_seri
         assert app.metrics.registry.get_sample_value("iop_node_engine_state", state) == 1
     finally:
         await app.stop(grace=0)
+
+
+async def test_a_start_cancelled_after_the_fork_leaves_nothing_running(tmp_path: Path) -> None:
+    # asyncio alone kills the leader and waits, here ten minutes, for the pipes its child holds open.
+    pid_file = tmp_path / "pid"
+    argv = ["sh", "-c", 'sleep 600 & echo $! > "$1"; sleep 600', "sh", str(pid_file)]
+    pipe = asyncio.subprocess
+    task = asyncio.create_task(start_in_session(argv, stdin=pipe.DEVNULL, stdout=pipe.PIPE, stderr=pipe.STDOUT))
+    await forked_and_frozen(task, lambda: pid_file.exists() and pid_file.read_text().endswith("\n"))
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        async with asyncio.timeout(20):  # a bound on a hang, not a timing check
+            await task
+    child = int(pid_file.read_text())
+    await assert_eventually(lambda: not process_alive(child))

@@ -9,7 +9,10 @@ and the listener logs about it once a second, not once per socket.
 from __future__ import annotations
 
 import asyncio
+import gc
+import socket
 import time
+import warnings
 
 import structlog
 from conftest import EchoHandler, Pki
@@ -84,3 +87,23 @@ async def test_a_socket_that_sends_nothing_is_closed_after_the_first_byte_timeou
         assert await asyncio.wait_for(_closed_by_listener(reader), 10)
         assert time.monotonic() - started < 3.0  # long before the 30 s handshake timeout
         writer.close()
+
+
+async def test_a_listener_closed_while_connections_arrive_leaves_no_socket_open(pki: Pki, handler: EchoHandler) -> None:
+    # Closed a loop step or a few after the connections: each accepted socket is in its accept, in a task not
+    # yet run, or waiting for its first byte. Each must be closed by the listener, not left to the collector.
+    config = ListenerConfig(tls=pki.config("test-node", Role.NODE))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        for steps in range(12):
+            listener = await Listener(config, handler.wire()).start()
+            port = listener.port
+            clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(8)]
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            await listener.close()
+            for client in clients:
+                client.close()
+            gc.collect()
+    leaks = [str(warning.message) for warning in caught if issubclass(warning.category, ResourceWarning)]
+    assert leaks == []

@@ -105,7 +105,14 @@ class CliAdapter:
         refuse_continuation(spec, "the cli adapter runs a program, which cannot be asked to go on from a text")
         _refuse_unsupported(spec)
         options = self._models[spec.request.model]
-        proc = await _spawn(options, spec.prompt_text())
+        spawning = asyncio.ensure_future(_spawn(options, spec.prompt_text()))
+        try:
+            proc = await asyncio.shield(spawning)
+        except asyncio.CancelledError:
+            # Cancelled after the fork, asyncio would kill the program alone and wait for the pipes its children
+            # hold open; the program starts to its end instead, and is stopped with its group below.
+            await _uninterrupted(_stop_started(spawning, options, sink, spec.request.run_id))
+            raise
         log = _log.bind(run_id=spec.request.run_id, pid=proc.pid)
         log.info("cli_started", program=options.argv[0])
         run = _Run(proc, options, sink, log)
@@ -116,6 +123,19 @@ class CliAdapter:
         if code != 0:
             raise _failure(code, run.stderr_text())
         await sink.complete(pb.FINISH_REASON_STOP)
+
+
+async def _stop_started(
+    spawning: asyncio.Future[asyncio.subprocess.Process], options: CliOptions, sink: EventSink, run_id: str
+) -> None:
+    """Stop the program a cancelled run was starting, with its whole group, once it has started."""
+    try:
+        proc = await spawning
+    except IopError:  # it never started: nothing to stop
+        return
+    log = _log.bind(run_id=run_id, pid=proc.pid)
+    log.info("cli_stopping", reason="cancelled_while_starting")
+    await _Run(proc, options, sink, log).close()
 
 
 def _refuse_unsupported(spec: ExecutionSpec) -> None:

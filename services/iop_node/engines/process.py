@@ -273,10 +273,10 @@ async def spawn(argv: list[str], *, env: dict[str, str], files: EngineFiles, log
     its output going to ``log``; write its pid file. OSError when the shim cannot start or the pid
     file cannot be written (the process is killed then)."""
     files.workdir.mkdir(parents=True, exist_ok=True)
-    process = await asyncio.create_subprocess_exec(
-        *shimmed(argv),
+    process = await start_in_session(
+        shimmed(argv),
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        env={**os.environ, **env}, cwd=files.workdir, start_new_session=True,
+        env={**os.environ, **env}, cwd=files.workdir,
     )  # fmt: skip
     try:
         record = {
@@ -288,6 +288,22 @@ async def spawn(argv: list[str], *, env: dict[str, str], files: EngineFiles, log
     except BaseException:  # no pid file (disk full, read-only folder): not left running where nothing sees it
         await asyncio.shield(kill_group(process))
         files.pid_file(process.pid).unlink(missing_ok=True)
+        raise
+
+
+async def start_in_session(argv: list[str], **options: Any) -> asyncio.subprocess.Process:
+    """create_subprocess_exec in a session of its own, which a cancel cannot cut in half: cancelled after
+    the fork, asyncio kills the leader alone and waits for the pipes its children hold open. Here the
+    start goes on to its end, the group is killed, and the cancel passes on."""
+    starting = asyncio.ensure_future(asyncio.create_subprocess_exec(*argv, start_new_session=True, **options))
+    try:
+        return await asyncio.shield(starting)
+    except asyncio.CancelledError:
+        while not starting.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(starting)
+        if not starting.cancelled() and starting.exception() is None:
+            await asyncio.shield(kill_group(starting.result()))
         raise
 
 

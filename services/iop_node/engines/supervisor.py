@@ -33,6 +33,7 @@ from iop_node.engines.process import (
     kill_group,
     shimmed,
     spawn,
+    start_in_session,
 )
 from iop_node.engines.settings import LOOPBACK, EngineSettings, Launch
 from iop_node.metrics import NodeMetrics
@@ -251,9 +252,9 @@ class Supervisor:
         """Run one setup command (ollama pull/create) against the started server; why it failed, or None."""
         server.note(f"iop: {' '.join(command)}\n".encode())
         try:  # through the shim, in a group of its own: it dies with the node, is killed with its children
-            process = await asyncio.create_subprocess_exec(
-                *shimmed(command), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, env={**os.environ, **launch.env}, start_new_session=True,
+            process = await start_in_session(
+                shimmed(command), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, env={**os.environ, **launch.env},
             )  # fmt: skip
         except OSError as exc:
             return f"cannot run {command[0]}: {exc}"
