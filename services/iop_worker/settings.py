@@ -83,6 +83,8 @@ class Settings(BaseSettings):
     connection: ConnectionSettings = ConnectionSettings()
     control_plane: ControlPlaneAddress = ControlPlaneAddress(address="127.0.0.1:7400")
     heartbeat_interval: float = Field(5.0, gt=0)
+    """Seconds between heartbeats; peers close the connection after 3 missed. At ``nice: idle`` on a
+    host whose cores are all busy the worker runs only every 1-3 s: keep it at 2 s or more."""
     store: StoreSettings = StoreSettings()
     batches: BatchSettings = BatchSettings()
     max_file_bytes: int = Field(512 * 1024 * 1024, ge=1024)
