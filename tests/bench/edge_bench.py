@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,6 +42,9 @@ from iop_wire.certs import init_dir, tls_section
 
 HERE = Path(__file__).parent
 LATENCY_BLOCKS, LATENCY_BLOCK = 8, 50
+ALTERNATING = 300
+"""Requests each way in the header's first row: one through the platform, the next direct, and so on."""
+UVICORN = "FastAPI-on-uvicorn (as vLLM's)"
 PAUSE = 0.005
 """Seconds a client waits between requests in the header's second row (as an interactive client
 does): the platform's work after an answer left (records, metrics) is then done before the next."""
@@ -239,6 +243,35 @@ async def _latency(
     ]
 
 
+async def _alternating(edge: str, direct: str, key: str, *, upstream: str = "") -> list[tuple[str, str]]:
+    """The header's row as the overhead was first measured: ALTERNATING non-streaming requests, one
+    through the platform, the next direct, and so on (each sent once the one before is read);
+    ``upstream`` names the upstream's kind when it is not the bare asyncio one."""
+    auth = {"authorization": f"Bearer {key}", "content-type": "application/json"}
+    plain = {"content-type": "application/json"}
+    whole = _body(16, stream=False)
+    through: list[float] = []
+    direct_times: list[float] = []
+    header: list[float] = []
+    async with aiohttp.ClientSession() as session:
+        for _ in range(30):  # warm up both paths
+            await _whole(session, edge, auth, whole)
+            await _whole(session, direct, plain, whole)
+        for _ in range(ALTERNATING):
+            through.append(await _whole(session, edge, auth, whole, header))
+            direct_times.append(await _whole(session, direct, plain, whole))
+    added = statistics.median(through) - statistics.median(direct_times)
+    claimed = statistics.median(header)
+    return [
+        (
+            f"x-iop-overhead-ms p50 / added p50, non-streaming, {ALTERNATING} alternating with direct"
+            + (f", {upstream} upstream" if upstream else "")
+            + " (target: within 20%)",
+            f"{claimed * 1000:.2f} / {added * 1000:.2f} ms ({claimed / added:.0%})",
+        )
+    ]
+
+
 async def _throughput(edge: str, key: str, pids: dict[str, int]) -> list[tuple[str, str]]:
     auth = {"authorization": f"Bearer {key}", "content-type": "application/json"}
     connector = aiohttp.TCPConnector(limit=64)
@@ -375,6 +408,7 @@ def main() -> None:
                 edge = f"http://127.0.0.1:{edge_port}/v1/chat/completions"
                 direct = f"http://127.0.0.1:{port}/v1/chat/completions"
                 rows += asyncio.run(_latency(edge, direct, key))
+                rows += asyncio.run(_alternating(edge, direct, key))
                 rows += asyncio.run(_latency(edge, direct, key, pause=PAUSE))
                 if not LATENCY_ONLY:
                     rows += asyncio.run(_throughput(edge, key, pids))
@@ -387,7 +421,8 @@ def main() -> None:
             with _platform(Path(tmp) / "uvicorn", port) as (pids, edge_port, key):
                 edge = f"http://127.0.0.1:{edge_port}/v1/chat/completions"
                 direct = f"http://127.0.0.1:{port}/v1/chat/completions"
-                rows += asyncio.run(_latency(edge, direct, key, upstream="FastAPI-on-uvicorn (as vLLM's)"))
+                rows += asyncio.run(_latency(edge, direct, key, upstream=UVICORN))
+                rows += asyncio.run(_alternating(edge, direct, key, upstream=UVICORN))
         finally:
             served.terminate()
         if LATENCY_ONLY:
