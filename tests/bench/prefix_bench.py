@@ -18,6 +18,10 @@ p50 / p95 (first streamed content, at the client), output tokens/s over the row,
 rate: requests whose server reused at least ``REUSED`` prompt tokens from its cache (its log's
 "prefix-match hit" lines).
 
+``IOP_PREFIX_BENCH_CONVERSATIONS``, ``_TURNS``, ``_CAPACITY`` (a node's runs at once),
+``_CACHE_STATES`` (per server) and ``_IMBALANCE`` (the policy's ``prefix_imbalance``) change the
+workload and the setup.
+
 Not part of CI (minutes, 2 cores): prints one line and exits 0 when the backend or the model is
 missing. Prints the load (``uptime``) beside the figures: the 2 cores are shared.
 """
@@ -52,17 +56,22 @@ from backends.servers import HERE as BACKENDS
 from backends.servers import BackendError, llama_server, model_python, skip_reason
 
 SERVERS = 3
-CONVERSATIONS, TURNS = 6, 4
+CONVERSATIONS = int(os.environ.get("IOP_PREFIX_BENCH_CONVERSATIONS", "6"))
+TURNS = int(os.environ.get("IOP_PREFIX_BENCH_TURNS", "4"))
+"""More of either makes a row longer and its percentiles steadier (24 requests a row move by 30%
+between rows that decide alike on this host)."""
 MAX_TOKENS = 16
 REUSED = 64
 """Prompt tokens a server must reuse for a request to count as a hit (a chat template's start is a few)."""
 CAPACITY = int(os.environ.get("IOP_PREFIX_BENCH_CAPACITY", "4"))
 """Runs a node takes at once (its llama server queues them: it runs one at a time)."""
-CACHE_STATES = 3
+CACHE_STATES = int(os.environ.get("IOP_PREFIX_BENCH_CACHE_STATES", max(3, CONVERSATIONS // 2)))
+IMBALANCE = os.environ.get("IOP_PREFIX_BENCH_IMBALANCE", "")
+"""The policy's ``prefix_imbalance`` when set (else its default)."""
 """Conversations' prompt states each server's cache holds: half of them (prefix placement needs 2 per server)."""
 LAYERS, HIDDEN, CONTEXT = 4, 192, 4096
-STATE_BYTES = LAYERS * 2 * HIDDEN * 2 * 1300
-"""One conversation's state: K and V (f16) per layer for about 1,300 tokens (its system prompt and 4 turns)."""
+STATE_BYTES = LAYERS * 2 * HIDDEN * 2 * (1100 + 50 * TURNS)
+"""One conversation's state: K and V (f16) per layer for its tokens (a ~1,100-token start, ~50 a turn)."""
 _MAKE_MODEL = """
 import sys
 import tiny_model
@@ -114,7 +123,8 @@ def _platform(state: Path, model: Path, policy: str) -> Iterator[tuple[int, str,
             servers.enter_context(llama_server(model, "smol", extra_args=cache, workdir=state / f"llama-{index}"))
             for index in range(SERVERS)
         ]
-        (state / "policy.yaml").write_text(f"defaults: {{policy: {policy}}}\n")
+        imbalance = f", prefix_imbalance: {IMBALANCE}" if IMBALANCE else ""
+        (state / "policy.yaml").write_text(f"defaults: {{policy: {policy}{imbalance}}}\n")
         control_plane = {
             "listen": {"port": 0},
             "tls": tls_section(certs, "control-plane"),
