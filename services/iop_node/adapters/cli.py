@@ -15,8 +15,8 @@ import contextlib
 import os
 import shutil
 import signal
-from collections.abc import Coroutine, Mapping
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Literal
 
 import pydantic
 import structlog
@@ -25,6 +25,7 @@ from structlog.typing import FilteringBoundLogger
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.domain import ExecutionSpec, cannot_count, refuse_continuation
 from iop_node.ports import EventSink
+from iop_node.uncut import started, to_the_end
 from iop_wire.errors import IopError
 
 __all__ = ["CliAdapter", "CliOptions"]
@@ -105,34 +106,26 @@ class CliAdapter:
         refuse_continuation(spec, "the cli adapter runs a program, which cannot be asked to go on from a text")
         _refuse_unsupported(spec)
         options = self._models[spec.request.model]
-        spawning = asyncio.ensure_future(_spawn(options, spec.prompt_text()))
-        try:
-            proc = await asyncio.shield(spawning)
-        except asyncio.CancelledError:
-            # Cancelled after the fork, asyncio would kill the program alone and wait for the pipes its children
-            # hold open; the program starts to its end instead, and is stopped with its group below.
-            await _uninterrupted(_stop_started(spawning, options, sink, spec.request.run_id))
-            raise
-        log = _log.bind(run_id=spec.request.run_id, pid=proc.pid)
+        run_id = spec.request.run_id
+        # Cancelled after the fork, asyncio would kill the program alone and wait for the pipes its children
+        # hold open; the program starts to its end instead, and is stopped with its group.
+        proc = await started(
+            _spawn(options, spec.prompt_text()), lambda started_proc: _stop_started(started_proc, options, sink, run_id)
+        )
+        log = _log.bind(run_id=run_id, pid=proc.pid)
         log.info("cli_started", program=options.argv[0])
         run = _Run(proc, options, sink, log)
         try:
             code = await run.stream(options.timeout)
         finally:
-            await _uninterrupted(run.close())
+            await to_the_end(run.close())
         if code != 0:
             raise _failure(code, run.stderr_text())
         await sink.complete(pb.FINISH_REASON_STOP)
 
 
-async def _stop_started(
-    spawning: asyncio.Future[asyncio.subprocess.Process], options: CliOptions, sink: EventSink, run_id: str
-) -> None:
-    """Stop the program a cancelled run was starting, with its whole group, once it has started."""
-    try:
-        proc = await spawning
-    except IopError:  # it never started: nothing to stop
-        return
+async def _stop_started(proc: asyncio.subprocess.Process, options: CliOptions, sink: EventSink, run_id: str) -> None:
+    """Stop the program a cancelled run was starting, with its whole group."""
     log = _log.bind(run_id=run_id, pid=proc.pid)
     log.info("cli_stopping", reason="cancelled_while_starting")
     await _Run(proc, options, sink, log).close()
@@ -290,20 +283,6 @@ def _signal_group(pgid: int, signum: signal.Signals) -> None:
 async def _discard(stream: asyncio.StreamReader | None) -> None:
     while stream is not None and await stream.read(_READ_SIZE):
         pass
-
-
-async def _uninterrupted(cleanup: Coroutine[Any, Any, None]) -> None:
-    """Run ``cleanup`` to its end even if this task is cancelled meanwhile, then pass the cancel on."""
-    task = asyncio.ensure_future(cleanup)
-    cancelled = False
-    while not task.done():
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    task.result()
 
 
 def _failure(code: int, stderr: str) -> IopError:

@@ -27,6 +27,8 @@ from typing import Any, BinaryIO, Literal
 
 import structlog
 
+from iop_node.uncut import started
+
 __all__ = [
     "EngineFiles",
     "RotatingLog",
@@ -292,19 +294,9 @@ async def spawn(argv: list[str], *, env: dict[str, str], files: EngineFiles, log
 
 
 async def start_in_session(argv: list[str], **options: Any) -> asyncio.subprocess.Process:
-    """create_subprocess_exec in a session of its own, which a cancel cannot cut in half: cancelled after
-    the fork, asyncio kills the leader alone and waits for the pipes its children hold open. Here the
-    start goes on to its end, the group is killed, and the cancel passes on."""
-    starting = asyncio.ensure_future(asyncio.create_subprocess_exec(*argv, start_new_session=True, **options))
-    try:
-        return await asyncio.shield(starting)
-    except asyncio.CancelledError:
-        while not starting.done():
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(starting)
-        if not starting.cancelled() and starting.exception() is None:
-            await asyncio.shield(kill_group(starting.result()))
-        raise
+    """create_subprocess_exec in a session of its own, which a cancel cannot cut in half
+    (:func:`iop_node.uncut.started`): cancelled while starting, the group is killed once started."""
+    return await started(asyncio.create_subprocess_exec(*argv, start_new_session=True, **options), kill_group)
 
 
 def shimmed(argv: list[str]) -> list[str]:
