@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,25 +31,30 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
+def process_stat(pid: int | str) -> list[str] | None:
+    """/proc/<pid>/stat's fields after the command (0: state, 1: parent, 2: process group); None once gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:  # it exited while we looked
+        return None
+
+
+def every_process_stat() -> Iterator[tuple[int, list[str]]]:
+    """(pid, :func:`process_stat`) of every process running now."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (fields := process_stat(entry)) is not None:
+            yield int(entry), fields
+
+
 def process_alive(pid: int) -> bool:
     """Whether ``pid`` runs: a zombie (dead, not yet reaped) or a dead process does not."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
+    fields = process_stat(pid)
+    return bool(fields) and fields[0] not in ("Z", "X")
 
 
 def children_of_this_process() -> list[int]:
-    """Pids whose parent is this test process, read from /proc/<pid>/stat."""
-    children = []
-    for entry in os.listdir("/proc"):
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text() if entry.isdigit() else ""
-        except OSError:  # it exited while we looked
-            continue
-        if stat and int(stat.rpartition(")")[2].split()[1]) == os.getpid():
-            children.append(int(entry))
-    return children
+    """Pids whose parent is this test process."""
+    return [pid for pid, fields in every_process_stat() if int(fields[1]) == os.getpid()]
 
 
 async def forked_and_frozen(task: asyncio.Task[Any], ready: Callable[[], bool]) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pydantic
 import pytest
-from conftest import assert_eventually, forked_and_frozen
+from conftest import assert_eventually, every_process_stat, forked_and_frozen
 
 from iop_gen.pb.iop import runtime_pb2 as pb
 from iop_node.adapters.cli import CliAdapter, CliOptions
@@ -92,19 +92,8 @@ def _start(options: CliOptions) -> tuple[asyncio.Task[None], RecordingSink]:
 
 
 def _live_group_members(pgid: int) -> list[int]:
-    """Pids of the processes alive in group ``pgid``, read from /proc/<pid>/stat."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:  # it exited while we looked
-            continue
-        state, _ppid, pgrp = stat.rpartition(")")[2].split()[:3]
-        if int(pgrp) == pgid and state != "Z":
-            members.append(int(entry))
-    return members
+    """Pids of the processes alive in group ``pgid``."""
+    return [pid for pid, fields in every_process_stat() if int(fields[2]) == pgid and fields[0] != "Z"]
 
 
 def _read_pid(path: Path) -> int | None:
