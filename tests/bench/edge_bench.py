@@ -164,6 +164,15 @@ async def _whole(
     return time.perf_counter() - started
 
 
+async def _warm_up(
+    session: aiohttp.ClientSession, *paths: tuple[str, dict[str, str]], body: bytes, rounds: int = 30
+) -> None:
+    """``rounds`` requests down each (url, headers) path, one after the other, before anything is measured."""
+    for _ in range(rounds):
+        for url, headers in paths:
+            await _whole(session, url, headers, body)
+
+
 async def _first_token(session: aiohttp.ClientSession, url: str, headers: dict[str, str], body: bytes) -> float:
     """Seconds to the first content chunk; the rest of the stream is read."""
     started = time.perf_counter()
@@ -200,9 +209,7 @@ async def _latency(
     whole, stream = _body(16, stream=False), _body(16, stream=True)
     samples: dict[str, list[float]] = {"iop": [], "direct": [], "iop_ttft": [], "direct_ttft": [], "header": []}
     async with aiohttp.ClientSession() as session:
-        for _ in range(30):  # warm up both paths
-            await _whole(session, edge, auth, whole)
-            await _whole(session, direct, plain, whole)
+        await _warm_up(session, (edge, auth), (direct, plain), body=whole)
         for block in range(LATENCY_BLOCKS):
             order = [("iop", edge, auth), ("direct", direct, plain)]
             for name, url, headers in order if block % 2 == 0 else reversed(order):
@@ -254,9 +261,7 @@ async def _alternating(edge: str, direct: str, key: str, *, upstream: str = "") 
     direct_times: list[float] = []
     header: list[float] = []
     async with aiohttp.ClientSession() as session:
-        for _ in range(30):  # warm up both paths
-            await _whole(session, edge, auth, whole)
-            await _whole(session, direct, plain, whole)
+        await _warm_up(session, (edge, auth), (direct, plain), body=whole)
         for _ in range(ALTERNATING):
             through.append(await _whole(session, edge, auth, whole, header))
             direct_times.append(await _whole(session, direct, plain, whole))

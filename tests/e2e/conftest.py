@@ -405,24 +405,21 @@ def pytest_runtest_makereport(
     """A failed test that used a stack gets its processes' warnings and errors in the report: the logs
     are in a temporary folder that is gone by the time anyone reads a CI failure."""
     report = yield
-    stacks = [value for value in getattr(item, "funcargs", {}).values() if isinstance(value, Stack)]
-    if report.failed:
-        for stack in stacks:
-            for log in sorted(stack.root.glob("*.log")):
-                lines = [
-                    line
-                    for line in _read_lines(log)
-                    if '"level": "info"' not in line and '"level": "debug"' not in line
-                ]
-                if lines:
-                    report.sections.append(
-                        (f"{log.name} (warnings and errors, last {_LOGGED})", "\n".join(lines[-_LOGGED:]))
-                    )
+    if not report.failed:
+        return report
+    for stack in (value for value in getattr(item, "funcargs", {}).values() if isinstance(value, Stack)):
+        for log in sorted(stack.root.glob("*.log")):
+            if lines := _warnings_and_errors(log):
+                report.sections.append(
+                    (f"{log.name} (warnings and errors, last {_LOGGED})", "\n".join(lines[-_LOGGED:]))
+                )
     return report
 
 
-def _read_lines(path: Path) -> list[str]:
+def _warnings_and_errors(path: Path) -> list[str]:
+    """The log's lines above info level (every line a JSON object with its level)."""
     try:
-        return path.read_text(errors="replace").splitlines()
+        lines = path.read_text(errors="replace").splitlines()
     except OSError:
         return []
+    return [line for line in lines if '"level": "info"' not in line and '"level": "debug"' not in line]
