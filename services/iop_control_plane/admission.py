@@ -4,9 +4,13 @@ A run whose candidates are all full (``all_busy``) waits here, in a bounded queu
 (the name the request gave: a model, an alias or a route), higher priority first. Within a
 priority, the policy's ``fairness`` of the model picks: ``tokens`` (the default), the earliest
 waiter of the caller with the least weighted service so far (:mod:`iop_control_plane.fairness`);
-``fifo``, the earliest waiter. Within one caller, arrival order always. :meth:`AdmissionQueue.admit`
+``fifo``, the earliest waiter. Within one caller, arrival order. :meth:`AdmissionQueue.admit`
 picks waiters in that order and asks a ``place`` callback for each; the first that finds every
 candidate still full (``None``) stops that model's picks, so no waiter overtakes the one due the slot.
+One exception: a waiter whose ``place`` answers :data:`HOLD` waits for one node in particular (the
+``prefix`` policy's holder of its prompt, full) while others have room, and the waiters behind it,
+its caller's too, are picked meanwhile: at most :data:`HOLDS_PER_PASS` such waiters a model per
+pick (each costs a decision), past which the pass ends and ``on_holds_bound`` is told.
 
 A full queue refuses a new run, except under ``tokens``: a newcomer whose caller holds less than
 an equal share of the queue's places takes the place of the newest waiter, of no higher priority,
@@ -26,18 +30,34 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from iop_control_plane.fairness import ServiceCounters
 from iop_control_plane.policy import Fairness
 
-__all__ = ["AdmissionQueue", "Waiter"]
+__all__ = ["HOLD", "HOLDS_PER_PASS", "AdmissionQueue", "Hold", "Waiter"]
 
 T = TypeVar("T")
 _WINDOW = 10.0
 """Seconds of admissions the retry-after hint reads the drain rate from."""
+
+
+class Hold:
+    """The type of :data:`HOLD`."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "HOLD"
+
+
+HOLD = Hold()
+"""What ``place`` answers for a waiter that waits for one node in particular, full, while others have room."""
+HOLDS_PER_PASS = 16
+"""Waiters a model's pick passes over because they hold for their node: each costs a decision (about 50 us
+under ``prefix``), so a queue of them does not make every freed slot cost one per waiter."""
 
 
 @dataclass(eq=False, slots=True)
@@ -133,6 +153,8 @@ class AdmissionQueue(Generic[T]):
         self.counters.backlogged = self._backlogged
         self.on_displaced: Callable[[Waiter[T]], None] = lambda _: None
         """Told of a waiter taken out of a full queue for a caller under its share."""
+        self.on_holds_bound: Callable[[str], None] = lambda _: None
+        """Told of a model whose pick ended at HOLDS_PER_PASS waiters holding for their node."""
         self.running: Counter[str] = Counter()
         """Runs in progress per caller (admitted and not ended)."""
         self._queues: dict[str, _ModelQueue[T]] = {}
@@ -199,21 +221,30 @@ class AdmissionQueue(Generic[T]):
         if self.running[caller] <= 0:
             del self.running[caller]
 
-    def admit(self, place: Callable[[Waiter[T]], T | None], now: float) -> list[Waiter[T]]:
+    def admit(self, place: Callable[[Waiter[T]], T | Hold | None], now: float) -> list[Waiter[T]]:
         """Give waiters what ``place`` finds for them, in order; those served leave the queue, and their
         prompts are charged to their callers before the next pick.
 
         ``place`` returns None when every candidate of the waiter's model is full: the rest of that
-        model's queue waits. Waiters whose caller is at its limit are skipped.
+        model's queue waits; :data:`HOLD` when the waiter waits for a node of its own: it is passed
+        over this time. Waiters whose caller is at its limit are skipped.
         """
         served: list[Waiter[T]] = []
         for model in list(self._queues):
             queue = self._queues[model]
             fair = self.fairness(model) == "tokens"
-            while (waiter := self._next(queue, fair)) is not None:
+            holding: set[Waiter[T]] = set()
+            while (waiter := self._next(queue, fair, holding)) is not None:
                 outcome = place(waiter)
+                if outcome is HOLD:
+                    holding.add(waiter)
+                    if len(holding) >= HOLDS_PER_PASS:
+                        self.on_holds_bound(model)
+                        break
+                    continue
                 if outcome is None:
                     break
+                assert not isinstance(outcome, Hold)
                 waiter.outcome = outcome
                 queue.remove(waiter)
                 if not waiter.counted:
@@ -224,17 +255,31 @@ class AdmissionQueue(Generic[T]):
                 del self._queues[model]
         return served
 
-    def _next(self, queue: _ModelQueue[T], fair: bool) -> Waiter[T] | None:
-        """The waiter due the next slot: of the highest priority with one that may start, the caller's
-        earliest; of several callers, the least served (``fair``) else the earliest."""
+    def _next(self, queue: _ModelQueue[T], fair: bool, holding: Set[Waiter[T]] = frozenset()) -> Waiter[T] | None:
+        """The waiter due the next slot, passing over those ``holding`` for a node: of the highest priority
+        with one that may start, the caller's earliest; of several callers, the least served (``fair``;
+        of equals, the one with fewer runs in progress) else the earliest.
+
+        Equals are common: a caller that becomes backlogged is lifted to exactly the least counter
+        waiting. A counter lags by the output of its caller's runs in progress (charged as they end),
+        so of two equal counters the one with more runs in progress has truly been served more: a
+        light caller lifted level with a flooding one takes the next slot, not the one after it.
+        """
         for priority in sorted(queue.levels, reverse=True):
             due: Waiter[T] | None = None
-            due_key = (0.0, 0)
+            due_key = (0.0, 0, 0)
             for caller, waiters in queue.levels[priority].items():
-                first = waiters[0] if self.may_start(caller) else next((w for w in waiters if w.counted), None)
+                if holding:
+                    may = self.may_start(caller)
+                    first = next((w for w in waiters if (may or w.counted) and w not in holding), None)
+                else:
+                    first = waiters[0] if self.may_start(caller) else next((w for w in waiters if w.counted), None)
                 if first is None:
                     continue
-                key = (self.counters.of(first.model, caller) if fair else 0.0, first.key[1])
+                if fair:
+                    key = (self.counters.of(first.model, caller), self.running[caller], first.key[1])
+                else:
+                    key = (0.0, 0, first.key[1])
                 if due is None or key < due_key:
                     due, due_key = first, key
             if due is not None:

