@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
 import socket
 import urllib.error
 import urllib.request
@@ -38,6 +39,8 @@ _CONTROL_PLANE_METRICS_PORT = 9465
 _WORKER_METRICS_PORT = 9466
 HTTP_TIMEOUT = 5.0
 _PORT_TRIES = 20  # a free port on 127.0.0.1 may be taken on a --listen address: another is tried
+_CHOSEN_FROM = 20000
+"""The lowest port chosen when a customary one is taken (up to the kernel's ephemeral range)."""
 # Runs at once per model of a --backend (see backend_concurrency): what each kind of server takes.
 OLLAMA_CONCURRENCY = 4  # OLLAMA_NUM_PARALLEL is not served over HTTP; 4 is its own default where memory allows
 VLLM_CONCURRENCY = 256  # vLLM's max_num_seqs default
@@ -173,16 +176,34 @@ def _check_free(port: int, hosts: Sequence[str]) -> None:
 
 
 def _default_or_free(port: int, who: str, hosts: Sequence[str]) -> int:
-    """``port`` if every host has it free, else a port that every host has free (printed)."""
-    chosen = port
+    """``port`` if every host has it free, else a port that every host has free (printed), below the
+    kernel's ephemeral range when it can.
+
+    A port the kernel hands out for ``bind(0)`` comes from the range it also gives every outgoing
+    connection: between this choice and the service's bind, another process's connection could
+    take it ("127.0.0.1:32897 is in use", once in a CI run with other processes dialing). Below
+    the range only another explicit choice collides, and ``iop up`` holds a lock for those.
+    """
+    chosen, floor = port, _ephemeral_floor()
     for _ in range(_PORT_TRIES):
         if _free(chosen, hosts):
             break
-        with socket.create_server((hosts[0], 0)) as probe:
-            chosen = probe.getsockname()[1]
+        if floor > _CHOSEN_FROM + _PORT_TRIES:
+            chosen = random.randrange(_CHOSEN_FROM, floor)  # noqa: S311 - a port, not a secret
+        else:  # a kernel that hands out nearly every port: take what it gives
+            with socket.create_server((hosts[0], 0)) as probe:
+                chosen = probe.getsockname()[1]
     if chosen != port:
         print(f"port {port} is in use: {who} takes port {chosen}")
     return chosen
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands out by itself (Linux's default, 32768, where it cannot say)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _tls(state: Path, role: str) -> dict[str, object]:

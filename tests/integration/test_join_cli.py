@@ -357,9 +357,10 @@ def test_a_joined_node_renews_its_certificate_and_stays_registered(platform: Pat
 def test_a_port_taken_on_a_listen_address_alone_is_not_chosen() -> None:
     import socket
 
-    from iop_cli.configs import _default_or_free
+    from iop_cli.configs import _default_or_free, _ephemeral_floor
 
     with socket.create_server(("127.0.0.3", 0)) as held:
         taken = held.getsockname()[1]
         chosen = _default_or_free(taken, "the test", ["127.0.0.1", "127.0.0.3"])
     assert chosen != taken
+    assert chosen < _ephemeral_floor()  # not one the kernel may give another process's connection meanwhile
