@@ -28,6 +28,7 @@ without a loop; the service wakes waiters and enforces deadlines.
 from __future__ import annotations
 
 import bisect
+import enum
 import itertools
 from collections import Counter, deque
 from collections.abc import Callable, Set
@@ -44,16 +45,13 @@ _WINDOW = 10.0
 """Seconds of admissions the retry-after hint reads the drain rate from."""
 
 
-class Hold:
-    """The type of :data:`HOLD`."""
+class Hold(enum.Enum):
+    """The type of :data:`HOLD` (an enum of one: ``is HOLD`` narrows a type)."""
 
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "HOLD"
+    HOLD = "hold"
 
 
-HOLD = Hold()
+HOLD = Hold.HOLD
 """What ``place`` answers for a waiter that waits for one node in particular, full, while others have room."""
 HOLDS_PER_PASS = 16
 """Waiters a model's pick passes over because they hold for their node: each costs a decision (about 50 us
@@ -244,7 +242,6 @@ class AdmissionQueue(Generic[T]):
                     continue
                 if outcome is None:
                     break
-                assert not isinstance(outcome, Hold)
                 waiter.outcome = outcome
                 queue.remove(waiter)
                 if not waiter.counted:
@@ -269,11 +266,11 @@ class AdmissionQueue(Generic[T]):
             due: Waiter[T] | None = None
             due_key = (0.0, 0, 0)
             for caller, waiters in queue.levels[priority].items():
-                if holding:
-                    may = self.may_start(caller)
-                    first = next((w for w in waiters if (may or w.counted) and w not in holding), None)
+                may = self.may_start(caller)
+                if may and not holding:
+                    first: Waiter[T] | None = waiters[0]  # the common case: no generator made
                 else:
-                    first = waiters[0] if self.may_start(caller) else next((w for w in waiters if w.counted), None)
+                    first = next((w for w in waiters if (may or w.counted) and w not in holding), None)
                 if first is None:
                     continue
                 if fair:

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from iop_control_plane.admission import AdmissionQueue
+from iop_control_plane.admission import HOLDS_PER_PASS, AdmissionQueue
 from iop_control_plane.registry import NodeState, Registry
 
 if TYPE_CHECKING:
@@ -174,8 +174,8 @@ class ControlPlaneMetrics:
         )
         self.holds_bound = Counter(
             "iop_control_plane_queue_holds_bound_total",
-            "Picks from a model's queue that ended after passing over 16 runs waiting for their prefix's node: the"
-            " runs behind them waited for the next pick.",
+            f"Picks from a model's queue that ended after passing over {HOLDS_PER_PASS} runs waiting for their prefix's"
+            " node: the runs behind them waited for the next pick.",
             registry=self.registry,
         )
         self.registry.register(_NodesByState(nodes))

@@ -84,19 +84,37 @@ async def test_conversations_stick_to_their_node_and_move_once_when_it_leaves(pk
 
 async def test_a_turn_waits_for_its_busy_node_while_another_has_room(pki: Pki, tmp_path: Path) -> None:
     """One run a node (a llama.cpp server's one slot): every node is busy and turns queue in the control-plane;
-    each turn waits for the node holding its conversation rather than taking whichever frees first."""
+    each turn waits for the node holding its conversation rather than taking whichever frees first.
+
+    node-b runs four times slower than node-a, so in every round node-a has served both its turns
+    while node-b's second waits: node-a is idle then, and the turn waits for node-b all the same.
+    """
     policy = write_policy(tmp_path, "defaults: {policy: prefix, prefix_imbalance: 1.0}\n")
     async with build_control_plane(cp_settings(pki, tmp_path, policy_path=policy)) as cp:
-        options = {"tokens": 4, "tokens_per_second": 40}
-        route = {"model": MODEL, "adapter": "mock", "max_concurrency": 1, "options": options}
-        with nodes_serving(pki, tmp_path, cp_port(cp), {node: [route] for node in NODES[:2]}):
-            await all_ready(cp, *NODES[:2])
+        pace = {"node-a": 40, "node-b": 10}  # tokens a second: 0.1 s and 0.4 s a turn
+        routes = {
+            node: [
+                {
+                    "model": MODEL,
+                    "adapter": "mock",
+                    "max_concurrency": 1,
+                    "options": {"tokens": 4, "tokens_per_second": tokens},
+                }
+            ]
+            for node, tokens in pace.items()
+        }
+        with nodes_serving(pki, tmp_path, cp_port(cp), routes):
+            await all_ready(cp, *pace)
             edge = await client(cp, pki)
             conversations = [_Conversation(index) for index in range(4)]
-            homes = await _all_turn(conversations, edge)
-            for _ in range(3):
+            homes = [*await _all_turn(conversations[:2], edge), *await _all_turn(conversations[2:], edge)]
+            assert sorted(homes) == ["node-a", "node-a", "node-b", "node-b"]  # two at once go to both nodes
+            rounds = 3
+            for _ in range(rounds):
                 assert await _all_turn(conversations, edge) == homes
             decisions = cp.metrics.prefix_decisions
-            assert decisions.labels("other", "hit")._value.get() == 3 * len(conversations)
-            assert cp.metrics.prefix_waits.labels("other")._value.get() > 0  # some turn passed up a free node
+            assert decisions.labels("other", "hit")._value.get() == rounds * len(conversations)
+            waits = cp.metrics.prefix_waits.labels("other")._value.get()
+            assert waits > 0  # some turn passed up a free node
+            assert waits >= rounds  # node-b's second turn in every round
             assert not cp.scheduler.waiting  # every run that waited for a node stopped counting in its load
